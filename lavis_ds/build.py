@@ -1,0 +1,26 @@
+"""From a validated config to live objects: model, datasets, runner."""
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lavis_ds.common.registry import registry
+
+
+def build_model(model_cfg: DictConfig, seed: int = 42) -> torch.nn.Module:
+    # Every rank initialises from the same seed, so random weights agree before DeepSpeed starts.
+    torch.manual_seed(seed)
+    cls = registry.get_model_class(model_cfg.arch)
+    return cls.from_config(OmegaConf.to_container(model_cfg, resolve=True))
+
+
+def build_datasets(datasets_cfg: DictConfig) -> dict[str, dict]:
+    """``{dataset name: {split: Dataset}}``."""
+    return {name: registry.get_builder_class(section.get("builder", name))(section).build()
+            for name, section in datasets_cfg.items()}
+
+
+def build_runner(cfg: DictConfig):
+    model = build_model(cfg.model, cfg.run.seed)
+    datasets = build_datasets(cfg.datasets)
+    return registry.get_runner_class(cfg.run.runner)(cfg, model, datasets)

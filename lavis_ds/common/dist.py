@@ -1,0 +1,54 @@
+"""Process-group set-up that works alone, under torchrun and under the deepspeed launcher."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_single_process_defaults() -> None:
+    """Fill in the env vars a launcher would set, so a plain `python train.py` works.
+
+    deepspeed.init_distributed() without them falls back to MPI discovery and
+    fails; torchrun and the deepspeed launcher set them all, so this is a no-op there.
+    """
+    if "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # A free port rather than a fixed one: two single-process runs may share a machine.
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU)."""
+    import deepspeed
+
+    set_single_process_defaults()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    # A barrier in a single process is pointless, and some backends refuse it before init.
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

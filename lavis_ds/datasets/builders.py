@@ -1,0 +1,321 @@
+"""Dataset builders: one ``datasets.<name>`` config section in, ``{split: Dataset}`` out.
+
+Section layout (LAVIS):
+
+    datasets:
+      minigpt4qwen_instruction:            # key = builder name, unless `builder:` says otherwise
+        data_type: images
+        build_info:
+          annotations:
+            train: {storage: [a.json, b.json]}   # a path or a list of paths
+            val: {storage: val.json}
+          images: {storage: path/to/images/}
+        vis_processor: {train: {name: blip2_image_train}, eval: {name: blip2_image_eval}}
+        text_processor: {train: {name: plain_text}, eval: {name: plain_text}}   # optional
+
+The "train" split uses the ``train`` processors, every other split the ``eval`` ones.
+Relative paths are relative to the working directory; ``~`` is expanded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.utils.data import Dataset
+
+import lavis_ds.processors  # noqa: F401  (registers the processors the sections name)
+from lavis_ds.common.registry import builders as builder_registry
+from lavis_ds.common.registry import processors as processor_registry
+from lavis_ds.common.registry import registry
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.datasets.instruction import InstructionDataset, load_annotation_file
+from lavis_ds.processors.base import BaseProcessor
+
+_DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "datasets"
+
+PROCESSOR_KINDS = ("vis_processor", "text_processor")
+PROCESSOR_STAGES = ("train", "eval")
+
+
+def build_processor(cfg: Mapping[str, Any]) -> BaseProcessor:
+    """Look up ``cfg["name"]`` in the processor registry and build it from the rest of ``cfg``."""
+    if not isinstance(cfg, Mapping) or "name" not in cfg:
+        raise ValueError(f"a processor section needs a `name` (one of: {', '.join(processor_registry)}), got {cfg!r}")
+    return registry.get_processor_class(cfg["name"]).from_config(cfg)
+
+
+def _paths(value: Any) -> list[str] | None:
+    """A `storage` value as a list of paths, or None if it is neither a string nor a list of strings."""
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    return None
+
+
+def _local_path(path: str) -> Path:
+    return Path(os.path.expanduser(path))
+
+
+class BaseDatasetBuilder:
+    """Builds the splits of one instruction dataset from its config section.
+
+    Life cycle (the config loader runs the first two on every rank):
+    ``prepare()`` (idempotent: generate/download data) -> ``check()`` (list every
+    problem) -> ``build()`` (datasets per split).
+    """
+
+    SECTION_KEYS: ClassVar[tuple[str, ...]] = ("builder", "data_type", "build_info", "vis_processor", "text_processor")
+    BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("annotations", "images")
+    ANNOTATION_SPLIT_KEYS: ClassVar[tuple[str, ...]] = ("storage",)
+    DATA_TYPES: ClassVar[tuple[str, ...]] = ("images",)
+    dataset_cls: ClassVar[type[InstructionDataset]] = InstructionDataset
+
+    def __init__(self, cfg: DictConfig | Mapping[str, Any] | None = None, *, section_name: str | None = None) -> None:
+        """
+        Args:
+            cfg: the ``datasets.<name>`` section; this builder's default YAML is merged under it.
+            section_name: the ``<name>`` key, for error messages (default: the builder's registered name).
+        """
+        self.section_name = section_name or self.registered_name() or type(self).__name__
+        self.where = f"datasets.{self.section_name}"
+        if isinstance(cfg, DictConfig):
+            # Resolve while the node still knows its root, so `${run.x}`-style interpolations work.
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            merged = OmegaConf.merge(self.default_config(), cfg or {})
+        except OmegaConfBaseException as e:
+            raise ValueError(f"{self.where}: does not fit the builder's defaults: {e}") from None
+        self.cfg: dict[str, Any] = OmegaConf.to_container(merged, resolve=True)
+
+    # ---- defaults -------------------------------------------------------------------------------
+
+    @classmethod
+    def registered_name(cls) -> str | None:
+        """The name this class is registered under, if any."""
+        return next((name for name in builder_registry if builder_registry.get(name) is cls), None)
+
+    @classmethod
+    def default_config_path(cls) -> Path | None:
+        """``lavis_ds/configs/datasets/<registered name>.yaml`` (layout ``datasets: {<name>: {...}}``), if it exists."""
+        name = cls.registered_name()
+        path = _DEFAULT_CONFIG_DIR / f"{name}.yaml"
+        return path if name and path.is_file() else None
+
+    @classmethod
+    def default_config(cls) -> DictConfig:
+        """This builder's default section (empty if it has no default YAML)."""
+        path = cls.default_config_path()
+        if path is None:
+            return OmegaConf.create({})
+        return OmegaConf.load(path).datasets.get(cls.registered_name(), OmegaConf.create({}))
+
+    # ---- where the data is ----------------------------------------------------------------------
+
+    @property
+    def build_info(self) -> dict[str, Any]:
+        info = self.cfg.get("build_info")
+        return info if isinstance(info, dict) else {}
+
+    def annotation_files(self, problems: list[str] | None = None) -> dict[str, list[Path]]:
+        """``{split: [annotation files]}``; structural problems are appended to ``problems``."""
+        problems = [] if problems is None else problems
+        annotations = self.build_info.get("annotations")
+        key = f"{self.where}.build_info.annotations"
+        if not isinstance(annotations, dict) or not annotations:
+            problems.append(f"{key}: required; map each split to {{storage: path or list of paths}}, "
+                            f"e.g. annotations: {{train: {{storage: train.json}}}}")
+            return {}
+        files = {}
+        for split, entry in annotations.items():
+            if not isinstance(entry, dict):
+                problems.append(f"{key}.{split}: expected {{storage: path or list of paths}}, got {entry!r}")
+                continue
+            for extra in entry:
+                if extra == "url":
+                    problems.append(f"{key}.{split}.url: downloading is not supported; remove `url` and "
+                                    f"point `storage` at the local file")
+                elif extra not in self.ANNOTATION_SPLIT_KEYS:
+                    problems.append(f"{key}.{split}.{extra}: unknown key; valid keys: storage")
+            paths = _paths(entry.get("storage"))
+            if paths is None:
+                problems.append(f"{key}.{split}.storage: expected a path or a non-empty list of paths, "
+                                f"got {entry.get('storage')!r}")
+                continue
+            files[str(split)] = [_local_path(p) for p in paths]
+        return files
+
+    def annotation_key(self, split: str) -> str:
+        """Config key path that names ``split``'s annotation files (for messages)."""
+        return f"{self.where}.build_info.annotations.{split}.storage"
+
+    def image_root(self, problems: list[str] | None = None) -> Path | None:
+        """Folder the records' image paths are relative to."""
+        images = self.build_info.get("images")
+        storage = images.get("storage") if isinstance(images, dict) else None
+        if not isinstance(storage, str) or not storage:
+            if problems is not None:
+                problems.append(f"{self.image_root_key()}: required; the folder the records' `image` paths "
+                                f"are relative to, got {storage!r}")
+            return None
+        return _local_path(storage)
+
+    def image_root_key(self) -> str:
+        return f"{self.where}.build_info.images.storage"
+
+    # ---- life cycle -----------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Idempotent setup before files are checked (generate or fetch data). Default: nothing."""
+
+    def check(self) -> list[str]:
+        """Every problem of this section, each naming its key path; empty if it can be built."""
+        problems: list[str] = []
+        for key in self.cfg:
+            if key not in self.SECTION_KEYS:
+                problems.append(f"{self.where}.{key}: unknown key; valid keys: {', '.join(self.SECTION_KEYS)}")
+        data_type = self.cfg.get("data_type", "images")
+        if data_type not in self.DATA_TYPES:
+            problems.append(f"{self.where}.data_type: {data_type!r} is not supported; use one of {self.DATA_TYPES}")
+        for key in self.build_info:
+            if key not in self.BUILD_INFO_KEYS:
+                problems.append(f"{self.where}.build_info.{key}: unknown key; valid keys: "
+                                f"{', '.join(self.BUILD_INFO_KEYS)}")
+        files = self.annotation_files(problems)
+        for split, paths in files.items():
+            for path in paths:
+                if not path.is_file():
+                    problems.append(f"{self.annotation_key(split)}: annotation file {path} does not exist")
+                    continue
+                try:
+                    load_annotation_file(path)
+                except ValueError as e:  # malformed JSON or record: the message names file and record
+                    problems.append(f"{self.annotation_key(split)}: {e}")
+        root = self.image_root(problems)
+        if root is not None and not root.is_dir():
+            problems.append(f"{self.image_root_key()}: image folder {root} does not exist")
+        problems.extend(self._processor_problems(files))
+        return problems
+
+    def _processor_problems(self, files: Mapping[str, list[Path]]) -> list[str]:
+        problems = []
+        for kind in PROCESSOR_KINDS:
+            section = self.cfg.get(kind) or {}
+            if not isinstance(section, dict):
+                problems.append(f"{self.where}.{kind}: expected {{train: {{name: ...}}, eval: {{name: ...}}}}")
+                continue
+            for stage, proc_cfg in section.items():
+                if stage not in PROCESSOR_STAGES:
+                    problems.append(f"{self.where}.{kind}.{stage}: unknown key; valid keys: train, eval")
+                    continue
+                try:
+                    build_processor(proc_cfg)
+                except (KeyError, ValueError, TypeError) as e:
+                    problems.append(f"{self.where}.{kind}.{stage}: {e.args[0] if e.args else e}")
+        vis = self.cfg.get("vis_processor") if isinstance(self.cfg.get("vis_processor"), dict) else {}
+        for stage in sorted({_stage(split) for split in files}):
+            if stage not in vis:
+                problems.append(f"{self.where}.vis_processor.{stage}: required for the "
+                                f"{'train split' if stage == 'train' else 'evaluation splits'}, "
+                                f"e.g. {{name: blip2_image_{stage}, image_size: 224}}")
+        return problems
+
+    def build(self) -> dict[str, Dataset]:
+        """``{split: dataset}``. Runs ``prepare()`` and ``check()`` first, so it works standalone."""
+        self.prepare()
+        problems = self.check()
+        if problems:
+            raise ValueError(f"{self.where}: cannot build:\n" + "\n".join(f"  - {p}" for p in problems))
+        processors = {
+            kind: {stage: build_processor(cfg) for stage, cfg in (self.cfg.get(kind) or {}).items()}
+            for kind in PROCESSOR_KINDS
+        }
+        image_root = self.image_root()
+        return {
+            split: self.dataset_cls(
+                paths,
+                image_root,
+                vis_processor=processors["vis_processor"][_stage(split)],
+                text_processor=processors["text_processor"].get(_stage(split)),
+            )
+            for split, paths in self.annotation_files().items()
+        }
+
+
+def _stage(split: str) -> str:
+    return "train" if split == "train" else "eval"
+
+
+@registry.register_builder("minigpt4qwen_instruction")
+class InstructionBuilder(BaseDatasetBuilder):
+    """MiniGPT4Qwen instruction JSON files + an image folder (the layout in the module docstring)."""
+
+
+@registry.register_builder("demo_shapes")
+class DemoShapesBuilder(BaseDatasetBuilder):
+    """The embedded demo: coloured shapes, generated into ``build_info.storage`` on first use.
+
+    ``build_info`` keys: ``storage`` (folder; default under ``$LAVIS_DS_CACHE`` or
+    ``~/.cache/lavis_ds``), ``num_train``, ``num_val``, ``num_test``, ``image_size``, ``seed``.
+    """
+
+    SPEC_KEYS: ClassVar[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(DemoShapesSpec))
+    BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("storage", *SPEC_KEYS)
+
+    @property
+    def storage(self) -> Path:
+        storage = self.build_info.get("storage")
+        if not isinstance(storage, str) or not storage:
+            raise ValueError(f"{self.where}.build_info.storage: required; the folder the demo data is "
+                             f"generated into, got {storage!r}")
+        return _local_path(storage)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The ChatML tokenizer trained on the demo texts (exists after ``prepare()``)."""
+        return self.storage / "tokenizer"
+
+    def spec(self) -> DemoShapesSpec:
+        try:
+            return DemoShapesSpec(**{k: self.build_info[k] for k in self.SPEC_KEYS if k in self.build_info})
+        except ValueError as e:
+            raise ValueError(f"{self.where}.build_info: {e}") from None
+
+    def prepare(self) -> None:
+        ensure_demo_shapes(self.storage, self.spec())
+
+    def check(self) -> list[str]:
+        try:
+            self.spec()
+            generated = (self.storage / "DONE").is_file()
+        except ValueError as e:
+            return [str(e)]
+        if not generated:  # one clear message instead of one per missing file
+            return [f"{self.where}.build_info.storage: demo data at {self.storage} has not been generated; "
+                    f"call prepare() first"]
+        return super().check()
+
+    def annotation_files(self, problems: list[str] | None = None) -> dict[str, list[Path]]:
+        try:
+            storage = self.storage
+        except ValueError as e:
+            if problems is not None:
+                problems.append(str(e))
+            return {}
+        return {split: [storage / "annotations" / f"{split}.json"] for split in ("train", "val", "test")}
+
+    def annotation_key(self, split: str) -> str:
+        return f"{self.where}.build_info.storage"
+
+    def image_root(self, problems: list[str] | None = None) -> Path | None:
+        try:
+            return self.storage / "images"
+        except ValueError:
+            return None  # already reported by annotation_files
+
+    def image_root_key(self) -> str:
+        return f"{self.where}.build_info.storage"

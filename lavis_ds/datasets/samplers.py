@@ -1,0 +1,78 @@
+"""Batch samplers whose order is a function of (seed, epoch), never of the process.
+
+Training: each epoch is one permutation of the dataset, cut into global
+batches of ``micro x accumulation x world`` samples, one per optimizer step.
+Global batch ``s`` is ``perm[s*G:(s+1)*G]``; a rank takes its contiguous
+slice and splits it into micro-batches. Resuming at step ``s`` starts the
+iterator there: nothing already consumed is loaded again.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+
+class StepBatchSampler:
+    """Yields this rank's micro-batches (index lists), ``accum`` per optimizer step."""
+
+    def __init__(self, num_samples: int, micro_batch: int, accum: int, world_size: int, rank: int,
+                 seed: int, shuffle: bool = True):
+        self.num_samples, self.micro_batch, self.accum = num_samples, micro_batch, accum
+        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
+        self.global_batch = micro_batch * accum * world_size
+        # The tail that does not fill a global batch is dropped: every optimizer step sees G samples.
+        self.steps_per_epoch = num_samples // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the training set has {num_samples} samples, fewer than one global batch "
+                             f"({micro_batch} x {accum} accumulation x {world_size} processes = {self.global_batch})")
+        self.epoch, self.start_step = 0, 0
+
+    def set_position(self, epoch: int, start_step: int = 0) -> None:
+        """Where the next iteration starts: ``start_step`` optimizer steps into ``epoch``."""
+        self.epoch, self.start_step = epoch, start_step
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self.permutation(self.epoch)
+        per_rank = self.micro_batch * self.accum
+        for step in range(self.start_step, self.steps_per_epoch):
+            start = step * self.global_batch + self.rank * per_rank
+            mine = perm[start:start + per_rank].tolist()
+            for m in range(self.accum):
+                yield mine[m * self.micro_batch:(m + 1) * self.micro_batch]
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.accum
+
+
+class EvalBatchSampler:
+    """Shards a split over ranks; every rank yields the same number of batches.
+
+    Equal counts matter because a ZeRO-3 forward is a collective. A rank whose
+    shard runs out repeats its first batch; ``is_padding(i)`` tells the caller
+    to discard the results of batch ``i``.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, world_size: int, rank: int):
+        self.indices = list(range(rank, num_samples, world_size))
+        self.batch_size = batch_size
+        self.num_real = math.ceil(len(self.indices) / batch_size)
+        self.num_batches = math.ceil(math.ceil(num_samples / world_size) / batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(self.num_batches):
+            j = i if i < self.num_real else 0
+            yield self.indices[j * self.batch_size:(j + 1) * self.batch_size] or [0]
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def is_padding(self, i: int) -> bool:
+        return i >= self.num_real

@@ -1,0 +1,310 @@
+"""BLIP2-Qwen (the MiniGPT4Qwen recipe): EVA-ViT -> ln_vision -> Q-Former -> Linear -> Qwen2 chat LLM.
+
+The projected query outputs replace the embeddings of the image placeholder
+tokens in a ChatML prompt (see ``lavis_ds.models.prompt``); the loss covers the
+assistant's answers only. Attribute names follow MiniGPT4Qwen (``visual_encoder``,
+``ln_vision``, ``query_tokens``, ``llm_proj``, ``llm_model``) so its trainable-part
+checkpoints keep their keys; the Q-Former is Hugging Face's (``qformer``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoTokenizer, Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwen2ForCausalLM
+
+from lavis_ds.common.registry import registry
+from lavis_ds.models.base import BaseModel
+from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
+
+logger = logging.getLogger(__name__)
+
+# Every linear layer of a Qwen2 decoder block, by the names transformers gives them.
+QWEN2_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The ViT presets by name; a Literal so that the config validator catches a misspelt `vit_model`.
+VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[valid-type]
+# ViT settings that have their own top-level key (MiniGPT4Qwen's names); `vit:` must not repeat them.
+VIT_KEYS_SET_AT_TOP_LEVEL = {"img_size": "image_size", "drop_path_rate": "drop_path_rate",
+                             "use_grad_checkpoint": "use_grad_checkpoint", "precision": "vit_precision"}
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 whatever the input and parameter dtypes, returned in the input dtype.
+
+    LAVIS's ``ln_vision`` does the same for fp16; here the parameters may be bf16 too
+    (DeepSpeed casts the whole module), and statistics over 1408 channels in half
+    precision lose too much. Being a module (not a functional call) lets ZeRO-3 gather it.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+@registry.register_model("blip2_qwen")
+class Blip2Qwen(BaseModel):
+    """BLIP-2 vision tower and Q-Former bridged into a Qwen2 chat model by one linear projection."""
+
+    PRETRAINED_MODEL_CONFIG_DICT = {
+        "qwen2.5_7b_instruct": "models/blip2_qwen/qwen2.5_7b_instruct.yaml",
+        "qwen2.5_1.5b_instruct": "models/blip2_qwen/qwen2.5_1.5b_instruct.yaml",
+        "tiny": "models/blip2_qwen/tiny.yaml",
+    }
+
+    def __init__(
+        self,
+        *,
+        vit_model: VitPreset = "eva_vit_g",
+        vit: dict[str, Any] | None = None,
+        image_size: int = 224,
+        drop_path_rate: float = 0.0,
+        use_grad_checkpoint: bool = False,
+        vit_precision: Precision = "fp16",
+        freeze_vit: bool = True,
+        unfreeze_pos_embed: bool = False,
+        num_query_token: int = 32,
+        qformer: dict[str, Any] | None = None,
+        freeze_qformer: bool = True,
+        freeze_queries: bool = True,
+        freeze_proj: bool = False,
+        llm_model: str | None = None,
+        llm_config: dict[str, Any] | None = None,
+        llm_precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto",
+        tokenizer: str | None = None,
+        freeze_llm: bool = True,
+        get_lora: bool = False,
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.05,
+        lora_target_modules: list[str] | None = None,
+        max_txt_len: int = 512,
+        system_prompt: str = "You are a helpful assistant.",
+        image_token: str = "<|image_pad|>",
+    ):
+        """
+        Args:
+            vit_model: Preset (model_type of ``eva_vit_g``) giving the ViT sizes: ``eva_vit_g``
+                (alias ``eva_clip_g``) or ``tiny``.
+            vit: Overrides of that preset's ``EvaViT`` arguments (not the four set below).
+            image_size: Input image side; sets the ViT's ``img_size``.
+            drop_path_rate: ViT stochastic depth.
+            use_grad_checkpoint: Gradient checkpointing in the ViT blocks.
+            vit_precision: ViT parameter dtype (LAVIS keeps the frozen tower in fp16).
+            freeze_vit: Freeze the ViT (kept in eval mode).
+            unfreeze_pos_embed: With ``freeze_vit``, still train the ViT position embedding.
+            num_query_token: Q-Former queries = image placeholder tokens in the prompt.
+            qformer: ``Blip2QFormerConfig`` arguments; defaults are BLIP-2's (768 wide, 12 layers).
+                ``encoder_hidden_size`` is the ViT width.
+            freeze_qformer: Freeze the Q-Former and ``ln_vision``.
+            freeze_queries: Freeze the query tokens.
+            freeze_proj: Freeze the Q-Former -> LLM projection.
+            llm_model: Local Hugging Face Qwen2 folder to load with ``from_pretrained``. None builds
+                a randomly initialised LLM from ``llm_config`` (tests, demos, meta-device checks).
+            llm_config: ``Qwen2Config`` arguments for the random-init LLM; ignored when ``llm_model``
+                is given. ``vocab_size`` defaults to the tokenizer's size.
+            llm_precision: LLM parameter dtype; ``auto`` = the checkpoint's dtype (fp32 for random init).
+            tokenizer: Local tokenizer folder; defaults to ``llm_model``.
+            freeze_llm: Freeze the LLM (required with ``get_lora``: only the adapters train).
+            get_lora: Add LoRA adapters (peft) to the LLM.
+            lora_r: LoRA rank.
+            lora_alpha: LoRA scaling numerator.
+            lora_dropout: Dropout on the LoRA input.
+            lora_target_modules: LLM module names to adapt; default every Qwen2 linear layer.
+            max_txt_len: Longest training sequence in tokens, image placeholders included.
+            system_prompt: Text of the ChatML system turn.
+            image_token: Placeholder token; added to the tokenizer (and the LLM embeddings
+                resized) if missing.
+        """
+        super().__init__()
+        self.visual_encoder = self._build_vit(vit_model, vit, image_size, drop_path_rate,
+                                              use_grad_checkpoint, vit_precision)
+        vit_width = self.visual_encoder.num_features
+        self.ln_vision = FP32LayerNorm(vit_width)
+
+        qformer_kwargs = dict(qformer or {})
+        if qformer_kwargs.setdefault("encoder_hidden_size", vit_width) != vit_width:
+            raise ValueError(f"qformer.encoder_hidden_size={qformer_kwargs['encoder_hidden_size']} "
+                             f"must equal the ViT width {vit_width} (or be left out)")
+        self.qformer = Blip2QFormerModel(Blip2QFormerConfig(**qformer_kwargs))
+        qformer_width = self.qformer.config.hidden_size
+        self.query_tokens = nn.Parameter(torch.zeros(1, num_query_token, qformer_width))
+        # BLIP-2 initialises the queries like BERT weights.
+        nn.init.normal_(self.query_tokens, std=self.qformer.config.initializer_range)
+
+        self.llm_tokenizer = self._load_tokenizer(tokenizer or llm_model, image_token)
+        self.llm_model = self._build_llm(llm_model, llm_config, llm_precision)
+        if self.llm_model.get_input_embeddings().num_embeddings < len(self.llm_tokenizer):
+            # Only when a token was added: real Qwen2.5 embeddings already have spare rows.
+            self.llm_model.resize_token_embeddings(len(self.llm_tokenizer))
+        self.llm_proj = nn.Linear(qformer_width, self.llm_model.config.hidden_size)
+
+        self.prompt = ChatPrompt(self.llm_tokenizer, system_prompt, image_token, num_query_token, max_txt_len)
+        self.im_end_id = self.llm_tokenizer.convert_tokens_to_ids("<|im_end|>")
+        pad_id = self.llm_tokenizer.pad_token_id
+        self.pad_id = self.im_end_id if pad_id is None else pad_id
+
+        self._apply_freezing(freeze_vit, unfreeze_pos_embed, freeze_qformer, freeze_queries, freeze_proj,
+                             freeze_llm, get_lora)
+        if get_lora:
+            self._add_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules or list(QWEN2_LINEAR_MODULES))
+
+    # ----------------------------------------------------------------- building
+    @staticmethod
+    def _build_vit(vit_model: str, vit: dict[str, Any] | None, image_size: int, drop_path_rate: float,
+                   use_grad_checkpoint: bool, vit_precision: str) -> EvaViT:
+        overrides = dict(vit or {})
+        clashes = sorted(k for k in overrides if k in VIT_KEYS_SET_AT_TOP_LEVEL)
+        if clashes:
+            raise ValueError("set these with their top-level model keys, not under `vit:`: " +
+                             ", ".join(f"vit.{k} -> {VIT_KEYS_SET_AT_TOP_LEVEL[k]}" for k in clashes))
+        cfg = EvaViT.default_config(vit_model)
+        cfg.update(overrides)
+        cfg.update(img_size=image_size, drop_path_rate=drop_path_rate,
+                   use_grad_checkpoint=use_grad_checkpoint, precision=vit_precision)
+        return EvaViT.from_config(cfg)
+
+    @staticmethod
+    def _load_tokenizer(path: str | None, image_token: str):
+        if path is None:
+            raise ValueError("Blip2Qwen needs a tokenizer: set `tokenizer` (or `llm_model`) to a local folder")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
+        if missing:
+            raise ValueError(f"tokenizer {path!r} is not a ChatML (Qwen chat) tokenizer: it lacks {', '.join(missing)}")
+        if image_token not in vocab:
+            tokenizer.add_tokens([image_token], special_tokens=True)
+        return tokenizer
+
+    def _build_llm(self, path: str | None, config: dict[str, Any] | None, precision: str) -> nn.Module:
+        if path is not None:
+            if config:
+                logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
+            dtype = "auto" if precision == "auto" else DTYPES[precision]
+            return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype)
+        config = dict(config or {})
+        config.setdefault("vocab_size", len(self.llm_tokenizer))
+        llm = Qwen2ForCausalLM(Qwen2Config(**config))
+        return llm if precision == "auto" else llm.to(DTYPES[precision])
+
+    def _apply_freezing(self, freeze_vit: bool, unfreeze_pos_embed: bool, freeze_qformer: bool,
+                        freeze_queries: bool, freeze_proj: bool, freeze_llm: bool, get_lora: bool) -> None:
+        if freeze_vit:
+            self.freeze_module("visual_encoder")
+            if unfreeze_pos_embed:
+                self.visual_encoder.pos_embed.requires_grad_(True)
+        elif unfreeze_pos_embed:
+            logger.info("unfreeze_pos_embed has no effect: the whole ViT trains (freeze_vit=false)")
+        if freeze_qformer:
+            self.freeze_module("qformer")
+            self.freeze_module("ln_vision")
+        if freeze_queries:
+            self.query_tokens.requires_grad_(False)
+        if freeze_proj:
+            self.freeze_module("llm_proj")
+        if get_lora and not freeze_llm:
+            raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
+        if freeze_llm and not get_lora:
+            self.freeze_module("llm_model")
+        # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
+
+    def _add_lora(self, r: int, alpha: int, dropout: float, target_modules: list[str]) -> None:
+        from peft import LoraConfig, get_peft_model  # peft is only needed by LoRA runs
+
+        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                            task_type="CAUSAL_LM")
+        self.llm_model = get_peft_model(self.llm_model, config)
+
+    # ----------------------------------------------------------------- forward
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """``image [B, 3, H, W]`` -> projected queries ``[B, num_query_token, llm_hidden]`` in the LLM embedding dtype."""
+        features = self.ln_vision(self.visual_encoder(image))
+        queries = self.query_tokens.expand(features.shape[0], -1, -1)
+        mask = torch.ones(features.shape[:-1], dtype=torch.long, device=features.device)
+        # The HF Q-Former casts queries and features to its own dtype.
+        query_out = self.qformer(query_embeds=queries, encoder_hidden_states=features,
+                                 encoder_attention_mask=mask).last_hidden_state
+        projected = self.llm_proj(query_out.to(self.llm_proj.weight.dtype))
+        return projected.to(self._embedding_dtype())
+
+    def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Mean cross-entropy over the supervised tokens of the micro-batch.
+
+        Returns:
+            ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (summed token losses,
+            detached) and ``num_tokens`` (supervised tokens), so that callers can
+            average exactly across micro-batches and ranks.
+        """
+        image = samples["image"]
+        examples = [self.prompt.training_example(ins, out)
+                    for ins, out in zip(samples["instruction"], samples["output"], strict=True)]
+        input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
+        labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
+        input_ids, attention_mask, labels = (t.to(image.device) for t in (input_ids, attention_mask, labels))
+
+        inputs_embeds = self._embed(input_ids, self.encode_image(image))
+        logits = self.llm_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False).logits
+        # Token t predicts token t+1. Only supervised positions are upcast to fp32 (a bf16
+        # log-softmax over 150k classes is too coarse; an fp32 copy of every logit is too big).
+        targets = labels[:, 1:]
+        supervised = targets != IGNORE_INDEX
+        token_losses = F.cross_entropy(logits[:, :-1][supervised].float(), targets[supervised], reduction="sum")
+        num_tokens = supervised.sum()
+        # A batch whose answers were all truncated away gives loss 0 (and zero gradients), not NaN.
+        loss = token_losses / num_tokens.clamp(min=1)
+        return {"loss": loss, "loss_sum": token_losses.detach(), "num_tokens": num_tokens}
+
+    @torch.no_grad()
+    def generate(self, samples: dict[str, Any], num_beams: int = 1, max_new_tokens: int = 30,
+                 synced_gpus: bool = False, **generate_kwargs: Any) -> list[str]:
+        """Answer the last instruction of each sample (greedy or beam search).
+
+        ``synced_gpus`` must be true under ZeRO-3 with more than one rank, so that
+        every rank keeps stepping until all have finished.
+        """
+        image = samples["image"]
+        answers = samples.get("output") or [()] * len(samples["instruction"])
+        prompts = [self.prompt.generation_prompt(ins, out)
+                   for ins, out in zip(samples["instruction"], answers, strict=True)]
+        input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
+        input_ids, attention_mask = input_ids.to(image.device), attention_mask.to(image.device)
+
+        with _gathered_if_zero3([self.query_tokens]):
+            image_embeds = self.encode_image(image)
+        inputs_embeds = self._embed(input_ids, image_embeds)
+        options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
+                       eos_token_id=self.im_end_id, pad_token_id=self.pad_id, synced_gpus=synced_gpus)
+        options.update(generate_kwargs)
+        # With only inputs_embeds, generate returns just the new tokens.
+        new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
+        return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def _embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings with each sample's placeholder run replaced by its image's projected queries."""
+        embeds = self.llm_model.get_input_embeddings()(input_ids)
+        is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
+        # masked_scatter fills positions in row-major order: sample by sample, left to right,
+        # and ChatPrompt guarantees exactly num_query_token placeholders per sample.
+        return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))
+
+    def _embedding_dtype(self) -> torch.dtype:
+        return self.llm_model.get_input_embeddings().weight.dtype
+
+
+def _gathered_if_zero3(params: list[nn.Parameter]):
+    """Gather ZeRO-3 partitioned parameters used outside of their module's ``forward``.
+
+    ``query_tokens`` belongs to the root module, whose forward hook gathers it in
+    training; ``generate`` does not go through ``forward``, so it gathers them here.
+    """
+    if not any(hasattr(p, "ds_id") for p in params):  # not partitioned by ZeRO-3
+        return contextlib.nullcontext()
+    import deepspeed  # only reached inside a DeepSpeed ZeRO-3 run
+
+    return deepspeed.zero.GatheredParameters(params)

@@ -1,0 +1,5 @@
+"""Runners: the shared training loop (base.py) and the engines behind it."""
+from lavis_ds.runners.base import RunnerBase
+from lavis_ds.runners.deepspeed_runner import DeepSpeedRunner
+
+__all__ = ["RunnerBase", "DeepSpeedRunner"]

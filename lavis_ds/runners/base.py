@@ -1,0 +1,255 @@
+"""The training loop every runner shares.
+
+A runner subclass says how to wrap the model (``wrap``), run one optimizer
+step (``train_step``), run a forward pass (``forward``) and save/load a
+checkpoint. Everything else - data order, LR schedule, hooks, resumption - is
+here, once.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import ConcatDataset, DataLoader
+
+from lavis_ds.common import dist
+from lavis_ds.common.registry import registry
+from lavis_ds.common.run_config import batch_sizes
+from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
+from lavis_ds.optim import build_param_groups
+from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.hooks import build_hooks
+
+
+@dataclass
+class TrainState:
+    """Where training is. Saved in every checkpoint; enough to continue exactly there."""
+
+    epoch: int = 0
+    global_step: int = 0  # optimizer steps done
+    step_in_epoch: int = 0  # optimizer steps done in `epoch`
+
+
+class RunnerBase:
+    """Owns the loop; subclasses own the engine."""
+
+    def __init__(self, cfg: DictConfig, model: torch.nn.Module, datasets: dict[str, dict]):
+        self.cfg, self.run = cfg, cfg.run
+        self.model, self.datasets = model, datasets
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        self.output_dir = Path(self.run.output_dir)
+        self.micro_batch, self.accum, self.global_batch = batch_sizes(OmegaConf.to_container(self.run), self.world_size)
+
+        self.state = TrainState()
+        self.train_set = self._concat(self.run.train_splits) if self.run.train_splits else None
+        if self.train_set is not None:
+            self.sampler = StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size,
+                                            self.rank, seed=self.run.seed)
+            self.steps_per_epoch = self.sampler.steps_per_epoch
+            self.train_loader = self._loader(self.train_set, self.sampler)
+        else:
+            self.steps_per_epoch = 0
+        self.total_steps = self.steps_per_epoch * self.run.max_epoch
+
+        param_groups = build_param_groups(model, self.run.weight_decay, dict(self.run.lr_scales))
+        self.optimizer = self.wrap(model, param_groups)
+        self.scheduler = registry.get_lr_scheduler_class(self.run.lr_sched).from_config(
+            self.optimizer, self.run, total_steps=max(1, self.total_steps), steps_per_epoch=max(1, self.steps_per_epoch))
+        self.hooks = build_hooks(self)
+
+    # ----------------------------------------------------------------- the loop
+    def train(self) -> None:
+        self.resume()
+        self.call_hooks("before_train")
+        for epoch in range(self.state.epoch, self.run.max_epoch):
+            self.sampler.set_position(epoch, self.state.step_in_epoch)
+            micro_batches = iter(self.train_loader)
+            for _ in range(self.state.step_in_epoch, self.steps_per_epoch):
+                lr = self.scheduler.get_lr()
+                metrics = self.train_step([next(micro_batches) for _ in range(self.accum)])
+                self.scheduler.step()  # once per optimizer step, never per micro-batch
+                self.state.global_step += 1
+                self.state.step_in_epoch += 1
+                self.call_hooks("after_step", {**metrics, "lr": lr})
+            self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
+            self.call_hooks("after_epoch")
+        self.call_hooks("after_train")
+        self.close()
+
+    def evaluate_only(self) -> None:
+        """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate, stop."""
+        self.resume()
+        self.call_hooks("before_train")
+        self.call_hooks("after_epoch", evaluate_only=True)
+        self.call_hooks("after_train")
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
+
+    def call_hooks(self, event: str, *args, **kwargs) -> None:
+        for hook in self.hooks:
+            getattr(hook, event)(self, *args, **kwargs)
+
+    # ------------------------------------------------- what subclasses provide
+    def wrap(self, model: torch.nn.Module, param_groups: list[dict]):
+        """Build the engine around ``model``; return the optimizer whose param_groups carry the lr."""
+        raise NotImplementedError
+
+    def forward(self, batch: dict) -> dict:
+        raise NotImplementedError
+
+    def train_step(self, micro_batches: list[dict]) -> dict:
+        """Forward/backward every micro-batch, one optimizer step; return loss and grad_norm."""
+        raise NotImplementedError
+
+    def save_checkpoint(self, tag: str, client_state: dict) -> None:
+        raise NotImplementedError
+
+    def load_checkpoint(self, load_dir: Path, tag: str | None) -> dict:
+        """Load engine state; return the client state saved with it."""
+        raise NotImplementedError
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without its wrapper (for generate and export)."""
+        return self.model
+
+    # ------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def save(self) -> Path:
+        """Save on every rank (DeepSpeed requires it), then mark the folder complete."""
+        tag = ckpt.tag_for(self.state.global_step)
+        client_state = {"lavis_ds": {"train_state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
+                                     "world_size": self.world_size, "config": OmegaConf.to_yaml(self.cfg)}}
+        self.save_checkpoint(tag, client_state)
+        tag_dir = self.checkpoint_dir / tag
+        torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
+        dist.barrier()  # every rank has written everything before the marker says so
+        if self.rank == 0:
+            ckpt.mark_complete(tag_dir, {"global_step": self.state.global_step, "epoch": self.state.epoch})
+        dist.barrier()
+        return tag_dir
+
+    def resume_source(self) -> tuple[Path, str | None] | None:
+        """(load_dir, tag) to resume from, following run.resume / resume_ckpt_load_dir."""
+        if self.run.resume_ckpt_load_dir:
+            load_dir = Path(self.run.resume_ckpt_load_dir)
+            tag = self.run.resume_ckpt_tag
+            if tag is None and (latest := ckpt.latest_complete(load_dir)) is not None:
+                tag = latest.name
+            return load_dir, tag
+        resume = self.run.resume
+        if resume in (False, None):
+            return None
+        if resume == "auto":
+            latest = ckpt.latest_complete(self.checkpoint_dir)
+            return (latest.parent, latest.name) if latest else None
+        path = Path(resume)
+        if ckpt.is_complete(path):
+            return path.parent, path.name
+        latest = ckpt.latest_complete(path)
+        if latest is None:
+            raise FileNotFoundError(f"run.resume: {path} holds no complete lavis_ds checkpoint "
+                                    f"(a step_<N> folder with {ckpt.COMPLETE_MARKER})")
+        return latest.parent, latest.name
+
+    def resume(self) -> None:
+        source = self.resume_source()
+        if source is None:
+            self._seed(self.run.seed + self.rank)
+            return
+        load_dir, tag = source
+        client = self.load_checkpoint(load_dir, tag)["lavis_ds"]
+        self.state = TrainState(**client["train_state"])
+        self.scheduler.load_state_dict(client["scheduler"])
+        rng = ckpt.rng_file(load_dir / (tag or ""), self.rank)
+        if tag and client.get("world_size") == self.world_size and rng.is_file():
+            ckpt.restore_rng_states(torch.load(rng, weights_only=False))
+        else:
+            self._seed(self.run.seed + self.rank + self.state.global_step)
+        if self.rank == 0:
+            print(f"resumed from {load_dir / (tag or '')} at epoch {self.state.epoch}, "
+                  f"step {self.state.global_step} ({self.state.step_in_epoch} into the epoch), "
+                  f"lr {self.scheduler.get_lr():.3e}", flush=True)
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    # -------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate_loss(self, split: str) -> dict:
+        """Token-weighted mean loss over a split, on all ranks."""
+        dataset = self._concat([split])
+        sampler = EvalBatchSampler(len(dataset), self.run.batch_size_eval, self.world_size, self.rank)
+        totals = torch.zeros(2, dtype=torch.float64)
+        was_training = self.module.training
+        self.module.eval()
+        for i, batch in enumerate(self._loader(dataset, sampler)):
+            out = self.forward(batch)
+            if not sampler.is_padding(i):
+                totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])], dtype=torch.float64)
+        self.module.train(was_training)
+        if torch_dist.is_initialized():
+            torch_dist.all_reduce(totals)
+        return {"loss": (totals[0] / totals[1].clamp(min=1)).item(), "num_tokens": int(totals[1])}
+
+    @torch.no_grad()
+    def generate_split(self, split: str) -> list[dict]:
+        """Generate an answer for every sample of a split; the full list on every rank, in index order."""
+        dataset = self._concat([split])
+        sampler = EvalBatchSampler(len(dataset), self.run.batch_size_eval, self.world_size, self.rank)
+        kwargs = {"max_new_tokens": 30, "num_beams": 1, **dict(self.run.generate)}
+        was_training = self.module.training
+        self.module.eval()
+        mine = []
+        for i, batch in enumerate(self._loader(dataset, sampler)):
+            texts = self.generate(batch, **kwargs)
+            if sampler.is_padding(i):
+                continue
+            for index, text, output in zip(batch["index"].tolist(), texts, batch["output"]):
+                mine.append({"index": index, "image": _image_name(dataset, index),
+                             "expected": output[-1], "generated": text})
+        self.module.train(was_training)
+        gathered = [mine]
+        if torch_dist.is_initialized() and self.world_size > 1:
+            gathered = [None] * self.world_size
+            torch_dist.all_gather_object(gathered, mine)
+        return sorted((r for part in gathered for r in part), key=lambda r: r["index"])
+
+    def generate(self, batch: dict, **kwargs) -> list[str]:
+        raise NotImplementedError
+
+    # -------------------------------------------------------------------- data
+    def _concat(self, splits) -> torch.utils.data.Dataset:
+        parts = [per_split[s] for per_split in self.datasets.values() for s in splits if s in per_split]
+        if not parts:
+            raise ValueError(f"no dataset has split(s) {list(splits)}")
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+    def _loader(self, dataset, batch_sampler) -> DataLoader:
+        first = dataset.datasets[0] if isinstance(dataset, ConcatDataset) else dataset
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=first.collater,
+                          num_workers=self.run.num_workers, persistent_workers=False)
+
+
+def _image_name(dataset, index: int) -> str | None:
+    """The image file of a sample, for the sample lines of a report (None if the dataset cannot say)."""
+    if isinstance(dataset, ConcatDataset):
+        import bisect
+        d = bisect.bisect_right(dataset.cumulative_sizes, index)
+        dataset, index = dataset.datasets[d], index - (dataset.cumulative_sizes[d - 1] if d else 0)
+    image_of = getattr(dataset, "image_name", None)
+    return image_of(index) if image_of else None

@@ -1,0 +1,91 @@
+"""The DeepSpeed ZeRO engine (stages 0-3, CPU offload, bf16/fp16/fp32) behind the shared loop."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as torch_dist
+
+from lavis_ds.common.registry import registry
+from lavis_ds.common.run_config import build_deepspeed_config
+from lavis_ds.runners.base import RunnerBase
+
+
+@registry.register_runner("runner_deepspeed")
+class DeepSpeedRunner(RunnerBase):
+    """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
+
+    def wrap(self, model, param_groups):
+        from omegaconf import OmegaConf
+
+        ds_config = build_deepspeed_config(OmegaConf.to_container(self.run, resolve=True), self.world_size)
+        self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
+                                                            config=ds_config)
+        self.zero_stage = self.engine.zero_optimization_stage()
+        if self.engine.bfloat16_enabled():
+            self.dtype = torch.bfloat16
+        elif self.engine.fp16_enabled():
+            self.dtype = torch.float16
+        else:
+            self.dtype = torch.float32
+        # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm.
+        self._plain_optimizer = self.zero_stage == 0 and self.dtype == torch.float32
+        return optimizer
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def _to_engine(self, batch: dict) -> dict:
+        """Move tensors to the engine's device; float inputs take the engine's dtype."""
+        return {k: (v.to(self.engine.device, self.dtype if v.is_floating_point() else None)
+                    if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+    def _autocast(self):
+        # bf16/fp16 engines hold a cast module; autocast keeps ops that mix in fp32 tensors consistent.
+        device_type = "cuda" if self.engine.device.type == "cuda" else "cpu"
+        return torch.autocast(device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def forward(self, batch):
+        with self._autocast():
+            return self.engine(self._to_engine(batch))
+
+    def train_step(self, micro_batches):
+        self.engine.train()
+        total = torch.zeros((), dtype=torch.float64)
+        grad_norm = None
+        for batch in micro_batches:
+            loss = self.forward(batch)["loss"]
+            self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
+            if self.engine.is_gradient_accumulation_boundary() and self._plain_optimizer:
+                grad_norm = self._grad_norm()  # gradients are all-reduced now and zeroed by step()
+            self.engine.step()  # an optimizer step only at the accumulation boundary
+            total += loss.detach().double().cpu()
+        if torch_dist.is_initialized():
+            torch_dist.all_reduce(total)
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
+        return {"loss": total.item() / (len(micro_batches) * self.world_size),
+                "grad_norm": float(grad_norm) if grad_norm is not None else None}
+
+    def generate(self, batch, **kwargs):
+        # Under ZeRO-3 every rank must join every forward until all are done.
+        synced = self.zero_stage == 3 and self.world_size > 1
+        with self._autocast():
+            return self.engine.module.generate(self._to_engine(batch), synced_gpus=synced, **kwargs)
+
+    def save_checkpoint(self, tag, client_state):
+        self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state,
+                                    exclude_frozen_parameters=True)
+
+    def load_checkpoint(self, load_dir: Path, tag):
+        # Frozen weights are not in the checkpoint; they come from where the model loaded them.
+        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
+        return client_state

@@ -1,0 +1,42 @@
+"""Shared tiny fixtures: a ChatML tokenizer trained in a temp dir, the tiny model config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Words the tests' prompts use, so the toy BPE has merges for them (any text still encodes: byte-level).
+TINY_CORPUS = [
+    "<Img><ImageHere></Img> What is in the image?",
+    "A cat sitting on a mat.",
+    "Describe the picture in detail.",
+    "A dog runs on the grass next to a red ball.",
+    "What color is the ball? It is red.",
+    "How many animals are there? Two.",
+    "You are a helpful assistant.",
+] * 4
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """A Qwen2-format ChatML tokenizer folder (trained once per session)."""
+    from lavis_ds.models.tokenizer import train_chatml_tokenizer
+
+    return train_chatml_tokenizer(TINY_CORPUS, tmp_path_factory.mktemp("tiny_tokenizer"), vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture
+def tiny_model_config(tiny_tokenizer_dir) -> dict:
+    """The `blip2_qwen` `tiny` preset as a plain dict, pointed at the tiny tokenizer."""
+    from lavis_ds.models import Blip2Qwen
+
+    cfg = Blip2Qwen.default_config("tiny")
+    cfg["tokenizer"] = str(tiny_tokenizer_dir)
+    return cfg

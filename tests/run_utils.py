@@ -1,0 +1,75 @@
+"""Launch real training processes for the tests: train.py alone or under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(output_dir: Path, demo_storage: Path, stage: int = 2, dtype: str = "fp32", micro: int = 4,
+                accum: int = 1, max_epoch: int = 1, **run) -> dict:
+    """A run of the tiny BLIP2-Qwen on a small demo_shapes copy, logging every step."""
+    return {
+        "model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": f"{demo_storage}/tokenizer"},
+        "datasets": {"demo_shapes": {"build_info": {"storage": str(demo_storage), "num_train": 128,
+                                                   "num_val": 16, "num_test": 8}}},
+        "run": {
+            "output_dir": str(output_dir), "init_lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 2,
+            "max_epoch": max_epoch, "log_freq": 1, "seed": 7, "batch_size_eval": 8,
+            "deepspeed_config": {
+                "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+                "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+                "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
+            },
+            **run,
+        },
+    }
+
+
+def write_yaml(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def command(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = ()) -> list[str]:
+    launcher = [] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                                      f"--master_port={free_port()}"]
+    head = launcher or [sys.executable]
+    return head + [str(TRAIN), "--cfg-path", str(cfg_path)] + (["--options", *options] if options else [])
+
+
+def env() -> dict:
+    e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return e
+
+
+def run_train(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = (), cwd: Path | None = None,
+              check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """nproc=0 runs plain `python train.py` (no launcher)."""
+    proc = subprocess.run(command(cfg_path, nproc, options), cwd=cwd or REPO, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_steps(output_dir: Path) -> list[dict]:
+    return [m for m in metrics(output_dir) if "split" not in m]

@@ -1,0 +1,128 @@
+"""End to end: train.py on real DeepSpeed engines, 2 processes, the tiny BLIP2-Qwen."""
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import time
+
+import pytest
+
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.optim.lr_schedulers import LinearWarmupCosineLR
+from run_utils import REPO, command, env, metrics, run_train, tiny_config, train_steps, write_yaml
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=128, num_val=16, num_test=8))
+    return storage
+
+
+def _train(tmp_path, demo_storage, name, nproc=2, **kw):
+    out = tmp_path / name
+    cfg = write_yaml(tmp_path / f"{name}.yaml", tiny_config(out, demo_storage, **kw))
+    run_train(cfg, nproc=nproc)
+    return train_steps(out)
+
+
+@pytest.fixture(scope="module")
+def stage0_fp32(tmp_path_factory, demo_storage):
+    return _train(tmp_path_factory.mktemp("stage0"), demo_storage, "stage0", stage=0, accum=2, max_epoch=2)
+
+
+def _falls(losses):
+    return sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3
+
+
+def test_stage0_fp32_trains(stage0_fp32):
+    losses = [m["loss"] for m in stage0_fp32]
+    assert len(losses) == 2 * 128 // 16  # 2 epochs of 128 samples in global batches of 4 x 2 x 2
+    assert all(math.isfinite(x) for x in losses) and _falls(losses)
+    assert all(m["grad_norm"] is not None and m["grad_norm"] > 0 for m in stage0_fp32)
+    assert [m["step"] for m in stage0_fp32] == list(range(1, 17))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_stages_match_stage0(tmp_path, demo_storage, stage0_fp32, stage):
+    steps = _train(tmp_path, demo_storage, f"stage{stage}", stage=stage, accum=2, max_epoch=2)
+    assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in stage0_fp32], rel=1e-4, abs=1e-5)
+    assert [m["lr"] for m in steps] == [m["lr"] for m in stage0_fp32]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_stages_train(tmp_path, demo_storage, stage):
+    steps = _train(tmp_path, demo_storage, f"bf16_stage{stage}", stage=stage, dtype="bf16", max_epoch=2)
+    losses = [m["loss"] for m in steps]
+    assert all(math.isfinite(x) for x in losses) and _falls(losses)
+
+
+def test_optimizer_offload_trains(tmp_path, demo_storage):
+    out = tmp_path / "offload"
+    cfg = tiny_config(out, demo_storage, stage=2, max_epoch=2)
+    cfg["run"]["deepspeed_config"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    run_train(write_yaml(tmp_path / "offload.yaml", cfg), timeout=900)
+    losses = [m["loss"] for m in train_steps(out)]
+    assert all(math.isfinite(x) for x in losses) and _falls(losses)
+
+
+def test_lr_follows_the_schedule_per_optimizer_step_with_accumulation(tmp_path, demo_storage):
+    out = tmp_path / "accum4"
+    cfg = tiny_config(out, demo_storage, stage=1, micro=2, accum=4, max_epoch=3, warmup_steps=3, warmup_lr=1e-5)
+    run_train(write_yaml(tmp_path / "accum4.yaml", cfg), nproc=2)
+    steps = train_steps(out)
+    total = 3 * 128 // (2 * 4 * 2)
+    assert [m["step"] for m in steps] == list(range(1, total + 1))
+    formula = LinearWarmupCosineLR(_NoOptimizer(), init_lr=1e-3, min_lr=1e-5, warmup_lr=1e-5, warmup_steps=3,
+                                   total_steps=total, steps_per_epoch=total // 3)
+    assert [m["lr"] for m in steps] == pytest.approx([formula.lr_at(s) for s in range(total)], rel=1e-12)
+    assert [m["epoch"] for m in steps] == [s // (total // 3) for s in range(total)]
+
+
+class _NoOptimizer:
+    param_groups: list = []
+
+
+def test_single_process_without_launcher_and_eval_lines(tmp_path, demo_storage):
+    out = tmp_path / "single"
+    cfg = tiny_config(out, demo_storage, stage=2, valid_splits=["val"], test_splits=["test"],
+                      generate={"max_new_tokens": 4})
+    run_train(write_yaml(tmp_path / "single.yaml", cfg), nproc=0)
+    lines = metrics(out)
+    assert (out / "config.yaml").is_file() and any((out / "tb").iterdir())
+    val = [m for m in lines if m.get("split") == "val"]
+    test = [m for m in lines if m.get("split") == "test"]
+    assert len(val) == 1 and math.isfinite(val[0]["loss"]) and val[0]["num_tokens"] > 0
+    assert len(test) == 1 and test[0]["num_samples"] == 8 and 0 <= test[0]["exact_match"] <= 1
+    assert {"image", "expected", "generated"} <= set(test[0]["samples"][0])
+    for m in train_steps(out):
+        assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_sec"} <= set(m)
+
+
+def test_killed_run_resumes_at_next_step_with_right_lr(tmp_path, demo_storage):
+    """SIGKILL after the step-3 checkpoint, rerun the same command: steps 4.. follow, lr and losses as uninterrupted."""
+    reference = _train(tmp_path, demo_storage, "uninterrupted", max_epoch=2, save_freq_steps=3)
+
+    out = tmp_path / "killed"
+    cfg = write_yaml(tmp_path / "killed.yaml", tiny_config(out, demo_storage, max_epoch=2, save_freq_steps=3))
+    proc = subprocess.Popen(command(cfg), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = out / "checkpoints" / "step_3" / "lavis_ds_complete.json"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    import os
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    killed_at = len(train_steps(out))
+
+    rerun = run_train(cfg)
+    assert "resumed from" in rerun.stdout + rerun.stderr
+    steps = train_steps(out)
+    assert killed_at < len(reference)
+    assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))
+    assert [m["lr"] for m in steps] == [m["lr"] for m in reference]
+    resumed = [m["loss"] for m in steps[3:]]
+    assert resumed == pytest.approx([m["loss"] for m in reference[3:]], rel=1e-4, abs=1e-5)
