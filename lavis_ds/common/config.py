@@ -34,11 +34,13 @@ class ConfigError(ValueError):
                          "\n".join(f"  - {p}" for p in self.problems))
 
 
-def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_size: int = 1) -> DictConfig:
+def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_size: int = 1,
+                check_files: bool = True) -> DictConfig:
     """Read, merge and validate a run config. Raises `ConfigError` listing every problem.
 
     Data that a builder generates on first use (the demo) is prepared after the
-    structure is valid and before file paths are checked.
+    structure is valid and before file paths are checked. ``check_files=False``
+    checks the structure only (for YAMLs whose weights live on another machine).
     """
     source = str(cfg_path)
     user = _read_yaml(cfg_path, source)
@@ -60,6 +62,8 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
         validate(cfg, errors, world_size)
     if errors:
         raise ConfigError(errors, source)
+    if not check_files:
+        return cfg
 
     builders = {name: reg.builders.get(section.get("builder", name))(section)
                 for name, section in cfg.datasets.items()}

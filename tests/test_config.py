@@ -1,0 +1,124 @@
+"""Config loading: defaults, --options, and one clear error per bad input."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import lavis_ds  # noqa: F401
+from lavis_ds.common.config import ConfigError, load_config
+from run_utils import REPO, run_train, write_yaml
+
+PROJECT_YAMLS = sorted((REPO / "projects").rglob("*.yaml"))
+
+
+@pytest.fixture
+def instruction_data(tmp_path):
+    """A real one-record instruction dataset and a valid config using it."""
+    (tmp_path / "images").mkdir()
+    from PIL import Image
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "images" / "a.png")
+    ann = tmp_path / "train.json"
+    ann.write_text(json.dumps([{"image": "a.png", "instruction": "<Img><ImageHere></Img> What?", "output": "red"}]))
+    return tmp_path, ann
+
+
+def _cfg(tmp_path, ann, tokenizer_dir, **edits):
+    cfg = {
+        "model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": str(tokenizer_dir)},
+        "datasets": {"minigpt4qwen_instruction": {"build_info": {
+            "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}}}},
+        "run": {"output_dir": str(tmp_path / "out"),
+                "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}},
+    }
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return write_yaml(tmp_path / "run.yaml", cfg)
+
+
+def _problems(path, options=(), world_size=1):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, options, world_size=world_size)
+    return info.value.problems
+
+
+def test_defaults_merge_under_the_user_and_options_override(instruction_data, tiny_tokenizer_dir):
+    tmp_path, ann = instruction_data
+    cfg = load_config(_cfg(tmp_path, ann, tiny_tokenizer_dir), ["run.init_lr=0.5", "model.num_query_token=4"])
+    assert cfg.run.init_lr == 0.5 and cfg.model.num_query_token == 4
+    assert cfg.model.qformer.hidden_size == 64  # from the tiny preset
+    assert cfg.datasets.minigpt4qwen_instruction.vis_processor.train.name == "blip2_image_train"  # builder default
+    assert cfg.run.output_dir == str(tmp_path / "out")  # exactly as given: no timestamp
+
+
+@pytest.mark.parametrize("option, message", [
+    ("model.frezee_vit=true", r"model\.frezee_vit: unknown key; did you mean 'freeze_vit'\?"),
+    ("model.arch=blip2_qwn", r"model\.arch: Unknown model 'blip2_qwn'\. Did you mean 'blip2_qwen'\?"),
+    ("run.deepspeed_config.zero_optimization.stage=5",
+     r"run\.deepspeed_config\.zero_optimization\.stage: 5 is not a ZeRO stage; valid: 0, 1, 2, 3"),
+    ("run.deepspeed_config.train_batch_size=64",
+     r"train_batch_size=64 but train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=1 x world size 1 = 1"),
+    ("run.batch_size_train=2", r"run\.batch_size_train=2 and run\.deepspeed_config\.train_micro_batch_size_per_gpu=1 disagree"),
+    ("run.init_lr=fast", r"run\.init_lr: expected float, got 'fast'"),
+    ("run.lr_sched=cosine", r"run\.lr_sched: Unknown lr scheduler 'cosine'"),
+    ("model.vit_precision=fp8", r"model\.vit_precision: expected 'fp32' \| 'fp16' \| 'bf16', got 'fp8'"),
+    ("run.valid_splits=[val]", r"run\.valid_splits: split 'val' is not in any dataset; available: train"),
+])
+def test_each_bad_value_gives_one_clear_error(instruction_data, tiny_tokenizer_dir, option, message):
+    tmp_path, ann = instruction_data
+    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir), [option])
+    assert len(problems) == 1, problems
+    assert re.search(message, problems[0]), problems[0]
+
+
+def test_missing_annotation_file_names_key_and_file(instruction_data, tiny_tokenizer_dir):
+    tmp_path, ann = instruction_data
+    missing = tmp_path / "nope.json"
+    problems = _problems(_cfg(tmp_path, missing, tiny_tokenizer_dir))
+    assert len(problems) == 1
+    assert "datasets.minigpt4qwen_instruction.build_info.annotations.train.storage" in problems[0]
+    assert str(missing) in problems[0]
+
+
+def test_every_problem_is_reported_at_once(instruction_data, tiny_tokenizer_dir):
+    tmp_path, ann = instruction_data
+    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir),
+                         ["model.frezee_vit=true", "run.max_epoc=3", "run.deepspeed_config.zero_optimization.stage=5"])
+    assert len(problems) == 3
+    assert any("run.max_epoc" in p and "max_epoch" in p for p in problems)
+
+
+def test_batch_sizes_are_checked_against_the_world_size(instruction_data, tiny_tokenizer_dir):
+    tmp_path, ann = instruction_data
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.deepspeed_config.train_batch_size": 2})
+    assert load_config(path, world_size=2).run.deepspeed_config.train_batch_size == 2
+    assert "world size 4 = 4" in _problems(path, world_size=4)[0]
+
+
+def test_train_py_prints_the_problems_without_a_traceback(instruction_data, tiny_tokenizer_dir):
+    tmp_path, ann = instruction_data
+    proc = run_train(_cfg(tmp_path, ann, tiny_tokenizer_dir), nproc=0,
+                     options=("model.arch=blip2_qwn",), check=False)
+    assert proc.returncode == 2
+    assert "model.arch: Unknown model 'blip2_qwn'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_top_level_key_and_missing_file(tmp_path):
+    assert "config file not found" in _problems(tmp_path / "absent.yaml")[0]
+    path = write_yaml(tmp_path / "x.yaml", {"modle": {}, "model": {"arch": "blip2_qwen"}, "datasets": {}, "run": {}})
+    problems = _problems(path)
+    assert any("<top level>.modle: unknown key; did you mean 'model'?" in p for p in problems)
+
+
+@pytest.mark.parametrize("path", PROJECT_YAMLS, ids=[str(p.relative_to(REPO)) for p in PROJECT_YAMLS])
+def test_every_project_yaml_loads_and_validates(path):
+    # Structure only: the full-size YAMLs name weight folders that exist on the user's machine, not here.
+    cfg = load_config(path, world_size=2 if "demo" in path.parts else 4, check_files=False)
+    assert cfg.model.arch and cfg.run.output_dir

@@ -1,0 +1,68 @@
+"""A model that lives outside lavis_ds, registered by the user and named under `imports:`."""
+from __future__ import annotations
+
+import textwrap
+
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from run_utils import run_train, train_steps, write_yaml
+
+USER_MODEL = '''
+"""A user's model: predicts twice the mean colour of the image. Not part of lavis_ds."""
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lavis_ds.common.registry import registry
+from lavis_ds.models.base import BaseModel
+
+
+@registry.register_model("user_colour_regressor")
+class ColourRegressor(BaseModel):
+    # An absolute path: presets may live beside the user's module.
+    PRETRAINED_MODEL_CONFIG_DICT = {"default": str(Path(__file__).with_name("colour_regressor.yaml"))}
+
+    def __init__(self, *, hidden: int = 8, scale: float = 2.0):
+        super().__init__()
+        self.scale = scale
+        self.net = nn.Sequential(nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+
+    def forward(self, samples):
+        colour = samples["image"].float().mean(dim=(2, 3))
+        err = (self.net(colour).float() - self.scale * colour) ** 2
+        return {"loss": err.mean(), "loss_sum": err.sum().detach(), "num_tokens": err.numel()}
+'''
+
+
+def test_user_module_registers_a_model_that_trains_through_train_py(tmp_path):
+    pkg = tmp_path / "my_ext"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "colour_regressor.py").write_text(textwrap.dedent(USER_MODEL))
+    (pkg / "colour_regressor.yaml").write_text("model:\n  arch: user_colour_regressor\n  hidden: 16\n")
+    storage = tmp_path / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=8, num_test=8))
+
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "user.yaml", {
+        "imports": ["my_ext.colour_regressor"],
+        "model": {"arch": "user_colour_regressor", "scale": 1.5},
+        "datasets": {"demo_shapes": {"build_info": {"storage": str(storage), "num_train": 64,
+                                                   "num_val": 8, "num_test": 8}}},
+        "run": {"output_dir": str(out), "init_lr": 0.05, "max_epoch": 4, "log_freq": 1, "valid_splits": ["val"],
+                "deepspeed_config": {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}}},
+    })
+    run_train(cfg, nproc=2, cwd=tmp_path)  # the user's package is found from the working directory
+
+    losses = [m["loss"] for m in train_steps(out)]
+    assert len(losses) == 4 * 64 // 16
+    assert sum(losses[-3:]) < 0.5 * sum(losses[:3])
+    assert "hidden: 16" in (out / "config.yaml").read_text()  # the user's preset was merged
+
+
+def test_unimportable_module_is_a_config_error(tmp_path):
+    cfg = write_yaml(tmp_path / "bad.yaml", {"imports": ["no_such_pkg.model"], "model": {"arch": "x"},
+                                              "datasets": {}, "run": {"output_dir": str(tmp_path)}})
+    proc = run_train(cfg, nproc=0, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "imports[0]: cannot import 'no_such_pkg.model': ModuleNotFoundError" in proc.stderr
