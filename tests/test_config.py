@@ -122,3 +122,12 @@ def test_every_project_yaml_loads_and_validates(path):
     # Structure only: the full-size YAMLs name weight folders that exist on the user's machine, not here.
     cfg = load_config(path, world_size=2 if "demo" in path.parts else 4, check_files=False)
     assert cfg.model.arch and cfg.run.output_dir
+
+
+def test_replacing_a_default_processor_drops_its_default_arguments(instruction_data, tiny_tokenizer_dir):
+    tmp_path, ann = instruction_data
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{
+        "datasets.minigpt4qwen_instruction.vis_processor": {"train": {"name": "blip2_image_eval", "image_size": 32}}})
+    cfg = load_config(path)
+    assert dict(cfg.datasets.minigpt4qwen_instruction.vis_processor.train) == {"name": "blip2_image_eval", "image_size": 32}
+    assert cfg.datasets.minigpt4qwen_instruction.vis_processor.eval.name == "blip2_image_eval"  # default kept

@@ -139,7 +139,7 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
             continue
         default_path = reg.builders.get(builder_name).default_config_path()
         defaults = OmegaConf.load(default_path).datasets.get(builder_name, {}) if default_path else {}
-        datasets[name] = OmegaConf.merge(defaults, section)
+        datasets[name] = OmegaConf.merge(_without_replaced_processors(defaults, section), section)
 
     run_defaults = {k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"}
     return OmegaConf.create({
@@ -148,6 +148,17 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
         "datasets": datasets,
         "run": OmegaConf.merge(run_defaults, user.run),
     })
+
+
+def _without_replaced_processors(defaults: DictConfig, section: DictConfig) -> DictConfig:
+    """Drop default processors the user replaces by another `name`: their arguments would not fit."""
+    defaults = defaults.copy() if isinstance(defaults, DictConfig) else OmegaConf.create(defaults)
+    for kind in ("vis_processor", "text_processor"):
+        for stage, proc in (section.get(kind) or {}).items():
+            default = (defaults.get(kind) or {}).get(stage)
+            if default is not None and isinstance(proc, DictConfig) and proc.get("name", default.name) != default.name:
+                del defaults[kind][stage]
+    return defaults
 
 
 def _expand_home(cfg: DictConfig) -> DictConfig:
@@ -194,8 +205,10 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
             batch_sizes(run, world_size)
         except (ValueError, TypeError) as e:
             errors.append(str(e))
-    splits = {s for section in plain["datasets"].values() if isinstance(section, dict)
-              for s in ((section.get("build_info") or {}).get("annotations") or {})}
+    # Split names are known only for datasets that list annotation files (generated ones have their own).
+    annotations = [(section.get("build_info") or {}).get("annotations") for section in plain["datasets"].values()
+                   if isinstance(section, dict)]
+    splits = {s for a in annotations if a for s in a} if all(annotations) else set()
     for key in ("train_splits", "valid_splits", "test_splits"):
         for split in run.get(key) or []:
             if splits and split not in splits:

@@ -79,8 +79,12 @@ class BaseDatasetBuilder:
         """
         Args:
             cfg: the ``datasets.<name>`` section; this builder's default YAML is merged under it.
-            section_name: the ``<name>`` key, for error messages (default: the builder's registered name).
+            section_name: the ``<name>`` key, for error messages (default: the key ``cfg`` has in
+                its parent config, else the builder's registered name).
         """
+        if section_name is None and isinstance(cfg, DictConfig) and cfg._get_parent() is not None:
+            # A node taken from `cfg.datasets` knows its key; messages then name the user's section.
+            section_name = str(cfg._key())
         self.section_name = section_name or self.registered_name() or type(self).__name__
         self.where = f"datasets.{self.section_name}"
         if isinstance(cfg, DictConfig):

@@ -143,6 +143,10 @@ class InstructionDataset(Dataset):
             "index": index,
         }
 
+    def image_name(self, index: int) -> str:
+        """The record's image path as the annotation file gives it (for reports)."""
+        return self.records[index].image
+
     def _text(self, text: str) -> str:
         return text if self.text_processor is None else process_text(text, self.text_processor)
 

@@ -70,16 +70,20 @@ class RunnerBase:
             self.sampler.set_position(epoch, self.state.step_in_epoch)
             micro_batches = iter(self.train_loader)
             for _ in range(self.state.step_in_epoch, self.steps_per_epoch):
-                lr = self.scheduler.get_lr()
-                metrics = self.train_step([next(micro_batches) for _ in range(self.accum)])
-                self.scheduler.step()  # once per optimizer step, never per micro-batch
-                self.state.global_step += 1
-                self.state.step_in_epoch += 1
-                self.call_hooks("after_step", {**metrics, "lr": lr})
+                self.run_step([next(micro_batches) for _ in range(self.accum)])
             self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
             self.call_hooks("after_epoch")
         self.call_hooks("after_train")
         self.close()
+
+    def run_step(self, micro_batches: list[dict]) -> None:
+        """One optimizer step and everything around it: its lr, the counters, the hooks."""
+        lr = self.scheduler.get_lr()
+        metrics = self.train_step(micro_batches)
+        self.scheduler.step()  # once per optimizer step, never per micro-batch
+        self.state.global_step += 1
+        self.state.step_in_epoch += 1
+        self.call_hooks("after_step", {**metrics, "lr": lr})
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate, stop."""
