@@ -17,9 +17,10 @@ What one timed step is (wall clock, `time.perf_counter`, on every rank):
           `engine.backward(loss)`, `engine.step()`. Nothing else.
 
 After `--warmup` steps of each, the loops alternate in blocks of `--block` steps (runner,
-raw, runner, raw, ...) so that changing machine load hits both alike. The table gives
-medians over all timed steps; the ratio is runner/raw of those medians. Timings are
-reported, never asserted: shared machines are noisy.
+raw, runner, raw, ...) so that changing machine load hits both alike. Reported: the
+median over all timed steps of each loop and their ratio runner/raw, and the median over
+pairs of adjacent blocks of (runner block mean / raw block mean), which cancels slow
+drifts in load. Timings are printed, never asserted: shared machines are noisy.
 """
 from __future__ import annotations
 
@@ -32,9 +33,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from lavis_ds.common import dist  # noqa: E402
+
+LOOPS = ("runner", "raw")  # the order within each pair of blocks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,9 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="engine precision")
     parser.add_argument("--steps", type=int, default=200, help="timed optimizer steps per loop")
     parser.add_argument("--block", type=int, default=10, help="optimizer steps per block")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps per loop first")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps per loop, first")
     parser.add_argument("--distinct", type=int, default=20,
-                        help="distinct optimizer steps' worth of micro-batches to read and cycle through")
+                        help="optimizer steps' worth of micro-batches to read up front and cycle through")
     parser.add_argument("--options", nargs="+", default=[], metavar="KEY=VALUE", help="more config overrides")
     args = parser.parse_args(argv)
     if args.steps % args.block:
@@ -54,50 +60,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from lavis_ds.common import dist
-
-    dist.set_single_process_defaults()
-    world_size = int(os.environ["WORLD_SIZE"])
-
-    import deepspeed
-    import torch
-    from omegaconf import OmegaConf
-
-    import lavis_ds  # noqa: F401  (fills the registries)
+def build_runner(args: argparse.Namespace, output_dir: str):
+    """The DeepSpeedRunner of the YAML, its hooks set up as `train()` would, no resume."""
     from lavis_ds.build import build_datasets, build_model
     from lavis_ds.common.config import load_config
     from lavis_ds.common.registry import registry
-    from lavis_ds.common.run_config import build_deepspeed_config
 
-    deepspeed.utils.logger.setLevel(logging.WARNING)  # initialize() prints pages at INFO
-    output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_time_")  # metrics.jsonl + TensorBoard of the runner
-    bf16 = args.dtype == "bf16"
     options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0",
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
                "run.max_epoch=1000",
                f"run.deepspeed_config.zero_optimization.stage={args.stage}",
-               f"run.deepspeed_config.bf16.enabled={str(bf16).lower()}", *args.options]
-    cfg = load_config(args.cfg_path, options, world_size=world_size)
+               f"run.deepspeed_config.bf16.enabled={str(args.dtype == 'bf16').lower()}", *args.options]
+    cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_distributed()
-    rank = dist.rank()
-
     runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
                                                        build_datasets(cfg.datasets))
-    runner.call_hooks("before_train")  # sets up the logging hook, as train() would
+    runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
+    return runner
 
-    # The micro-batches, read once: step i of either loop gets steps[i % len(steps)].
-    runner.sampler.set_position(0, 0)
-    loader = iter(runner.train_loader)
-    n_distinct = min(args.distinct, runner.steps_per_epoch)
-    steps = [[next(loader) for _ in range(runner.accum)] for _ in range(n_distinct)]
 
-    # The raw loop: a second model from the same seed, the same DeepSpeed JSON.
-    ds_config = build_deepspeed_config(OmegaConf.to_container(cfg.run, resolve=True), world_size)
-    raw_model = build_model(cfg.model, cfg.run.seed)
-    engine, *_ = deepspeed.initialize(model=raw_model, config=ds_config,
-                                      model_parameters=[p for p in raw_model.parameters() if p.requires_grad])
+def build_raw_step(cfg) -> Callable[[list[dict]], None]:
+    """What a user writes by hand: a second model from the same seed, the same DeepSpeed JSON."""
+    import deepspeed
+    import torch
+    from omegaconf import OmegaConf
+
+    from lavis_ds.build import build_model
+    from lavis_ds.common.run_config import build_deepspeed_config
+
+    ds_config = build_deepspeed_config(OmegaConf.to_container(cfg.run, resolve=True), dist.world_size())
+    model = build_model(cfg.model, cfg.run.seed)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     engine.train()
 
@@ -109,60 +103,88 @@ def main(argv=None) -> int:
             engine.backward(loss)
             engine.step()
 
-    loops = {"runner": runner.run_step, "raw": raw_step}
-    done = {name: 0 for name in loops}
-    times: dict[str, list[float]] = {name: [] for name in loops}
+    return raw_step
+
+
+def interleave(loops: dict[str, Callable], steps: list[list[dict]], warmup: int, block: int,
+               n_blocks: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Warm each loop up, then alternate blocks; return (seconds per timed step, mean of each block)."""
+    done = dict.fromkeys(loops, 0)
+    per_step: dict[str, list[float]] = {name: [] for name in loops}
     block_means: dict[str, list[float]] = {name: [] for name in loops}
 
-    def run_block(name: str, n: int, timed: bool) -> None:
-        step_fn, per_step = loops[name], []
+    def run_block(name: str, n: int) -> list[float]:
+        times = []
         for _ in range(n):
-            micro_batches = steps[done[name] % len(steps)]
+            micro_batches = steps[done[name] % len(steps)]  # step i of either loop sees the same data
             start = time.perf_counter()
-            step_fn(micro_batches)
-            per_step.append(time.perf_counter() - start)
+            loops[name](micro_batches)
+            times.append(time.perf_counter() - start)
             done[name] += 1
-        if timed:
-            times[name] += per_step
-            block_means[name].append(statistics.fmean(per_step))
+        return times
 
     for name in loops:
-        run_block(name, args.warmup, timed=False)
+        run_block(name, warmup)
     dist.barrier()
-    for _ in range(args.steps // args.block):
+    for _ in range(n_blocks):
         for name in loops:
-            run_block(name, args.block, timed=True)
+            times = run_block(name, block)
+            per_step[name] += times
+            block_means[name].append(statistics.fmean(times))
+    return per_step, block_means
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dist.set_single_process_defaults()
+    import deepspeed
+    import torch
+
+    import lavis_ds  # noqa: F401  (fills the registries)
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # initialize() prints pages at INFO
+    output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_time_")  # the runner's metrics.jsonl + TensorBoard
+    runner = build_runner(args, output_dir)
+
+    # Read once, before anything is timed: data loading is in neither loop.
+    runner.sampler.set_position(0, 0)
+    loader = iter(runner.train_loader)
+    steps = [[next(loader) for _ in range(runner.accum)] for _ in range(min(args.distinct, runner.steps_per_epoch))]
+
+    loops = {"runner": runner.run_step, "raw": build_raw_step(runner.cfg)}
+    per_step, block_means = interleave({name: loops[name] for name in LOOPS}, steps, args.warmup, args.block,
+                                       args.steps // args.block)
     for hook in runner.hooks:  # not call_hooks("after_train"): that would also run the test generation
         if getattr(hook, "bar", None) is not None:
             hook.bar.close()
     runner.close()
     shutil.rmtree(output_dir, ignore_errors=True)
 
-    summary = {name: _summary(times[name], block_means[name]) for name in loops}
-    # Adjacent blocks saw nearly the same machine load: their ratio cancels slow drifts.
-    summary["paired_ratio"] = statistics.median(a / b for a, b in zip(block_means["runner"], block_means["raw"]))
-    gathered = [summary]
-    if world_size > 1:
-        gathered = [None] * world_size
-        torch.distributed.all_gather_object(gathered, summary)
-    if rank == 0:
-        _report(args, runner, world_size, gathered)
+    summary = {name: _summary(per_step[name], block_means[name]) for name in LOOPS}
+    summary["paired_ratio"] = statistics.median(r / b for r, b in zip(block_means["runner"], block_means["raw"]))
+    per_rank = [summary]
+    if dist.world_size() > 1:
+        per_rank = [None] * dist.world_size()
+        torch.distributed.all_gather_object(per_rank, summary)
+    if dist.is_main_process():
+        _report(args, runner, per_rank)
     return 0
 
 
 def _summary(per_step: list[float], block_means: list[float]) -> dict:
     quartiles = statistics.quantiles(per_step, n=4)
     return {"median": statistics.median(per_step), "p25": quartiles[0], "p75": quartiles[2],
-            "block_median": statistics.median(block_means), "n": len(per_step)}
+            "block_median": statistics.median(block_means)}
 
 
-def _report(args, runner, world_size: int, per_rank: list[dict]) -> None:
+def _report(args, runner, per_rank: list[dict]) -> None:
     ms = 1e3
-    print(f"\nstep time: ZeRO-{args.stage} {args.dtype}, {world_size} processes, micro-batch {runner.micro_batch} "
-          f"x accumulation {runner.accum} (global batch {runner.global_batch}); {args.warmup} warm-up steps, then "
-          f"{args.steps} timed steps per loop in alternating blocks of {args.block}; data loading excluded")
+    print(f"\nstep time: ZeRO-{args.stage} {args.dtype}, {runner.world_size} processes, micro-batch "
+          f"{runner.micro_batch} x accumulation {runner.accum} (global batch {runner.global_batch}); "
+          f"{args.warmup} warm-up steps, then {args.steps} timed steps per loop in alternating blocks of "
+          f"{args.block}; data loading excluded")
     print(f"{'loop':<8}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'median of block means ms':>27}")
-    for name in ("runner", "raw"):
+    for name in LOOPS:
         s = per_rank[0][name]
         print(f"{name:<8}{s['median'] * ms:>11.1f}{s['p25'] * ms:>9.1f}{s['p75'] * ms:>9.1f}"
               f"{s['block_median'] * ms:>27.1f}")

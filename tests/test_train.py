@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import signal
 import subprocess
 import time
@@ -10,7 +11,7 @@ import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.optim.lr_schedulers import LinearWarmupCosineLR
-from run_utils import REPO, command, env, metrics, run_train, tiny_config, train_steps, write_yaml
+from run_utils import REPO, command, env, free_port, metrics, run_train, tiny_config, train_steps, write_yaml
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +127,14 @@ def test_killed_run_resumes_at_next_step_with_right_lr(tmp_path, demo_storage):
     assert [m["lr"] for m in steps] == [m["lr"] for m in reference]
     resumed = [m["loss"] for m in steps[3:]]
     assert resumed == pytest.approx([m["loss"] for m in reference[3:]], rel=1e-4, abs=1e-5)
+
+
+def test_deepspeed_launcher_passes_local_rank_and_runs_two_processes(tmp_path, demo_storage):
+    out = tmp_path / "launcher"
+    cfg = write_yaml(tmp_path / "launcher.yaml", tiny_config(out, demo_storage, stage=1))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", f"--master_port={free_port()}",
+           str(REPO / "train.py"), "--cfg-path", str(cfg)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--local_rank=1" in proc.stdout + proc.stderr  # the launcher's own command line for rank 1
+    assert len(train_steps(out)) == 128 // (4 * 2)  # a global batch of 4 x 2 processes

@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER
 
 # Bump when the generated content changes, so stale caches are detected.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shapes have a dark outline
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 35, 35),
@@ -111,16 +111,19 @@ def draw_shape_image(shape: str, colour: str, image_size: int, rng: random.Rando
     margin = 0.08 * big + radius
     cx, cy = rng.uniform(margin, big - margin), rng.uniform(margin, big - margin)
     fill = COLOURS[colour]
+    # A dark outline makes the silhouette visible in every colour channel, so a tiny ViT trained
+    # from scratch learns shapes about as fast as colours (without it, shapes lag far behind).
+    pen = {"fill": fill, "outline": (20, 20, 20), "width": max(1, big // 40)}
     if shape == "circle":
-        draw.ellipse((cx - radius, cy - radius, cx + radius, cy + radius), fill=fill)
+        draw.ellipse((cx - radius, cy - radius, cx + radius, cy + radius), **pen)
     elif shape == "square":
         half = radius * 0.85  # similar area to the other shapes
-        draw.rectangle((cx - half, cy - half, cx + half, cy + half), fill=fill)
+        draw.rectangle((cx - half, cy - half, cx + half, cy + half), **pen)
     elif shape == "triangle":
         draw.polygon([(cx + radius * math.cos(a), cy + radius * math.sin(a))
-                      for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)], fill=fill)
+                      for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)], **pen)
     elif shape == "star":
-        draw.polygon(_star_points(cx, cy, radius), fill=fill)
+        draw.polygon(_star_points(cx, cy, radius), **pen)
     else:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     image = image.resize((image_size, image_size), Image.Resampling.BOX)
