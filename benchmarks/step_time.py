@@ -76,6 +76,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
                                                        build_datasets(cfg.datasets))
     runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
+    runner.module.train()  # as train() leaves it before its loop
     return runner
 
 

@@ -66,6 +66,7 @@ class RunnerBase:
     def train(self) -> None:
         self.resume()
         self.call_hooks("before_train")
+        self.module.train()  # once: evaluation restores the mode it found
         for epoch in range(self.state.epoch, self.run.max_epoch):
             self.sampler.set_position(epoch, self.state.step_in_epoch)
             micro_batches = iter(self.train_loader)

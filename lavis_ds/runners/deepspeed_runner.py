@@ -56,7 +56,6 @@ class DeepSpeedRunner(RunnerBase):
             return self.engine(self._to_engine(batch))
 
     def train_step(self, micro_batches):
-        self.engine.train()
         total = torch.zeros((), dtype=torch.float64)
         grad_norm = None
         for batch in micro_batches:
