@@ -220,11 +220,12 @@ class RunnerBase:
         was_training = self.module.training
         self.module.eval()
         mine = []
-        for i, batch in enumerate(self._loader(dataset, sampler)):
+        # The sampler's indices, not batch["index"]: in a ConcatDataset those are per part.
+        for i, (indices, batch) in enumerate(zip(sampler, self._loader(dataset, sampler))):
             texts = self.generate(batch, **kwargs)
             if sampler.is_padding(i):
                 continue
-            for index, text, output in zip(batch["index"].tolist(), texts, batch["output"]):
+            for index, text, output in zip(indices, texts, batch["output"], strict=True):
                 mine.append({"index": index, "image": _image_name(dataset, index),
                              "expected": output[-1], "generated": text})
         self.module.train(was_training)
