@@ -19,9 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import LEGACY_RUN_KEYS, RunConfig, batch_sizes, deepspeed_problems
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
+from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
-COMMON_MODEL_KEYS = ("arch", "model_type", "load_pretrained", "pretrained")
 DATASET_SECTION_KEYS = ("builder", "data_type", "build_info", "vis_processor", "text_processor")
 
 
