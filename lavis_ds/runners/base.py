@@ -194,19 +194,31 @@ class RunnerBase:
         torch.manual_seed(seed)
 
     # -------------------------------------------------------------- evaluation
+    def _eval_batches(self, split: str):
+        """Yield ``(dataset, indices, batch, is_padding)`` for this rank's shard of a split, in eval mode.
+
+        Every rank runs the same number of batches (ZeRO-3 forwards are collective);
+        padding batches are flagged: run them, discard their results. ``indices`` index ``dataset``
+        (not ``batch["index"]``, which is per part of a ConcatDataset).
+        """
+        dataset = self._concat([split])
+        sampler = EvalBatchSampler(len(dataset), self.run.batch_size_eval, self.world_size, self.rank)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            for i, (indices, batch) in enumerate(zip(sampler, self._loader(dataset, sampler))):
+                yield dataset, indices, batch, sampler.is_padding(i)
+        finally:
+            self.module.train(was_training)
+
     @torch.no_grad()
     def evaluate_loss(self, split: str) -> dict:
         """Token-weighted mean loss over a split, on all ranks."""
-        dataset = self._concat([split])
-        sampler = EvalBatchSampler(len(dataset), self.run.batch_size_eval, self.world_size, self.rank)
         totals = torch.zeros(2, dtype=torch.float64)
-        was_training = self.module.training
-        self.module.eval()
-        for i, batch in enumerate(self._loader(dataset, sampler)):
+        for _, _, batch, padding in self._eval_batches(split):
             out = self.forward(batch)
-            if not sampler.is_padding(i):
+            if not padding:
                 totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])], dtype=torch.float64)
-        self.module.train(was_training)
         if torch_dist.is_initialized():
             torch_dist.all_reduce(totals)
         return {"loss": (totals[0] / totals[1].clamp(min=1)).item(), "num_tokens": int(totals[1])}
@@ -214,21 +226,15 @@ class RunnerBase:
     @torch.no_grad()
     def generate_split(self, split: str) -> list[dict]:
         """Generate an answer for every sample of a split; the full list on every rank, in index order."""
-        dataset = self._concat([split])
-        sampler = EvalBatchSampler(len(dataset), self.run.batch_size_eval, self.world_size, self.rank)
         kwargs = {"max_new_tokens": 30, "num_beams": 1, **dict(self.run.generate)}
-        was_training = self.module.training
-        self.module.eval()
         mine = []
-        # The sampler's indices, not batch["index"]: in a ConcatDataset those are per part.
-        for i, (indices, batch) in enumerate(zip(sampler, self._loader(dataset, sampler))):
+        for dataset, indices, batch, padding in self._eval_batches(split):
             texts = self.generate(batch, **kwargs)
-            if sampler.is_padding(i):
+            if padding:
                 continue
             for index, text, output in zip(indices, texts, batch["output"], strict=True):
                 mine.append({"index": index, "image": _image_name(dataset, index),
                              "expected": output[-1], "generated": text})
-        self.module.train(was_training)
         gathered = [mine]
         if torch_dist.is_initialized() and self.world_size > 1:
             gathered = [None] * self.world_size
