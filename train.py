@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, Path(cfg.run.output_dir) / "config.yaml")
     runner = build_runner(cfg)
+    if dist.is_main_process():
+        # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
+        runner.module.save_run_files(cfg.run.output_dir)
     runner.evaluate_only() if cfg.run.evaluate else runner.train()
     return 0
 

@@ -155,8 +155,8 @@ def test_not_a_list_or_not_json_is_reported_with_the_file(tmp_path):
 
 def test_missing_image_names_the_file_and_the_record(instruction_files):
     root, single, _ = instruction_files
-    (root / "images" / "a.png").unlink()
     dataset = InstructionDataset(single, root / "images", Blip2ImageEvalProcessor())
+    (root / "images" / "a.png").unlink()  # gone after loading (a missing one at load time is a bad record)
     where = r"single\.json: record 0 \(image 'a\.png'\)"
     with pytest.raises(FileNotFoundError, match=rf"{where}: image file .*a\.png not found"):
         dataset[0]

@@ -187,15 +187,18 @@ def test_missing_image_token_is_added_and_embeddings_resized(tiny_model_config, 
     assert torch.isfinite(model(samples())["loss"])
 
 
-def test_non_chatml_tokenizer_is_refused(tiny_model_config, tmp_path):
+def test_non_chatml_tokenizer_gets_the_chatml_tokens_added(tiny_model_config, tmp_path):
+    # The tiny preset trains its whole LLM, so the new rows train with it (a frozen LLM: tests/test_llm.py).
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="not a ChatML .* lacks <\\|im_start\\|>, <\\|im_end\\|>"):
-        build(tiny_model_config, tokenizer=str(tmp_path))
+    model = build(tiny_model_config, tokenizer=str(tmp_path))
+    assert model.llm_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|image_pad|>"]) == [2, 3, 4]
+    assert model.pad_id == 3  # no <|endoftext|> to pad with: <|im_end|> (padding is masked anyway)
+    assert torch.isfinite(model(samples())["loss"])
 
 
 def test_llm_model_folder_is_loaded_with_from_pretrained(tiny_model_config, tiny_tokenizer, tmp_path):

@@ -19,10 +19,10 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import LEGACY_RUN_KEYS, RunConfig, batch_sizes, deepspeed_problems
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
+from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
-DATASET_SECTION_KEYS = ("builder", "data_type", "build_info", "vis_processor", "text_processor")
 
 
 class ConfigError(ValueError):
@@ -195,6 +195,10 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
 
     run = plain["run"]
     check_section(run, fields_of(RunConfig), "run", errors, extra_keys=LEGACY_RUN_KEYS)
+    training = {name: section for name, section in plain["datasets"].items()
+                if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
+    errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
+    errors.extend(_image_size_problems(training))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
@@ -225,9 +229,10 @@ def _check_dataset(name: str, section: dict, errors: list[str]) -> None:
     if not isinstance(section, dict):
         errors.append(f"{path}: expected a mapping, got {section!r}")
         return
-    for key in section:
-        if key not in DATASET_SECTION_KEYS:
-            errors.append(unknown_key_message(path, key, DATASET_SECTION_KEYS))
+    builder = section.get("builder", name)
+    cls = reg.builders.get(builder) if builder in reg.builders else None  # unknown: _merge_defaults says so
+    if hasattr(cls, "section_problems"):
+        errors.extend(cls.section_problems(section, path))
     for kind in ("vis_processor", "text_processor"):
         for split, proc in (section.get(kind) or {}).items():
             where = f"{path}.{kind}.{split}"
@@ -241,8 +246,30 @@ def _check_dataset(name: str, section: dict, errors: list[str]) -> None:
                 check_section(proc, fields_of(reg.processors.get(proc["name"])), where, errors, extra_keys=("name",))
 
 
+def _trains(section: dict, train_splits: list) -> bool:
+    """Whether a dataset section contributes to training (generated data without `annotations`: assume so)."""
+    annotations = (section.get("build_info") or {}).get("annotations")
+    return not isinstance(annotations, dict) or any(split in annotations for split in train_splits)
+
+
+def _image_size_problems(training: dict[str, dict]) -> list[str]:
+    """Training batches stack the images of every training dataset: they must have one size."""
+    sizes = {}
+    for name, section in training.items():
+        proc = (section.get("vis_processor") or {}).get("train")
+        known = isinstance(proc, dict) and proc.get("name") in reg.processors
+        fields = fields_of(reg.processors.get(proc["name"])) if known else {}
+        if "image_size" in fields:  # a processor without the argument says nothing about the size
+            sizes[name] = proc.get("image_size", fields["image_size"][1])
+    first = next(iter(sizes), None)
+    return [f"datasets.{name}.vis_processor.train.image_size: {size} differs from datasets.{first}'s "
+            f"{sizes[first]}; datasets that train together must make images of one size (a batch mixes them)"
+            for name, size in sizes.items() if size != sizes[first]]
+
+
 def _missing_model_files(model: DictConfig) -> list[str]:
-    """Local folders the model reads (weights, tokenizer) must exist before any rank starts loading."""
-    keys = ["tokenizer", "llm_model"] + (["pretrained"] if model.get("load_pretrained") else [])
+    """Local files and folders the model reads (weights, tokenizer) must exist before any rank starts loading."""
+    # vit_pretrained is loaded whatever load_pretrained says (LAVIS always loads eva_vit_g.pth).
+    keys = ["tokenizer", "llm_model", "vit_pretrained"] + (["pretrained"] if model.get("load_pretrained") else [])
     return [f"model.{key}: {model[key]!r} does not exist" for key in keys
             if model.get(key) and not Path(os.path.expanduser(model[key])).exists()]

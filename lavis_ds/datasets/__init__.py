@@ -1,16 +1,38 @@
 """Datasets and their builders (importing this registers the builders)."""
-from lavis_ds.datasets.builders import BaseDatasetBuilder, DemoShapesBuilder, InstructionBuilder, build_processor
+from lavis_ds.datasets.builders import (
+    BaseDatasetBuilder,
+    CocoCaptionBuilder,
+    DemoShapesBuilder,
+    InstructionBuilder,
+    LlavaConversationBuilder,
+    build_processor,
+)
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes, generate_demo_shapes
-from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER, InstructionDataset, InstructionRecord
+from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER, InstructionDataset, InstructionRecord, UnreadableImageError
+from lavis_ds.datasets.loading import BadRecordsError, RecordLoader
+from lavis_ds.datasets.mixing import MixedDataset, mix_train_splits
+from lavis_ds.datasets.options import CocoCaptionOptions, LlavaOptions, SectionOptions
+from lavis_ds.datasets.records import BadRecord
 
 __all__ = [
     "BaseDatasetBuilder",
     "InstructionBuilder",
+    "LlavaConversationBuilder",
+    "CocoCaptionBuilder",
     "DemoShapesBuilder",
+    "SectionOptions",
+    "LlavaOptions",
+    "CocoCaptionOptions",
     "build_processor",
     "InstructionDataset",
     "InstructionRecord",
     "IMAGE_PLACEHOLDER",
+    "BadRecord",
+    "BadRecordsError",
+    "RecordLoader",
+    "UnreadableImageError",
+    "MixedDataset",
+    "mix_train_splits",
     "DemoShapesSpec",
     "ensure_demo_shapes",
     "generate_demo_shapes",

@@ -15,10 +15,16 @@ Section layout (LAVIS):
 
 The "train" split uses the ``train`` processors, every other split the ``eval`` ones.
 Relative paths are relative to the working directory; ``~`` is expanded.
+
+Besides that layout a section may set the options of its builder's ``OPTIONS``
+dataclass (every builder: ``sample_ratio``, ``skip_bad_records``; some add their
+own); the config validator checks them against those fields.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -28,12 +34,20 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import Dataset
 
 import lavis_ds.processors  # noqa: F401  (registers the processors the sections name)
+from lavis_ds.common import dist
 from lavis_ds.common.registry import builders as builder_registry
 from lavis_ds.common.registry import processors as processor_registry
 from lavis_ds.common.registry import registry
+from lavis_ds.common.schema import check_section, fields_of
+from lavis_ds.datasets.coco_caption import parse_coco_caption_file
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from lavis_ds.datasets.instruction import InstructionDataset, load_annotation_file
+from lavis_ds.datasets.instruction import InstructionDataset, parse_instruction_file
+from lavis_ds.datasets.llava import parse_llava_file
+from lavis_ds.datasets.loading import BadRecordsError, ParseFile, RecordLoader, describe_bad
+from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, SectionOptions
 from lavis_ds.processors.base import BaseProcessor
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "datasets"
 
@@ -69,7 +83,7 @@ class BaseDatasetBuilder:
     problem) -> ``build()`` (datasets per split).
     """
 
-    SECTION_KEYS: ClassVar[tuple[str, ...]] = ("builder", "data_type", "build_info", "vis_processor", "text_processor")
+    OPTIONS: ClassVar[type[SectionOptions]] = SectionOptions
     BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("annotations", "images")
     ANNOTATION_SPLIT_KEYS: ClassVar[tuple[str, ...]] = ("storage",)
     DATA_TYPES: ClassVar[tuple[str, ...]] = ("images",)
@@ -117,6 +131,33 @@ class BaseDatasetBuilder:
         if path is None:
             return OmegaConf.create({})
         return OmegaConf.load(path).datasets.get(cls.registered_name(), OmegaConf.create({}))
+
+    # ---- options --------------------------------------------------------------------------------
+
+    @classmethod
+    def section_problems(cls, section: Mapping[str, Any], where: str) -> list[str]:
+        """Unknown keys (with the closest valid one), wrong types and bad values of a section's options."""
+        problems: list[str] = []
+        check_section(dict(section), fields_of(cls.OPTIONS), where, problems, extra_keys=LAYOUT_KEYS)
+        if not problems:
+            try:
+                cls.OPTIONS(**{k: v for k, v in section.items() if k not in LAYOUT_KEYS})
+            except ValueError as e:
+                problems.append(f"{where}.{e}")
+        return problems
+
+    def options(self) -> SectionOptions:
+        """The section's options (call after ``check()`` reported none of its problems)."""
+        return self.OPTIONS(**{k: v for k, v in self.cfg.items() if k not in LAYOUT_KEYS})
+
+    def parse_file(self) -> ParseFile:
+        """This builder's annotation format. Default: MiniGPT4Qwen instruction JSON."""
+        return parse_instruction_file
+
+    @functools.cached_property
+    def loader(self) -> RecordLoader:
+        """Reads this section's files once for ``check()`` and ``build()``, with its skip policy."""
+        return RecordLoader(self.parse_file(), skip=self.options().skipped_kinds())
 
     # ---- where the data is ----------------------------------------------------------------------
 
@@ -178,10 +219,8 @@ class BaseDatasetBuilder:
 
     def check(self) -> list[str]:
         """Every problem of this section, each naming its key path; empty if it can be built."""
-        problems: list[str] = []
-        for key in self.cfg:
-            if key not in self.SECTION_KEYS:
-                problems.append(f"{self.where}.{key}: unknown key; valid keys: {', '.join(self.SECTION_KEYS)}")
+        problems = self.section_problems(self.cfg, self.where)
+        options_valid = not problems  # the skip policy, and so the record checks, depend on them
         data_type = self.cfg.get("data_type", "images")
         if data_type not in self.DATA_TYPES:
             problems.append(f"{self.where}.data_type: {data_type!r} is not supported; use one of {self.DATA_TYPES}")
@@ -190,19 +229,38 @@ class BaseDatasetBuilder:
                 problems.append(f"{self.where}.build_info.{key}: unknown key; valid keys: "
                                 f"{', '.join(self.BUILD_INFO_KEYS)}")
         files = self.annotation_files(problems)
-        for split, paths in files.items():
-            for path in paths:
-                if not path.is_file():
-                    problems.append(f"{self.annotation_key(split)}: annotation file {path} does not exist")
-                    continue
-                try:
-                    load_annotation_file(path)
-                except ValueError as e:  # malformed JSON or record: the message names file and record
-                    problems.append(f"{self.annotation_key(split)}: {e}")
         root = self.image_root(problems)
         if root is not None and not root.is_dir():
             problems.append(f"{self.image_root_key()}: image folder {root} does not exist")
+            root = None  # records are still checked, their image files cannot be
+        if options_valid:
+            problems.extend(self._record_problems(files, root))
         problems.extend(self._processor_problems(files))
+        return problems
+
+    def _record_problems(self, files: Mapping[str, list[Path]], root: Path | None) -> list[str]:
+        """Missing or unreadable annotation files, and bad records the skip policy does not cover."""
+        problems = []
+        for split, paths in files.items():
+            key = self.annotation_key(split)
+            readable = True
+            for path in paths:
+                try:
+                    self.loader.read(path, root)
+                except (OSError, ValueError) as e:  # missing file, not JSON, wrong layout: the message names it
+                    problems.append(f"{key}: {e}")
+                    readable = False
+            if not readable:
+                continue
+            try:
+                self.loader.load(paths, root)
+            except BadRecordsError as e:
+                lines = describe_bad(e.bad)
+                problems += [f"{key}: {line.strip()}" for line in lines[1:]]
+                problems.append(f"{key}: {len(e.bad)} bad record(s); fix them, or set "
+                                f"{self.where}.skip_bad_records: true to skip such records (counted in the log)")
+            except ValueError as e:  # nothing usable left
+                problems.append(f"{key}: {e}")
         return problems
 
     def _processor_problems(self, files: Mapping[str, list[Path]]) -> list[str]:
@@ -239,15 +297,19 @@ class BaseDatasetBuilder:
             for kind in PROCESSOR_KINDS
         }
         image_root = self.image_root()
-        return {
-            split: self.dataset_cls(
+        splits = {}
+        for split, paths in self.annotation_files().items():
+            splits[split] = dataset = self.dataset_cls(
                 paths,
                 image_root,
                 vis_processor=processors["vis_processor"][_stage(split)],
                 text_processor=processors["text_processor"].get(_stage(split)),
+                loader=self.loader,
+                replace_unreadable_images=self.options().skip_bad_records,
             )
-            for split, paths in self.annotation_files().items()
-        }
+            if dataset.skip_summary and dist.is_main_process():  # every rank loads; one warning is enough
+                logger.warning("%s: %s", self.annotation_key(split), dataset.skip_summary)
+        return splits
 
 
 def _stage(split: str) -> str:
@@ -257,6 +319,28 @@ def _stage(split: str) -> str:
 @registry.register_builder("minigpt4qwen_instruction")
 class InstructionBuilder(BaseDatasetBuilder):
     """MiniGPT4Qwen instruction JSON files + an image folder (the layout in the module docstring)."""
+
+
+@registry.register_builder("llava_conversation")
+class LlavaConversationBuilder(BaseDatasetBuilder):
+    """LLaVA conversation JSON (LLaVA-Instruct-150K, llava_v1_5_mix665k) + the image folder its
+    ``image`` paths are relative to; see :mod:`lavis_ds.datasets.llava` for the conversion."""
+
+    OPTIONS = LlavaOptions
+
+    def parse_file(self) -> ParseFile:
+        return parse_llava_file
+
+
+@registry.register_builder("coco_caption")
+class CocoCaptionBuilder(BaseDatasetBuilder):
+    """COCO-caption JSON (LAVIS/Karpathy lists or official ``captions_*.json``) + the image folder;
+    every sample asks ``prompt`` and answers with a caption (see :mod:`lavis_ds.datasets.coco_caption`)."""
+
+    OPTIONS = CocoCaptionOptions
+
+    def parse_file(self) -> ParseFile:
+        return functools.partial(parse_coco_caption_file, prompt=self.options().prompt)
 
 
 @registry.register_builder("demo_shapes")

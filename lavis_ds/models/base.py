@@ -60,15 +60,31 @@ class BaseModel(nn.Module):
             cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         kwargs = dict(cfg)
         common = {key: kwargs.pop(key, None) for key in COMMON_KEYS}
-        if common["load_pretrained"]:
-            # Loading LAVIS / HF BLIP-2 checkpoints is not implemented yet; say so instead of
-            # letting a user believe the random-init vision tower holds pretrained weights.
-            logger.warning(
-                "%s: load_pretrained is set (pretrained=%r) but checkpoint loading is not "
-                "implemented yet; weights that no local folder provides stay randomly initialised.",
-                cls.__name__, common["pretrained"],
-            )
-        return cls(**kwargs)
+        model = cls(**kwargs)
+        if common["load_pretrained"] and common["pretrained"]:
+            model.load_from_pretrained(common["pretrained"])
+        elif common["load_pretrained"]:
+            # The full-size presets say load_pretrained: true with pretrained: null, for dry runs.
+            logger.warning("%s: load_pretrained is true but pretrained is null: the weights it would load "
+                           "stay randomly initialised (fine for a dry run only).", cls.__name__)
+        elif common["pretrained"]:
+            logger.info("%s: pretrained=%r is not loaded because load_pretrained is false.",
+                        cls.__name__, common["pretrained"])
+        return model
+
+    def load_from_pretrained(self, path: str) -> None:
+        """Load the published checkpoint ``path`` (config: ``load_pretrained`` + ``pretrained``).
+
+        LAVIS's name for it. Models that can read published weights override this.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no loader for published weights, so it cannot load "
+                                  f"{path!r}; set load_pretrained: false")
+
+    def save_run_files(self, output_dir: str | Path) -> None:
+        """Write what a run's outputs need besides checkpoints to be used later (e.g. a tokenizer).
+
+        Called once per run on the main process, before training. Default: nothing.
+        """
 
     def freeze_module(self, name: str) -> None:
         """Freeze submodule ``name`` (dotted path) and keep it in eval mode from now on.

@@ -10,27 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoTokenizer, Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwen2ForCausalLM
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
+from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, fit_embeddings, merge_llm,
+                                 num_token_ids, prepare_tokenizer, train_token_rows)
+from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
 
 logger = logging.getLogger(__name__)
 
-# Every linear layer of a Qwen2 decoder block, by the names transformers gives them.
-QWEN2_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The ViT presets by name; a Literal so that the config validator catches a misspelt `vit_model`.
 VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[valid-type]
 # ViT settings that have their own top-level key (MiniGPT4Qwen's names); `vit:` must not repeat them.
 VIT_KEYS_SET_AT_TOP_LEVEL = {"img_size": "image_size", "drop_path_rate": "drop_path_rate",
-                             "use_grad_checkpoint": "use_grad_checkpoint", "precision": "vit_precision"}
+                             "use_grad_checkpoint": "use_grad_checkpoint", "precision": "vit_precision",
+                             "pretrained": "vit_pretrained", "load_pretrained": "vit_pretrained"}
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -66,6 +69,7 @@ class Blip2Qwen(BaseModel):
         drop_path_rate: float = 0.0,
         use_grad_checkpoint: bool = False,
         vit_precision: Precision = "fp16",
+        vit_pretrained: str | None = None,
         freeze_vit: bool = True,
         unfreeze_pos_embed: bool = False,
         num_query_token: int = 32,
@@ -96,6 +100,9 @@ class Blip2Qwen(BaseModel):
             drop_path_rate: ViT stochastic depth.
             use_grad_checkpoint: Gradient checkpointing in the ViT blocks.
             vit_precision: ViT parameter dtype (LAVIS keeps the frozen tower in fp16).
+            vit_pretrained: LAVIS ``eva_vit_g.pth`` to load into the ViT, whatever ``load_pretrained``
+                says (LAVIS always loads it). ``pretrained`` (a BLIP-2 checkpoint) is loaded after it
+                and wins for the ViT if it holds ViT weights too.
             freeze_vit: Freeze the ViT (kept in eval mode).
             unfreeze_pos_embed: With ``freeze_vit``, still train the ViT position embedding.
             num_query_token: Q-Former queries = image placeholder tokens in the prompt.
@@ -109,21 +116,25 @@ class Blip2Qwen(BaseModel):
             llm_config: ``Qwen2Config`` arguments for the random-init LLM; ignored when ``llm_model``
                 is given. ``vocab_size`` defaults to the tokenizer's size.
             llm_precision: LLM parameter dtype; ``auto`` = the checkpoint's dtype (fp32 for random init).
-            tokenizer: Local tokenizer folder; defaults to ``llm_model``.
+            tokenizer: Local tokenizer folder; defaults to ``llm_model``. ChatML tokens and ``image_token``
+                it lacks are added (see ``lavis_ds.models.llm``); the tokenizer as used is what
+                ``save_run_files`` writes to the run's output_dir.
             freeze_llm: Freeze the LLM (required with ``get_lora``: only the adapters train).
             get_lora: Add LoRA adapters (peft) to the LLM.
             lora_r: LoRA rank.
             lora_alpha: LoRA scaling numerator.
             lora_dropout: Dropout on the LoRA input.
-            lora_target_modules: LLM module names to adapt; default every Qwen2 linear layer.
+            lora_target_modules: LLM module names to adapt (a name or dotted suffix of a linear layer in
+                the decoder blocks; others raise, listing the valid ones); default every Qwen2 linear layer.
             max_txt_len: Longest training sequence in tokens, image placeholders included.
             system_prompt: Text of the ChatML system turn.
-            image_token: Placeholder token; added to the tokenizer (and the LLM embeddings
-                resized) if missing.
+            image_token: Placeholder token; added to the tokenizer if missing (the LLM embeddings grow
+                only if its id has no row; its row never trains: image features replace it).
         """
         super().__init__()
         self.visual_encoder = self._build_vit(vit_model, vit, image_size, drop_path_rate,
-                                              use_grad_checkpoint, vit_precision)
+                                              use_grad_checkpoint, vit_precision, vit_pretrained)
+        self.vit_pretrained = vit_pretrained
         vit_width = self.visual_encoder.num_features
         self.ln_vision = FP32LayerNorm(vit_width)
 
@@ -137,27 +148,32 @@ class Blip2Qwen(BaseModel):
         # BLIP-2 initialises the queries like BERT weights.
         nn.init.normal_(self.query_tokens, std=self.qformer.config.initializer_range)
 
-        self.llm_tokenizer = self._load_tokenizer(tokenizer or llm_model, image_token)
+        # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
+        self.llm_tokenizer, added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token)
         self.llm_model = self._build_llm(llm_model, llm_config, llm_precision)
-        if self.llm_model.get_input_embeddings().num_embeddings < len(self.llm_tokenizer):
-            # Only when a token was added: real Qwen2.5 embeddings already have spare rows.
-            self.llm_model.resize_token_embeddings(len(self.llm_tokenizer))
+        fit_embeddings(self.llm_model, self.llm_tokenizer)
         self.llm_proj = nn.Linear(qformer_width, self.llm_model.config.hidden_size)
 
         self.prompt = ChatPrompt(self.llm_tokenizer, system_prompt, image_token, num_query_token, max_txt_len)
         self.im_end_id = self.llm_tokenizer.convert_tokens_to_ids("<|im_end|>")
-        pad_id = self.llm_tokenizer.pad_token_id
-        self.pad_id = self.im_end_id if pad_id is None else pad_id
+        self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
 
         self._apply_freezing(freeze_vit, unfreeze_pos_embed, freeze_qformer, freeze_queries, freeze_proj,
                              freeze_llm, get_lora)
         if get_lora:
-            self._add_lora(lora_r, lora_alpha, lora_dropout, lora_target_modules or list(QWEN2_LINEAR_MODULES))
+            targets = list(QWEN2_LINEAR_MODULES) if lora_target_modules is None else lora_target_modules
+            self.llm_model = add_lora(self.llm_model, lora_r, lora_alpha, lora_dropout, targets)
+        new_chatml = [t for t in added_tokens if t in CHATML_TOKENS]
+        if freeze_llm and new_chatml:
+            # A frozen LLM never saw these tokens: without trained rows the chat format means nothing.
+            logger.warning("the tokenizer lacked %s: their embedding and output rows train (only those rows)",
+                           ", ".join(new_chatml))
+            train_token_rows(base_llm(self.llm_model), self.llm_tokenizer.convert_tokens_to_ids(new_chatml))
 
     # ----------------------------------------------------------------- building
     @staticmethod
     def _build_vit(vit_model: str, vit: dict[str, Any] | None, image_size: int, drop_path_rate: float,
-                   use_grad_checkpoint: bool, vit_precision: str) -> EvaViT:
+                   use_grad_checkpoint: bool, vit_precision: str, vit_pretrained: str | None) -> EvaViT:
         overrides = dict(vit or {})
         clashes = sorted(k for k in overrides if k in VIT_KEYS_SET_AT_TOP_LEVEL)
         if clashes:
@@ -166,21 +182,17 @@ class Blip2Qwen(BaseModel):
         cfg = EvaViT.default_config(vit_model)
         cfg.update(overrides)
         cfg.update(img_size=image_size, drop_path_rate=drop_path_rate,
-                   use_grad_checkpoint=use_grad_checkpoint, precision=vit_precision)
+                   use_grad_checkpoint=use_grad_checkpoint, precision=vit_precision,
+                   load_pretrained=vit_pretrained is not None, pretrained=vit_pretrained)
         return EvaViT.from_config(cfg)
 
-    @staticmethod
-    def _load_tokenizer(path: str | None, image_token: str):
-        if path is None:
-            raise ValueError("Blip2Qwen needs a tokenizer: set `tokenizer` (or `llm_model`) to a local folder")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        vocab = tokenizer.get_vocab()
-        missing = [t for t in ("<|im_start|>", "<|im_end|>") if t not in vocab]
-        if missing:
-            raise ValueError(f"tokenizer {path!r} is not a ChatML (Qwen chat) tokenizer: it lacks {', '.join(missing)}")
-        if image_token not in vocab:
-            tokenizer.add_tokens([image_token], special_tokens=True)
-        return tokenizer
+    def load_from_pretrained(self, path: str) -> None:
+        """Load a BLIP-2 checkpoint (``pretrained``): a LAVIS ``.pth`` or a Hugging Face BLIP-2 folder.
+
+        Sets ``ln_vision``, ``qformer``, ``query_tokens`` and, if the file has them, the ViT.
+        See ``lavis_ds.models.pretrained`` for the key mapping and the keys skipped on purpose.
+        """
+        load_blip2(self, path, vit_loaded=self.vit_pretrained is not None)
 
     def _build_llm(self, path: str | None, config: dict[str, Any] | None, precision: str) -> nn.Module:
         if path is not None:
@@ -189,7 +201,7 @@ class Blip2Qwen(BaseModel):
             dtype = "auto" if precision == "auto" else DTYPES[precision]
             return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype)
         config = dict(config or {})
-        config.setdefault("vocab_size", len(self.llm_tokenizer))
+        config.setdefault("vocab_size", num_token_ids(self.llm_tokenizer))
         llm = Qwen2ForCausalLM(Qwen2Config(**config))
         return llm if precision == "auto" else llm.to(DTYPES[precision])
 
@@ -214,12 +226,25 @@ class Blip2Qwen(BaseModel):
             self.freeze_module("llm_model")
         # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
 
-    def _add_lora(self, r: int, alpha: int, dropout: float, target_modules: list[str]) -> None:
-        from peft import LoraConfig, get_peft_model  # peft is only needed by LoRA runs
+    def merge_lora(self) -> Qwen2ForCausalLM:
+        """Turn the LLM into a plain ``Qwen2ForCausalLM`` with everything trained inside it folded in; for export.
 
-        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                            task_type="CAUSAL_LM")
-        self.llm_model = get_peft_model(self.llm_model, config)
+        LoRA adapters are merged into the base weights (peft ``merge_and_unload``) and
+        trained token rows (ChatML tokens the tokenizer lacked) are written into the
+        embedding and output matrices. The plain model replaces ``self.llm_model`` (this
+        model keeps working, with the same outputs) and is returned: ``save_pretrained``
+        it next to ``self.llm_tokenizer.save_pretrained`` and ``from_pretrained`` reads
+        both back. Without LoRA or token rows it returns the LLM unchanged.
+
+        Call it on a model outside the DeepSpeed engine whose trained weights are loaded
+        (under ZeRO-3 the engine's parameters are partitioned, and it refuses them).
+        """
+        self.llm_model = merge_llm(self.llm_model)
+        return self.llm_model
+
+    def save_run_files(self, output_dir: str | Path) -> None:
+        """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included, for export and inference."""
+        self.llm_tokenizer.save_pretrained(Path(output_dir) / "tokenizer")
 
     # ----------------------------------------------------------------- forward
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
@@ -278,8 +303,11 @@ class Blip2Qwen(BaseModel):
         with _gathered_if_zero3([self.query_tokens]):
             image_embeds = self.encode_image(image)
         inputs_embeds = self._embed(input_ids, image_embeds)
-        options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
-                       eos_token_id=self.im_end_id, pad_token_id=self.pad_id, synced_gpus=synced_gpus)
+        # A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either.
+        eos = list(dict.fromkeys(t for t in (self.im_end_id, self.llm_tokenizer.eos_token_id) if t is not None))
+        # The placeholder is never a word: generating it would feed its meaningless row back in.
+        options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                       pad_token_id=self.pad_id, synced_gpus=synced_gpus, suppress_tokens=[self.prompt.image_token_id])
         options.update(generate_kwargs)
         # With only inputs_embeds, generate returns just the new tokens.
         new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)

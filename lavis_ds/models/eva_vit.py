@@ -14,6 +14,7 @@ from timm.models.eva import Eva
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
+from lavis_ds.models.pretrained import load_eva_vit
 
 Precision = Literal["fp32", "fp16", "bf16"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -81,6 +82,11 @@ class EvaViT(BaseModel, Eva):
         )
         self.set_grad_checkpointing(use_grad_checkpoint)
         self.to(DTYPES[precision])
+
+    def load_from_pretrained(self, path: str) -> None:
+        """Load LAVIS's ``eva_vit_g.pth`` (EVA key layout); blocks beyond ``depth`` are skipped and the
+        position embedding is interpolated to ``img_size``. The parameters keep ``precision``."""
+        load_eva_vit(self, path)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``image [B, 3, H, W]`` -> token features ``[B, 1 + num_patches, num_features]`` (CLS first)."""

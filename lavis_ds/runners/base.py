@@ -20,6 +20,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 from lavis_ds.common import dist
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import batch_sizes
+from lavis_ds.datasets.mixing import MixedDataset, mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
@@ -47,6 +48,9 @@ class RunnerBase:
 
         self.state = TrainState()
         self.train_set = self._concat(self.run.train_splits) if self.run.train_splits else None
+        mixed = mix_train_splits(datasets, cfg.datasets, self.run.train_splits or [], self.run.seed)
+        if mixed is not None:  # the dataset sections set sample_ratio: each epoch draws from them by ratio
+            self.train_set = mixed
         if self.train_set is not None:
             self.sampler = StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size,
                                             self.rank, seed=self.run.seed)
@@ -69,6 +73,8 @@ class RunnerBase:
         self.module.train()  # once: evaluation restores the mode it found
         for epoch in range(self.state.epoch, self.run.max_epoch):
             self.sampler.set_position(epoch, self.state.step_in_epoch)
+            if isinstance(self.train_set, MixedDataset):  # before iter(): DataLoader workers copy it then
+                self.train_set.set_epoch(epoch)
             micro_batches = iter(self.train_loader)
             for _ in range(self.state.step_in_epoch, self.steps_per_epoch):
                 self.run_step([next(micro_batches) for _ in range(self.accum)])

@@ -1,9 +1,9 @@
 """The DeepSpeed ZeRO engine (stages 0-3, CPU offload, bf16/fp16/fp32) behind the shared loop."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as torch_dist
 
@@ -17,6 +17,9 @@ class DeepSpeedRunner(RunnerBase):
     """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
     def wrap(self, model, param_groups):
+        # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
+        # exported model for inference (lavis_ds.export) must not need DeepSpeed.
+        import deepspeed
         from omegaconf import OmegaConf
 
         ds_config = build_deepspeed_config(OmegaConf.to_container(self.run, resolve=True), self.world_size)
@@ -31,6 +34,10 @@ class DeepSpeedRunner(RunnerBase):
             self.dtype = torch.float32
         # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm.
         self._plain_optimizer = self.zero_stage == 0 and self.dtype == torch.float32
+        # DeepSpeed's exclude_frozen_parameters walks named_parameters(), which names a tied weight once:
+        # the other name (lm_head.weight of a tied Qwen2.5-0.5B/1.5B/3B) kept the frozen embedding matrix
+        # in every checkpoint. This drops every name of every frozen parameter.
+        self.engine.module_state_dict = functools.partial(_without_frozen, self.engine.module_state_dict, model)
         return optimizer
 
     def _grad_norm(self) -> float:
@@ -88,3 +95,13 @@ class DeepSpeedRunner(RunnerBase):
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
         return client_state
+
+
+def _without_frozen(module_state_dict, model, *args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:
+    """The engine's ``module_state_dict``, with every name of a frozen parameter left out when asked."""
+    state = module_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+    if exclude_frozen_parameters:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                state.pop(name, None)
+    return state

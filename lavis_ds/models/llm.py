@@ -1,0 +1,259 @@
+"""The LLM side of BLIP2-Qwen: its tokenizer's special tokens, new embedding rows, LoRA, export merge.
+
+Tokens the prompt needs (``lavis_ds.models.prompt``): ``<|im_start|>`` and
+``<|im_end|>`` (ChatML) and the image placeholder (``<|image_pad|>`` by default).
+
+- Qwen2.5 tokenizers have all three as added special tokens, and their embedding
+  matrices have spare rows (151936 or 152064 rows for 151665 tokens): nothing is
+  added, nothing is resized.
+- A Qwen2 tokenizer lacks ``<|image_pad|>``: it is added, and lands in a spare row
+  (no resize). Its row never needs training: its input embedding is always replaced
+  by an image feature, it is never a target, and generation never emits it.
+- A tokenizer without ChatML tokens (e.g. a Qwen2-architecture model of another
+  family) gets them added. A frozen LLM has never seen them, so a chat format built
+  on them would mean nothing: their input and output rows are trained, and only
+  those rows (``TokenRowsEmbedding`` / ``TokenRowsHead`` hold them as small
+  separate parameters, so checkpoints of a frozen LLM hold a few rows, not the
+  vocabulary). With ``freeze_llm: false`` the whole embedding trains anyway.
+
+Rows are added only when a token id has no row yet; new rows start as the mean of
+the old ones (deterministic, so a model rebuilt from its YAML for resuming or export
+has the same rows). ``merge_llm`` turns all of it back into a plain
+``Qwen2ForCausalLM`` for export.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import AddedToken
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+QWEN_PAD_TOKEN = "<|endoftext|>"  # what every Qwen2 / Qwen2.5 tokenizer pads with
+# Every linear layer of a Qwen2 decoder block, by the names transformers gives them.
+QWEN2_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def is_single_token(tokenizer: PreTrainedTokenizerBase, token: str) -> bool:
+    """Whether ``token`` in running text encodes to exactly its own id (and not to pieces)."""
+    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    return len(ids) == 1 and ids[0] == tokenizer.convert_tokens_to_ids(token)
+
+
+def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTrainedTokenizerBase, list[str]]:
+    """Load a tokenizer folder and make sure the ChatML tokens, the image token and a pad token work.
+
+    Returns:
+        ``(tokenizer, added)``: ``added`` lists the tokens that were not single tokens of
+        the folder's tokenizer and are now added special tokens, in the order
+        ``<|im_start|>``, ``<|im_end|>``, ``image_token``.
+    """
+    if path is None:
+        raise ValueError("Blip2Qwen needs a tokenizer: set model.tokenizer (or model.llm_model) to a local folder")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    added = []
+    for token in (*CHATML_TOKENS, image_token):
+        if not is_single_token(tokenizer, token):
+            # special: never split by the BPE, dropped by decode(skip_special_tokens=True).
+            tokenizer.add_tokens([AddedToken(token, special=True, normalized=False)], special_tokens=True)
+            added.append(token)
+    if added:
+        logger.info("tokenizer %s: added %s", path, ", ".join(added))
+    if tokenizer.pad_token is None:
+        # Qwen pads with <|endoftext|>; padded positions are masked, so any real token would do.
+        tokenizer.pad_token = QWEN_PAD_TOKEN if is_single_token(tokenizer, QWEN_PAD_TOKEN) else CHATML_TOKENS[1]
+    if tokenizer.pad_token == image_token:
+        # Padding would count as image positions and break the placeholder replacement.
+        raise ValueError(f"tokenizer {str(path)!r} pads with the image token {image_token!r}; "
+                         "set model.image_token to another token")
+    return tokenizer, added
+
+
+def num_token_ids(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Rows an embedding needs for every id the tokenizer can produce."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+def fit_embeddings(llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Add embedding (and output) rows if some token id has none; True if it resized.
+
+    New rows are the mean of the old rows: deterministic, unlike transformers'
+    default (mean plus random noise), so a model rebuilt from its YAML has the same rows.
+    """
+    old = llm.get_input_embeddings().num_embeddings
+    needed = num_token_ids(tokenizer)
+    if needed <= old:
+        return False
+    llm.resize_token_embeddings(needed, mean_resizing=False)
+    with torch.no_grad():
+        for matrix in {id(m.weight): m.weight for m in (llm.get_input_embeddings(), llm.get_output_embeddings())
+                       if m is not None}.values():  # once if input and output are tied
+            matrix[old:] = matrix[:old].mean(dim=0, keepdim=True)
+    logger.info("LLM embeddings resized from %d to %d rows", old, needed)
+    return True
+
+
+# ----------------------------------------------------------------------------- trainable token rows
+class TokenRowsEmbedding(nn.Module):
+    """An input embedding whose rows for ``token_ids`` come from the small trainable ``rows``.
+
+    ``base`` (the LLM's embedding, frozen) still holds every row; the forward pass
+    takes the rows of ``token_ids`` from ``rows`` instead. ``rows`` starts as a copy
+    of those base rows, so the model is unchanged until it trains.
+    """
+
+    def __init__(self, base: nn.Embedding, token_ids: list[int]):
+        super().__init__()
+        self.base = base
+        # Not saved: the ids follow from the tokenizer, which the run's output_dir holds.
+        self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
+        # fp32 like peft's adapters: the engine casts it with the rest in bf16/fp16 runs.
+        self.rows = nn.Parameter(base.weight.detach()[self.token_ids].float().clone())
+
+    # What transformers and lavis_ds read from an input embedding.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.base.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.base.embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.base(input_ids)
+        match = input_ids.unsqueeze(-1) == self.token_ids  # [..., n_rows]
+        # One-hot x rows picks each position's row and keeps the gradient path to `rows`.
+        picked = match.to(self.rows.dtype) @ self.rows
+        return torch.where(match.any(-1, keepdim=True), picked.to(out.dtype), out)
+
+
+class TokenRowsHead(nn.Module):
+    """An output layer whose logits for ``token_ids`` come from trainable ``rows``.
+
+    For tied embeddings pass the ``TokenRowsEmbedding``'s ``rows``: one parameter
+    registered in both modules, as transformers ties the full matrices.
+    """
+
+    def __init__(self, base: nn.Linear, token_ids: list[int], rows: nn.Parameter | None = None):
+        super().__init__()
+        if base.bias is not None:
+            raise ValueError("TokenRowsHead supports output layers without bias (as Qwen2's lm_head)")
+        self.base = base
+        self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
+        self.rows = rows if rows is not None else nn.Parameter(base.weight.detach()[self.token_ids].float().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.base(hidden)
+        new = F.linear(hidden, self.rows.to(hidden.dtype)).to(logits.dtype)
+        return logits.index_copy(-1, self.token_ids, new)
+
+
+def train_token_rows(llm: PreTrainedModel, token_ids: list[int]) -> None:
+    """Make the input and output rows of ``token_ids`` trainable, and nothing else of the embeddings."""
+    embedding, head = llm.get_input_embeddings(), llm.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    new_embedding = TokenRowsEmbedding(embedding, token_ids)
+    llm.set_input_embeddings(new_embedding)
+    if head is not None:
+        llm.set_output_embeddings(TokenRowsHead(head, token_ids, new_embedding.rows if tied else None))
+
+
+def fold_token_rows(llm: PreTrainedModel) -> None:
+    """Write trained token rows into the plain embedding matrices and put the plain modules back."""
+    embedding, head = llm.get_input_embeddings(), llm.get_output_embeddings()
+    with torch.no_grad():
+        for module in (embedding, head):
+            if isinstance(module, (TokenRowsEmbedding, TokenRowsHead)):
+                module.base.weight[module.token_ids] = module.rows.to(module.base.weight.dtype)
+    if isinstance(embedding, TokenRowsEmbedding):
+        llm.set_input_embeddings(embedding.base)
+    if isinstance(head, TokenRowsHead):
+        llm.set_output_embeddings(head.base)
+
+
+# ----------------------------------------------------------------------------- LoRA
+def lora_target_names(llm: nn.Module) -> list[str]:
+    """Names (last component) of the linear layers in the LLM's decoder blocks: what LoRA can target."""
+    decoder = llm.get_decoder() if hasattr(llm, "get_decoder") else llm
+    return sorted({name.rsplit(".", 1)[-1] for name, module in decoder.named_modules()
+                   if name and isinstance(module, nn.Linear)})
+
+
+def check_lora_targets(llm: nn.Module, targets: list[str]) -> None:
+    """Raise ``ValueError`` naming every entry of ``lora_target_modules`` that is no linear layer of ``llm``.
+
+    An entry matches as peft matches it: a module's full name or a dotted suffix of
+    it (``q_proj``, ``self_attn.q_proj``).
+    """
+    valid = lora_target_names(llm)
+    if not targets:
+        raise ValueError(f"model.lora_target_modules is empty; valid names: {', '.join(valid)}")
+    decoder = llm.get_decoder() if hasattr(llm, "get_decoder") else llm
+    linear = [name for name, module in decoder.named_modules() if isinstance(module, nn.Linear)]
+    problems = []
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in linear):
+            close = difflib.get_close_matches(target, valid, n=1)
+            problems.append(f"{target!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if problems:
+        raise ValueError(f"model.lora_target_modules: {', '.join(problems)} is not a linear layer of the LLM "
+                         f"({type(llm).__name__}); valid names: {', '.join(valid)} "
+                         "(or a dotted suffix such as 'self_attn.q_proj')")
+
+
+def add_lora(llm: PreTrainedModel, r: int, alpha: int, dropout: float, targets: list[str]) -> nn.Module:
+    """Wrap ``llm`` in a peft LoRA model on ``targets`` (checked first); peft freezes everything else.
+
+    Call it on a whole, unpartitioned model: lavis_ds builds the model before
+    ``deepspeed.initialize`` partitions it (no ``zero.Init``), which is why LoRA works
+    under ZeRO-3 here. Models built inside ``zero.Init`` (transformers'
+    ``from_pretrained`` with a live ``HfDeepSpeedConfig``) hand peft empty,
+    partitioned weights instead - the ZeRO-3 + LoRA failures users report.
+    """
+    from peft import LoraConfig, get_peft_model  # only LoRA runs need peft
+
+    check_lora_targets(llm, targets)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(llm, config)
+
+
+def base_llm(llm: nn.Module) -> PreTrainedModel:
+    """The transformers model inside a peft wrapper (or ``llm`` itself)."""
+    from peft import PeftModel
+
+    return llm.get_base_model() if isinstance(llm, PeftModel) else llm
+
+
+def merge_llm(llm: nn.Module) -> PreTrainedModel:
+    """A plain transformers model with LoRA merged (peft ``merge_and_unload``) and token rows folded in.
+
+    Changes ``llm`` in place (the weights are shared); the result is what
+    ``save_pretrained`` writes and ``from_pretrained`` reads back.
+    """
+    if any(hasattr(p, "ds_id") for p in llm.parameters()):
+        raise RuntimeError("merge the LLM of a model outside the DeepSpeed engine: these parameters are "
+                           "partitioned by ZeRO-3. Build the model from the run's config.yaml and load the "
+                           "checkpoint's trainable weights into it (deepspeed.utils.zero_to_fp32), then merge.")
+    from peft import PeftModel
+
+    if isinstance(llm, PeftModel):
+        llm = llm.merge_and_unload()
+    fold_token_rows(llm)
+    return llm

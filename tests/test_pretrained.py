@@ -1,0 +1,484 @@
+"""Published weights: Hugging Face BLIP-2 folders, LAVIS eva_vit_g.pth and LAVIS BLIP-2 .pth files.
+
+Tiny checkpoints are written in the real formats: the HF folder by transformers'
+own ``save_pretrained``; the LAVIS files with the key names and shapes of LAVIS's
+module structure (transcribed below from LAVIS's source), their values taken from
+the HF model through transformers' published LAVIS -> HF conversion rules. Our
+outputs are compared with transformers' own forward pass.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Blip2Config, Blip2ForConditionalGeneration
+
+from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.models import Blip2Qwen, EvaViT
+from lavis_ds.models.pretrained import CheckpointError, load_eva_vit, read_checkpoint
+from run_utils import write_yaml
+
+VIT = EvaViT.default_config("tiny")  # 64 wide, 2 blocks, 4 heads, patch 16, 64 px
+BLIP = Blip2Qwen.default_config("tiny")  # Q-Former 64 wide, 2 layers; 8 queries
+WIDTH, DEPTH, PATCH, SIZE = VIT["embed_dim"], VIT["depth"], VIT["patch_size"], VIT["img_size"]
+MLP = int(WIDTH * VIT["mlp_ratio"])
+QFORMER, N_QUERY = BLIP["qformer"], BLIP["num_query_token"]
+BERT_VOCAB, BERT_POSITIONS = 30, 16  # LAVIS's are bert-base-uncased's 30523 and 512; only their shapes matter here
+
+
+# ----------------------------------------------------------------- the LAVIS layouts, from LAVIS's source
+def lavis_eva_vit_keys(depth: int, grid: int = SIZE // PATCH) -> dict[str, tuple]:
+    """Parameters of LAVIS ``eva_vit.py``'s ``VisionTransformer`` as ``create_eva_vit_g`` builds it.
+
+    qkv_bias=True gives ``attn.q_bias``/``attn.v_bias`` beside a bias-free ``attn.qkv``; absolute
+    ``pos_embed``; no relative position bias, no layer scale (gamma), no final norm or head.
+    """
+    keys = {"cls_token": (1, 1, WIDTH), "pos_embed": (1, grid * grid + 1, WIDTH),
+            "patch_embed.proj.weight": (WIDTH, 3, PATCH, PATCH), "patch_embed.proj.bias": (WIDTH,)}
+    for i in range(depth):
+        keys.update({f"blocks.{i}.{name}": shape for name, shape in {
+            "norm1.weight": (WIDTH,), "norm1.bias": (WIDTH,),
+            "attn.q_bias": (WIDTH,), "attn.v_bias": (WIDTH,), "attn.qkv.weight": (3 * WIDTH, WIDTH),
+            "attn.proj.weight": (WIDTH, WIDTH), "attn.proj.bias": (WIDTH,),
+            "norm2.weight": (WIDTH,), "norm2.bias": (WIDTH,),
+            "mlp.fc1.weight": (MLP, WIDTH), "mlp.fc1.bias": (MLP,),
+            "mlp.fc2.weight": (WIDTH, MLP), "mlp.fc2.bias": (WIDTH,)}.items()})
+    return keys
+
+
+def _linear(prefix: str, n_out: int, n_in: int) -> dict[str, tuple]:
+    return {f"{prefix}.weight": (n_out, n_in), f"{prefix}.bias": (n_out,)}
+
+
+def _layer_norm(prefix: str, n: int) -> dict[str, tuple]:
+    return {f"{prefix}.weight": (n,), f"{prefix}.bias": (n,)}
+
+
+def lavis_qformer_keys(text_parts: bool) -> dict[str, tuple]:
+    """LAVIS ``Qformer.py``: ``Qformer = BertLMHeadModel`` (``.bert`` + ``.cls``), built by ``Blip2Base.init_Qformer``.
+
+    Each ``BertLayer`` has ``attention`` (``self.query/key/value`` + ``output.dense/LayerNorm``),
+    ``crossattention`` on layers with ``layer_num % cross_attention_freq == 0`` (key/value from
+    the ViT width), a text FFN ``intermediate``/``output`` and a query FFN ``intermediate_query``/
+    ``output_query``. ``Blip2T5``/``Blip2OPT`` set ``cls``, the word/position embeddings and the
+    text FFN to None (``text_parts=False``); the stage-1 ``Blip2Qformer`` keeps them.
+    """
+    hidden, ffn = QFORMER["hidden_size"], QFORMER["intermediate_size"]
+    keys: dict[str, tuple] = {**_layer_norm("Qformer.bert.embeddings.LayerNorm", hidden),
+                              "Qformer.bert.embeddings.position_ids": (1, BERT_POSITIONS)}
+    if text_parts:
+        keys.update({"Qformer.bert.embeddings.word_embeddings.weight": (BERT_VOCAB, hidden),
+                     "Qformer.bert.embeddings.position_embeddings.weight": (BERT_POSITIONS, hidden)})
+    for i in range(QFORMER["num_hidden_layers"]):
+        layer = f"Qformer.bert.encoder.layer.{i}"
+        attentions = ["attention"] + (["crossattention"] if i % QFORMER["cross_attention_frequency"] == 0 else [])
+        for att in attentions:
+            kv_width = WIDTH if att == "crossattention" else hidden
+            keys.update({**_linear(f"{layer}.{att}.self.query", hidden, hidden),
+                         **_linear(f"{layer}.{att}.self.key", hidden, kv_width),
+                         **_linear(f"{layer}.{att}.self.value", hidden, kv_width),
+                         **_linear(f"{layer}.{att}.output.dense", hidden, hidden),
+                         **_layer_norm(f"{layer}.{att}.output.LayerNorm", hidden)})
+        for suffix in ["_query"] + ([""] if text_parts else []):
+            keys.update({**_linear(f"{layer}.intermediate{suffix}.dense", ffn, hidden),
+                         **_linear(f"{layer}.output{suffix}.dense", hidden, ffn),
+                         **_layer_norm(f"{layer}.output{suffix}.LayerNorm", hidden)})
+    if text_parts:
+        keys.update({**_linear("Qformer.cls.predictions.transform.dense", hidden, hidden),
+                     **_layer_norm("Qformer.cls.predictions.transform.LayerNorm", hidden),
+                     "Qformer.cls.predictions.bias": (BERT_VOCAB,), "Qformer.cls.predictions.decoder.weight":
+                         (BERT_VOCAB, hidden), "Qformer.cls.predictions.decoder.bias": (BERT_VOCAB,)})
+    return keys
+
+
+def lavis_blip2_stage1_keys() -> dict[str, tuple]:
+    """``Blip2Qformer.state_dict()`` (LAVIS ``blip2_qformer.py``): ViT, ln_vision, full Q-Former, stage-1 heads."""
+    hidden = QFORMER["hidden_size"]
+    return {**{f"visual_encoder.{k}": s for k, s in lavis_eva_vit_keys(DEPTH).items()},
+            **_layer_norm("ln_vision", WIDTH), **lavis_qformer_keys(text_parts=True),
+            "query_tokens": (1, N_QUERY, hidden), **_linear("vision_proj", 256, hidden),
+            **_linear("text_proj", 256, hidden), **_linear("itm_head", 2, hidden), "temp": ()}
+
+
+def lavis_blip2_t5_trained_keys() -> dict[str, tuple]:
+    """What LAVIS's runner saves of ``Blip2T5`` (``blip2_t5.py``): trained parameters and buffers only.
+
+    The frozen ViT and T5 are dropped (``_save_checkpoint`` deletes parameters with
+    requires_grad=False), so the ViT must come from eva_vit_g.pth.
+    """
+    return {**_layer_norm("ln_vision", WIDTH), **lavis_qformer_keys(text_parts=False),
+            "query_tokens": (1, N_QUERY, QFORMER["hidden_size"]), **_linear("t5_proj", 96, QFORMER["hidden_size"])}
+
+
+def hf_name(lavis_key: str) -> str:
+    """transformers' ``convert_blip_2_original_to_pytorch.py``: ``create_rename_keys`` then its replace loop."""
+    fixed = {"visual_encoder.cls_token": "vision_model.embeddings.class_embedding",
+             "visual_encoder.pos_embed": "vision_model.embeddings.position_embedding",
+             "visual_encoder.patch_embed.proj.weight": "vision_model.embeddings.patch_embedding.weight",
+             "visual_encoder.patch_embed.proj.bias": "vision_model.embeddings.patch_embedding.bias",
+             "ln_vision.weight": "vision_model.post_layernorm.weight",
+             "ln_vision.bias": "vision_model.post_layernorm.bias",
+             "Qformer.bert.embeddings.LayerNorm.weight": "qformer.layernorm.weight",
+             "Qformer.bert.embeddings.LayerNorm.bias": "qformer.layernorm.bias"}
+    block = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv",
+             "attn.q_bias": "self_attn.q_bias", "attn.v_bias": "self_attn.v_bias", "attn.proj": "self_attn.projection",
+             "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+    key = fixed.get(lavis_key, lavis_key)
+    if m := re.match(r"visual_encoder\.blocks\.(\d+)\.(" + "|".join(map(re.escape, block)) + r")(.*)", key):
+        key = f"vision_model.encoder.layers.{m[1]}.{block[m[2]]}{m[3]}"
+    if key.startswith("Qformer.bert"):
+        key = key.replace("Qformer.bert", "qformer")
+    if "attention.self" in key:
+        key = key.replace("self", "attention")
+    return key
+
+
+def lavis_state(keys: dict[str, tuple], hf_state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors for LAVIS ``keys``: the HF model's tensor where the conversion rules name one, random otherwise.
+
+    Current transformers fuses EVA's biases into ``self_attn.qkv.bias`` = [q_bias, k part, v_bias].
+    """
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for key, shape in keys.items():
+        name = hf_name(prefix + key)
+        fused = name[:-len("q_bias")] + "qkv.bias"
+        if name.endswith(("self_attn.q_bias", "self_attn.v_bias")) and fused in hf_state:
+            q, _, v = hf_state[fused].chunk(3)
+            out[key] = (q if name.endswith("q_bias") else v).clone()
+        elif name in hf_state:
+            out[key] = hf_state[name].clone()
+        elif key.endswith("position_ids"):  # a BERT buffer
+            out[key] = torch.arange(shape[-1]).expand(shape).clone()
+        else:
+            out[key] = torch.randn(shape, generator=gen) if shape else torch.tensor(0.07)
+        assert tuple(out[key].shape) == shape, (key, out[key].shape, shape)
+    return out
+
+
+# ----------------------------------------------------------------- fixtures
+def tiny_hf_config(image_size: int = SIZE) -> Blip2Config:
+    """A Blip2Config with the sizes of our `tiny` presets, and a tiny OPT as the (unused) LLM."""
+    return Blip2Config(
+        vision_config=dict(hidden_size=WIDTH, intermediate_size=MLP, num_hidden_layers=DEPTH,
+                           num_attention_heads=VIT["num_heads"], image_size=image_size, patch_size=PATCH, qkv_bias=True),
+        qformer_config=dict(QFORMER),
+        text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+                         vocab_size=100, word_embed_proj_dim=32, max_position_embeddings=64),
+        num_query_tokens=N_QUERY)
+
+
+@pytest.fixture(scope="module")
+def hf_blip2(tmp_path_factory):
+    """A tiny HF BLIP-2 with random values everywhere, saved sharded by ``save_pretrained``."""
+    torch.manual_seed(0)
+    model = Blip2ForConditionalGeneration(tiny_hf_config()).eval()
+    with torch.no_grad():
+        # HF initialises the vision weights to ~1e-10, the queries to zero and the k part of qkv.bias to
+        # zero: random values everywhere make a misplaced tensor (or a k bias that mattered) show.
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.1)
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.add_(1.0)
+    folder = tmp_path_factory.mktemp("hf_blip2")
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()  # sharded, like the real Salesforce/blip2-* folders
+    return model, folder
+
+
+@pytest.fixture
+def images():
+    return torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(3))
+
+
+def build(cfg: dict, **overrides) -> Blip2Qwen:
+    torch.manual_seed(0)
+    return Blip2Qwen.from_config({**cfg, **overrides}).eval()
+
+
+def ours(model: Blip2Qwen, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ln_vision(visual_encoder(x))`` and the Q-Former's query outputs, as ``encode_image`` computes them."""
+    with torch.no_grad():
+        features = model.ln_vision(model.visual_encoder(images))
+        mask = torch.ones(features.shape[:-1], dtype=torch.long)
+        queries = model.qformer(query_embeds=model.query_tokens.expand(len(images), -1, -1),
+                                encoder_hidden_states=features, encoder_attention_mask=mask).last_hidden_state
+    return features, queries
+
+
+def theirs(hf: Blip2ForConditionalGeneration, images: torch.Tensor, **vision_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        features = hf.vision_model(pixel_values=images, **vision_kwargs).last_hidden_state
+        mask = torch.ones(features.shape[:-1], dtype=torch.long)
+        queries = hf.qformer(query_embeds=hf.query_tokens.expand(len(images), -1, -1),
+                             encoder_hidden_states=features, encoder_attention_mask=mask).last_hidden_state
+    return features, queries
+
+
+def assert_same_outputs(model, hf, images, atol=1e-5, **vision_kwargs):
+    (our_features, our_queries), (hf_features, hf_queries) = ours(model, images), theirs(hf, images, **vision_kwargs)
+    torch.testing.assert_close(our_features.float(), hf_features, atol=atol, rtol=atol)
+    torch.testing.assert_close(our_queries.float(), hf_queries, atol=atol, rtol=atol)
+
+
+def pretrained_part(model: Blip2Qwen) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items()
+            if k.startswith(("visual_encoder.", "ln_vision.", "qformer.", "query_tokens"))}
+
+
+# ----------------------------------------------------------------- Hugging Face folders
+def test_hf_blip2_folder_gives_transformers_outputs(hf_blip2, tiny_model_config, images):
+    hf, folder = hf_blip2
+    random_init = build(tiny_model_config)
+    model = build(tiny_model_config, load_pretrained=True, pretrained=str(folder))
+    assert_same_outputs(model, hf, images)
+    # Not a coincidence of random weights: without loading, the outputs differ.
+    assert not torch.allclose(ours(random_init, images)[1], theirs(hf, images)[1], atol=1e-2)
+
+
+def test_hf_blip2_single_safetensors_file(hf_blip2, tiny_model_config, images, tmp_path):
+    hf, _ = hf_blip2
+    hf.save_pretrained(tmp_path)  # unsharded: one model.safetensors
+    assert (tmp_path / "model.safetensors").is_file()
+    assert_same_outputs(build(tiny_model_config, load_pretrained=True, pretrained=str(tmp_path)), hf, images)
+    fmt, state, skipped = read_checkpoint(tmp_path / "model.safetensors")  # the file itself works too
+    assert fmt == "hf_blip2" and "query_tokens" in state
+    assert skipped and all(k.startswith(("language_model.", "language_projection.")) for k in skipped)
+
+
+def test_position_embedding_is_interpolated_like_transformers(hf_blip2, tiny_model_config):
+    hf, folder = hf_blip2
+    big = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(4))  # 6x6 patches, the file has 4x4
+    model = build(tiny_model_config, image_size=96, load_pretrained=True, pretrained=str(folder))
+    assert model.visual_encoder.pos_embed.shape == (1, 1 + 36, WIDTH)
+    # transformers' interpolate_pos_encoding is the same bicubic resize of the patch grid, CLS kept.
+    assert_same_outputs(model, hf, big, interpolate_pos_encoding=True)
+
+
+# ----------------------------------------------------------------- LAVIS files
+def test_our_eva_vit_has_lavis_names_key_for_key():
+    vit = EvaViT.from_config(VIT)
+    assert {k: tuple(v.shape) for k, v in vit.state_dict().items()} == lavis_eva_vit_keys(DEPTH)
+
+
+def test_lavis_stage1_blip2_checkpoint_loads_where_the_hf_weights_load(hf_blip2, tiny_model_config, images, tmp_path):
+    hf, folder = hf_blip2
+    hf_state = hf.state_dict()
+    keys = lavis_blip2_stage1_keys()
+    path = tmp_path / "blip2_pretrained.pth"
+    torch.save({"model": lavis_state(keys, hf_state)}, path)
+
+    # The LAVIS layout covers every tensor of HF's vision model, Q-Former and queries, as the conversion
+    # script asserts (HF's fused qkv.bias comes from LAVIS's q_bias and v_bias).
+    uncovered = {k for k in hf_state if not k.startswith("language_")} - {hf_name(k) for k in keys}
+    assert uncovered == {k for k in hf_state if k.endswith("self_attn.qkv.bias")}
+    # Skipped: exactly the LAVIS keys that have no HF counterpart (text parts, LM head, stage-1 heads).
+    _, _, skipped = read_checkpoint(path)
+    assert set(skipped) == {k for k in keys if hf_name(k) not in hf_state and "_bias" not in k}
+    assert {"Qformer.cls.predictions.bias", "Qformer.bert.embeddings.position_ids", "temp",
+            "Qformer.bert.encoder.layer.0.output.LayerNorm.weight"} <= set(skipped)
+
+    lavis = build(tiny_model_config, load_pretrained=True, pretrained=str(path))
+    assert_same_outputs(lavis, hf, images)
+    from_hf = build(tiny_model_config, load_pretrained=True, pretrained=str(folder))
+    for key, value in pretrained_part(from_hf).items():
+        assert torch.equal(pretrained_part(lavis)[key], value), key
+
+
+def test_lavis_eva_vit_g_with_a_40th_block_and_blip2_t5_checkpoint(hf_blip2, tiny_model_config, images, tmp_path):
+    hf, _ = hf_blip2
+    hf_state = hf.state_dict()
+    # eva_vit_g.pth holds one block more than BLIP-2 builds (40 vs 39): here DEPTH + 1.
+    vit_keys = lavis_eva_vit_keys(DEPTH + 1)
+    vit_path, blip2_path = tmp_path / "eva_vit_g.pth", tmp_path / "blip2_pretrained_flant5xxl.pth"
+    torch.save(lavis_state(vit_keys, hf_state, prefix="visual_encoder."), vit_path)
+    blip2_keys = lavis_blip2_t5_trained_keys()
+    torch.save({"model": lavis_state(blip2_keys, hf_state)}, blip2_path)
+
+    model = build(tiny_model_config, vit_pretrained=str(vit_path), load_pretrained=True, pretrained=str(blip2_path))
+    assert_same_outputs(model, hf, images)
+    _, _, skipped = read_checkpoint(blip2_path)
+    assert set(skipped) == {"Qformer.bert.embeddings.position_ids", "t5_proj.weight", "t5_proj.bias"}
+
+    vit = EvaViT.from_config(VIT)
+    load_eva_vit(vit, vit_path)  # the last block is skipped, every other key is used
+    own = vit.state_dict()
+    assert not any(k.startswith(f"blocks.{DEPTH}.") for k in own)
+    file = torch.load(vit_path)
+    for key, value in own.items():
+        assert torch.equal(value, file[key]), key
+
+
+def test_eva_vit_position_embedding_interpolation_keeps_cls(hf_blip2, tmp_path):
+    path = eva_vit_file(hf_blip2[0], tmp_path)
+    file = torch.load(path)["pos_embed"]
+    vit = EvaViT.from_config({**VIT, "img_size": 128, "load_pretrained": True, "pretrained": str(path)})
+    pos = vit.pos_embed.detach()
+    assert pos.shape == (1, 1 + 8 * 8, WIDTH)
+    assert torch.equal(pos[:, :1], file[:, :1])  # CLS kept
+    # LAVIS's interpolate_pos_embed: bicubic resize of the (4, 4) grid, align_corners=False.
+    grid = file[:, 1:].reshape(1, 4, 4, WIDTH).permute(0, 3, 1, 2)
+    expected = F.interpolate(grid, size=(8, 8), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).flatten(1, 2)
+    torch.testing.assert_close(pos[:, 1:], expected)
+
+
+# ----------------------------------------------------------------- precision, gradient checkpointing
+@pytest.mark.parametrize("precision, dtype, atol", [("fp16", torch.float16, 2e-2), ("bf16", torch.bfloat16, 1e-1)])
+def test_vit_precision_applies_after_loading(precision, dtype, atol, hf_blip2, tiny_model_config, images):
+    hf, folder = hf_blip2
+    model = build(tiny_model_config, vit_precision=precision, load_pretrained=True, pretrained=str(folder))
+    assert {p.dtype for p in model.visual_encoder.parameters()} == {dtype}
+    hf_state = hf.state_dict()
+    assert torch.equal(model.visual_encoder.patch_embed.proj.weight,
+                       hf_state["vision_model.embeddings.patch_embedding.weight"].to(dtype))
+    # ln_vision and the Q-Former stay fp32 (ln_vision also computes in fp32).
+    assert model.ln_vision.weight.dtype == model.query_tokens.dtype == torch.float32
+    assert torch.equal(model.ln_vision.weight, hf_state["vision_model.post_layernorm.weight"])
+    features, _ = ours(model, images)
+    assert features.dtype == dtype
+    torch.testing.assert_close(features.float(), theirs(hf, images)[0], atol=atol, rtol=atol)
+
+
+def test_grad_checkpointing_gives_the_same_output_and_gradients(hf_blip2, tmp_path):
+    path = eva_vit_file(hf_blip2[0], tmp_path)
+    image = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(5))
+    results = {}
+    for checkpointed in (False, True):
+        vit = EvaViT.from_config({**VIT, "use_grad_checkpoint": checkpointed, "load_pretrained": True,
+                                  "pretrained": str(path)}).train()
+        calls = []
+        # On the attention, not the block: torch stops recomputing a block once it has every saved tensor back.
+        vit.blocks[0].attn.register_forward_hook(lambda *_: calls.append(1))
+        x = image.clone().requires_grad_(True)
+        out = vit(x)
+        out.pow(2).mean().backward()
+        results[checkpointed] = out.detach(), x.grad, {n: p.grad for n, p in vit.named_parameters()}
+        assert len(calls) == (2 if checkpointed else 1)  # checkpointing recomputes the block in backward
+    (out, x_grad, grads), (ck_out, ck_x_grad, ck_grads) = results[False], results[True]
+    torch.testing.assert_close(ck_out, out)
+    torch.testing.assert_close(ck_x_grad, x_grad)
+    for name, grad in grads.items():
+        torch.testing.assert_close(ck_grads[name], grad, msg=name)
+
+
+# ----------------------------------------------------------------- bad inputs
+def test_missing_files_are_named(tiny_model_config, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.pth: checkpoint not found"):
+        build(tiny_model_config, load_pretrained=True, pretrained=str(tmp_path / "nope.pth"))
+    with pytest.raises(FileNotFoundError, match=r"eva_vit_g\.pth: checkpoint not found"):
+        build(tiny_model_config, vit_pretrained=str(tmp_path / "eva_vit_g.pth"))
+
+
+def test_missing_files_are_reported_at_config_time_with_their_key(tiny_tokenizer_dir, tmp_path):
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "images" / "a.png")
+    ann = tmp_path / "train.json"
+    ann.write_text(json.dumps([{"image": "a.png", "instruction": "<Img><ImageHere></Img> What?", "output": "red"}]))
+    cfg = write_yaml(tmp_path / "run.yaml", {
+        "model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": str(tiny_tokenizer_dir),
+                  "load_pretrained": True, "pretrained": str(tmp_path / "blip2.pth"),
+                  "vit_pretrained": str(tmp_path / "eva_vit_g.pth")},
+        "datasets": {"minigpt4qwen_instruction": {"build_info": {
+            "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}}}},
+        "run": {"output_dir": str(tmp_path / "out"),
+                "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}},
+    })
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg)
+    assert sorted(info.value.problems) == [f"model.pretrained: '{tmp_path / 'blip2.pth'}' does not exist",
+                                           f"model.vit_pretrained: '{tmp_path / 'eva_vit_g.pth'}' does not exist"]
+
+
+def test_wrong_formats_are_refused_with_the_valid_ones(hf_blip2, tiny_model_config, tmp_path):
+    hf, folder = hf_blip2
+    unknown = tmp_path / "unknown.pth"
+    torch.save({"state_dict": {"fc.weight": torch.zeros(2, 2)}}, unknown)
+    with pytest.raises(CheckpointError, match=r"unknown\.pth: not a checkpoint format we know .*'state_dict'.*"
+                                              r"Expected one of: LAVIS eva_vit_g\.pth"):
+        build(tiny_model_config, load_pretrained=True, pretrained=str(unknown))
+    text = tmp_path / "notes.pth"
+    text.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"notes\.pth: cannot be read by torch\.load"):
+        build(tiny_model_config, load_pretrained=True, pretrained=str(text))
+    with pytest.raises(CheckpointError,
+                       match=r"folder has neither model\.safetensors nor model\.safetensors\.index\.json"):
+        build(tiny_model_config, load_pretrained=True, pretrained=str(tmp_path))
+    vit_file = eva_vit_file(hf, tmp_path)
+    with pytest.raises(CheckpointError, match=r"eva_vit_g\.pth: is a LAVIS eva_vit_g\.pth.*give it as `vit_pretrained`"):
+        build(tiny_model_config, load_pretrained=True, pretrained=vit_file)
+    with pytest.raises(CheckpointError, match=r"is a Hugging Face BLIP-2 folder.*but a ViT checkpoint needs"):
+        build(tiny_model_config, vit_pretrained=str(folder))
+
+
+def eva_vit_file(hf, tmp_path) -> str:
+    path = tmp_path / "eva_vit_g.pth"
+    torch.save(lavis_state(lavis_eva_vit_keys(DEPTH), hf.state_dict(), prefix="visual_encoder."), path)
+    return str(path)
+
+
+def lavis_t5_file(hf, tmp_path, edit=None):
+    state = lavis_state(lavis_blip2_t5_trained_keys(), hf.state_dict())
+    if edit:
+        edit(state)
+    path = tmp_path / "blip2.pth"
+    torch.save({"model": state}, path)
+    return path
+
+
+def test_blip2_checkpoint_without_vit_needs_vit_pretrained(hf_blip2, tiny_model_config, tmp_path):
+    path = lavis_t5_file(hf_blip2[0], tmp_path)
+    with pytest.raises(CheckpointError, match=r"blip2\.pth: holds no visual_encoder\.\* \(ViT\) weights.*"
+                                              r"set `vit_pretrained` to LAVIS's eva_vit_g\.pth"):
+        build(tiny_model_config, load_pretrained=True, pretrained=str(path))
+
+
+def test_unexpected_key_is_named_with_the_skipped_list(hf_blip2, tiny_model_config, tmp_path):
+    hf, _ = hf_blip2
+    path = lavis_t5_file(hf, tmp_path, lambda s: s.update({"Qformer.bert.pooler.dense.weight": torch.zeros(64, 64)}))
+    with pytest.raises(CheckpointError, match=r"blip2\.pth \(lavis_blip2\): 1 unexpected key\(s\): "
+                                              r"Qformer\.bert\.pooler\.dense\.weight \(our qformer\.pooler\.dense\.weight\)\. "
+                                              r"Keys skipped on purpose for this format: Qformer\.cls\.\*; "):
+        build(tiny_model_config, vit_pretrained=eva_vit_file(hf, tmp_path), load_pretrained=True, pretrained=str(path))
+
+
+def test_missing_key_is_named(hf_blip2, tiny_model_config, tmp_path):
+    hf, _ = hf_blip2
+    vit_path = eva_vit_file(hf, tmp_path)
+    path = lavis_t5_file(hf, tmp_path, lambda s: s.pop("query_tokens"))
+    with pytest.raises(CheckpointError, match=r"blip2\.pth \(lavis_blip2\): 1 key\(s\) the model needs are not in "
+                                              r"the file: query_tokens$"):
+        build(tiny_model_config, vit_pretrained=str(vit_path), load_pretrained=True, pretrained=str(path))
+    partial_vit = tmp_path / "partial_vit.pth"
+    state = torch.load(vit_path)
+    del state["blocks.1.mlp.fc2.bias"]
+    torch.save(state, partial_vit)
+    with pytest.raises(CheckpointError, match=r"partial_vit\.pth \(eva_vit\): 1 key\(s\) .* blocks\.1\.mlp\.fc2\.bias"):
+        build(tiny_model_config, vit_pretrained=str(partial_vit))
+
+
+def test_shape_mismatch_names_key_and_both_shapes(hf_blip2, tiny_model_config):
+    _, folder = hf_blip2
+    with pytest.raises(CheckpointError, match=r"shape mismatch for query_tokens: file \(1, 8, 64\), model \(1, 4, 64\)"):
+        build(tiny_model_config, num_query_token=4, load_pretrained=True, pretrained=str(folder))
+
+
+def test_hf_config_that_changes_outputs_but_no_shape_is_refused(tiny_model_config, tmp_path):
+    # Half the heads: every tensor keeps its shape, every output would change.
+    config = tiny_hf_config()
+    config.vision_config.num_attention_heads = VIT["num_heads"] // 2
+    Blip2ForConditionalGeneration(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"config\.json describes another architecture than the model's: "
+                                              r"vision_config\.num_attention_heads \(vit\.num_heads\): folder 2, model 4$"):
+        build(tiny_model_config, load_pretrained=True, pretrained=str(tmp_path))
+
+
+def test_vit_weights_are_set_with_vit_pretrained_not_under_vit(tiny_model_config):
+    with pytest.raises(ValueError, match=r"vit\.pretrained -> vit_pretrained"):
+        build(tiny_model_config, vit={"pretrained": "eva_vit_g.pth"})
