@@ -131,3 +131,8 @@ def test_replacing_a_default_processor_drops_its_default_arguments(instruction_d
     cfg = load_config(path)
     assert dict(cfg.datasets.minigpt4qwen_instruction.vis_processor.train) == {"name": "blip2_image_eval", "image_size": 32}
     assert cfg.datasets.minigpt4qwen_instruction.vis_processor.eval.name == "blip2_image_eval"  # default kept
+    # The builder merges its defaults again when it is built: the replaced arguments stay dropped.
+    from lavis_ds.datasets import DemoShapesBuilder
+    section = {"build_info": {"storage": str(tmp_path / "unused")},
+               "vis_processor": {"train": {"name": "blip2_image_eval", "image_size": 32}}}
+    assert DemoShapesBuilder(section).cfg["vis_processor"]["train"] == {"name": "blip2_image_eval", "image_size": 32}

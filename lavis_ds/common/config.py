@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import LEGACY_RUN_KEYS, RunConfig, batch_sizes, deepspeed_problems
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
+from lavis_ds.datasets.builders import merge_section_defaults
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
@@ -138,8 +139,8 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
             datasets[name] = section
             continue
         default_path = reg.builders.get(builder_name).default_config_path()
-        defaults = OmegaConf.load(default_path).datasets.get(builder_name, {}) if default_path else {}
-        datasets[name] = OmegaConf.merge(_without_replaced_processors(defaults, section), section)
+        defaults = OmegaConf.load(default_path).datasets.get(builder_name, {}) if default_path else OmegaConf.create()
+        datasets[name] = merge_section_defaults(defaults, section)
 
     run_defaults = {k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"}
     return OmegaConf.create({
@@ -148,17 +149,6 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
         "datasets": datasets,
         "run": OmegaConf.merge(run_defaults, user.run),
     })
-
-
-def _without_replaced_processors(defaults: DictConfig, section: DictConfig) -> DictConfig:
-    """Drop default processors the user replaces by another `name`: their arguments would not fit."""
-    defaults = defaults.copy() if isinstance(defaults, DictConfig) else OmegaConf.create(defaults)
-    for kind in ("vis_processor", "text_processor"):
-        for stage, proc in (section.get(kind) or {}).items():
-            default = (defaults.get(kind) or {}).get(stage)
-            if default is not None and isinstance(proc, DictConfig) and proc.get("name", default.name) != default.name:
-                del defaults[kind][stage]
-    return defaults
 
 
 def _expand_home(cfg: DictConfig) -> DictConfig:
@@ -242,7 +232,8 @@ def _check_dataset(name: str, section: dict, errors: list[str]) -> None:
 
 
 def _missing_model_files(model: DictConfig) -> list[str]:
-    """Local folders the model reads (weights, tokenizer) must exist before any rank starts loading."""
-    keys = ["tokenizer", "llm_model"] + (["pretrained"] if model.get("load_pretrained") else [])
+    """Local files and folders the model reads (weights, tokenizer) must exist before any rank starts loading."""
+    # vit_pretrained is loaded whatever load_pretrained says (LAVIS always loads eva_vit_g.pth).
+    keys = ["tokenizer", "llm_model", "vit_pretrained"] + (["pretrained"] if model.get("load_pretrained") else [])
     return [f"model.{key}: {model[key]!r} does not exist" for key in keys
             if model.get(key) and not Path(os.path.expanduser(model[key])).exists()]
