@@ -203,6 +203,9 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         for split in run.get(key) or []:
             if splits and split not in splits:
                 errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
+    keep_last = run.get("keep_last")
+    if isinstance(keep_last, int) and keep_last < 0:
+        errors.append(f"run.keep_last: expected 0 (keep every checkpoint) or a positive count, got {keep_last}")
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")
