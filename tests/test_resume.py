@@ -92,38 +92,36 @@ def test_killed_run_continues_bit_for_bit(tmp_path, demo_storage, stage, dtype):
 # ---- crash while saving ----------------------------------------------------------------------------
 
 def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path, demo_storage):
-    """Freeze the run the moment a checkpoint folder appears; if its marker is not there yet, SIGKILL."""
+    """SIGKILL a run inside ``save()``: every rank has written its DeepSpeed files, the marker is not there yet.
+
+    A FIFO where rank 0 writes the marker's temporary file blocks that write (a FIFO
+    opens for writing only when someone reads), which holds the run at the most
+    dangerous moment of a save long enough to kill it there.
+    """
     out = tmp_path / "torn"
-    cfg_dict = noisy_config(out, demo_storage, 2, "fp32", keep_last=2)
-    cfg_dict["run"]["save_freq_steps"] = 1
-    cfg = write_yaml(tmp_path / "torn.yaml", cfg_dict)
+    total = STEPS_PER_EPOCH * EPOCHS
+    torn = out / "checkpoints" / f"step_{2 * SAVE_EVERY}"
+    torn.mkdir(parents=True)
+    os.mkfifo(torn / "lavis_ds_complete.json.tmp")
+    cfg = write_yaml(tmp_path / "torn.yaml", noisy_config(out, demo_storage, 2, "fp32", keep_last=2))
     proc = start(cfg)
-    checkpoints, torn = out / "checkpoints", None
     deadline = time.time() + 300
-    while torn is None and time.time() < deadline and proc.poll() is None:
-        fresh = [p for p in checkpoints.glob("step_*") if not (p / "lavis_ds_complete.json").exists()] \
-            if checkpoints.is_dir() else []
-        if fresh:
-            os.killpg(proc.pid, signal.SIGSTOP)  # freeze every rank mid-save, then look again
-            if not (fresh[0] / "lavis_ds_complete.json").exists():
-                torn = fresh[0]
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                os.killpg(proc.pid, signal.SIGCONT)  # it finished in between: try the next one
-        time.sleep(0.005)
+    while not (torn / "rng_state_rank1.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert proc.poll() is None, "the run ended instead of blocking in save()"
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert torn is not None, "never caught a checkpoint being written"
-    torn_step = int(torn.name.split("_")[1])
-    previous = max(int(p.name.split("_")[1]) for p in checkpoints.glob("step_*")
-                   if (p / "lavis_ds_complete.json").exists())
-    assert previous < torn_step
+    assert (torn / "mp_rank_00_model_states.pt").exists() and not (torn / "lavis_ds_complete.json").exists()
+    previous = STEPS_PER_EPOCH  # saved at the end of epoch 0, the newest complete one before step 6
+    assert (out / "checkpoints" / f"step_{previous}" / "lavis_ds_complete.json").exists()
 
     rerun = run_train(cfg)
-    assert f"resumed from {checkpoints / f'step_{previous}'}" in rerun.stdout
-    assert [m["step"] for m in train_steps(out)] == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
-    # keep_last=2: the two newest complete checkpoints remain, the torn folder is gone.
-    total = STEPS_PER_EPOCH * EPOCHS
-    assert sorted(p.name for p in checkpoints.glob("step_*")) == sorted([f"step_{total - 1}", f"step_{total}"])
+    assert f"discarded the incomplete checkpoint {torn}" in rerun.stdout
+    assert f"resumed from {out / 'checkpoints' / f'step_{previous}'}" in rerun.stdout
+    assert [m["step"] for m in train_steps(out)] == list(range(1, total + 1))
+    # keep_last=2: the two newest complete checkpoints remain; step 6 was saved again, completely, and pruned.
+    assert {p.name for p in (out / "checkpoints").glob("step_*")} == {f"step_{total - 3}", f"step_{total}"}
 
 
 def test_resume_refuses_a_path_to_an_incomplete_checkpoint(tmp_path, demo_storage):

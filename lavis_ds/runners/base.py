@@ -211,6 +211,11 @@ class RunnerBase:
             seed_everything(self.run.seed + self.rank)
             return
         load_dir, tag = source
+        if self.rank == 0:
+            # A save the kill interrupted: its steps come again, and its folder must not hold stale files.
+            for torn in ckpt.discard_incomplete(self.checkpoint_dir):
+                print(f"discarded the incomplete checkpoint {torn}", flush=True)
+        dist.barrier()
         client = self.load_checkpoint(load_dir, tag)["lavis_ds"]
         self.state = TrainState(**client["train_state"])
         self.scheduler.load_state_dict(client["scheduler"])

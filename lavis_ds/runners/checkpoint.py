@@ -78,13 +78,26 @@ def prune(ckpt_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path
     kept = set(complete[-keep_last:]) | ({Path(keep)} if keep else set())
     newest = int(_TAG.match(complete[-1].name).group(1))
     doomed = [p for step, p in steps if p not in kept and (is_complete(p) or step < newest)]
-    for path in doomed:
+    _delete(doomed, ckpt_dir)
+    return doomed
+
+
+def discard_incomplete(ckpt_dir: Path) -> list[Path]:
+    """Delete the folders of saves that never completed (a resume starts before them)."""
+    if not Path(ckpt_dir).is_dir():
+        return []
+    torn = [p for p in Path(ckpt_dir).iterdir() if _TAG.match(p.name) and not is_complete(p)]
+    _delete(torn, ckpt_dir)
+    return torn
+
+
+def _delete(folders: list[Path], ckpt_dir: Path) -> None:
+    for path in folders:
         trash = path.with_name(f".deleting-{path.name}")
         os.replace(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
     for trash in Path(ckpt_dir).glob(".deleting-*"):  # a deletion that a kill interrupted
         shutil.rmtree(trash, ignore_errors=True)
-    return doomed
 
 
 def best(ckpt_dir: Path) -> Path | None:
