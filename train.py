@@ -44,7 +44,11 @@ def main(argv=None) -> int:
 
         Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, Path(cfg.run.output_dir) / "config.yaml")
-    runner = build_runner(cfg)
+    try:
+        runner = build_runner(cfg)
+    except ConfigError as e:  # found when building, e.g. a resume on a world size that cannot keep the batch
+        print(f"lavis_ds: {e}", file=sys.stderr)
+        return 2
     if dist.is_main_process():
         # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
         runner.module.save_run_files(cfg.run.output_dir)

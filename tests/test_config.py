@@ -62,7 +62,7 @@ def test_defaults_merge_under_the_user_and_options_override(instruction_data, ti
     ("model.arch=blip2_qwn", r"model\.arch: Unknown model 'blip2_qwn'\. Did you mean 'blip2_qwen'\?"),
     ("run.deepspeed_config.zero_optimization.stage=5",
      r"run\.deepspeed_config\.zero_optimization\.stage: 5 is not a ZeRO stage; valid: 0, 1, 2, 3"),
-    ("run.deepspeed_config.train_batch_size=64",
+    ("run.deepspeed_config.gradient_accumulation_steps=1 run.deepspeed_config.train_batch_size=64",
      r"train_batch_size=64 but train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=1 x world size 1 = 1"),
     ("run.batch_size_train=2", r"run\.batch_size_train=2 and run\.deepspeed_config\.train_micro_batch_size_per_gpu=1 disagree"),
     ("run.init_lr=fast", r"run\.init_lr: expected float, got 'fast'"),
@@ -72,7 +72,7 @@ def test_defaults_merge_under_the_user_and_options_override(instruction_data, ti
 ])
 def test_each_bad_value_gives_one_clear_error(instruction_data, tiny_tokenizer_dir, option, message):
     tmp_path, ann = instruction_data
-    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir), [option])
+    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir), option.split())
     assert len(problems) == 1, problems
     assert re.search(message, problems[0]), problems[0]
 
@@ -98,7 +98,11 @@ def test_batch_sizes_are_checked_against_the_world_size(instruction_data, tiny_t
     tmp_path, ann = instruction_data
     path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.deepspeed_config.train_batch_size": 2})
     assert load_config(path, world_size=2).run.deepspeed_config.train_batch_size == 2
-    assert "world size 4 = 4" in _problems(path, world_size=4)[0]
+    # Without gradient_accumulation_steps the global batch sets it (as in DeepSpeed): 2 = 1 x 2 x 1 on 1 process.
+    assert load_config(path, world_size=1).run.deepspeed_config.train_batch_size == 2
+    assert _problems(path, world_size=4) == [
+        "run.deepspeed_config.train_batch_size: a global batch of 2 cannot be split into micro-batches of 1 on "
+        "4 processes (2 is not a multiple of 1 x 4); process counts that keep it: 1, 2"]
 
 
 def test_train_py_prints_the_problems_without_a_traceback(instruction_data, tiny_tokenizer_dir):
@@ -131,3 +135,8 @@ def test_replacing_a_default_processor_drops_its_default_arguments(instruction_d
     cfg = load_config(path)
     assert dict(cfg.datasets.minigpt4qwen_instruction.vis_processor.train) == {"name": "blip2_image_eval", "image_size": 32}
     assert cfg.datasets.minigpt4qwen_instruction.vis_processor.eval.name == "blip2_image_eval"  # default kept
+    # The builder merges its defaults again when it is built: the replaced arguments stay dropped.
+    from lavis_ds.datasets import DemoShapesBuilder
+    section = {"build_info": {"storage": str(tmp_path / "unused")},
+               "vis_processor": {"train": {"name": "blip2_image_eval", "image_size": 32}}}
+    assert DemoShapesBuilder(section).cfg["vis_processor"]["train"] == {"name": "blip2_image_eval", "image_size": 32}

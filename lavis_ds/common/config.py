@@ -20,6 +20,7 @@ from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import LEGACY_RUN_KEYS, RunConfig, batch_sizes, deepspeed_problems
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.mixing import ratio_problems
+from lavis_ds.datasets.builders import merge_section_defaults
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
@@ -138,8 +139,8 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
             datasets[name] = section
             continue
         default_path = reg.builders.get(builder_name).default_config_path()
-        defaults = OmegaConf.load(default_path).datasets.get(builder_name, {}) if default_path else {}
-        datasets[name] = OmegaConf.merge(_without_replaced_processors(defaults, section), section)
+        defaults = OmegaConf.load(default_path).datasets.get(builder_name, {}) if default_path else OmegaConf.create()
+        datasets[name] = merge_section_defaults(defaults, section)
 
     run_defaults = {k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"}
     return OmegaConf.create({
@@ -148,17 +149,6 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
         "datasets": datasets,
         "run": OmegaConf.merge(run_defaults, user.run),
     })
-
-
-def _without_replaced_processors(defaults: DictConfig, section: DictConfig) -> DictConfig:
-    """Drop default processors the user replaces by another `name`: their arguments would not fit."""
-    defaults = defaults.copy() if isinstance(defaults, DictConfig) else OmegaConf.create(defaults)
-    for kind in ("vis_processor", "text_processor"):
-        for stage, proc in (section.get(kind) or {}).items():
-            default = (defaults.get(kind) or {}).get(stage)
-            if default is not None and isinstance(proc, DictConfig) and proc.get("name", default.name) != default.name:
-                del defaults[kind][stage]
-    return defaults
 
 
 def _expand_home(cfg: DictConfig) -> DictConfig:
@@ -217,6 +207,9 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         for split in run.get(key) or []:
             if splits and split not in splits:
                 errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
+    keep_last = run.get("keep_last")
+    if isinstance(keep_last, int) and keep_last < 0:
+        errors.append(f"run.keep_last: expected 0 (keep every checkpoint) or a positive count, got {keep_last}")
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")

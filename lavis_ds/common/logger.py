@@ -19,9 +19,10 @@ class MetricsWriter:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = "".join(line + "\n" for line in _lines_up_to(self.path, resume_step))
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text(kept)
+            tmp.replace(self.path)  # atomic: a kill now leaves the old file or the new one
         self.file = self.path.open("a")
         purge = None if resume_step is None else resume_step + 1
         self.tb = SummaryWriter(str(Path(output_dir) / "tb"), purge_step=purge)
@@ -38,3 +39,16 @@ class MetricsWriter:
     def close(self) -> None:
         self.file.close()
         self.tb.close()
+
+
+def _lines_up_to(path: Path, step: int) -> list[str]:
+    """The lines of ``path`` whose step is at most ``step``; a line cut short by a kill is dropped."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    return kept

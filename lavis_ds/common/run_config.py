@@ -32,6 +32,7 @@ class RunConfig:
     seed: int = 42
     log_freq: int = 10  # optimizer steps
     save_freq_steps: int = 0  # optimizer steps; 0 = only at epoch ends
+    keep_last: int = 0  # newest complete checkpoints to keep, plus the best by validation loss; 0 = all
     resume: Any = "auto"  # "auto" | false | path to a checkpoint
     resume_ckpt_load_dir: str | None = None  # MiniGPT4Qwen spelling of `resume`
     resume_ckpt_tag: str | None = None
@@ -56,15 +57,29 @@ def batch_sizes(run: dict, world_size: int) -> tuple[int, int, int]:
     micro = micro if micro is not None else legacy
     if micro is None:
         raise ValueError("run.deepspeed_config.train_micro_batch_size_per_gpu (or run.batch_size_train) is required")
-    accum = ds.get("gradient_accumulation_steps", 1)
-    total = micro * accum * world_size
+    accum = ds.get("gradient_accumulation_steps")
     given = ds.get("train_batch_size")
+    if accum is None and given is not None:  # as DeepSpeed does: the global batch fixes the accumulation
+        return elastic_batch_sizes(micro, given, world_size, "run.deepspeed_config.train_batch_size")
+    accum = 1 if accum is None else accum
+    total = micro * accum * world_size
     if given is not None and given != total:
         raise ValueError(
             f"run.deepspeed_config.train_batch_size={given} but train_micro_batch_size_per_gpu={micro} x "
             f"gradient_accumulation_steps={accum} x world size {world_size} = {total}; "
             "make them agree or drop train_batch_size")
     return micro, accum, total
+
+
+def elastic_batch_sizes(micro: int, global_batch: int, world_size: int, source: str) -> tuple[int, int, int]:
+    """(micro, accumulation, global) keeping ``global_batch`` on ``world_size`` processes, or a ValueError."""
+    if global_batch % (micro * world_size):
+        fits = [w for w in range(1, global_batch // micro + 1) if global_batch % (micro * w) == 0]
+        raise ValueError(
+            f"{source}: a global batch of {global_batch} cannot be split into micro-batches of {micro} on "
+            f"{world_size} processes ({global_batch} is not a multiple of {micro} x {world_size}); "
+            f"process counts that keep it: {', '.join(map(str, fits))}")
+    return micro, global_batch // (micro * world_size), global_batch
 
 
 def deepspeed_problems(ds: dict) -> list[str]:

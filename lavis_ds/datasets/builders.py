@@ -62,6 +62,20 @@ def build_processor(cfg: Mapping[str, Any]) -> BaseProcessor:
     return registry.get_processor_class(cfg["name"]).from_config(cfg)
 
 
+def merge_section_defaults(defaults: DictConfig, section: DictConfig) -> DictConfig:
+    """``section`` over ``defaults``, minus default processors that ``section`` replaces by another ``name``.
+
+    The replaced processor's arguments (e.g. ``min_scale``) would not fit the new one.
+    """
+    defaults = defaults.copy()
+    for kind in PROCESSOR_KINDS:
+        for stage, proc in (section.get(kind) or {}).items():
+            default = (defaults.get(kind) or {}).get(stage)
+            if default is not None and isinstance(proc, DictConfig) and proc.get("name", default.name) != default.name:
+                del defaults[kind][stage]
+    return OmegaConf.merge(defaults, section)
+
+
 def _paths(value: Any) -> list[str] | None:
     """A `storage` value as a list of paths, or None if it is neither a string nor a list of strings."""
     if isinstance(value, str) and value:
@@ -105,7 +119,7 @@ class BaseDatasetBuilder:
             # Resolve while the node still knows its root, so `${run.x}`-style interpolations work.
             cfg = OmegaConf.to_container(cfg, resolve=True)
         try:
-            merged = OmegaConf.merge(self.default_config(), cfg or {})
+            merged = merge_section_defaults(self.default_config(), OmegaConf.create(cfg or {}))
         except OmegaConfBaseException as e:
             raise ValueError(f"{self.where}: does not fit the builder's defaults: {e}") from None
         self.cfg: dict[str, Any] = OmegaConf.to_container(merged, resolve=True)

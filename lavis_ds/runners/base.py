@@ -7,11 +7,9 @@ here, once.
 """
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
@@ -19,8 +17,10 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from lavis_ds.common import dist
 from lavis_ds.common.registry import registry
-from lavis_ds.common.run_config import batch_sizes
-from lavis_ds.datasets.mixing import MixedDataset, mix_train_splits
+from lavis_ds.common.config import ConfigError
+from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
+from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
+from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
@@ -44,13 +44,17 @@ class RunnerBase:
         self.model, self.datasets = model, datasets
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.output_dir = Path(self.run.output_dir)
-        self.micro_batch, self.accum, self.global_batch = batch_sizes(OmegaConf.to_container(self.run), self.world_size)
+        self.resume_from = self.resume_source()
+        self.micro_batch, self.accum, self.global_batch = self._batch_sizes()
 
         self.state = TrainState()
-        self.train_set = self._concat(self.run.train_splits) if self.run.train_splits else None
-        mixed = mix_train_splits(datasets, cfg.datasets, self.run.train_splits or [], self.run.seed)
-        if mixed is not None:  # the dataset sections set sample_ratio: each epoch draws from them by ratio
-            self.train_set = mixed
+        self.validation: dict = {}  # {"step", "loss"} of the latest validation on the first valid split
+        self.train_set = None
+        if self.run.train_splits:
+            # sample_ratio on the sections: each epoch draws from them by ratio; else one concatenation.
+            mixed = mix_train_splits(datasets, cfg.datasets, self.run.train_splits, self.run.seed)
+            # Augmentation is a function of (seed, epoch, sample index): a resumed epoch repeats it exactly.
+            self.train_set = SeededDataset(mixed or self._concat(self.run.train_splits), self.run.seed)
         if self.train_set is not None:
             self.sampler = StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size,
                                             self.rank, seed=self.run.seed)
@@ -73,8 +77,7 @@ class RunnerBase:
         self.module.train()  # once: evaluation restores the mode it found
         for epoch in range(self.state.epoch, self.run.max_epoch):
             self.sampler.set_position(epoch, self.state.step_in_epoch)
-            if isinstance(self.train_set, MixedDataset):  # before iter(): DataLoader workers copy it then
-                self.train_set.set_epoch(epoch)
+            self.train_set.set_epoch(epoch)  # before iter(): DataLoader workers copy the dataset then
             micro_batches = iter(self.train_loader)
             for _ in range(self.state.step_in_epoch, self.steps_per_epoch):
                 self.run_step([next(micro_batches) for _ in range(self.accum)])
@@ -86,6 +89,8 @@ class RunnerBase:
     def run_step(self, micro_batches: list[dict]) -> None:
         """One optimizer step and everything around it: its lr, the counters, the hooks."""
         lr = self.scheduler.get_lr()
+        # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
+        seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
         metrics = self.train_step(micro_batches)
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
@@ -132,6 +137,9 @@ class RunnerBase:
         """The model without its wrapper (for generate and export)."""
         return self.model
 
+    def trainable_names(self) -> list[str]:
+        return [name for name, p in self.module.named_parameters() if p.requires_grad]
+
     # ------------------------------------------------------------- checkpoints
     @property
     def checkpoint_dir(self) -> Path:
@@ -147,7 +155,13 @@ class RunnerBase:
         torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
         dist.barrier()  # every rank has written everything before the marker says so
         if self.rank == 0:
-            ckpt.mark_complete(tag_dir, {"global_step": self.state.global_step, "epoch": self.state.epoch})
+            validation = self.validation
+            ckpt.mark_complete(tag_dir, {
+                "global_step": self.state.global_step, "epoch": self.state.epoch,
+                "world_size": self.world_size, "global_batch": self.global_batch,
+                "val_loss": validation.get("loss") if validation.get("step") == self.state.global_step else None})
+            if self.run.keep_last:
+                ckpt.prune(self.checkpoint_dir, self.run.keep_last, keep=ckpt.best(self.checkpoint_dir))
         dist.barrier()
         return tag_dir
 
@@ -174,12 +188,37 @@ class RunnerBase:
                                     f"(a step_<N> folder with {ckpt.COMPLETE_MARKER})")
         return latest.parent, latest.name
 
+    def _batch_sizes(self) -> tuple[int, int, int]:
+        """The config's batch sizes; resuming on another number of processes keeps the saved global batch."""
+        micro, accum, total = batch_sizes(OmegaConf.to_container(self.run), self.world_size)
+        saved = self.saved_layout()
+        self.elastic = saved is not None and saved["world_size"] != self.world_size
+        if not self.elastic:
+            return micro, accum, total
+        where = f"resuming {self.resume_from[0] / self.resume_from[1]} (saved by {saved['world_size']} processes)"
+        try:
+            return elastic_batch_sizes(micro, saved["global_batch"], self.world_size, where)
+        except ValueError as e:
+            raise ConfigError([str(e)], str(self.resume_from[0])) from None
+
+    def saved_layout(self) -> dict | None:
+        """World size and global batch of the checkpoint to resume from (None: fresh start or unknown)."""
+        if self.resume_from is None or self.resume_from[1] is None:
+            return None
+        info = ckpt.read_marker(self.resume_from[0] / self.resume_from[1])
+        return info if "world_size" in info else None
+
     def resume(self) -> None:
-        source = self.resume_source()
+        source = self.resume_from
         if source is None:
-            self._seed(self.run.seed + self.rank)
+            seed_everything(self.run.seed + self.rank)
             return
         load_dir, tag = source
+        if self.rank == 0:
+            # A save the kill interrupted: its steps come again, and its folder must not hold stale files.
+            for torn in ckpt.discard_incomplete(self.checkpoint_dir):
+                print(f"discarded the incomplete checkpoint {torn}", flush=True)
+        dist.barrier()
         client = self.load_checkpoint(load_dir, tag)["lavis_ds"]
         self.state = TrainState(**client["train_state"])
         self.scheduler.load_state_dict(client["scheduler"])
@@ -187,17 +226,11 @@ class RunnerBase:
         if tag and client.get("world_size") == self.world_size and rng.is_file():
             ckpt.restore_rng_states(torch.load(rng, weights_only=False))
         else:
-            self._seed(self.run.seed + self.rank + self.state.global_step)
+            seed_everything(self.run.seed + self.rank + self.state.global_step)
         if self.rank == 0:
             print(f"resumed from {load_dir / (tag or '')} at epoch {self.state.epoch}, "
                   f"step {self.state.global_step} ({self.state.step_in_epoch} into the epoch), "
                   f"lr {self.scheduler.get_lr():.3e}", flush=True)
-
-    @staticmethod
-    def _seed(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
 
     # -------------------------------------------------------------- evaluation
     def _eval_batches(self, split: str):
@@ -258,7 +291,8 @@ class RunnerBase:
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
     def _loader(self, dataset, batch_sampler) -> DataLoader:
-        first = dataset.datasets[0] if isinstance(dataset, ConcatDataset) else dataset
+        first = dataset.dataset if isinstance(dataset, SeededDataset) else dataset
+        first = first.datasets[0] if isinstance(first, ConcatDataset) else first
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=first.collater,
                           num_workers=self.run.num_workers, persistent_workers=False)
 

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,11 @@ def latest_complete(ckpt_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def read_marker(tag_dir: Path) -> dict:
+    """What ``mark_complete`` recorded about a checkpoint (step, epoch, world size, global batch...)."""
+    return json.loads((Path(tag_dir) / COMPLETE_MARKER).read_text())
+
+
 def mark_complete(tag_dir: Path, info: dict) -> None:
     tmp = Path(tag_dir) / (COMPLETE_MARKER + ".tmp")
     tmp.write_text(json.dumps(info, indent=2))
@@ -55,3 +61,97 @@ def restore_rng_states(state: dict) -> None:
 
 def rng_file(tag_dir: Path, rank: int) -> Path:
     return Path(tag_dir) / f"rng_state_rank{rank}.pt"
+
+
+def prune(ckpt_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (and ``keep``); return what went.
+
+    Unfinished folders older than the newest complete one (left by a crash while
+    saving) go too. A folder is first renamed out of the ``step_<N>`` namespace,
+    atomically, so a kill during the deletion never leaves a marked but gutted
+    checkpoint for resume to trust.
+    """
+    steps = sorted((int(m.group(1)), p) for p in Path(ckpt_dir).iterdir() if (m := _TAG.match(p.name)))
+    complete = [p for _, p in steps if is_complete(p)]
+    if not complete:
+        return []
+    kept = set(complete[-keep_last:]) | ({Path(keep)} if keep else set())
+    newest = int(_TAG.match(complete[-1].name).group(1))
+    doomed = [p for step, p in steps if p not in kept and (is_complete(p) or step < newest)]
+    _delete(doomed, ckpt_dir)
+    return doomed
+
+
+def discard_incomplete(ckpt_dir: Path) -> list[Path]:
+    """Delete the folders of saves that never completed (a resume starts before them)."""
+    if not Path(ckpt_dir).is_dir():
+        return []
+    torn = [p for p in Path(ckpt_dir).iterdir() if _TAG.match(p.name) and not is_complete(p)]
+    _delete(torn, ckpt_dir)
+    return torn
+
+
+def _delete(folders: list[Path], ckpt_dir: Path) -> None:
+    for path in folders:
+        trash = path.with_name(f".deleting-{path.name}")
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    for trash in Path(ckpt_dir).glob(".deleting-*"):  # a deletion that a kill interrupted
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def best(ckpt_dir: Path) -> Path | None:
+    """The complete checkpoint with the lowest validation loss recorded in its marker, if any."""
+    scored = [(read_marker(p)["val_loss"], p) for p in Path(ckpt_dir).iterdir()
+              if _TAG.match(p.name) and is_complete(p) and read_marker(p).get("val_loss") is not None]
+    return min(scored)[1] if scored else None
+
+
+def model_states_file(tag_dir: Path) -> Path:
+    """The DeepSpeed file holding the module state dict (ZeRO-3 names it per data-parallel rank)."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (Path(tag_dir) / name).is_file():
+            return Path(tag_dir) / name
+    raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model states file (mp_rank_00_model_states.pt); "
+                            "is this a DeepSpeed checkpoint folder?")
+
+
+def check_trainable_saved(tag_dir: Path, trainable: list[str]) -> None:
+    """Fail clearly if the checkpoint lacks trainable parameters of the model being resumed.
+
+    The engine loads lean checkpoints non-strictly (frozen weights are absent on
+    purpose), which would silently leave a missing trainable weight at its initial
+    value, e.g. after changing which parts are frozen between runs.
+    """
+    # mmap: only the key index is read, not the tensors.
+    saved = torch.load(model_states_file(tag_dir), map_location="cpu", mmap=True, weights_only=False)["module"]
+    missing = [name for name in trainable if name not in saved]
+    if missing:
+        raise ValueError(
+            f"{tag_dir} lacks {len(missing)} trainable parameter(s) of this model, e.g. {', '.join(missing[:5])}; "
+            "it was saved from a model with other trainable parts (check the freeze_* / get_lora settings)")
+
+
+def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
+    """DeepSpeed's universal (world-size independent) form of ``tag_dir``, made once; returns its load dir.
+
+    Rank 0 converts into a scratch folder and renames it into place, so a kill
+    during conversion never leaves a half-made copy that a later resume would use.
+    """
+    import torch.distributed as torch_dist
+
+    target = Path(universal_root) / Path(tag_dir).name
+    if rank == 0 and not target.is_dir():
+        from argparse import Namespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        scratch = target.with_name(f".tmp-{target.name}")
+        shutil.rmtree(scratch, ignore_errors=True)
+        ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(scratch), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True))
+        os.replace(scratch, target)
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+    return target.parent

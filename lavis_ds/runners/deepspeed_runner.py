@@ -9,6 +9,7 @@ import torch.distributed as torch_dist
 
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import build_deepspeed_config
+from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.base import RunnerBase
 
 
@@ -22,7 +23,15 @@ class DeepSpeedRunner(RunnerBase):
         import deepspeed
         from omegaconf import OmegaConf
 
-        ds_config = build_deepspeed_config(OmegaConf.to_container(self.run, resolve=True), self.world_size)
+        run = OmegaConf.to_container(self.run, resolve=True)
+        # The batch layout the runner settled on (a resume on another world size changes the accumulation).
+        run["deepspeed_config"].update(train_micro_batch_size_per_gpu=self.micro_batch,
+                                       gradient_accumulation_steps=self.accum, train_batch_size=self.global_batch)
+        run.pop("batch_size_train", None)
+        ds_config = build_deepspeed_config(run, self.world_size)
+        if self.elastic:
+            # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format.
+            ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                                             config=ds_config)
         self.zero_stage = self.engine.zero_optimization_stage()
@@ -90,7 +99,12 @@ class DeepSpeedRunner(RunnerBase):
                                     exclude_frozen_parameters=True)
 
     def load_checkpoint(self, load_dir: Path, tag):
-        # Frozen weights are not in the checkpoint; they come from where the model loaded them.
+        if tag is not None:
+            ckpt.check_trainable_saved(Path(load_dir) / tag, self.trainable_names())
+        if self.elastic:
+            load_dir = ckpt.universal_copy(Path(load_dir) / tag, self.checkpoint_dir / "universal", self.rank)
+        # Frozen weights are not in the checkpoint (checked above: everything trainable is);
+        # they come from where the model loaded them.
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")

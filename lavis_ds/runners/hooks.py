@@ -78,8 +78,11 @@ class Validation(Hook):
     """Validation loss on each of `run.valid_splits` at the end of every epoch."""
 
     def after_epoch(self, runner, evaluate_only: bool = False) -> None:
-        for split in runner.run.valid_splits:
-            _log(runner, {"split": split, **runner.evaluate_loss(split)})
+        for i, split in enumerate(runner.run.valid_splits):
+            result = runner.evaluate_loss(split)
+            _log(runner, {"split": split, **result})
+            if i == 0:  # the first valid split picks the best checkpoint (run.keep_last keeps it)
+                runner.validation = {"step": runner.state.global_step, "loss": result["loss"]}
 
 
 class Checkpointer(Hook):

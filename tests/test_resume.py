@@ -1,0 +1,262 @@
+"""Resumption on real DeepSpeed engines, 2 processes: SIGKILL at any moment, rerun, and nothing changes."""
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from run_utils import REPO, command, env, run_train, tiny_config, train_steps, write_yaml
+
+STEPS_PER_EPOCH = 64 // (4 * 2 * 2)  # 64 samples, micro 4 x accumulation 2 x 2 processes
+EPOCHS = 3
+SAVE_EVERY = 3
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
+    return storage
+
+
+def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -> dict:
+    """Random crops and flips (the demo's train processor), dropout and stochastic depth all on."""
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, accum=2, max_epoch=EPOCHS,
+                      save_freq_steps=SAVE_EVERY, **run)
+    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
+    cfg["model"].update(drop_path_rate=0.1, llm_config={"attention_dropout": 0.1},
+                        qformer={"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
+    return cfg
+
+
+def start(cfg_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(command(cfg_path), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_after_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
+    """SIGKILL the whole process group as soon as ``step`` is in metrics.jsonl."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(_complete_steps(out)) >= step:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _complete_steps(out: Path) -> list[str]:
+    """Training lines written so far (the file may end in a half-written line)."""
+    lines = (out / "metrics.jsonl").read_text().split("\n")[:-1]
+    return [line for line in lines if '"split"' not in line]
+
+
+def comparable(steps: list[dict]) -> list[tuple]:
+    return [(m["step"], m["epoch"], m["loss"], m["lr"], m["grad_norm"]) for m in steps]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_killed_run_continues_bit_for_bit(tmp_path, demo_storage, stage, dtype):
+    reference_out = tmp_path / "reference"
+    reference = write_yaml(tmp_path / "reference.yaml", noisy_config(reference_out, demo_storage, stage, dtype))
+    killed_out = tmp_path / "killed"
+    killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, demo_storage, stage, dtype))
+    total = STEPS_PER_EPOCH * EPOCHS
+    # Anywhere after the first checkpoint, checkpoint steps and epoch ends included.
+    kill_step = random.randint(SAVE_EVERY + 1, total - 2)
+
+    # The reference runs next to the run that gets killed: two jobs, one wall-clock wait.
+    with open(tmp_path / "reference.log", "w") as log:
+        reference_proc = subprocess.Popen(command(reference), cwd=REPO, env=env(), stdout=log, stderr=log)
+        kill_after_step(start(killed), killed_out, kill_step)
+        rerun = run_train(killed)
+        assert reference_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+
+    expected = comparable(train_steps(reference_out))
+    assert len(expected) == total
+    assert "resumed from" in rerun.stdout, f"kill after step {kill_step}: no resume\n{rerun.stdout[-2000:]}"
+    assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
+    losses = [loss for _, _, loss, _, _ in expected]
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) < 0.9 * sum(losses[:3])
+
+
+# ---- crash while saving ----------------------------------------------------------------------------
+
+def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path, demo_storage):
+    """SIGKILL a run inside ``save()``: every rank has written its DeepSpeed files, the marker is not there yet.
+
+    A FIFO where rank 0 writes the marker's temporary file blocks that write (a FIFO
+    opens for writing only when someone reads), which holds the run at the most
+    dangerous moment of a save long enough to kill it there.
+    """
+    out = tmp_path / "torn"
+    total = STEPS_PER_EPOCH * EPOCHS
+    torn = out / "checkpoints" / f"step_{2 * SAVE_EVERY}"
+    torn.mkdir(parents=True)
+    os.mkfifo(torn / "lavis_ds_complete.json.tmp")
+    cfg = write_yaml(tmp_path / "torn.yaml", noisy_config(out, demo_storage, 2, "fp32", keep_last=2))
+    proc = start(cfg)
+    deadline = time.time() + 300
+    while not (torn / "rng_state_rank1.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert proc.poll() is None, "the run ended instead of blocking in save()"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (torn / "mp_rank_00_model_states.pt").exists() and not (torn / "lavis_ds_complete.json").exists()
+    previous = STEPS_PER_EPOCH  # saved at the end of epoch 0, the newest complete one before step 6
+    assert (out / "checkpoints" / f"step_{previous}" / "lavis_ds_complete.json").exists()
+
+    rerun = run_train(cfg)
+    assert f"discarded the incomplete checkpoint {torn}" in rerun.stdout
+    assert f"resumed from {out / 'checkpoints' / f'step_{previous}'}" in rerun.stdout
+    assert [m["step"] for m in train_steps(out)] == list(range(1, total + 1))
+    # keep_last=2: the two newest complete checkpoints remain; step 6 was saved again, completely, and pruned.
+    assert {p.name for p in (out / "checkpoints").glob("step_*")} == {f"step_{total - 3}", f"step_{total}"}
+
+
+def test_resume_refuses_a_path_to_an_incomplete_checkpoint(tmp_path, demo_storage):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_5").mkdir(parents=True)
+    (out / "checkpoints" / "step_5" / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    cfg = write_yaml(tmp_path / "run.yaml", noisy_config(out, demo_storage, 2, "fp32",
+                                                          resume=str(out / "checkpoints" / "step_5")))
+    proc = run_train(cfg, nproc=0, check=False)
+    assert proc.returncode != 0
+    assert "holds no complete lavis_ds checkpoint" in proc.stderr
+
+
+# ---- lean checkpoints ---------------------------------------------------------------------------------
+
+def _tensors(obj, prefix=""):
+    """(name, tensor) for every tensor inside a loaded checkpoint file."""
+    import torch
+
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}[{i}]")
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32")])
+def test_checkpoint_holds_no_frozen_tensor_and_has_the_expected_size(tmp_path, demo_storage, stage, dtype):
+    import torch
+
+    from lavis_ds.build import build_model
+    from lavis_ds.common.config import load_config
+
+    out = tmp_path / "lean"
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, max_epoch=1, save_freq_steps=0)
+    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
+    cfg["model"].update(freeze_vit=True, freeze_llm=True)  # the MiniGPT4Qwen split: Q-Former + projection train
+    path = write_yaml(tmp_path / "lean.yaml", cfg)
+    run_train(path)
+
+    model = build_model(load_config(path, world_size=2).model, seed=7)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert trainable and frozen
+    tag_dir = out / "checkpoints" / f"step_{64 // 8}"
+    saved_names = set()
+    for file in tag_dir.glob("*.pt"):
+        for name, _ in _tensors(torch.load(file, map_location="cpu", weights_only=False)):
+            saved_names.add(name)
+    assert not any(name.endswith(f".{f}") or name == f for name in saved_names for f in frozen)
+    assert {f"module.{n}" for n in trainable} <= saved_names
+
+    numel = sum(model.get_parameter(n).numel() for n in trainable)
+    param_bytes = 2 if dtype == "bf16" else 4
+    # The weights in their training dtype + Adam's fp32 state: master copy, exp_avg, exp_avg_sq.
+    need = numel * (param_bytes + 12)
+    size = sum(f.stat().st_size for f in tag_dir.iterdir())
+    assert size <= 1.1 * need, f"{size} bytes on disk for {numel} trainable parameters (need {need})"
+    assert size >= numel * 8  # the optimizer state is there
+
+
+def test_keep_last_prunes_old_checkpoints_but_keeps_the_best(tmp_path):
+    from lavis_ds.runners import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for step, val_loss in [(2, None), (4, 0.5), (6, None), (8, 0.7), (10, None)]:
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "weights.pt").write_bytes(b"x")
+        ckpt.mark_complete(root / f"step_{step}", {"global_step": step, "val_loss": val_loss})
+    (root / "step_7").mkdir()  # a save that a crash cut short
+    (root / ".deleting-step_1").mkdir()  # a deletion that a crash cut short
+
+    assert ckpt.best(root) == root / "step_4"
+    ckpt.prune(root, keep_last=2, keep=ckpt.best(root))
+    assert sorted(p.name for p in root.iterdir()) == ["step_10", "step_4", "step_8"]
+
+
+# ---- elastic resume ------------------------------------------------------------------------------------
+
+def _elastic_config(out: Path, demo_storage: Path, micro: int, accum: int) -> dict:
+    """Augmentation on (a function of the sample, so of nothing the world size changes); dropout off."""
+    cfg = tiny_config(out, demo_storage, stage=2, micro=micro, accum=accum, max_epoch=2, save_freq_steps=3)
+    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
+    cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def elastic_references(tmp_path_factory, demo_storage):
+    """The same global batch of 8 run uninterrupted on 2 processes (4 x 1 x 2) and on 1 (4 x 2 x 1)."""
+    root = tmp_path_factory.mktemp("elastic")
+    runs = {}
+    for nproc, accum in ((2, 1), (1, 2)):
+        out = root / f"world{nproc}"
+        run_train(write_yaml(root / f"world{nproc}.yaml", _elastic_config(out, demo_storage, 4, accum)),
+                  nproc=nproc if nproc > 1 else 0)
+        runs[nproc] = out
+    return runs
+
+
+def _continue_on(tmp_path, demo_storage, source: Path, nproc: int, micro: int = 4, accum: int = 1, check=True):
+    """Copy step_6 of ``source`` into a fresh run folder and resume it there on ``nproc`` processes."""
+    import shutil
+
+    out = tmp_path / "continued"
+    shutil.copytree(source / "checkpoints" / "step_6", out / "checkpoints" / "step_6")
+    cfg = write_yaml(tmp_path / "continued.yaml", _elastic_config(out, demo_storage, micro, accum))
+    proc = run_train(cfg, nproc=nproc if nproc > 1 else 0, check=check)
+    return out, proc
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_processes_continues_the_curve(tmp_path, demo_storage, elastic_references,
+                                                                   before, after):
+    reference = train_steps(elastic_references[before])
+    # The two layouts see the same samples per step: their curves agree to float precision.
+    other = train_steps(elastic_references[after])
+    assert [m["loss"] for m in other] == pytest.approx([m["loss"] for m in reference], rel=1e-4)
+
+    # The config asks for accumulation 1; resuming keeps the saved global batch of 8 instead.
+    out, proc = _continue_on(tmp_path, demo_storage, elastic_references[before], after)
+    assert "resumed from" in proc.stdout
+    continued = train_steps(out)
+    assert [m["step"] for m in continued] == list(range(7, len(reference) + 1))
+    assert [m["lr"] for m in continued] == [m["lr"] for m in reference[6:]]
+    assert [m["loss"] for m in continued] == pytest.approx([m["loss"] for m in reference[6:]], rel=1e-4)
+    assert [m["grad_norm"] for m in continued] == pytest.approx([m["grad_norm"] for m in reference[6:]], rel=1e-3)
+
+
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, demo_storage, elastic_references):
+    # Saved by 1 process with a global batch of 8; micro-batches of 8 on 2 processes would make 16.
+    _, proc = _continue_on(tmp_path, demo_storage, elastic_references[1], 2, micro=8, check=False)
+    assert proc.returncode != 0
+    assert "a global batch of 8 cannot be split into micro-batches of 8 on 2 processes" in proc.stderr
+    assert "process counts that keep it: 1" in proc.stderr
