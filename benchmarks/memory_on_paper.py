@@ -80,7 +80,8 @@ def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
     cfg = load_config(yaml_path, world_size=gpus, check_files=False)
     model_cfg = dict(cfg.model)
     # Same architecture from the preset's llm_config; no weight files are read on the meta device.
-    model_cfg.update(llm_model=None, tokenizer=str(tokenizer_dir), load_pretrained=False, pretrained=None)
+    model_cfg.update(llm_model=None, tokenizer=str(tokenizer_dir), load_pretrained=False, pretrained=None,
+                     vit_pretrained=None)
     with torch.device("meta"):
         model = Blip2Qwen.from_config(model_cfg)
 

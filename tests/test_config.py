@@ -29,7 +29,9 @@ def _cfg(tmp_path, ann, tokenizer_dir, **edits):
     cfg = {
         "model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": str(tokenizer_dir)},
         "datasets": {"minigpt4qwen_instruction": {"build_info": {
-            "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}}}},
+            "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}},
+            # The tiny model's ViT takes 64 px images.
+            "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
                 "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}},
     }
@@ -69,6 +71,9 @@ def test_defaults_merge_under_the_user_and_options_override(instruction_data, ti
     ("run.lr_sched=cosine", r"run\.lr_sched: Unknown lr scheduler 'cosine'"),
     ("model.vit_precision=fp8", r"model\.vit_precision: expected 'fp32' \| 'fp16' \| 'bf16', got 'fp8'"),
     ("run.valid_splits=[val]", r"run\.valid_splits: split 'val' is not in any dataset; available: train"),
+    ("datasets.minigpt4qwen_instruction.vis_processor.eval.image_size=224",
+     r"datasets\.minigpt4qwen_instruction\.vis_processor\.eval\.image_size: 224 but "
+                            r"model\.image_size is 64; the vision tower takes images of model\.image_size only"),
 ])
 def test_each_bad_value_gives_one_clear_error(instruction_data, tiny_tokenizer_dir, option, message):
     tmp_path, ann = instruction_data
@@ -131,9 +136,9 @@ def test_every_project_yaml_loads_and_validates(path):
 def test_replacing_a_default_processor_drops_its_default_arguments(instruction_data, tiny_tokenizer_dir):
     tmp_path, ann = instruction_data
     path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{
-        "datasets.minigpt4qwen_instruction.vis_processor": {"train": {"name": "blip2_image_eval", "image_size": 32}}})
+        "datasets.minigpt4qwen_instruction.vis_processor": {"train": {"name": "blip2_image_eval", "image_size": 64}, "eval": {"image_size": 64}}})
     cfg = load_config(path)
-    assert dict(cfg.datasets.minigpt4qwen_instruction.vis_processor.train) == {"name": "blip2_image_eval", "image_size": 32}
+    assert dict(cfg.datasets.minigpt4qwen_instruction.vis_processor.train) == {"name": "blip2_image_eval", "image_size": 64}
     assert cfg.datasets.minigpt4qwen_instruction.vis_processor.eval.name == "blip2_image_eval"  # default kept
     # The builder merges its defaults again when it is built: the replaced arguments stay dropped.
     from lavis_ds.datasets import DemoShapesBuilder

@@ -246,7 +246,9 @@ def test_a_file_of_the_wrong_layout_names_the_file_and_both_layouts(tmp_path):
 # ---- bad records through the config: reported before training, or skipped and counted -------------
 
 def _run_yaml(tmp_path, tokenizer_dir, datasets: dict) -> Path:
-    cfg = {"model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": str(tokenizer_dir)},
+    for section in datasets.values():  # images the size the model below takes, unless a test says otherwise
+        section.setdefault("vis_processor", EVAL_16)
+    cfg = {"model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": str(tokenizer_dir), "image_size": 16},
            "datasets": datasets,
            "run": {"output_dir": str(tmp_path / "out"),
                    "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}}}
@@ -379,13 +381,16 @@ def test_sample_ratio_on_some_training_datasets_only_is_a_config_error(tmp_path,
 
 def test_training_datasets_with_different_image_sizes_are_a_config_error(tmp_path, tiny_tokenizer_dir, llava_files):
     root, path = llava_files
-    big = {"train": {"name": "blip2_image_train", "image_size": 32}}
+    big = {"train": {"name": "blip2_image_train", "image_size": 32}, "eval": EVAL_16["eval"]}
     datasets = {"a": {"builder": "llava_conversation", **_section(path, root)},
                 "b": {"builder": "coco_caption", **_section(path, root), "vis_processor": big}}
     with pytest.raises(ConfigError) as info:
         load_config(_run_yaml(tmp_path, tiny_tokenizer_dir, datasets))
-    assert info.value.problems == ["datasets.b.vis_processor.train.image_size: 32 differs from datasets.a's 16; "
-                                   "datasets that train together must make images of one size (a batch mixes them)"]
+    assert info.value.problems == [
+        "datasets.b.vis_processor.train.image_size: 32 differs from datasets.a's 16; "
+        "datasets that train together must make images of one size (a batch mixes them)",
+        "datasets.b.vis_processor.train.image_size: 32 but model.image_size is 16; "
+        "the vision tower takes images of model.image_size only"]
 
 
 # ---- mixing by sample_ratio -----------------------------------------------------------------------
@@ -515,7 +520,7 @@ def test_two_mixed_datasets_train_on_one_process(tmp_path):
     cfg["datasets"]["captions"] = {
         "builder": "coco_caption", "sample_ratio": 3, "prompt": CAPTION_PROMPT,
         "build_info": {"annotations": {"train": {"storage": str(coco)}}, "images": {"storage": str(storage / "images")}},
-        "vis_processor": {"train": {"name": "blip2_image_train", "image_size": 64}}}
+        "vis_processor": {"train": {"name": "blip2_image_train", "image_size": 64}, "eval": {"image_size": 64}}}
     proc = run_train(write_yaml(tmp_path / "mix.yaml", cfg), nproc=0)
 
     total = 128 + len(captions)

@@ -189,6 +189,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
                 if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
     errors.extend(_image_size_problems(training))
+    errors.extend(_model_image_size_problems(plain["datasets"], plain["model"]))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
@@ -258,6 +259,24 @@ def _image_size_problems(training: dict[str, dict]) -> list[str]:
     return [f"datasets.{name}.vis_processor.train.image_size: {size} differs from datasets.{first}'s "
             f"{sizes[first]}; datasets that train together must make images of one size (a batch mixes them)"
             for name, size in sizes.items() if size != sizes[first]]
+
+
+def _model_image_size_problems(datasets: dict, model: dict) -> list[str]:
+    """Every image processor must make the size the vision tower is built for (its position embedding)."""
+    expected = model.get("image_size")
+    if not isinstance(expected, int):
+        return []
+    problems = []
+    for name, section in datasets.items():
+        processors = (section.get("vis_processor") or {}) if isinstance(section, dict) else {}
+        for stage, proc in processors.items():
+            known = isinstance(proc, dict) and proc.get("name") in reg.processors
+            fields = fields_of(reg.processors.get(proc["name"])) if known else {}
+            size = proc.get("image_size", fields["image_size"][1]) if "image_size" in fields else expected
+            if size != expected:
+                problems.append(f"datasets.{name}.vis_processor.{stage}.image_size: {size} but model.image_size is "
+                                f"{expected}; the vision tower takes images of model.image_size only")
+    return problems
 
 
 def _missing_model_files(model: DictConfig) -> list[str]:

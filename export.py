@@ -1,0 +1,14 @@
+"""Export a checkpoint (any ZeRO stage) to safetensors + config for inference without DeepSpeed.
+
+    python export.py output/demo --out exports/demo                      # the run's newest complete checkpoint
+    python export.py output/demo/checkpoints/step_40 --out exports/step40
+    python export.py output/lora_run --out exports/lora --merge-lora     # also a merged Hugging Face LLM
+
+Then: python -m lavis_ds.generate --model exports/demo --image x.png --prompt "Describe the image."
+"""
+import sys
+
+from lavis_ds.export import main
+
+if __name__ == "__main__":
+    sys.exit(main())

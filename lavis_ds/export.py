@@ -1,0 +1,439 @@
+"""Export a training checkpoint to safetensors, and load the export for inference without DeepSpeed.
+
+An export folder holds:
+
+    model.safetensors   the trained parameters as fp32 master values; nothing frozen
+    config.yaml         the run's model section, its seed, the eval processors, and what was exported
+    tokenizer/          the tokenizer the model was built from
+or, with ``--merge-lora``, instead of tokenizer/:
+    llm/                the LLM as a plain Hugging Face folder (LoRA and trained token rows merged
+                        in) with the tokenizer as the model used it; model.safetensors then holds
+                        the trained weights outside the LLM
+
+Frozen parameters are left out, as in the checkpoints: :func:`load_exported` rebuilds
+the model from ``config.yaml`` through the registry, which brings them from where
+training had them (random init from ``seed``, or the files named by ``pretrained``,
+``vit_pretrained`` and ``llm_model``), then loads ``model.safetensors`` over it.
+
+Export reads checkpoints of every ZeRO stage and precision. Stages 1-3 go through
+DeepSpeed's own consolidation (``deepspeed.utils.zero_to_fp32``), which reads the fp32
+master partitions of every rank (``*zero_pp_rank_*_optim_states.pt``, including the
+``bf16_zero_pp_*`` files of DeepSpeed's BF16 optimizer). Stage 0 keeps everything in
+``mp_rank_00_model_states.pt``: in fp32 the module's weights are the trained values (a
+plain torch optimizer steps them); in bf16/fp16 the module holds a rounded copy and the
+fp32 masters sit in the FP16 optimizer's flat groups, which are split back by name here.
+
+This module imports DeepSpeed only inside :func:`export_checkpoint`: loading an export
+needs neither DeepSpeed nor a process group.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lavis_ds.runners import checkpoint as ckpt
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+TOKENIZER_DIR = "tokenizer"
+MERGED_LLM_DIR = "llm"
+# The submodule merge_lora() turns into a plain Hugging Face model.
+LLM_PREFIX = "llm_model."
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported or an export that cannot be loaded; the message names the path."""
+
+
+# ----------------------------------------------------------------------------- finding the checkpoint
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete checkpoint folder that ``path`` names.
+
+    ``path`` is a checkpoint folder (``<output_dir>/checkpoints/step_<N>``), a run's
+    ``output_dir`` or its ``checkpoints/`` folder; the last two mean their newest
+    complete checkpoint. Raises :class:`ExportError` for an incomplete checkpoint
+    (no completion marker: some rank never finished writing it) and for anything else.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"{path} does not exist")
+    if ckpt.is_complete(path):
+        return path
+    if _is_deepspeed_folder(path):
+        newest = ckpt.latest_complete(path.parent)
+        hint = f"; the newest complete checkpoint beside it is {newest}" if newest else ""
+        raise ExportError(f"{path} is an incomplete checkpoint: it has no {ckpt.COMPLETE_MARKER}, so not every "
+                          f"rank finished writing it (the run was stopped while saving){hint}")
+    for folder in (path / "checkpoints", path):
+        newest = ckpt.latest_complete(folder)
+        if newest is not None:
+            return newest
+    incomplete = sorted(str(p) for folder in (path / "checkpoints", path) if folder.is_dir()
+                        for p in folder.iterdir() if p.is_dir() and _is_deepspeed_folder(p))
+    found = f" (only incomplete checkpoints: {', '.join(incomplete)})" if incomplete else ""
+    raise ExportError(f"{path} is not a lavis_ds checkpoint{found}: give a checkpoint folder "
+                      f"<output_dir>/checkpoints/step_<N> holding {ckpt.COMPLETE_MARKER}, or a run's output_dir "
+                      f"(its newest complete checkpoint is exported)")
+
+
+def _is_deepspeed_folder(path: Path) -> bool:
+    return path.is_dir() and any(path.glob("*model_states.pt"))
+
+
+# ----------------------------------------------------------------------------- reading the trained weights
+def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(trained fp32 weights by parameter name, info)`` of a complete checkpoint folder.
+
+    ``info`` has the run ``config`` (DictConfig), ``zero_stage``, ``dtype`` (the engine's:
+    fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # Rank 0's file (every rank's carries the client state). weights_only=False: DeepSpeed pickles
+    # its own objects into checkpoints (its loader does the same).
+    states = torch.load(ckpt.model_states_file(tag_dir), map_location="cpu", weights_only=False)
+    client = states.get("lavis_ds")
+    if not isinstance(client, dict) or "config" not in client:
+        raise ExportError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
+                          "it was not written by lavis_ds's runner")
+    cfg = OmegaConf.create(client["config"])
+    ds_config = states.get("ds_config") or {}
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    dtype = "fp32"
+    for name, keys in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",))):
+        if any((ds_config.get(key) or {}).get("enabled") for key in keys):
+            dtype = name
+    train_state = client.get("train_state", {})
+    info = {"config": cfg, "zero_stage": stage, "dtype": dtype, "world_size": client.get("world_size"),
+            "global_step": train_state.get("global_step"), "epoch": train_state.get("epoch")}
+
+    if stage == 0:
+        return _stage0_weights(states, cfg.run, tag_dir), info
+    # Stages 1-3: DeepSpeed merges the fp32 partitions of every rank. Its result also holds buffers
+    # and tied aliases; `param_shapes` lists the optimizer's parameters, i.e. exactly what trained.
+    merged = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name,
+                                                      exclude_frozen_parameters=True)
+    names = [name for group in states["param_shapes"] for name in group]
+    return {name: merged[name] for name in names}, info
+
+
+class _SavedParameters:
+    """Names and shapes of saved parameters, as ``build_param_groups`` reads a model (meta tensors: no memory)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.params = {name: nn.Parameter(torch.empty(t.shape, device="meta")) for name, t in tensors.items()}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+def _stage0_weights(states: dict, run: DictConfig, tag_dir: Path) -> dict[str, torch.Tensor]:
+    from lavis_ds.optim import build_param_groups
+
+    buffers = set(states.get("buffer_names") or ())
+    # The module was saved with exclude_frozen_parameters: what is left besides buffers trained.
+    module = _first_name_per_tensor({k: v for k, v in states["module"].items() if k not in buffers})
+    optimizer = states.get("optimizer") or {}
+    if "fp32_groups_flat" not in optimizer:
+        return {name: t.float() for name, t in module.items()}  # fp32: a torch optimizer stepped these
+
+    # bf16/fp16: FP16_Optimizer flattened each param group (in group order, no padding) into one fp32
+    # master. The groups are the runner's, so the same function, on the same names in the same
+    # order, gives the same groups.
+    saved = _SavedParameters(module)
+    groups = build_param_groups(saved, run.weight_decay, dict(run.lr_scales))
+    name_of = {id(p): name for name, p in saved.params.items()}
+    flats = optimizer["fp32_groups_flat"]
+    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+    if len(flats) != len(groups) or [f.numel() for f in flats] != sizes:
+        raise ExportError(f"{tag_dir}: the fp32 master groups ({[f.numel() for f in flats]} elements) do not match "
+                          f"the parameter groups of the saved weights ({sizes}); were run.weight_decay or "
+                          "run.lr_scales changed in the saved config?")
+    weights = {}
+    for group, flat in zip(groups, flats):
+        offset = 0
+        for p in group["params"]:
+            weights[name_of[id(p)]] = flat[offset:offset + p.numel()].view(p.shape).float()
+            offset += p.numel()
+    # The module copy is the master rounded to the engine's dtype: a wrong split cannot pass this.
+    wrong = [name for name, w in weights.items() if not torch.equal(w.to(module[name].dtype), module[name])]
+    if wrong:
+        raise ExportError(f"{tag_dir}: the fp32 master weights do not round to the saved module weights for "
+                          f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; the flat master groups "
+                          "could not be matched to parameter names")
+    return {name: weights[name] for name in module}
+
+
+def _first_name_per_tensor(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop later names of the same tensor (tied weights), as ``named_parameters()`` does.
+
+    torch.load keeps shared storage shared, and a state dict lists parameters in
+    ``named_parameters`` order, so the name kept is the one the model's parameter has.
+    """
+    seen, unique = set(), {}
+    for name, t in tensors.items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        unique[name] = t
+    return unique
+
+
+# ----------------------------------------------------------------------------- export
+def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, merge_lora: bool = False,
+                      overwrite: bool = False) -> Path:
+    """Write the export folder (see the module docstring) for the checkpoint ``source`` names.
+
+    Args:
+        source: A checkpoint folder, or a run's output_dir (its newest complete checkpoint).
+        out_dir: Folder to create. An existing non-empty one is replaced only if it is an
+            earlier export and ``overwrite`` is true.
+        merge_lora: Also write ``llm/``: the LLM with LoRA adapters and trained token rows
+            merged (``Blip2Qwen.merge_lora``), loadable with ``from_pretrained``;
+            ``model.safetensors`` then holds the trained weights outside the LLM.
+
+    Returns:
+        ``out_dir``. The folder appears whole or not at all (written beside it, then renamed).
+    """
+    tag_dir = find_checkpoint(source)
+    out = Path(out_dir)
+    _check_out_dir(out, overwrite)
+    weights, info = read_checkpoint(tag_dir)
+    cfg = info["config"]
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    tokenizer_source = model_cfg.get("tokenizer") or model_cfg.get("llm_model")
+    if not tokenizer_source or not Path(tokenizer_source).exists():
+        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {tokenizer_source!r}, "
+                          "which does not exist here: export where the run's tokenizer is")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside `out`, then renamed: an export folder is whole or absent. mkdir, unlike
+    # mkdtemp, leaves the permissions to the umask.
+    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
+    tmp.mkdir()
+    try:
+        if merge_lora:
+            weights, model_cfg = _merge_llm(weights, model_cfg, int(cfg.run.seed), tmp, tag_dir)
+        else:
+            # The tokenizer as it was on disk, not as the model extended it: rebuilding from it adds
+            # the same tokens and so makes the same modules (trainable rows for ChatML tokens it lacked).
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp / TOKENIZER_DIR)
+            model_cfg["tokenizer"] = TOKENIZER_DIR
+        _save_weights(weights, tmp / WEIGHTS_FILE, tag_dir, info)
+        _write_config(tmp / CONFIG_FILE, model_cfg, cfg, tag_dir, info, merge_lora)
+        if out.exists():
+            shutil.rmtree(out)  # _check_out_dir allowed it: empty, or an earlier export with overwrite
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_out_dir(out: Path, overwrite: bool) -> None:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not is_export(out):
+        raise ExportError(f"{out} exists and is not an export folder (no {WEIGHTS_FILE} and {CONFIG_FILE}): "
+                          "choose a new --out folder")
+    if not overwrite:
+        raise ExportError(f"{out} already holds an export: choose a new --out folder or pass --overwrite")
+
+
+def is_export(folder: str | os.PathLike) -> bool:
+    folder = Path(folder)
+    return (folder / WEIGHTS_FILE).is_file() and (folder / CONFIG_FILE).is_file()
+
+
+def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Path) -> tuple[dict, dict]:
+    """Write ``out/llm`` (merged LLM + tokenizer); return the weights and model config that go with it."""
+    from lavis_ds.build import build_model
+
+    model = build_model(OmegaConf.create(model_cfg), seed)  # as trained: the run's own tokenizer and folders
+    load_trained_weights(model, weights, f"the trained weights of {source}")
+    if not hasattr(model, "merge_lora"):
+        raise ExportError(f"--merge-lora: {type(model).__name__} has no merge_lora(); export without it")
+    llm = model.merge_lora()
+    llm.save_pretrained(out / MERGED_LLM_DIR)
+    model.llm_tokenizer.save_pretrained(out / MERGED_LLM_DIR)  # with the tokens the model added: HF-ready
+    # llm_proj is built after the LLM: the seed reproduces it only after the same random LLM init,
+    # and the merged LLM is loaded instead, so it goes into the file even when it was frozen.
+    kept = {name: t for name, t in weights.items() if not name.startswith(LLM_PREFIX)}
+    kept |= {name: p.detach().float() for name, p in model.named_parameters()
+             if name.startswith("llm_proj.") and name not in kept}
+    merged_cfg = model_cfg | {"llm_model": MERGED_LLM_DIR, "tokenizer": MERGED_LLM_DIR, "llm_config": None,
+                              "llm_precision": "auto", "get_lora": False, "freeze_llm": True}
+    return kept, merged_cfg
+
+
+def _save_weights(weights: dict[str, torch.Tensor], path: Path, tag_dir: Path, info: dict) -> None:
+    from safetensors.torch import save_file
+
+    # safetensors refuses views into one flat buffer (what the ZeRO merge returns): one copy each.
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in weights.items()}
+    save_file(tensors, str(path), metadata={"format": "pt", "source": str(tag_dir.resolve()),
+                                            "global_step": str(info["global_step"])})
+    # safetensors creates the file owner-only; an export is meant to be shared like the rest of the folder.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, info: dict, merged: bool) -> None:
+    # Eval processors only: the rest of a dataset section names files on the training machine.
+    datasets = {}
+    for name, section in OmegaConf.to_container(cfg.datasets, resolve=True).items():
+        kept = {kind: {"eval": section[kind]["eval"]} for kind in ("vis_processor", "text_processor")
+                if (section.get(kind) or {}).get("eval")}
+        if kept:
+            datasets[name] = kept
+    content = {
+        "model": model_cfg,
+        "seed": int(cfg.run.seed),
+        "datasets": datasets,
+        "export": {"source": str(tag_dir.resolve()), "global_step": info["global_step"], "epoch": info["epoch"],
+                   "zero_stage": info["zero_stage"], "dtype": info["dtype"], "merged_llm": merged},
+    }
+    header = ("# A lavis_ds export. load_exported() rebuilds model: (seeded with `seed`) and loads model.safetensors.\n"
+              "# model.tokenizer (and model.llm_model with merged_llm) are relative to this folder; other paths\n"
+              "# name frozen weights where training read them. export.dtype: the dtype the model trained and\n"
+              "# generated in (the DeepSpeed engine cast its parameters); load_exported(dtype='auto') does the same.\n")
+    path.write_text(header + OmegaConf.to_yaml(OmegaConf.create(content)))
+
+
+# ----------------------------------------------------------------------------- loading
+def read_export_config(folder: str | os.PathLike) -> DictConfig:
+    """``config.yaml`` of an export folder; a clear error if ``folder`` is not one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportError(f"{folder} is not an export folder (it does not exist)")
+    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
+    if missing:
+        raise ExportError(f"{folder} is not an export folder: {' and '.join(missing)} missing "
+                          "(make one with `python export.py <checkpoint or run dir> --out <folder>`)")
+    cfg = OmegaConf.load(folder / CONFIG_FILE)
+    absent = [key for key in ("model", "seed", "export") if key not in cfg]
+    if absent:
+        raise ExportError(f"{folder / CONFIG_FILE}: key(s) {', '.join(absent)} missing; not written by lavis_ds export")
+    return cfg
+
+
+def exported_model_config(folder: str | os.PathLike) -> DictConfig:
+    """The exported model section with its folder-relative paths made absolute and frozen-weight paths checked."""
+    folder = Path(folder)
+    cfg = read_export_config(folder)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model["tokenizer"] = str(folder / model["tokenizer"])
+    if cfg.export.get("merged_llm"):
+        model["llm_model"] = str(folder / model["llm_model"])
+    sources = ["llm_model", "vit_pretrained"] + (["pretrained"] if model.get("load_pretrained") else [])
+    for key in sources:
+        if model.get(key) and not Path(os.path.expanduser(model[key])).exists():
+            raise ExportError(f"model.{key}: {model[key]!r} does not exist. An export holds only trained weights; "
+                              "frozen ones load from where training read them: make that path available here, "
+                              f"or point model.{key} in {folder / CONFIG_FILE} at a copy")
+    return OmegaConf.create(model)
+
+
+def load_trained_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``weights`` into ``model``'s parameters, with strict accounting.
+
+    Every key must name a parameter of ``model`` (trainable or not) of the same shape,
+    and every trainable parameter must be in ``weights``; otherwise :class:`ExportError`
+    lists the offending names. Frozen parameters not in ``weights`` keep the values the
+    model was built with.
+    """
+    present = dict(model.named_parameters(remove_duplicate=False))  # a tied alias is a present name too
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    problems = []
+    unknown = sorted(set(weights) - set(present))
+    if unknown:
+        problems.append(f"{len(unknown)} key(s) name no parameter of the rebuilt {type(model).__name__}: "
+                        + _names(unknown))
+    missing = [name for name in trainable if name not in weights]
+    if missing:
+        problems.append(f"{len(missing)} trainable parameter(s) are not in the file (they would keep their "
+                        f"initial values): {_names(missing)}")
+    shapes = [f"{name} {tuple(weights[name].shape)} vs {tuple(present[name].shape)}"
+              for name in weights if name in present and weights[name].shape != present[name].shape]
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatch(es) (file vs model): {_names(shapes)}")
+    if problems:
+        raise ExportError(f"{source} does not fit the model built from its config:\n  - " + "\n  - ".join(problems)
+                          + "\nThe weights and config.yaml must come from one export (was either edited or replaced?)")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            present[name].copy_(tensor)  # into the parameter's own dtype and device
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
+                  dtype: str | torch.dtype = "auto") -> nn.Module:
+    """Rebuild an exported model through the registry, load its trained weights, return it in eval mode.
+
+    Args:
+        folder: An export folder (``python export.py ... --out folder``).
+        device: Where to put the model.
+        dtype: ``auto`` = the dtype it trained in (``export.dtype``): a bf16/fp16 run's engine cast
+            every parameter, so casting them the same way reproduces what training computed;
+            ``fp32`` keeps the dtypes the model is built with. Or ``bf16``/``fp16``/a torch dtype.
+    """
+    import lavis_ds.models  # noqa: F401  (registers the models)
+    from lavis_ds.build import build_model
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = read_export_config(folder)
+    model = build_model(exported_model_config(folder), int(cfg.seed))
+    load_trained_weights(model, load_file(str(folder / WEIGHTS_FILE)), str(folder / WEIGHTS_FILE))
+    if dtype == "auto":
+        dtype = cfg.export.get("dtype", "fp32")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ExportError(f"dtype {dtype!r}: expected auto, {', '.join(DTYPES)} or a torch dtype")
+        dtype = DTYPES[dtype]
+    if dtype != torch.float32:
+        # As DeepSpeed's bf16/fp16 engine casts a module: parameters only; buffers (rotary
+        # frequencies, ...) keep their dtype. Casting those too changes the outputs.
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------- command line
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
+        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`.")
+    parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
+                                       "output_dir (its newest complete checkpoint)")
+    parser.add_argument("--out", required=True, help="export folder to create")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="also write llm/: the LLM with LoRA (and trained token rows) merged, as a Hugging Face folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.source, args.out, merge_lora=args.merge_lora, overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"lavis_ds export: {e}", file=sys.stderr)
+        return 2
+    export = read_export_config(out).export
+    print(f"exported {export.source} (step {export.global_step}, ZeRO-{export.zero_stage}, {export.dtype}) -> {out}")
+    return 0
