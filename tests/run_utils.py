@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -73,3 +74,23 @@ def metrics(output_dir: Path) -> list[dict]:
 
 def train_steps(output_dir: Path) -> list[dict]:
     return [m for m in metrics(output_dir) if "split" not in m]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it at once, as a preemption would.
+
+    torchrun starts each worker in its own session, so killing the launcher's
+    process group would leave the workers running.
+    """
+    import psutil  # a DeepSpeed dependency
+
+    root = psutil.Process(pid)
+    tree = root.children(recursive=True) + [root]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # freeze all first: none runs on after its parent died
+        for process in tree:
+            try:
+                process.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, f"still running after SIGKILL: {alive}"

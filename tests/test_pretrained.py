@@ -386,7 +386,8 @@ def test_missing_files_are_reported_at_config_time_with_their_key(tiny_tokenizer
                   "load_pretrained": True, "pretrained": str(tmp_path / "blip2.pth"),
                   "vit_pretrained": str(tmp_path / "eva_vit_g.pth")},
         "datasets": {"minigpt4qwen_instruction": {"build_info": {
-            "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}}}},
+            "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}},
+            "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
                 "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}},
     })

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import REPO, command, env, run_train, tiny_config, train_steps, write_yaml
+from run_utils import REPO, command, env, kill_tree, run_train, tiny_config, train_steps, write_yaml
 
 STEPS_PER_EPOCH = 64 // (4 * 2 * 2)  # 64 samples, micro 4 x accumulation 2 x 2 processes
 EPOCHS = 3
@@ -49,7 +48,7 @@ def kill_after_step(proc: subprocess.Popen, out: Path, step: int, timeout: float
             break
         time.sleep(0.02)
     assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     proc.wait()
 
 
@@ -110,7 +109,7 @@ def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path, demo_s
         time.sleep(0.05)
     time.sleep(1.0)
     assert proc.poll() is None, "the run ended instead of blocking in save()"
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     proc.wait()
     assert (torn / "mp_rank_00_model_states.pt").exists() and not (torn / "lavis_ds_complete.json").exists()
     previous = STEPS_PER_EPOCH  # saved at the end of epoch 0, the newest complete one before step 6
