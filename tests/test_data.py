@@ -267,6 +267,22 @@ def test_demo_refuses_a_cache_made_with_other_parameters_or_incomplete(demo_dir,
                                f"has not been generated; call prepare() first"]
 
 
+def test_demo_regenerates_a_cache_from_an_older_format(demo_dir, tmp_path):
+    import shutil
+
+    from lavis_ds.datasets.demo_shapes import FORMAT_VERSION
+
+    old = tmp_path / "old"
+    shutil.copytree(demo_dir, old)
+    done = json.loads((old / "DONE").read_text())
+    (old / "DONE").write_text(json.dumps({**done, "format_version": FORMAT_VERSION - 1}))
+    (old / "images" / "train_00000.png").write_bytes(b"an image an older version drew")
+    ensure_demo_shapes(old, SMALL_DEMO)
+    assert json.loads((old / "DONE").read_text())["format_version"] == FORMAT_VERSION
+    assert (old / "images" / "train_00000.png").read_bytes() == (demo_dir / "images" / "train_00000.png").read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["old"]  # nothing stale left beside it
+
+
 def _race(storage: str, barrier) -> None:
     barrier.wait()  # both processes find the folder missing and generate at the same time
     ensure_demo_shapes(storage, SMALL_DEMO)

@@ -223,6 +223,7 @@ def ensure_demo_shapes(storage: str | os.PathLike, spec: DemoShapesSpec = DemoSh
     Safe to call from several processes at once: the folder appears atomically.
     """
     storage = Path(storage).expanduser()
+    _retire_older_format(storage, spec)
     # An empty folder (e.g. made by hand) is replaced by the rename, so it counts as absent.
     if not storage.exists() or (storage.is_dir() and not any(storage.iterdir())):
         storage.parent.mkdir(parents=True, exist_ok=True)
@@ -238,3 +239,26 @@ def ensure_demo_shapes(storage: str | os.PathLike, spec: DemoShapesSpec = DemoSh
             shutil.rmtree(scratch, ignore_errors=True)  # no-op after a successful rename
     _check_existing(storage, spec)
     return storage
+
+
+def _retire_older_format(storage: Path, spec: DemoShapesSpec) -> None:
+    """Move aside a cache that an older lavis_ds generated with the same parameters; it is regenerated.
+
+    Only a lower ``format_version`` with otherwise equal parameters counts: other
+    differences may be another run's data and are reported by ``_check_existing``.
+    Several processes may get here at once; one rename wins, the others find nothing.
+    """
+    done = storage / "DONE"
+    if not done.is_file():
+        return
+    found, wanted = json.loads(done.read_text()), spec.to_json()
+    same_parameters = {k: v for k, v in found.items() if k != "format_version"} == \
+        {k: v for k, v in wanted.items() if k != "format_version"}
+    if not (same_parameters and found.get("format_version", 0) < FORMAT_VERSION):
+        return
+    stale = Path(tempfile.mkdtemp(prefix=f".{storage.name}.stale-", dir=storage.parent))
+    try:
+        os.rename(storage, stale / storage.name)
+    except OSError:  # another process moved it first
+        pass
+    shutil.rmtree(stale, ignore_errors=True)
