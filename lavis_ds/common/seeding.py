@@ -28,10 +28,11 @@ def seed_everything(seed: int, accelerators: bool = True) -> None:
     """Seed Python's, NumPy's and torch's global generators (torch's on GPUs too, unless told not to)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    if accelerators:
-        torch.manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
+    # Not torch.manual_seed: it probes every accelerator backend, 0.26 ms per call on a CPU machine,
+    # which is 0.3% of a tiny model's step when done every step.
+    if accelerators and torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 class SeededDataset(Dataset):
