@@ -64,19 +64,12 @@ def comparable(steps: list[dict]) -> list[tuple]:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_killed_run_continues_bit_for_bit(request, tmp_path, demo_storage, stage, dtype):
+def test_killed_run_continues_bit_for_bit(tmp_path, demo_storage, stage, dtype):
     reference_out = tmp_path / "reference"
     reference = write_yaml(tmp_path / "reference.yaml", noisy_config(reference_out, demo_storage, stage, dtype))
     killed_out = tmp_path / "killed"
     killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, demo_storage, stage, dtype))
     total = STEPS_PER_EPOCH * EPOCHS
-    if (stage, dtype) == (0, "bf16"):
-        # Known open bug (issue 4): a CI run killed after step 5 (resume from the step-4 checkpoint) matched
-        # step 5 but not step 6 (loss 4.51166 vs 4.51087), as if the fp32 master weights of DeepSpeed's
-        # bf16 optimizer at stage 0 were not restored exactly. Other kill steps pass. Not strict: it is
-        # expected to fail only for some kill steps, and must be fixed, not kept.
-        request.applymarker(pytest.mark.xfail(reason="ZeRO-0 bf16 resume is not always bit-exact (open)",
-                                              strict=False))
     # Anywhere after the first checkpoint, checkpoint steps and epoch ends included.
     kill_step = random.randint(SAVE_EVERY + 1, total - 2)
 

@@ -10,6 +10,7 @@ import torch.distributed as torch_dist
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import build_deepspeed_config
 from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.adam_counter import replay_step_counter
 from lavis_ds.runners.base import RunnerBase
 
 
@@ -108,6 +109,7 @@ class DeepSpeedRunner(RunnerBase):
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
+        replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
         return client_state
 
 
