@@ -251,6 +251,9 @@ def test_resume_on_another_number_of_processes_continues_the_curve(tmp_path, dem
     assert [m["lr"] for m in continued] == [m["lr"] for m in reference[6:]]
     assert [m["loss"] for m in continued] == pytest.approx([m["loss"] for m in reference[6:]], rel=1e-4)
     assert [m["grad_norm"] for m in continued] == pytest.approx([m["grad_norm"] for m in reference[6:]], rel=1e-3)
+    # The universal copy was scratch for that one load: nothing of it stays on disk.
+    universal = out / "checkpoints" / "universal"
+    assert universal.is_dir() and not any(universal.iterdir())
 
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, demo_storage, elastic_references):

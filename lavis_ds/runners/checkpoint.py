@@ -102,8 +102,8 @@ def _delete(folders: list[Path], ckpt_dir: Path) -> None:
 
 def best(ckpt_dir: Path) -> Path | None:
     """The complete checkpoint with the lowest validation loss recorded in its marker, if any."""
-    scored = [(read_marker(p)["val_loss"], p) for p in Path(ckpt_dir).iterdir()
-              if _TAG.match(p.name) and is_complete(p) and read_marker(p).get("val_loss") is not None]
+    scored = [(loss, p) for p in Path(ckpt_dir).iterdir()
+              if _TAG.match(p.name) and is_complete(p) and (loss := read_marker(p).get("val_loss")) is not None]
     return min(scored)[1] if scored else None
 
 
@@ -133,19 +133,22 @@ def check_trainable_saved(tag_dir: Path, trainable: list[str]) -> None:
 
 
 def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
-    """DeepSpeed's universal (world-size independent) form of ``tag_dir``, made once; returns its load dir.
+    """DeepSpeed's universal (world-size independent) form of ``tag_dir``; returns its load dir.
 
-    Rank 0 converts into a scratch folder and renames it into place, so a kill
-    during conversion never leaves a half-made copy that a later resume would use.
+    Made afresh for every elastic resume (a lean checkpoint converts in seconds) and
+    deleted once loaded, so a copy can never be stale. Rank 0 converts into a scratch
+    folder and renames it into place: a kill during conversion leaves no half-made copy.
     """
     import torch.distributed as torch_dist
 
     target = Path(universal_root) / Path(tag_dir).name
-    if rank == 0 and not target.is_dir():
+    if rank == 0:
         from argparse import Namespace
 
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+        if target.is_dir():  # left by a kill between this conversion and its load
+            remove_universal_copy(target)
         scratch = target.with_name(f".tmp-{target.name}")
         shutil.rmtree(scratch, ignore_errors=True)
         ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(scratch), num_extract_workers=1,
@@ -155,3 +158,9 @@ def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
     if torch_dist.is_initialized():
         torch_dist.barrier()
     return target.parent
+
+
+def remove_universal_copy(target: Path) -> None:
+    """Delete a universal copy once loaded; renamed first, so a kill mid-way never leaves a gutted one in place."""
+    _delete([Path(target)], Path(target).parent)
+    (Path(target).parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer to it

@@ -109,6 +109,11 @@ class DeepSpeedRunner(RunnerBase):
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
+        if self.elastic:
+            # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
+            torch_dist.barrier()
+            if self.rank == 0:
+                ckpt.remove_universal_copy(Path(load_dir) / tag)
         replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
         return client_state
 
