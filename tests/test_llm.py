@@ -328,7 +328,9 @@ def _check_lean_and_trained(losses, step_dir, initial, expected_trainable):
 
 def test_frozen_llm_with_added_chatml_tokens_trains_on_2_processes(tmp_path, storage, folders):
     # ZeRO-3 in bf16: the partitioned, cast engine is the hardest case for the token-row modules.
-    losses, out, step_dir, initial = _train(tmp_path, storage, folders["plain"], stage=3, dtype="bf16")
+    # LLM gradient checkpointing on: ZeRO-3 gathers each layer again for the recomputation.
+    losses, out, step_dir, initial = _train(tmp_path, storage, folders["plain"], stage=3, dtype="bf16",
+                                            llm_grad_checkpoint=True)
     expected = {"llm_proj.weight", "llm_proj.bias", "llm_model.model.embed_tokens.rows", "llm_model.lm_head.rows"}
     model = _check_lean_and_trained(losses, step_dir, initial, expected)
     # The tokenizer as used, with its three added tokens, is in output_dir.
@@ -349,7 +351,7 @@ def test_frozen_llm_with_added_chatml_tokens_trains_on_2_processes(tmp_path, sto
                                                   (2, "fp32", "qwen25"), (3, "bf16", "qwen25")])
 def test_lora_trains_lean_at_every_zero_stage(tmp_path, storage, folders, stage, dtype, folder):
     losses, out, step_dir, initial = _train(tmp_path, storage, folders[folder], stage=stage, dtype=dtype,
-                                            get_lora=True, lora_r=4, lora_alpha=8)
+                                            get_lora=True, lora_r=4, lora_alpha=8, llm_grad_checkpoint=stage == 3)
     lora = {n for n, _ in initial.named_parameters() if ".lora_A." in n or ".lora_B." in n}
     assert len(lora) == 2 * 7 * TINY_QWEN2["num_hidden_layers"]  # A and B on every linear layer of each block
     model = _check_lean_and_trained(losses, step_dir, initial, lora | {"llm_proj.weight", "llm_proj.bias"})

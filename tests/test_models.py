@@ -297,6 +297,39 @@ def test_forward_backward_fp32(tiny_model_config):
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("switches", [{"freeze_llm": True}, {"freeze_llm": True, "get_lora": True},
+                                      {"freeze_llm": False, "llm_config": {"attention_dropout": 0.1}}],
+                         ids=["frozen_llm", "lora", "trained_llm_with_dropout"])
+def test_llm_grad_checkpoint_recomputes_each_layer_with_the_same_loss_and_gradients(tiny_model_config, switches):
+    llm_config = {**tiny_model_config["llm_config"], **switches.pop("llm_config", {})}
+    results = {}
+    for checkpointed in (False, True):
+        model = build(tiny_model_config, llm_config=llm_config, llm_grad_checkpoint=checkpointed, **switches).train()
+        layers = model.llm_model.get_base_model().model.layers if switches.get("get_lora") \
+            else model.llm_model.model.layers
+        calls = []
+        for layer in layers:  # a pre-hook: the recomputation stops once it has what backward needs
+            layer.input_layernorm.register_forward_pre_hook(lambda *_: calls.append(1))
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        loss = model(samples())["loss"]
+        forwards = len(calls)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[checkpointed] = (loss.detach(), grads, forwards, len(calls) - forwards)
+    (loss, grads, forwards, recomputed), (loss_c, grads_c, forwards_c, recomputed_c) = results.values()
+    assert (recomputed, recomputed_c) == (0, forwards_c) and forwards == forwards_c == len(layers)
+    torch.testing.assert_close(loss_c, loss, rtol=0, atol=0)
+    assert grads_c.keys() == grads.keys() and "llm_proj.weight" in grads
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    # Evaluation never recomputes (nor keeps anything to recompute from).
+    model.eval()
+    calls.clear()
+    with torch.no_grad():
+        model(samples())
+    assert len(calls) == len(layers)
+
+
 def test_forward_backward_bf16_module_under_autocast(tiny_model_config):
     model = build(tiny_model_config).to(torch.bfloat16).train()
     with torch.autocast("cpu", dtype=torch.bfloat16):

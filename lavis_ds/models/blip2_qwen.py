@@ -82,6 +82,7 @@ class Blip2Qwen(BaseModel):
         llm_precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto",
         tokenizer: str | None = None,
         freeze_llm: bool = True,
+        llm_grad_checkpoint: bool = False,
         get_lora: bool = False,
         lora_r: int = 8,
         lora_alpha: int = 16,
@@ -120,6 +121,8 @@ class Blip2Qwen(BaseModel):
                 it lacks are added (see ``lavis_ds.models.llm``); the tokenizer as used is what
                 ``save_run_files`` writes to the run's output_dir.
             freeze_llm: Freeze the LLM (required with ``get_lora``: only the adapters train).
+            llm_grad_checkpoint: Recompute each LLM decoder layer in backward instead of keeping its
+                activations (most of the memory of a frozen-LLM run, see docs/memory.md), frozen or not.
             get_lora: Add LoRA adapters (peft) to the LLM.
             lora_r: LoRA rank.
             lora_alpha: LoRA scaling numerator.
@@ -132,6 +135,7 @@ class Blip2Qwen(BaseModel):
                 only if its id has no row; its row never trains: image features replace it).
         """
         super().__init__()
+        self.llm_grad_checkpoint = llm_grad_checkpoint
         self.visual_encoder = self._build_vit(vit_model, vit, image_size, drop_path_rate,
                                               use_grad_checkpoint, vit_precision, vit_pretrained)
         self.vit_pretrained = vit_pretrained
@@ -152,6 +156,14 @@ class Blip2Qwen(BaseModel):
         self.llm_tokenizer, added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token)
         self.llm_model = self._build_llm(llm_model, llm_config, llm_precision)
         fit_embeddings(self.llm_model, self.llm_tokenizer)
+        if llm_grad_checkpoint:
+            # Non-reentrant: gradients reach the projection through the LLM's inputs even when every
+            # LLM weight is frozen, and dropout replays the same mask in the recomputation.
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.llm_model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                self.llm_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.llm_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.llm_proj = nn.Linear(qformer_width, self.llm_model.config.hidden_size)
 
         self.prompt = ChatPrompt(self.llm_tokenizer, system_prompt, image_token, num_query_token, max_txt_len)
@@ -169,6 +181,18 @@ class Blip2Qwen(BaseModel):
             logger.warning("the tokenizer lacked %s: their embedding and output rows train (only those rows)",
                            ", ".join(new_chatml))
             train_token_rows(base_llm(self.llm_model), self.llm_tokenizer.convert_tokens_to_ids(new_chatml))
+        if llm_grad_checkpoint:
+            self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
+
+    def train(self, mode: bool = True) -> "Blip2Qwen":
+        super().train(mode)
+        if self.llm_grad_checkpoint:
+            # Transformers checkpoints a decoder layer only while that layer is in training mode, and a
+            # frozen LLM stays in eval. The layers' own flag follows the model; their submodules (the
+            # attention's dropout) keep eval, so a frozen LLM still adds no noise.
+            for layer in base_llm(self.llm_model).model.layers:
+                layer.training = mode
+        return self
 
     # ----------------------------------------------------------------- building
     @staticmethod
