@@ -2,12 +2,17 @@
 
 Order of precedence, lowest first: the model's default YAML for its `model_type`,
 the dataset builder's default YAML, the `RunConfig` defaults, the user's YAML,
-the `--options key=value` overrides. The merged config is checked as a whole
-and every problem is reported in one `ConfigError`, each with its key path.
+the `--options key=value` overrides. LAVIS / MiniGPT4Qwen keys are translated
+first (`lavis_compat`), a DeepSpeed section given as a JSON file is read and its
+"auto" values filled (`deepspeed_section`). The merged config is checked as a
+whole and every problem is reported in one `ConfigError`, each with its key path:
+an unknown name (arch, model_type, builder, runner) is reported with the rest,
+which is checked against the closest known name.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -16,12 +21,15 @@ from typing import Iterable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lavis_ds.common import deepspeed_section, lavis_compat
 from lavis_ds.common import registry as reg
-from lavis_ds.common.run_config import LEGACY_RUN_KEYS, RunConfig, batch_sizes, deepspeed_problems
+from lavis_ds.common.run_config import RunConfig, batch_sizes, build_deepspeed_config, deepspeed_problems
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
+from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.mixing import ratio_problems
-from lavis_ds.datasets.builders import merge_section_defaults
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
+
+logger = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
 
@@ -52,17 +60,25 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
     import_user_modules(user.get("imports") or [], source)
 
     errors: list[str] = []
+    user, notes = _translate(user, errors)
     cfg = _merge_defaults(user, errors)
-    if not errors:
-        try:
-            OmegaConf.resolve(cfg)
-            cfg = _expand_home(cfg)
-        except OmegaConfBaseException as e:
-            errors.append(f"interpolation: {e}")
-    if not errors:
-        validate(cfg, errors, world_size)
+    if cfg is None:  # no model/datasets/run mappings: nothing further can be checked
+        raise ConfigError(errors, source)
+    try:
+        OmegaConf.resolve(cfg)
+        cfg = _expand_home(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(errors + [f"interpolation: {e}"], source) from None
+    cfg, more_notes = _resolve_deepspeed_autos(cfg)
+    notes += more_notes
+    validate(cfg, errors, world_size)
     if errors:
         raise ConfigError(errors, source)
+    # What DeepSpeed will be handed (autos filled, batch layout completed): config.yaml records it.
+    cfg.run.deepspeed_config = build_deepspeed_config(OmegaConf.to_container(cfg.run), world_size)
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank loads the config; one says what it did
+        for line in notes + deepspeed_section.no_effect_warnings(OmegaConf.to_container(cfg.run.deepspeed_config)):
+            logger.warning("%s", line)
     if not check_files:
         return cfg
 
@@ -104,42 +120,82 @@ def _read_yaml(path: str | os.PathLike, source: str) -> DictConfig:
     return cfg
 
 
-def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig:
-    """Put each component's defaults under the user's sections."""
+def _translate(user: DictConfig, errors: list[str]) -> tuple[DictConfig, list[str]]:
+    """Read a DeepSpeed JSON file named by run.deepspeed_config, then map the LAVIS keys (they may fill it)."""
+    plain = OmegaConf.to_container(user, resolve=False)
+    run = plain.get("run")
+    if isinstance(run, dict) and "deepspeed_config" in run:
+        section, problems = deepspeed_section.read_section(run["deepspeed_config"])
+        errors.extend(problems)
+        if section is not None:
+            run["deepspeed_config"] = section
+    problems, notes = lavis_compat.translate(plain)
+    errors.extend(problems)
+    return OmegaConf.create(plain), notes
+
+
+def _resolve_deepspeed_autos(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
+    ds = cfg.run.get("deepspeed_config")
+    if not isinstance(ds, DictConfig):
+        return cfg, []
+    resolved, notes = deepspeed_section.resolve_auto(OmegaConf.to_container(ds), OmegaConf.to_container(cfg.run))
+    cfg.run.deepspeed_config = resolved
+    return cfg, notes
+
+
+def model_class(arch: object) -> type | None:
+    """The registered class of ``arch``, else the closest registered one (to check the rest against), else None."""
+    if isinstance(arch, str) and arch in reg.models:
+        return reg.models.get(arch)
+    close = reg.models.closest(str(arch)) if arch is not None else None
+    return reg.models.get(close) if close else None
+
+
+def builder_class(name: object) -> type:
+    """The registered builder ``name``, else the closest one, else the generic builder (its layout is shared)."""
+    if isinstance(name, str) and name in reg.builders:
+        return reg.builders.get(name)
+    close = reg.builders.closest(str(name))
+    return reg.builders.get(close) if close else BaseDatasetBuilder
+
+
+def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
+    """Put each component's defaults under the user's sections (None if the sections are not there at all)."""
     for key in user:
         if key not in TOP_LEVEL_KEYS:
             errors.append(unknown_key_message("<top level>", str(key), TOP_LEVEL_KEYS))
-    for key in ("model", "datasets", "run"):
-        if not isinstance(user.get(key), DictConfig):
-            errors.append(f"{key}: required section is missing (or not a mapping)")
-    if errors:
-        return user
+    missing = [key for key in ("model", "datasets", "run") if not isinstance(user.get(key), DictConfig)]
+    errors.extend(f"{key}: required section is missing (or not a mapping)" for key in missing)
+    if missing:
+        return None
 
     model = user.model
+    cls = model_class(model.get("arch"))
     if "arch" not in model:
         errors.append("model.arch: required key is missing; known models: " + ", ".join(reg.models))
-        model_defaults = {}
     elif model.arch not in reg.models:
         errors.append(f"model.arch: {_lookup_error(reg.models, model.arch)}")
-        model_defaults = {}
-    else:
-        cls = reg.models.get(model.arch)
+    model_defaults = OmegaConf.create({})
+    if cls is not None and cls.PRETRAINED_MODEL_CONFIG_DICT:
         model_type = model.get("model_type") or next(iter(cls.PRETRAINED_MODEL_CONFIG_DICT))
         try:
-            model_defaults = OmegaConf.load(cls.default_config_path(model_type)).model
+            path = cls.default_config_path(model_type)
         except KeyError as e:
             errors.append(f"model.model_type: {e.args[0]}")
-            model_defaults = {}
+            # The rest is checked over the preset it most likely meant.
+            path = cls.default_config_path(cls.closest_model_type(model_type))
+        model_defaults = OmegaConf.load(path).model
 
     datasets = {}
     for name, section in user.datasets.items():
         builder_name = section.get("builder", name) if isinstance(section, DictConfig) else name
         if builder_name not in reg.builders:
             errors.append(f"datasets.{name}: {_lookup_error(reg.builders, builder_name)}")
+        if not isinstance(section, DictConfig):
             datasets[name] = section
             continue
-        default_path = reg.builders.get(builder_name).default_config_path()
-        defaults = OmegaConf.load(default_path).datasets.get(builder_name, {}) if default_path else OmegaConf.create()
+        # An unknown builder: its section is merged over the closest one's defaults and checked on.
+        defaults = builder_class(builder_name).default_config()
         datasets[name] = merge_section_defaults(defaults, section)
 
     run_defaults = {k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"}
@@ -171,12 +227,16 @@ def _lookup_error(registry: reg.Registry, name: str) -> str:
 
 
 def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
-    """Append every problem of a merged config to ``errors``."""
+    """Append every problem of a merged config to ``errors`` (unknown names are reported by `_merge_defaults`)."""
     plain = OmegaConf.to_container(cfg, resolve=True)
 
     model = plain["model"]
-    cls = reg.models.get(model["arch"])
-    check_section(model, fields_of(cls), "model", errors, extra_keys=COMMON_MODEL_KEYS)
+    cls = model_class(model.get("arch"))
+    if cls is not None:
+        check_section(model, fields_of(cls), "model", errors, extra_keys=COMMON_MODEL_KEYS)
+    else:  # nothing close: only the keys every model takes can be checked
+        check_section({k: v for k, v in model.items() if k in COMMON_MODEL_KEYS}, {}, "model", errors,
+                      extra_keys=COMMON_MODEL_KEYS)
 
     if not plain["datasets"]:
         errors.append("datasets: no dataset configured")
@@ -184,7 +244,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         _check_dataset(name, section, errors)
 
     run = plain["run"]
-    check_section(run, fields_of(RunConfig), "run", errors, extra_keys=LEGACY_RUN_KEYS)
+    check_section(run, fields_of(RunConfig), "run", errors)
     training = {name: section for name, section in plain["datasets"].items()
                 if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
@@ -195,11 +255,14 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
     ds = run.get("deepspeed_config") or {}
     if isinstance(ds, dict):
-        errors.extend(deepspeed_problems(ds))
+        ds_problems = deepspeed_problems(ds, run)
+        errors.extend(ds_problems)
         try:
             batch_sizes(run, world_size)
         except (ValueError, TypeError) as e:
             errors.append(str(e))
+        if not ds_problems:  # DeepSpeed's own models would repeat them less clearly
+            errors.extend(deepspeed_section.schema_problems(ds))
     # Split names are known only for datasets that list annotation files (generated ones have their own).
     annotations = [(section.get("build_info") or {}).get("annotations") for section in plain["datasets"].values()
                    if isinstance(section, dict)]
@@ -208,9 +271,6 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         for split in run.get(key) or []:
             if splits and split not in splits:
                 errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
-    keep_last = run.get("keep_last")
-    if isinstance(keep_last, int) and keep_last < 0:
-        errors.append(f"run.keep_last: expected 0 (keep every checkpoint) or a positive count, got {keep_last}")
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")
@@ -223,10 +283,9 @@ def _check_dataset(name: str, section: dict, errors: list[str]) -> None:
     if not isinstance(section, dict):
         errors.append(f"{path}: expected a mapping, got {section!r}")
         return
-    builder = section.get("builder", name)
-    cls = reg.builders.get(builder) if builder in reg.builders else None  # unknown: _merge_defaults says so
-    if hasattr(cls, "section_problems"):
-        errors.extend(cls.section_problems(section, path))
+    # Unknown builder (reported by _merge_defaults): the section is checked against the closest one.
+    cls = builder_class(section.get("builder", name))
+    errors.extend(cls.section_problems(section, path))
     for kind in ("vis_processor", "text_processor"):
         for split, proc in (section.get(kind) or {}).items():
             where = f"{path}.{kind}.{split}"

@@ -3,6 +3,8 @@
 One :class:`Registry` per kind of component. Register with a decorator,
 look up with ``get``. Unknown names raise a ``KeyError`` that lists the known
 names and suggests the closest; duplicates raise and name the first owner.
+An alias (``register_alias``) is a second name for a registered entry: other
+frameworks' YAMLs (LAVIS, MiniGPT4Qwen) keep their spelling and get the same class.
 LAVIS users keep their spelling: ``registry.register_model("name")`` and
 ``registry.get_model_class("name")`` work as they did there.
 """
@@ -20,46 +22,78 @@ class Registry:
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: dict[str, object] = {}
+        self._aliases: dict[str, str] = {}  # alias -> registered name
+
+    def _check_free(self, name: str, newcomer: str) -> None:
+        """Raise if ``name`` is taken, by an entry or by an alias, naming who has it."""
+        if name in self._entries:
+            first = self._entries[name]
+            raise KeyError(f"{self.kind} name {name!r} is already registered by "
+                           f"{first.__module__}.{first.__qualname__}; pick another name for {newcomer}")
+        if name in self._aliases:
+            raise KeyError(f"{self.kind} name {name!r} is already an alias of {self._aliases[name]!r}; "
+                           f"pick another name for {newcomer}")
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: ``@models.register("blip2_qwen")``."""
 
         def add(obj: T) -> T:
-            if name in self._entries:
-                first = self._entries[name]
-                raise KeyError(
-                    f"{self.kind} name {name!r} is already registered by "
-                    f"{first.__module__}.{first.__qualname__}; pick another name "
-                    f"for {obj.__module__}.{obj.__qualname__}"
-                )
+            self._check_free(name, f"{obj.__module__}.{obj.__qualname__}")
             self._entries[name] = obj
             return obj
 
         return add
 
+    def register_alias(self, alias: str, name: str) -> None:
+        """Make ``alias`` resolve to the entry registered as ``name`` (which must exist)."""
+        if name not in self._entries:
+            raise KeyError(f"cannot alias {alias!r} to {name!r}: no {self.kind} is registered as {name!r}")
+        self._check_free(alias, f"the alias of {name!r}")
+        self._aliases[alias] = name
+
+    def canonical(self, name: str) -> str:
+        """The registered name behind ``name`` (itself unless it is an alias); unknown names raise like ``get``."""
+        self.get(name)
+        return self._aliases.get(name, name)
+
+    def aliases(self) -> dict[str, str]:
+        """``{alias: registered name}``."""
+        return dict(sorted(self._aliases.items()))
+
     def get(self, name: str):
+        if name in self._aliases:
+            return self._entries[self._aliases[name]]
         try:
             return self._entries[name]
         except KeyError:
-            close = difflib.get_close_matches(str(name), self._entries, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise KeyError(
-                f"Unknown {self.kind} {name!r}.{hint} Known {self.kind}s: "
-                f"{', '.join(sorted(self._entries)) or '(none)'}. To add your own, "
-                f"register it and list its module under `imports:` in the YAML."
-            ) from None
+            raise KeyError(self._unknown_message(name)) from None
+
+    def closest(self, name: str) -> str | None:
+        """The known name (or alias) most like ``name``, if any is close."""
+        close = difflib.get_close_matches(str(name), [*self._entries, *self._aliases], n=1)
+        return close[0] if close else None
+
+    def _unknown_message(self, name: str) -> str:
+        close = self.closest(name)
+        hint = f" Did you mean {close!r}?" if close else ""
+        aliases = "".join(f", {alias} (= {target})" for alias, target in self.aliases().items())
+        return (f"Unknown {self.kind} {name!r}.{hint} Known {self.kind}s: "
+                f"{', '.join(sorted(self._entries)) or '(none)'}{aliases}. To add your own, "
+                f"register it and list its module under `imports:` in the YAML.")
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._aliases
 
     def __iter__(self) -> Iterator[str]:
+        """Registered names only (an alias is not a second entry)."""
         return iter(sorted(self._entries))
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __repr__(self) -> str:
-        return f"Registry({self.kind!r}: {', '.join(self)})"
+        aliases = "".join(f", {alias} -> {target}" for alias, target in self.aliases().items())
+        return f"Registry({self.kind!r}: {', '.join(self)}{aliases})"
 
 
 models = Registry("model")
@@ -82,6 +116,10 @@ class _LavisStyle:
     get_processor_class = staticmethod(processors.get)
     get_lr_scheduler_class = staticmethod(lr_schedulers.get)
     get_runner_class = staticmethod(runners.get)
+    register_model_alias = staticmethod(models.register_alias)
+    register_builder_alias = staticmethod(builders.register_alias)
+    register_processor_alias = staticmethod(processors.register_alias)
+    register_runner_alias = staticmethod(runners.register_alias)
 
 
 registry = _LavisStyle()

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-# LAVIS / MiniGPT4Qwen keys that a DeepSpeed run does not need; accepted so old YAMLs load.
-LEGACY_RUN_KEYS = ("task", "device", "world_size", "dist_url", "distributed", "amp", "iters_per_epoch",
-                   "accum_grad_iters")
+from lavis_ds.common.schema import Range
+
+NonNegative = Range(ge=0)
+Positive = Range(gt=0)
+AtLeastOne = Range(ge=1)
 
 
 @dataclass
@@ -17,22 +19,25 @@ class RunConfig:
     output_dir: str
     runner: str = "runner_deepspeed"
     lr_sched: str = "linear_warmup_cosine_lr"
-    init_lr: float = 1e-4
-    min_lr: float = 0.0
-    warmup_lr: float = 0.0
-    warmup_steps: int = 0
-    warmup_ratio: float | None = None  # overrides warmup_steps: fraction of all optimizer steps
-    lr_decay_rate: float = 0.1  # linear_warmup_step_lr: factor per epoch
-    weight_decay: float = 0.05
+    init_lr: Annotated[float, NonNegative] = 1e-4
+    min_lr: Annotated[float, NonNegative] = 0.0
+    warmup_lr: Annotated[float, NonNegative] = 0.0
+    warmup_steps: Annotated[int, NonNegative] = 0
+    # overrides warmup_steps: fraction of all optimizer steps
+    warmup_ratio: Annotated[float | None, Range(ge=0, le=1)] = None
+    lr_decay_rate: Annotated[float, Positive] = 0.1  # linear_warmup_step_lr: factor per epoch
+    weight_decay: Annotated[float, NonNegative] = 0.05
     lr_scales: dict[str, float] = field(default_factory=dict)  # parameter-name prefix -> lr factor
-    max_epoch: int = 1
-    batch_size_train: int | None = None  # micro-batch per process (= train_micro_batch_size_per_gpu)
-    batch_size_eval: int = 8
-    num_workers: int = 0
-    seed: int = 42
-    log_freq: int = 10  # optimizer steps
-    save_freq_steps: int = 0  # optimizer steps; 0 = only at epoch ends
-    keep_last: int = 0  # newest complete checkpoints to keep, plus the best by validation loss; 0 = all
+    max_epoch: Annotated[int, AtLeastOne] = 1
+    # micro-batch per process (= train_micro_batch_size_per_gpu)
+    batch_size_train: Annotated[int | None, AtLeastOne] = None
+    batch_size_eval: Annotated[int, AtLeastOne] = 8
+    num_workers: Annotated[int, NonNegative] = 0
+    seed: Annotated[int, NonNegative] = 42  # numpy takes seeds in [0, 2**32)
+    log_freq: Annotated[int, AtLeastOne] = 10  # optimizer steps
+    save_freq_steps: Annotated[int, NonNegative] = 0  # optimizer steps; 0 = only at epoch ends
+    # newest complete checkpoints to keep, plus the best by validation loss; 0 = all
+    keep_last: Annotated[int, NonNegative] = 0
     resume: Any = "auto"  # "auto" | false | path to a checkpoint
     resume_ckpt_load_dir: str | None = None  # MiniGPT4Qwen spelling of `resume`
     resume_ckpt_tag: str | None = None
@@ -41,8 +46,9 @@ class RunConfig:
     valid_splits: list[str] = field(default_factory=list)
     test_splits: list[str] = field(default_factory=list)
     generate: dict[str, Any] = field(default_factory=dict)  # kwargs of model.generate for test splits
-    num_log_samples: int = 5  # generated samples written to metrics.jsonl per test split
-    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
+    # the DeepSpeed JSON, inline or as the path of a .json file (see lavis_ds.common.deepspeed_section)
+    deepspeed_config: dict[str, Any] | str = field(default_factory=dict)
 
 
 def batch_sizes(run: dict, world_size: int) -> tuple[int, int, int]:
@@ -82,8 +88,9 @@ def elastic_batch_sizes(micro: int, global_batch: int, world_size: int, source: 
     return micro, global_batch // (micro * world_size), global_batch
 
 
-def deepspeed_problems(ds: dict) -> list[str]:
-    """Checks of the pass-through DeepSpeed section that DeepSpeed itself reports badly."""
+def deepspeed_problems(ds: dict, run: dict | None = None) -> list[str]:
+    """Checks of the pass-through DeepSpeed section that DeepSpeed itself reports badly, and its agreement
+    with the run keys that set the same thing (``run`` given)."""
     path = "run.deepspeed_config"
     errors = []
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
@@ -93,11 +100,21 @@ def deepspeed_problems(ds: dict) -> list[str]:
         errors.append(f"{path}: bf16.enabled and fp16.enabled are both true; pick one")
     if "scheduler" in ds:
         errors.append(f"{path}.scheduler: lavis_ds steps the learning rate itself (run.lr_sched, run.init_lr, ...); "
-                      "remove this section")
+                      "remove this section (a section whose params are all \"auto\" is dropped for you)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         value = ds.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             errors.append(f"{path}.{key}: expected a positive integer, got {value!r}")
+    clip = ds.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        errors.append(f"{path}.gradient_clipping: expected a number >= 0 (0: no clipping), got {clip!r}")
+    params = (ds.get("optimizer") or {}).get("params") or {} if isinstance(ds.get("optimizer"), dict) else {}
+    # The schedule writes run.init_lr (x lr_scales) into every group, and weight decay lives in the param
+    # groups: a different value here would be silently overwritten.
+    for key, run_key in (("lr", "init_lr"), ("weight_decay", "weight_decay")):
+        if run is not None and isinstance(params, dict) and key in params and params[key] != run.get(run_key):
+            errors.append(f"{path}.optimizer.params.{key}={params[key]!r} and run.{run_key}={run.get(run_key)!r} "
+                          f"disagree; lavis_ds sets the optimizer's {key} from run.{run_key}: drop one or make them equal")
     return errors
 
 

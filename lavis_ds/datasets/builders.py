@@ -133,18 +133,26 @@ class BaseDatasetBuilder:
 
     @classmethod
     def default_config_path(cls) -> Path | None:
-        """``lavis_ds/configs/datasets/<registered name>.yaml`` (layout ``datasets: {<name>: {...}}``), if it exists."""
-        name = cls.registered_name()
-        path = _DEFAULT_CONFIG_DIR / f"{name}.yaml"
-        return path if name and path.is_file() else None
+        """``lavis_ds/configs/datasets/<registered name>.yaml`` (layout ``datasets: {<name>: {...}}``), if it
+        exists; a subclass without one of its own (a user's builder) has its nearest registered parent's."""
+        name = cls._defaults_owner()
+        return _DEFAULT_CONFIG_DIR / f"{name}.yaml" if name else None
+
+    @classmethod
+    def _defaults_owner(cls) -> str | None:
+        for klass in cls.__mro__:
+            name = klass.registered_name() if issubclass(klass, BaseDatasetBuilder) else None
+            if name and (_DEFAULT_CONFIG_DIR / f"{name}.yaml").is_file():
+                return name
+        return None
 
     @classmethod
     def default_config(cls) -> DictConfig:
         """This builder's default section (empty if it has no default YAML)."""
-        path = cls.default_config_path()
-        if path is None:
+        name = cls._defaults_owner()
+        if name is None:
             return OmegaConf.create({})
-        return OmegaConf.load(path).datasets.get(cls.registered_name(), OmegaConf.create({}))
+        return OmegaConf.load(_DEFAULT_CONFIG_DIR / f"{name}.yaml").datasets.get(name, OmegaConf.create({}))
 
     # ---- options --------------------------------------------------------------------------------
 
@@ -421,3 +429,10 @@ class DemoShapesBuilder(BaseDatasetBuilder):
 
     def image_root_key(self) -> str:
         return f"{self.where}.build_info.storage"
+
+
+# MiniGPT4Qwen's builder names (Coobiw/MPP-LLaVA, lavis/datasets/builders/minigpt4qwen_builder.py). Both of
+# its builders read the same InstructionDataset: the instruction JSON (`image`, `instruction`, `output`);
+# its llava_instruction data is LLaVA converted to that format (`llava_minigpt4qwen_format.json`).
+registry.register_builder_alias("minigpt4_instruction", "minigpt4qwen_instruction")
+registry.register_builder_alias("llava_instruction", "minigpt4qwen_instruction")

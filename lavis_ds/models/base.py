@@ -33,11 +33,18 @@ class BaseModel(nn.Module):
     """
 
     PRETRAINED_MODEL_CONFIG_DICT: dict[str, str] = {}
+    # model_types of other frameworks this model cannot load -> (the preset to use instead, why)
+    REPLACED_MODEL_TYPES: dict[str, tuple[str, str]] = {}
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:
         """Path of the preset YAML for ``model_type``; unknown types raise ``KeyError`` naming the valid ones."""
         presets = cls.PRETRAINED_MODEL_CONFIG_DICT
+        if model_type in cls.REPLACED_MODEL_TYPES:
+            instead, why = cls.REPLACED_MODEL_TYPES[model_type]
+            others = ", ".join(p for p in presets if p != instead)
+            raise KeyError(f"model_type {model_type!r} is not supported: {why}. Use the {cls.__name__} preset "
+                           f"{instead!r} (or {others}) with model.llm_model naming the matching Hugging Face folder.")
         if model_type not in presets:
             close = difflib.get_close_matches(str(model_type), presets, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -46,6 +53,14 @@ class BaseModel(nn.Module):
                 f"Valid model_types: {', '.join(presets) or '(none)'}."
             )
         return CONFIG_ROOT / presets[model_type]
+
+    @classmethod
+    def closest_model_type(cls, model_type: str) -> str:
+        """The preset an unknown ``model_type`` most likely meant (its replacement, the closest name, or the first)."""
+        if model_type in cls.REPLACED_MODEL_TYPES:
+            return cls.REPLACED_MODEL_TYPES[model_type][0]
+        close = difflib.get_close_matches(str(model_type), cls.PRETRAINED_MODEL_CONFIG_DICT, n=1)
+        return close[0] if close else next(iter(cls.PRETRAINED_MODEL_CONFIG_DICT))
 
     @classmethod
     def default_config(cls, model_type: str) -> dict[str, Any]:

@@ -59,6 +59,13 @@ class Blip2Qwen(BaseModel):
         "qwen2.5_1.5b_instruct": "models/blip2_qwen/qwen2.5_1.5b_instruct.yaml",
         "tiny": "models/blip2_qwen/tiny.yaml",
     }
+    # MiniGPT4Qwen's (Coobiw/MPP-LLaVA) model_types: Qwen-1 chat models, tiktoken tokenizer and remote code.
+    _QWEN1 = "it is MiniGPT4Qwen's Qwen-1 chat model (tiktoken tokenizer, remote code), which lavis_ds does not load"
+    REPLACED_MODEL_TYPES = {
+        "qwen7b_chat": ("qwen2.5_7b_instruct", _QWEN1),
+        "qwen14b_chat": ("qwen2.5_7b_instruct", _QWEN1),
+        "qwen1.8b_chat": ("qwen2.5_1.5b_instruct", _QWEN1),
+    }
 
     def __init__(
         self,
@@ -360,3 +367,7 @@ def _gathered_if_zero3(params: list[nn.Parameter]):
     import deepspeed  # only reached inside a DeepSpeed ZeRO-3 run
 
     return deepspeed.zero.GatheredParameters(params)
+
+
+# MiniGPT4Qwen's name for the same architecture (Coobiw/MPP-LLaVA: `arch: minigpt4qwen`).
+registry.register_model_alias("minigpt4qwen", "blip2_qwen")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import difflib
-import inspect
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
+
+from lavis_ds.common.schema import fields_of
 
 
 class BaseProcessor:
@@ -51,6 +52,5 @@ class BaseProcessor:
 
 
 def constructor_keys(cls: type) -> list[str]:
-    """The keyword arguments ``cls.__init__`` accepts (its config keys)."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return [p.name for p in params if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    """The keyword arguments ``cls.__init__`` accepts (its config keys), through ``**kwargs`` up the MRO."""
+    return list(fields_of(cls))

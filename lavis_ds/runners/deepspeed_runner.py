@@ -118,6 +118,10 @@ class DeepSpeedRunner(RunnerBase):
         return client_state
 
 
+# MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
+registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
+
+
 def _without_frozen(module_state_dict, model, *args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:
     """The engine's ``module_state_dict``, with every name of a frozen parameter left out when asked."""
     state = module_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)

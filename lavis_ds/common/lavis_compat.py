@@ -1,0 +1,189 @@
+"""LAVIS / MiniGPT4Qwen keys in a run YAML: each one maps to what it meant here, is ignored by name, or is refused.
+
+MiniGPT4Qwen's published YAMLs (Coobiw/MPP-LLaVA, ``lavis/projects/``) carry LAVIS
+keys. None of them may be dropped silently: ``accum_grad_iters: 16`` that is
+ignored trains with a global batch 16 times too small. So every key here is one of
+
+* mapped to the lavis_ds key with the same meaning (``MAPPED_RUN_KEYS``, precision);
+* ignored because it changes nothing in lavis_ds (``IGNORED``), said once in the log;
+* refused, with the key to use instead (``REPLACED_RUN_KEYS``, and ignorable keys
+  whose value asks for something lavis_ds does not do).
+
+Works on plain dicts (the user's YAML before defaults are merged); imports nothing of lavis_ds.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+DS = "deepspeed_config"
+
+# run.<LAVIS key> -> run.<path of the lavis_ds key with the same meaning>
+MAPPED_RUN_KEYS = {
+    "accum_grad_iters": (DS, "gradient_accumulation_steps"),
+    "grad_norm_clip": (DS, "gradient_clipping"),
+    "resume_ckpt_path": ("resume",),
+    # LAVIS's generation settings for evaluation -> model.generate arguments of the test splits
+    "max_new_tokens": ("generate", "max_new_tokens"),
+    "min_new_tokens": ("generate", "min_new_tokens"),
+    "max_len": ("generate", "max_new_tokens"),
+    "min_len": ("generate", "min_new_tokens"),
+    "num_beams": ("generate", "num_beams"),
+}
+
+# run.<LAVIS key> that has no counterpart: the message says what to use instead.
+REPLACED_RUN_KEYS = {
+    "iters_per_epoch": "lavis_ds epochs cover the whole data; use run.max_epoch (and run.save_freq_steps "
+                       "to checkpoint within an epoch)",
+    "max_iters": "lavis_ds counts epochs; use run.max_epoch",
+    "iters_per_inner_epoch": "lavis_ds counts epochs; use run.max_epoch and run.save_freq_steps",
+    "lr_layer_decay": "use run.lr_scales (a learning-rate factor per parameter-name prefix)",
+}
+
+
+# (section, key) -> (when the value changes nothing, why it is ignored / what to do otherwise)
+IGNORED: dict[tuple[str, str], tuple[Callable[[Any, dict], bool], str]] = {
+    ("model", "load_finetuned"): (
+        lambda v, s: not v,
+        "true loads a LAVIS fine-tuned checkpoint; to continue a lavis_ds run use run.resume, to load published "
+        "weights use model.pretrained with model.load_pretrained: true"),
+    ("model", "finetuned"): (
+        lambda v, s: not s.get("load_finetuned"),
+        "is read only with load_finetuned: true (see model.load_finetuned)"),
+    ("model", "qformer_text_input"): (
+        lambda v, s: not v,
+        "true (the instruction fed to the Q-Former) is not implemented, as in MiniGPT4Qwen; set it false"),
+    ("model", "enable_autocast"): (
+        lambda v, s: True, ""),  # the whole forward runs under the engine's autocast (run.deepspeed_config bf16/fp16)
+    ("model", "apply_lemmatizer"): (
+        lambda v, s: not v, "true (LAVIS's VQA answer lemmatizer) is not implemented; set it false"),
+    ("model", "llm_device_map"): (lambda v, s: True, ""),  # DeepSpeed places the model
+    ("model", "prompt"): (
+        lambda v, s: not v,
+        "a LAVIS generation prompt is not used: the ChatML prompt is built from the data; set the system "
+        "turn with model.system_prompt"),
+    ("run", "task"): (lambda v, s: True, ""),  # one task: instruction tuning
+    ("run", "device"): (lambda v, s: True, ""),  # DeepSpeed's accelerator decides
+    ("run", "world_size"): (lambda v, s: True, ""),  # the launcher decides
+    ("run", "dist_url"): (lambda v, s: True, ""),
+    ("run", "distributed"): (lambda v, s: True, ""),
+    ("run", "fsdp"): (
+        lambda v, s: not v,
+        "true: lavis_ds shards with DeepSpeed; use run.deepspeed_config.zero_optimization.stage: 3 instead"),
+}
+
+# model.autocast_dtype / run.amp spellings -> DeepSpeed precision section
+_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+           "float32": "fp32", "fp32": "fp32", "float": "fp32"}
+
+
+def translate(cfg: dict) -> tuple[list[str], list[str]]:
+    """Rewrite LAVIS keys of ``cfg`` (the user's YAML as plain dicts) in place.
+
+    Returns ``(problems, notes)``: problems name the key and what to use instead;
+    notes list what was ignored and what was mapped, for one log line.
+    """
+    problems: list[str] = []
+    ignored: list[str] = []
+    mapped: list[str] = []
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else None
+    run = cfg.get("run") if isinstance(cfg.get("run"), dict) else None
+
+    for (section_name, key), (harmless, why) in IGNORED.items():
+        section = cfg.get(section_name)
+        if not isinstance(section, dict) or key not in section:
+            continue
+        if harmless(section[key], section):
+            ignored.append(f"{section_name}.{key}")
+        else:
+            problems.append(f"{section_name}.{key}: {section[key]!r}: {why}")
+    for section_name in ("model", "run"):  # removed after all checks: `finetuned` reads `load_finetuned`
+        section = cfg.get(section_name)
+        for name in ignored:
+            owner, _, key = name.partition(".")
+            if owner == section_name and isinstance(section, dict):
+                section.pop(key, None)
+
+    if run is not None:
+        for key, instead in REPLACED_RUN_KEYS.items():
+            if key in run:
+                problems.append(f"run.{key}: not supported; {instead}")
+        _map_precision(model, run, problems, mapped)
+        for key, target in MAPPED_RUN_KEYS.items():
+            if key not in run:
+                continue
+            value = run.pop(key)
+            if value is None:  # LAVIS's "not set" (resume_ckpt_path: null): nothing to map
+                ignored.append(f"run.{key} (null)")
+                continue
+            if _put(run, target, value, f"run.{key}", problems):
+                mapped.append(f"run.{key} -> run.{'.'.join(target)} = {value!r}")
+
+    notes = []
+    if ignored:
+        notes.append("LAVIS/MiniGPT4Qwen keys that change nothing in lavis_ds, ignored: " + ", ".join(ignored))
+    if mapped:
+        notes.append("LAVIS/MiniGPT4Qwen keys mapped: " + "; ".join(mapped))
+    return problems, notes
+
+
+def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: list[str]) -> bool:
+    """Set run.<target> to ``value`` unless the YAML gives it already; a different value is a conflict."""
+    node = run
+    for key in target[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):  # e.g. deepspeed_config still a path: read before translating
+            problems.append(f"{source}: cannot be mapped into run.{'.'.join(target[:-1])}, which is {child!r}")
+            return False
+        node = child
+    leaf = target[-1]
+    present = node.get(leaf)
+    if present is not None and present != "auto" and present != value:
+        problems.append(f"{source}={value!r} and run.{'.'.join(target)}={present!r} disagree; they are the same "
+                        f"setting, give one")
+        return False
+    node[leaf] = value
+    return True
+
+
+def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: list[str]) -> None:
+    """``model.autocast_dtype`` (the dtype MiniGPT4Qwen's forward ran in) or else ``run.amp`` (LAVIS: fp16
+    autocast with a GradScaler) -> the DeepSpeed precision section."""
+    dtype = (model or {}).pop("autocast_dtype", None) if model is not None and "autocast_dtype" in model else None
+    has_dtype = dtype is not None
+    amp = run.pop("amp", None)
+    if has_dtype:
+        if str(dtype) not in _DTYPES:
+            problems.append(f"model.autocast_dtype: {dtype!r} is not a dtype; valid: {', '.join(_DTYPES)}")
+            return
+        precision, source = _DTYPES[str(dtype)], f"model.autocast_dtype={dtype!r}"
+        if amp is not None:  # MiniGPT4Qwen's forward ran in autocast_dtype whatever amp said
+            mapped.append(f"run.amp={amp!r} superseded by model.autocast_dtype")
+    elif amp is not None:
+        if not isinstance(amp, bool):
+            problems.append(f"run.amp: expected true or false, got {amp!r}")
+            return
+        precision, source = ("fp16" if amp else "fp32"), f"run.amp={amp!r}"
+    else:
+        return
+    ds = run.get(DS)
+    if ds is None:
+        ds = run[DS] = {}
+    if not isinstance(ds, dict):
+        problems.append(f"{source}: cannot be mapped into run.{DS}, which is {ds!r}")
+        return
+    conflict = False
+    for key in ("bf16", "fp16"):
+        section = ds.get(key)
+        enabled = section.get("enabled") if isinstance(section, dict) else None
+        wanted = precision == key
+        if enabled in (None, "auto"):
+            if wanted or enabled == "auto":
+                ds[key] = {**(section if isinstance(section, dict) else {}), "enabled": wanted}
+        elif bool(enabled) != wanted:
+            problems.append(f"{source} means {precision} but run.{DS}.{key}.enabled is {enabled!r}; they disagree, "
+                            f"give one")
+            conflict = True
+    if not conflict:
+        mapped.append(f"{source} -> {precision} (run.{DS}.bf16 / fp16)")
