@@ -261,8 +261,10 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
             batch_sizes(run, world_size)
         except (ValueError, TypeError) as e:
             errors.append(str(e))
+            ds_problems.append(str(e))
         if not ds_problems:  # DeepSpeed's own models would repeat them less clearly
-            errors.extend(deepspeed_section.schema_problems(ds))
+            # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
+            errors.extend(deepspeed_section.schema_problems(build_deepspeed_config(run, world_size)))
     # Split names are known only for datasets that list annotation files (generated ones have their own).
     annotations = [(section.get("build_info") or {}).get("annotations") for section in plain["datasets"].values()
                    if isinstance(section, dict)]

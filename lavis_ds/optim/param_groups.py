@@ -1,7 +1,11 @@
 """Split trainable parameters into weight-decay / no-decay groups with per-group lr scales."""
 from __future__ import annotations
 
+import logging
+
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def _no_decay(name: str, ndim: int) -> bool:
@@ -18,10 +22,15 @@ def build_param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[st
     """
     lr_scales = lr_scales or {}
     groups: dict[tuple[bool, float], dict] = {}
+    used: set[str] = set()
+    trainable: list[str] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
+        trainable.append(name)
         prefix = max((p for p in lr_scales if name.startswith(p)), key=len, default=None)
+        if prefix is not None:
+            used.add(prefix)
         scale = float(lr_scales[prefix]) if prefix is not None else 1.0
         decay = not _no_decay(name, param.ndim)
         group = groups.setdefault((decay, scale), {
@@ -30,5 +39,9 @@ def build_param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[st
         group["names"].append(name)
     if not groups:
         raise ValueError("the model has no trainable parameters: check the freeze_* switches in the model config")
+    for prefix in sorted(set(lr_scales) - used):  # a typo here would silently train at the base lr
+        examples = sorted({".".join(name.split(".")[:depth]) for name in trainable for depth in (1, 2)})[:12]
+        logger.warning("run.lr_scales.%s: the prefix matches no trainable parameter, so this factor has no effect; "
+                       "trainable parameter names start with e.g. %s", prefix, ", ".join(examples))
     # "names" is for humans reading a debugger; optimizers do not want it.
     return [{k: v for k, v in g.items() if k != "names"} for g in groups.values()]
