@@ -101,7 +101,10 @@ def resolve_auto(ds: dict, run: dict) -> tuple[dict, list[str]]:
             _set(ds, path, run[run_key])
             filled.append(f"{dotted} = run.{run_key} ({run[run_key]!r})")
             continue
-        _pop(ds, path)
+        if path in (("bf16", "enabled"), ("fp16", "enabled")):  # the LAVIS precision keys filled it if given
+            _set(ds, path, False)
+        else:
+            _pop(ds, path)
         if path in AUTO_COMPUTED:
             computed.append(f"{dotted} ({AUTO_COMPUTED[path]})")
         else:
