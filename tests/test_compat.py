@@ -293,7 +293,8 @@ def test_instruction_tuning_yaml_trains_with_its_batch_and_precision(tmp_path):
     yaml_path = shutil.copy(FIXTURES / "minigpt4qwen" / "instruction_tuning_train.yaml", tmp_path / "train.yaml")
     data = [f"datasets.{name}.{key}" for name in ("minigpt4_instruction", "llava_instruction") for key in (
         f"build_info.annotations.train.storage={storage}/annotations/train.json",
-        f"build_info.images.storage={storage}/images", "vis_processor.train.image_size=64")]
+        f"build_info.images.storage={storage}/images", "vis_processor.train.image_size=64",
+        "vis_processor.eval.image_size=64")]
     options = ("model.model_type=tiny", "model.vit_model=tiny", "model.image_size=64", "model.num_query_token=8",
                "model.llm_model=null", "model.load_pretrained=false", "model.pretrained=null",
                "model.use_grad_checkpoint=false", "model.vit_precision=fp32", f"model.tokenizer={storage}/tokenizer",
