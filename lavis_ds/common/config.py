@@ -179,12 +179,11 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
     if cls is not None and cls.PRETRAINED_MODEL_CONFIG_DICT:
         model_type = model.get("model_type") or next(iter(cls.PRETRAINED_MODEL_CONFIG_DICT))
         try:
-            path = cls.default_config_path(model_type)
+            model_defaults = OmegaConf.load(cls.default_config_path(model_type)).model
         except KeyError as e:
+            # No preset's values: the user's keys are still checked against the class (a guessed preset's
+            # values would be checked against the user's data, e.g. image sizes, and mislead).
             errors.append(f"model.model_type: {e.args[0]}")
-            # The rest is checked over the preset it most likely meant.
-            path = cls.default_config_path(cls.closest_model_type(model_type))
-        model_defaults = OmegaConf.load(path).model
 
     datasets = {}
     for name, section in user.datasets.items():
@@ -234,6 +233,9 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
     cls = model_class(model.get("arch"))
     if cls is not None:
         check_section(model, fields_of(cls), "model", errors, extra_keys=COMMON_MODEL_KEYS)
+        for key, target in getattr(cls, "NESTED_SCHEMAS", {}).items():
+            if isinstance(model.get(key), dict):  # overrides of a preset: nothing in them is required
+                check_section(model[key], fields_of(target), f"model.{key}", errors, require=False)
     else:  # nothing close: only the keys every model takes can be checked
         check_section({k: v for k, v in model.items() if k in COMMON_MODEL_KEYS}, {}, "model", errors,
                       extra_keys=COMMON_MODEL_KEYS)
@@ -258,10 +260,13 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         ds_problems = deepspeed_problems(ds, run)
         errors.extend(ds_problems)
         try:
-            batch_sizes(run, world_size)
+            micro, _, _ = batch_sizes(run, world_size)
         except (ValueError, TypeError) as e:
             errors.append(str(e))
             ds_problems.append(str(e))
+        else:
+            if not isinstance(micro, int) or micro < 1:  # run.batch_size_train's range check said so
+                ds_problems.append("micro-batch")
         if not ds_problems:  # DeepSpeed's own models would repeat them less clearly
             # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
             errors.extend(deepspeed_section.schema_problems(build_deepspeed_config(run, world_size)))
@@ -331,6 +336,8 @@ def _model_image_size_problems(datasets: dict, model: dict) -> list[str]:
     for name, section in datasets.items():
         processors = (section.get("vis_processor") or {}) if isinstance(section, dict) else {}
         for stage, proc in processors.items():
+            if stage not in ("train", "eval"):
+                continue  # reported as an unknown key
             known = isinstance(proc, dict) and proc.get("name") in reg.processors
             fields = fields_of(reg.processors.get(proc["name"])) if known else {}
             size = proc.get("image_size", fields["image_size"][1]) if "image_size" in fields else expected

@@ -158,6 +158,8 @@ def _pydantic_sections() -> dict[str, type]:
 
 # Plain (not pydantic) sections whose keys DeepSpeed reads one by one: a key it never reads is a typo.
 _READ_SECTIONS = ("activation_checkpointing", "flops_profiler", "optimizer", "scheduler")
+# Read by DeepSpeed only when `type` is given (a typo in `type` must not make `params` look unknown too).
+_ALWAYS_VALID = {"optimizer.type", "optimizer.params", "scheduler.type", "scheduler.params"}
 
 
 class _ReadRecorder(dict):
@@ -231,10 +233,10 @@ def schema_problems(ds: dict) -> list[str]:
     except Exception as e:  # DeepSpeed's own sanity checks (asserts, ValueErrors): its message, with where
         return problems + [f"{WHERE}: DeepSpeed refuses it: {type(e).__name__}: {e}"]
     for dotted in _key_paths(probe):
-        if dotted in read or dotted in bad_sections:
+        if dotted in read or dotted in bad_sections or dotted in _ALWAYS_VALID:
             continue
         parent, _, key = dotted.rpartition(".")
-        level = {r.rpartition(".")[2] for r in read if r.rpartition(".")[0] == parent}
+        level = {r.rpartition(".")[2] for r in read | _ALWAYS_VALID if r.rpartition(".")[0] == parent}
         close = difflib.get_close_matches(key, level, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "DeepSpeed does not read it"
         problems.append(f"{WHERE}.{dotted}: unknown key; {hint}")

@@ -88,6 +88,7 @@ def translate(cfg: dict) -> tuple[list[str], list[str]]:
     model = cfg.get("model") if isinstance(cfg.get("model"), dict) else None
     run = cfg.get("run") if isinstance(cfg.get("run"), dict) else None
 
+    seen: list[tuple[str, str]] = []
     for (section_name, key), (harmless, why) in IGNORED.items():
         section = cfg.get(section_name)
         if not isinstance(section, dict) or key not in section:
@@ -96,16 +97,14 @@ def translate(cfg: dict) -> tuple[list[str], list[str]]:
             ignored.append(f"{section_name}.{key}")
         else:
             problems.append(f"{section_name}.{key}: {section[key]!r}: {why}")
-    for section_name in ("model", "run"):  # removed after all checks: `finetuned` reads `load_finetuned`
-        section = cfg.get(section_name)
-        for name in ignored:
-            owner, _, key = name.partition(".")
-            if owner == section_name and isinstance(section, dict):
-                section.pop(key, None)
+        seen.append((section_name, key))
+    for section_name, key in seen:  # removed after all checks (`finetuned` reads `load_finetuned`): said once
+        cfg[section_name].pop(key, None)
 
     if run is not None:
         for key, instead in REPLACED_RUN_KEYS.items():
             if key in run:
+                run.pop(key)
                 problems.append(f"run.{key}: not supported; {instead}")
         _map_precision(model, run, problems, mapped)
         for key, target in MAPPED_RUN_KEYS.items():

@@ -57,13 +57,16 @@ def fields_of(target: Any) -> dict[str, tuple[Any, Any]]:
     without ``**kwargs``: the keys of the whole chain, each class's own annotation and default first.
     """
     if dataclasses.is_dataclass(target):
-        hints = typing.get_type_hints(target, include_extras=True)
+        try:
+            hints = typing.get_type_hints(target, include_extras=True)
+        except Exception:  # a library's annotation naming what its module never imports: no type check for it
+            hints = {}
         out = {}
         for f in dataclasses.fields(target):
             default = f.default
             if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
                 default = f.default_factory()  # type: ignore[misc]
-            out[f.name] = (hints[f.name], _NO_DEFAULT if default is dataclasses.MISSING else default)
+            out[f.name] = (hints.get(f.name, Any), _NO_DEFAULT if default is dataclasses.MISSING else default)
         return out
     if not inspect.isclass(target):
         return _own_fields(target)[0]
@@ -153,8 +156,9 @@ def unknown_key_message(path: str, key: str, valid: typing.Iterable[str]) -> str
 
 
 def check_section(section: dict, schema: dict[str, tuple[Any, Any]], path: str, errors: list[str],
-                  extra_keys: typing.Iterable[str] = ()) -> None:
-    """Append to ``errors`` every unknown key, wrong type and missing required key."""
+                  extra_keys: typing.Iterable[str] = (), require: bool = True) -> None:
+    """Append to ``errors`` every unknown key, wrong type, value out of range and (``require``) missing
+    required key."""
     extra = set(extra_keys)
     for key, value in section.items():
         if key in extra:
@@ -166,5 +170,5 @@ def check_section(section: dict, schema: dict[str, tuple[Any, Any]], path: str, 
         elif range_problem(value, schema[key][0]):
             errors.append(f"{path}.{key}: {range_problem(value, schema[key][0])}")
     for key, (_, default) in schema.items():
-        if default is _NO_DEFAULT and key not in section:
+        if require and default is _NO_DEFAULT and key not in section:
             errors.append(f"{path}.{key}: required key is missing")

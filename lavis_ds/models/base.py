@@ -33,6 +33,8 @@ class BaseModel(nn.Module):
     """
 
     PRETRAINED_MODEL_CONFIG_DICT: dict[str, str] = {}
+    # model key holding a dict -> the class (or callable) whose keyword arguments its keys are
+    NESTED_SCHEMAS: dict[str, Any] = {}
     # model_types of other frameworks this model cannot load -> (the preset to use instead, why)
     REPLACED_MODEL_TYPES: dict[str, tuple[str, str]] = {}
 
@@ -53,14 +55,6 @@ class BaseModel(nn.Module):
                 f"Valid model_types: {', '.join(presets) or '(none)'}."
             )
         return CONFIG_ROOT / presets[model_type]
-
-    @classmethod
-    def closest_model_type(cls, model_type: str) -> str:
-        """The preset an unknown ``model_type`` most likely meant (its replacement, the closest name, or the first)."""
-        if model_type in cls.REPLACED_MODEL_TYPES:
-            return cls.REPLACED_MODEL_TYPES[model_type][0]
-        close = difflib.get_close_matches(str(model_type), cls.PRETRAINED_MODEL_CONFIG_DICT, n=1)
-        return close[0] if close else next(iter(cls.PRETRAINED_MODEL_CONFIG_DICT))
 
     @classmethod
     def default_config(cls, model_type: str) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class Blip2Qwen(BaseModel):
         "qwen2.5_1.5b_instruct": "models/blip2_qwen/qwen2.5_1.5b_instruct.yaml",
         "tiny": "models/blip2_qwen/tiny.yaml",
     }
+    # Nested dict keys and the class whose arguments they are: the config validator checks them too
+    # (`llm_config` is not listed: transformers configs take extra keys on purpose).
+    NESTED_SCHEMAS = {"qformer": Blip2QFormerConfig, "vit": EvaViT}
     # MiniGPT4Qwen's (Coobiw/MPP-LLaVA) model_types: Qwen-1 chat models, tiktoken tokenizer and remote code.
     _QWEN1 = "it is MiniGPT4Qwen's Qwen-1 chat model (tiktoken tokenizer, remote code), which lavis_ds does not load"
     REPLACED_MODEL_TYPES = {

@@ -40,7 +40,7 @@ def build_param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[st
     if not groups:
         raise ValueError("the model has no trainable parameters: check the freeze_* switches in the model config")
     for prefix in sorted(set(lr_scales) - used):  # a typo here would silently train at the base lr
-        examples = sorted({".".join(name.split(".")[:depth]) for name in trainable for depth in (1, 2)})[:12]
+        examples = sorted({name.split(".")[0] for name in trainable})  # the model's top-level parts
         logger.warning("run.lr_scales.%s: the prefix matches no trainable parameter, so this factor has no effect; "
                        "trainable parameter names start with e.g. %s", prefix, ", ".join(examples))
     # "names" is for humans reading a debugger; optimizers do not want it.
