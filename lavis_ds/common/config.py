@@ -21,7 +21,7 @@ from typing import Iterable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lavis_ds.common import deepspeed_section, lavis_compat
+from lavis_ds.common import deepspeed_section, dist, lavis_compat
 from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import RunConfig, batch_sizes, build_deepspeed_config, deepspeed_problems
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
@@ -76,7 +76,7 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
         raise ConfigError(errors, source)
     # What DeepSpeed will be handed (autos filled, batch layout completed): config.yaml records it.
     cfg.run.deepspeed_config = build_deepspeed_config(OmegaConf.to_container(cfg.run), world_size)
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank loads the config; one says what it did
+    if dist.is_main_process():  # every rank loads the config; one says what it did
         for line in notes + deepspeed_section.no_effect_warnings(OmegaConf.to_container(cfg.run.deepspeed_config)):
             logger.warning("%s", line)
     if not check_files:

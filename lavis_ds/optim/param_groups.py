@@ -5,6 +5,8 @@ import logging
 
 from torch import nn
 
+from lavis_ds.common import dist
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,7 +41,8 @@ def build_param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[st
         group["names"].append(name)
     if not groups:
         raise ValueError("the model has no trainable parameters: check the freeze_* switches in the model config")
-    for prefix in sorted(set(lr_scales) - used):  # a typo here would silently train at the base lr
+    unmatched = sorted(set(lr_scales) - used) if dist.is_main_process() else []  # every rank builds groups
+    for prefix in unmatched:  # a typo here would silently train at the base lr
         examples = sorted({name.split(".")[0] for name in trainable})  # the model's top-level parts
         logger.warning("run.lr_scales.%s: the prefix matches no trainable parameter, so this factor has no effect; "
                        "trainable parameter names start with e.g. %s", prefix, ", ".join(examples))
