@@ -311,3 +311,29 @@ def test_instruction_tuning_yaml_trains_with_its_batch_and_precision(tmp_path):
     module = torch.load(states, map_location="cpu", weights_only=False)["module"]
     assert module["llm_proj.weight"].dtype == torch.bfloat16  # the engine ran in bf16
     assert proc.stderr.count("change nothing in lavis_ds, ignored") == 1
+
+
+def test_file_problems_come_with_structural_ones(tmp_path):
+    """A missing annotation file is reported in the same round as a typo elsewhere."""
+    problems = _problems(FIXTURES / "minigpt4qwen" / "instruction_tuning_train.yaml", [
+        "model.model_type=qwen2.5_7b_instruct", "run.max_epoc=2",
+        f"datasets.minigpt4_instruction.build_info.annotations.train.storage={tmp_path}/absent.json",
+        f"datasets.minigpt4_instruction.build_info.images.storage={tmp_path}"], check_files=True)
+    text = "\n".join(problems)
+    assert "run.max_epoc: unknown key; did you mean 'max_epoch'?" in text
+    assert (f"datasets.minigpt4_instruction.build_info.annotations.train.storage: annotation file {tmp_path}/absent.json "
+            "does not exist") in text
+    assert "datasets.llava_instruction.build_info.annotations: required" in text
+    assert "model.llm_model: 'ckpt/Qwen7B-chat' does not exist" in text
+
+
+def test_runner_subclass_forwarding_its_arguments_is_a_valid_runner(tmp_path):
+    from lavis_ds.runners import DeepSpeedRunner
+
+    @registry.register_runner("test_compat_forwarding_runner")
+    class ForwardingRunner(DeepSpeedRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    cfg = _demo_run(tmp_path, runner="test_compat_forwarding_runner")
+    assert load_config(write_yaml(tmp_path / "x.yaml", cfg)).run.runner == "test_compat_forwarding_runner"

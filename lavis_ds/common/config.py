@@ -72,25 +72,35 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
     cfg, more_notes = _resolve_deepspeed_autos(cfg)
     notes += more_notes
     validate(cfg, errors, world_size)
-    if errors:
-        raise ConfigError(errors, source)
-    # What DeepSpeed will be handed (autos filled, batch layout completed): config.yaml records it.
-    cfg.run.deepspeed_config = build_deepspeed_config(OmegaConf.to_container(cfg.run), world_size)
-    if dist.is_main_process():  # every rank loads the config; one says what it did
-        for line in notes + deepspeed_section.no_effect_warnings(OmegaConf.to_container(cfg.run.deepspeed_config)):
-            logger.warning("%s", line)
-    if not check_files:
-        return cfg
-
-    builders = {name: reg.builders.get(section.get("builder", name))(section)
-                for name, section in cfg.datasets.items()}
-    for builder in builders.values():
-        builder.prepare()
-    errors = [problem for builder in builders.values() for problem in builder.check()]
-    errors += _missing_model_files(cfg.model)
+    if not errors:
+        # What DeepSpeed will be handed (autos filled, batch layout completed): config.yaml records it.
+        cfg.run.deepspeed_config = build_deepspeed_config(OmegaConf.to_container(cfg.run), world_size)
+        if dist.is_main_process():  # every rank loads the config; one says what it did
+            for line in notes + deepspeed_section.no_effect_warnings(OmegaConf.to_container(cfg.run.deepspeed_config)):
+                logger.warning("%s", line)
+    if check_files:  # files too, for every section whose structure is sound: all problems in one round
+        errors += _file_problems(cfg, errors)
     if errors:
         raise ConfigError(errors, source)
     return cfg
+
+
+def _file_problems(cfg: DictConfig, structural: list[str]) -> list[str]:
+    """Missing or bad data and model files. Sections with structural problems are skipped (their
+    builder could not be trusted to read them); data a builder generates is prepared first."""
+    problems = []
+    for name, section in cfg.datasets.items():
+        builder_name = section.get("builder", name) if isinstance(section, DictConfig) else None
+        if builder_name not in reg.builders or any(p.startswith((f"datasets.{name}.", f"datasets.{name}:"))
+                                                   for p in structural):
+            continue
+        try:
+            builder = reg.builders.get(builder_name)(section)
+            builder.prepare()
+            problems += builder.check()
+        except (OSError, ValueError) as e:
+            problems.append(f"datasets.{name}: {e}")
+    return problems + _missing_model_files(cfg.model)
 
 
 def import_user_modules(modules: Iterable[str], source: str = "config") -> None:
