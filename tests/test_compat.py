@@ -22,7 +22,7 @@ from lavis_ds.common.registry import Registry, registry
 from lavis_ds.common.schema import fields_of
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.models import Blip2Qwen
-from run_utils import REPO, run_train, tiny_config, train_steps, write_yaml
+from run_utils import run_train, tiny_config, train_steps, write_yaml
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MINIGPT4QWEN = sorted((FIXTURES / "minigpt4qwen").glob("*.yaml"))

@@ -88,8 +88,8 @@ def resolve_auto(ds: dict, run: dict) -> tuple[dict, list[str]]:
     ds = copy.deepcopy(ds)
     notices = []
     scheduler = ds.get("scheduler")
-    if isinstance(scheduler, dict) and _auto_paths(scheduler.get("params") or {}) and \
-            len(_auto_paths(scheduler.get("params"))) == len(_leaves(scheduler.get("params"))):
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    if isinstance(params, dict) and params and all(value == AUTO for value in _leaves(params)):
         del ds["scheduler"]
         notices.append(f"{WHERE}.scheduler: dropped ({scheduler.get('type', 'no type')} with only \"auto\" values); "
                        f"lavis_ds steps the learning rate itself from run.lr_sched, run.init_lr, run.warmup_steps, ...")
