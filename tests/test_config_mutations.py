@@ -92,6 +92,11 @@ MUTATIONS = {
     "optimizer": (f"{DS}.optimizer.typ=AdamW", rf"^{DS}\.optimizer\.typ: unknown key; did you mean 'type'\?$"),
     "zero value type": (f"{DS}.zero_optimization.overlap_comm=maybe",
                         rf"^{DS}\.zero_optimization\.overlap_comm: Input should be a valid boolean.*\(got 'maybe'\)$"),
+    # keys that contradict each other (what the model's constructor would refuse after loading weights)
+    "vit key set at top level": ("model.vit.img_size=64", r"^model\.vit\.img_size: set it with model\.image_size"),
+    "LoRA on a trainable LLM": ("model.get_lora=true model.freeze_llm=false",
+                                r"^model\.get_lora: true trains only the LoRA adapters, so it needs model\.freeze_llm: true$"),
+    "no tokenizer": ("model.tokenizer=null", r"^model\.tokenizer: required when model\.llm_model is null"),
     # unknown names
     "arch": ("model.arch=blip2_qwn",
              r"^model\.arch: Unknown model 'blip2_qwn'\. Did you mean 'blip2_qwen'\? Known models: "),

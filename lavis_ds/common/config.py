@@ -246,6 +246,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         for key, target in getattr(cls, "NESTED_SCHEMAS", {}).items():
             if isinstance(model.get(key), dict):  # overrides of a preset: nothing in them is required
                 check_section(model[key], fields_of(target), f"model.{key}", errors, require=False)
+        if hasattr(cls, "config_problems"):
+            errors.extend(cls.config_problems(model))
     else:  # nothing close: only the keys every model takes can be checked
         check_section({k: v for k, v in model.items() if k in COMMON_MODEL_KEYS}, {}, "model", errors,
                       extra_keys=COMMON_MODEL_KEYS)

@@ -57,6 +57,12 @@ class BaseModel(nn.Module):
         return CONFIG_ROOT / presets[model_type]
 
     @classmethod
+    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        """Problems of a merged ``model:`` section that involve several keys (the validator checks each key's
+        type and range from the signature). Each names its key path. Default: none."""
+        return []
+
+    @classmethod
     def default_config(cls, model_type: str) -> dict[str, Any]:
         """The ``model:`` section of a preset YAML as a plain dict."""
         section = OmegaConf.load(cls.default_config_path(model_type)).model

@@ -194,6 +194,18 @@ class Blip2Qwen(BaseModel):
         if llm_grad_checkpoint:
             self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
 
+    @classmethod
+    def config_problems(cls, section: dict[str, Any]) -> list[str]:
+        """What the constructor would refuse, found before anything is built (same rules as below)."""
+        problems = []
+        clashes = sorted(k for k in (section.get("vit") or {}) if k in VIT_KEYS_SET_AT_TOP_LEVEL)
+        problems += [f"model.vit.{k}: set it with model.{VIT_KEYS_SET_AT_TOP_LEVEL[k]}, not under vit" for k in clashes]
+        if section.get("get_lora") and not section.get("freeze_llm", True):
+            problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
+        if not section.get("tokenizer") and not section.get("llm_model"):
+            problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
+        return problems
+
     def train(self, mode: bool = True) -> "Blip2Qwen":
         super().train(mode)
         if self.llm_grad_checkpoint:
