@@ -149,10 +149,9 @@ def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: 
 def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: list[str]) -> None:
     """``model.autocast_dtype`` (the dtype MiniGPT4Qwen's forward ran in) or else ``run.amp`` (LAVIS: fp16
     autocast with a GradScaler) -> the DeepSpeed precision section."""
-    dtype = (model or {}).pop("autocast_dtype", None) if model is not None and "autocast_dtype" in model else None
-    has_dtype = dtype is not None
+    dtype = model.pop("autocast_dtype", None) if model is not None else None
     amp = run.pop("amp", None)
-    if has_dtype:
+    if dtype is not None:
         if str(dtype) not in _DTYPES:
             problems.append(f"model.autocast_dtype: {dtype!r} is not a dtype; valid: {', '.join(_DTYPES)}")
             return
