@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from lavis_ds.common import dist
+from lavis_ds.common.logger import show_known_warnings_once
+from lavis_ds.common.extensions import configure_build_environment
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,10 +29,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     dist.set_single_process_defaults()
+    show_known_warnings_once()
+    configure_build_environment()  # before anything compiles: one ops folder and one ninja per environment
 
     import lavis_ds  # noqa: F401  (fills the registries)
     from lavis_ds.build import build_runner
     from lavis_ds.common.config import ConfigError, load_config
+    from lavis_ds.common.registry import registry
 
     try:
         cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]))
@@ -38,6 +43,7 @@ def main(argv=None) -> int:
         print(f"lavis_ds: {e}", file=sys.stderr)
         return 2
 
+    registry.get_runner_class(cfg.run.runner).prepare_process(cfg)
     dist.init_distributed()
     if dist.is_main_process():
         from omegaconf import OmegaConf

@@ -5,6 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from lavis_ds.common.extensions import configure_build_environment
+
+# In-process tests and the train.py processes they start compile DeepSpeed's ops into one folder.
+configure_build_environment()
+
 # Words the tests' prompts use, so the toy BPE has merges for them (any text still encodes: byte-level).
 TINY_CORPUS = [
     "<Img><ImageHere></Img> What is in the image?",

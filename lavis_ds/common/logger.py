@@ -52,3 +52,32 @@ def _lines_up_to(path: Path, step: int) -> list[str]:
         if record.get("step", 0) <= step:
             kept.append(line)
     return kept
+
+
+# Upstream deprecation notices that fire on every step, from code lavis_ds does not own
+# (DeepSpeed ZeRO-3 calling torch.distributed's renamed collectives). Python's own "once" filter
+# does not hold them back in a training process (its registry is bypassed there; seen with
+# DeepSpeed 0.19.8 and torch 2.14), and at every step they break the progress bar.
+KNOWN_UPSTREAM_WARNINGS = (
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
+)
+
+
+def show_known_warnings_once() -> None:
+    """Show each known upstream deprecation notice once per process instead of once per step."""
+    import re
+    import warnings
+
+    known = [(category, re.compile(pattern)) for category, pattern in KNOWN_UPSTREAM_WARNINGS]
+    shown: set[str] = set()
+    show = warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if any(issubclass(category, c) and pattern.match(text) for c, pattern in known):
+            if text in shown:
+                return
+            shown.add(text)
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_once

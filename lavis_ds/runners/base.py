@@ -7,6 +7,7 @@ here, once.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,6 +74,10 @@ class RunnerBase:
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
         self.resume()
+        if self.already_finished():
+            return
+        if self.rank == 0:  # from an earlier run in this folder (run.resume=false): not this run's
+            self.finished_file.unlink(missing_ok=True)
         self.call_hooks("before_train")
         self.module.train()  # once: evaluation restores the mode it found
         for epoch in range(self.state.epoch, self.run.max_epoch):
@@ -85,6 +90,22 @@ class RunnerBase:
             self.call_hooks("after_epoch")
         self.call_hooks("after_train")
         self.close()
+        if self.rank == 0:  # last: a run killed during its final evaluation evaluates again when rerun
+            self.finished_file.write_text(json.dumps({"global_step": self.state.global_step}))
+
+    @property
+    def finished_file(self) -> Path:
+        return self.output_dir / "finished.json"
+
+    def already_finished(self) -> bool:
+        """Whether this is a rerun of a run that completed, final evaluation included; says so if it is."""
+        done = (self.state.global_step >= self.total_steps and self.finished_file.is_file()
+                and json.loads(self.finished_file.read_text()).get("global_step") == self.state.global_step)
+        if done and self.rank == 0:
+            print(f"lavis_ds: this run already finished at step {self.state.global_step} (results in "
+                  f"{self.output_dir / 'metrics.jsonl'}); nothing to do. To train longer raise run.max_epoch; "
+                  "to start over pass --options run.resume=false or use another run.output_dir.", flush=True)
+        return done
 
     def run_step(self, micro_batches: list[dict]) -> None:
         """One optimizer step and everything around it: its lr, the counters, the hooks."""
@@ -114,12 +135,20 @@ class RunnerBase:
             getattr(hook, event)(self, *args, **kwargs)
 
     # ------------------------------------------------- what subclasses provide
+    @classmethod
+    def prepare_process(cls, cfg: DictConfig) -> None:
+        """Once per process, before the process group starts (e.g. compile the engine's ops). Default: nothing."""
+
     def wrap(self, model: torch.nn.Module, param_groups: list[dict]):
         """Build the engine around ``model``; return the optimizer whose param_groups carry the lr."""
         raise NotImplementedError
 
     def forward(self, batch: dict) -> dict:
         raise NotImplementedError
+
+    def checkpoint_layout(self) -> dict:
+        """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
+        return {}
 
     def train_step(self, micro_batches: list[dict]) -> dict:
         """Forward/backward every micro-batch, one optimizer step; return loss and grad_norm."""
@@ -158,7 +187,7 @@ class RunnerBase:
             validation = self.validation
             ckpt.mark_complete(tag_dir, {
                 "global_step": self.state.global_step, "epoch": self.state.epoch,
-                "world_size": self.world_size, "global_batch": self.global_batch,
+                "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout(),
                 "val_loss": validation.get("loss") if validation.get("step") == self.state.global_step else None})
             if self.run.keep_last:
                 ckpt.prune(self.checkpoint_dir, self.run.keep_last, keep=ckpt.best(self.checkpoint_dir))

@@ -154,10 +154,57 @@ def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
         ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(scratch), num_extract_workers=1,
                                   num_merge_workers=1, keep_temp_folder=False, strict=True,
                                   inject_missing_state=True))
+        _readable_by_every_stage(scratch)
         os.replace(scratch, target)
     if torch_dist.is_initialized():
         torch_dist.barrier()
     return target.parent
+
+
+def _readable_by_every_stage(folder: Path) -> None:
+    """Let a universal copy be loaded by any ZeRO stage 1-3, whichever stage saved it.
+
+    A universal copy restores weights and Adam moments per parameter from ``zero/<name>/``; the
+    rest is stage-specific bookkeeping, which ``ds_to_universal`` writes in the saving stage's form:
+    - the module-states file (read for client state only) is found by a stage-specific name,
+      ``zero_pp_rank_0_mp_rank_00_model_states.pt`` for ZeRO-3, ``mp_rank_00_model_states.pt`` below;
+    - ``zero/optimizer_state.pt``: stages 1-2 read its top-level ``param_groups`` and ``ds_version``
+      (a ZeRO-3 save lacks the latter), ZeRO-3 reads ``optimizer_state_dict`` (its param groups and the
+      Adam step), which a stage 1-2 save lacks;
+    - each parameter's ``fp32``/``exp_avg``/``exp_avg_sq``: ZeRO-3 writes flat tensors, stages 1-2
+      read ``{"param": tensor}`` in the parameter's shape (ZeRO-3 reads both forms), and a ``step``
+      file that ZeRO-3 does not write.
+    """
+    names = [folder / "mp_rank_00_model_states.pt", folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    present = next((path for path in names if path.is_file()), None)
+    for path in names:
+        if present is not None and not path.exists():
+            os.link(present, path)
+    optimizer_file = folder / "zero" / "optimizer_state.pt"
+    state = torch.load(optimizer_file, map_location="cpu", weights_only=False)
+    before = set(state)
+    if "optimizer_state_dict" not in state:
+        step_file = next((folder / "zero").glob("*/step.pt"), None)
+        step = torch.load(step_file, weights_only=False) if step_file else 0
+        state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+    if "ds_version" not in state:  # stages 1-2 refuse a file without it; a ZeRO-3 save does not write it
+        from deepspeed import __version__
+
+        state["ds_version"] = __version__
+    if set(state) != before:
+        torch.save(state, optimizer_file)
+    # Per-parameter states: ZeRO-3 writes flat tensors, stages 1-2 read {"param": tensor of the parameter's shape}.
+    shapes = {name: shape for group in torch.load(present, map_location="cpu", mmap=True, weights_only=False)
+              ["param_shapes"] for name, shape in group.items()}
+    step = state["optimizer_state_dict"]["state"][0]["step"]
+    for name, shape in shapes.items():
+        if not (folder / "zero" / name / "step.pt").is_file():  # a ZeRO-3 save keeps the step in one place only
+            torch.save(step, folder / "zero" / name / "step.pt")
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = folder / "zero" / name / f"{key}.pt"
+            value = torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+            if torch.is_tensor(value):
+                torch.save({"param": value.view(shape)}, path)
 
 
 def remove_universal_copy(target: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
+from lavis_ds.common.config import ConfigError
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import build_deepspeed_config
 from lavis_ds.runners import checkpoint as ckpt
@@ -17,6 +18,15 @@ from lavis_ds.runners.base import RunnerBase
 @registry.register_runner("runner_deepspeed")
 class DeepSpeedRunner(RunnerBase):
     """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
+
+    @classmethod
+    def prepare_process(cls, cfg):
+        import os
+
+        from lavis_ds.runners.deepspeed_ops import ensure_built, ops_for
+
+        # Before the process group: initialising it loads the shared-memory op on a CPU machine.
+        ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=os.environ.get("LOCAL_RANK", "0") == "0")
 
     def wrap(self, model, param_groups):
         # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
@@ -30,8 +40,12 @@ class DeepSpeedRunner(RunnerBase):
                                        gradient_accumulation_steps=self.accum, train_batch_size=self.global_batch)
         run.pop("batch_size_train", None)
         ds_config = build_deepspeed_config(run, self.world_size)
-        if self.elastic:
-            # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format.
+        # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
+        # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision.
+        self.layout = _layout(ds_config)
+        layout_changed = self._layout_changed(self.layout)  # checked first: it may refuse the resume
+        self.universal = self.elastic or layout_changed
+        if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                                             config=ds_config)
@@ -49,6 +63,31 @@ class DeepSpeedRunner(RunnerBase):
         # in every checkpoint. This drops every name of every frozen parameter.
         self.engine.module_state_dict = functools.partial(_without_frozen, self.engine.module_state_dict, model)
         return optimizer
+
+    def checkpoint_layout(self) -> dict:
+        return {"runner": "runner_deepspeed", **self.layout}
+
+    def _layout_changed(self, now: dict) -> bool:
+        """Whether the checkpoint to resume has another ZeRO stage or precision; refuse pairs that cannot convert."""
+        saved = self.saved_layout() or {}
+        changed = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
+        if not changed:
+            return False
+        what = " and ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
+        stages = {saved.get("zero_stage"), now["zero_stage"]}
+        precisions = {saved.get("precision"), now["precision"]}
+        if 0 in stages or "fp16" in precisions:
+            # ZeRO-0 keeps no partitioned optimizer files to convert, and fp16's loss-scaler state has no fp32 twin.
+            source = self.resume_from[0] / self.resume_from[1]
+            raise ConfigError([
+                f"run.deepspeed_config: {source} was saved with ZeRO stage {saved.get('zero_stage')} in "
+                f"{saved.get('precision')} and this run asks for stage {now['zero_stage']} in {now['precision']}. "
+                "Resuming converts between ZeRO stages 1-3 and between fp32 and bf16 only; resume with the "
+                "settings it was saved with, or start afresh (--options run.resume=false, or another "
+                "run.output_dir)"], str(source))
+        if self.rank == 0:
+            print(f"resuming through DeepSpeed's universal checkpoint: {what}", flush=True)
+        return True
 
     def _grad_norm(self) -> float:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -102,14 +141,14 @@ class DeepSpeedRunner(RunnerBase):
     def load_checkpoint(self, load_dir: Path, tag):
         if tag is not None:
             ckpt.check_trainable_saved(Path(load_dir) / tag, self.trainable_names())
-        if self.elastic:
+        if self.universal:
             load_dir = ckpt.universal_copy(Path(load_dir) / tag, self.checkpoint_dir / "universal", self.rank)
         # Frozen weights are not in the checkpoint (checked above: everything trainable is);
         # they come from where the model loaded them.
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
-        if self.elastic:
+        if self.universal:
             # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
             torch_dist.barrier()
             if self.rank == 0:
@@ -120,6 +159,14 @@ class DeepSpeedRunner(RunnerBase):
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
 registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
+
+
+def _layout(ds_config: dict) -> dict:
+    """How a DeepSpeed checkpoint is cut: its ZeRO stage and training precision."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    bf16 = (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False)
+    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
+    return {"zero_stage": int(stage), "precision": "bf16" if bf16 else "fp16" if fp16 else "fp32"}
 
 
 def _without_frozen(module_state_dict, model, *args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:

@@ -1,0 +1,131 @@
+"""What a newcomer meets in the first hour: ops compiled once per environment, a changed ZeRO stage or
+precision on the same output folder, a rerun of a finished run, warnings that fire on every step."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from run_utils import REPO, env, metrics, run_train, tiny_config, train_steps, write_yaml
+
+STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x 2 processes
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=8, num_test=8))
+    return storage
+
+
+def _config(out: Path, demo_storage: Path, stage: int, dtype: str = "fp32", max_epoch: int = 1, **run) -> dict:
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, max_epoch=max_epoch, **run)
+    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=32, num_val=8, num_test=8)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def stage2_two_epochs(tmp_path_factory, demo_storage):
+    """The uninterrupted reference: ZeRO-2, fp32, two epochs."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    run_train(write_yaml(out.parent / "run.yaml", _config(out, demo_storage, 2, max_epoch=2)))
+    return out
+
+
+def _cut_after_first_epoch(reference: Path, out: Path) -> None:
+    """``out``: the reference run as it was when its first epoch's checkpoint had just been written."""
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "checkpoints" / f"step_{2 * STEPS_PER_EPOCH}")
+    (out / "finished.json").unlink()
+
+
+def test_a_changed_zero_stage_resumes_through_the_universal_checkpoint(tmp_path, demo_storage, stage2_two_epochs):
+    out = tmp_path / "out"
+    _cut_after_first_epoch(stage2_two_epochs, out)
+    marker = json.loads((out / "checkpoints" / f"step_{STEPS_PER_EPOCH}" / "lavis_ds_complete.json").read_text())
+    assert marker["runner"] == "runner_deepspeed" and marker["zero_stage"] == 2 and marker["precision"] == "fp32"
+
+    # The same output folder, now ZeRO-3: it continues instead of dying in DeepSpeed's loader.
+    proc = run_train(write_yaml(tmp_path / "zero3.yaml", _config(out, demo_storage, 3, max_epoch=2)))
+    assert "universal checkpoint: zero_stage 2 -> 3" in proc.stdout
+    continued = train_steps(out)
+    reference = train_steps(stage2_two_epochs)
+    assert [m["step"] for m in continued] == [m["step"] for m in reference]
+    # fp32 master weights and Adam moments carried over: the curve goes on where it was (ZeRO-3 adds in
+    # another order, so equal within float tolerance, not bit for bit).
+    for ours, theirs in zip(continued[STEPS_PER_EPOCH:], reference[STEPS_PER_EPOCH:]):
+        assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9)
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+    assert not (out / "checkpoints" / "universal" / f"step_{STEPS_PER_EPOCH}").exists()  # scratch copy gone
+
+    # And back: the ZeRO-3 checkpoint it just wrote resumes under ZeRO-2 in bf16 (stage and precision change).
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS_PER_EPOCH}")
+    (out / "finished.json").unlink()
+    proc = run_train(write_yaml(tmp_path / "bf16.yaml", _config(out, demo_storage, 2, dtype="bf16", max_epoch=3)))
+    assert "zero_stage 3 -> 2 and precision fp32 -> bf16" in proc.stdout
+    after = train_steps(out)
+    assert [m["step"] for m in after] == list(range(1, 3 * STEPS_PER_EPOCH + 1))
+    assert all(m["loss"] == m["loss"] and m["loss"] < after[0]["loss"] for m in after[2 * STEPS_PER_EPOCH:])
+
+
+def test_a_stage_change_that_cannot_convert_stops_with_what_to_do(tmp_path, demo_storage, stage2_two_epochs):
+    out = tmp_path / "out"
+    shutil.copytree(stage2_two_epochs, out)
+    before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+    # One plain process: what the user reads is train.py's own output, not torchrun's report of a failed child.
+    proc = run_train(write_yaml(tmp_path / "zero0.yaml", _config(out, demo_storage, 0, max_epoch=3)), nproc=0,
+                     check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "was saved with ZeRO stage 2 in fp32 and this run asks for stage 0 in fp32" in proc.stderr
+    assert "run.resume=false" in proc.stderr
+    assert before == {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+
+
+def test_a_rerun_of_a_finished_run_says_so_and_adds_nothing(tmp_path, demo_storage, stage2_two_epochs):
+    out = tmp_path / "out"
+    shutil.copytree(stage2_two_epochs, out)
+    # The reference run used the default config path; rerun it exactly, test split included.
+    cfg = write_yaml(tmp_path / "rerun.yaml", _config(out, demo_storage, 2, max_epoch=2))
+    before = (out / "metrics.jsonl").read_text()
+    proc = run_train(cfg)
+    assert f"already finished at step {2 * STEPS_PER_EPOCH}" in proc.stdout
+    assert (out / "metrics.jsonl").read_text() == before
+
+    # Training longer is not a rerun: it goes on from the last checkpoint.
+    run_train(write_yaml(tmp_path / "longer.yaml", _config(out, demo_storage, 2, max_epoch=3)))
+    assert [m["step"] for m in train_steps(out)][-1] == 3 * STEPS_PER_EPOCH
+
+
+def test_zero3_deprecation_warnings_show_once_per_process(tmp_path, demo_storage):
+    out = tmp_path / "out"
+    proc = run_train(write_yaml(tmp_path / "z3.yaml", _config(out, demo_storage, 3, max_epoch=1)))
+    text = proc.stdout + proc.stderr
+    # Two processes: at most one line per process and message (each used to print on every step).
+    for collective in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        assert text.count(f"`torch.distributed.{collective}` is deprecated") <= 2, collective
+    assert len(train_steps(out)) == STEPS_PER_EPOCH
+
+
+def test_one_extensions_folder_and_one_ninja_per_environment(tmp_path):
+    """Whatever the PATH (venv activated or not), the environment's own folder and ninja are used."""
+    script = ("import os, shutil; from lavis_ds.common.extensions import configure_build_environment; "
+              "folder = configure_build_environment(); print(folder); print(shutil.which('ninja'))")
+    clean = {k: v for k, v in env().items() if k != "TORCH_EXTENSIONS_DIR"}
+    clean["PATH"] = "/usr/local/bin:/usr/bin:/bin"  # not activated: a system ninja may come first
+    out = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True, text=True, check=True)
+    folder, ninja = out.stdout.split()
+    assert Path(folder) == Path(sys.prefix) / "torch_extensions"
+    import ninja as ninja_package
+
+    assert Path(ninja).parent == Path(ninja_package.BIN_DIR)
+    # A folder the user chose is kept.
+    mine = dict(clean, TORCH_EXTENSIONS_DIR=str(tmp_path / "mine"))
+    out = subprocess.run([sys.executable, "-c", script], env=mine, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == str(tmp_path / "mine")
