@@ -234,14 +234,20 @@ def load_samples(path: Path, format_name: str, image_root: Path, image_processor
     from lavis_ds.common.registry import registry
     from lavis_ds.datasets import builders  # noqa: F401  (registers the builders)
     from lavis_ds.datasets.instruction import InstructionDataset
-    from lavis_ds.datasets.loading import ALL_KINDS, RecordLoader
+    from lavis_ds.datasets.loading import ALL_KINDS, BadRecordsError, RecordLoader, describe_bad
 
     if format_name not in FORMATS:
         raise ValueError(f"--format {format_name!r} is not one of {', '.join(FORMATS)}")
     options = {"prompt": caption_prompt} if caption_prompt is not None else {}
     builder = registry.get_builder_class(format_name)(options, section_name=f"--format {format_name}")
     loader = RecordLoader(builder.parse_file(), skip=ALL_KINDS if skip_bad_records else ())
-    dataset = InstructionDataset([path], image_root, image_processor, text_processor, loader=loader)
+    try:
+        dataset = InstructionDataset([path], image_root, image_processor, text_processor, loader=loader)
+    except BadRecordsError as e:  # its own hint names the YAML key; here it is a flag
+        raise ValueError("\n".join(describe_bad(e.bad)) + "\n(pass --skip-bad-records to leave such records out; "
+                         "they are counted)") from None
+    if dataset.skip_summary:
+        print(f"{path}: {dataset.skip_summary}", file=sys.stderr)
     groups: dict[tuple, list[int]] = {}
     for i, record in enumerate(dataset.records):
         key = ((record.source, record.image) if format_name == "coco_caption"
