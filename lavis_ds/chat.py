@@ -146,6 +146,7 @@ class ChatSession:
         if not self.images:
             raise ValueError("no image loaded: load one first (:img <path>, or the upload box)")
         turns, pending = self._fitting_turns(question)
+        self.stop.clear()  # from here on, interrupt() stops this answer
         return self._answer(question, turns, pending)
 
     def answer(self, question: str) -> str:
@@ -160,7 +161,6 @@ class ChatSession:
         shown = [i for t in turns for i in t.images] + pending
         images = torch.stack([self.images[i].tensor for i in shown])
         kwargs = self.settings.to_kwargs()
-        self.stop.clear()
         kwargs["stopping_criteria"] = StoppingCriteriaList([_StopFlag(self.stop)])
         set_seed(self.seed)  # before every answer, as cli_demo.py does
         answer = yield from self._stream(images, instructions, [t.answer for t in turns], len(shown), kwargs)
