@@ -123,7 +123,7 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
                     ]
                     seed_box = gr.Number(value=seed, precision=0, label="Seed (set before every answer)")
             with gr.Column(scale=2):
-                chatbot = gr.Chatbot(label="Conversation", height=420, elem_id="chatbot")
+                chatbot = gr.Chatbot(label="Conversation", height=560, elem_id="chatbot")
                 question = gr.Textbox(label="Question", placeholder="Ask about the image and press Enter",
                                       elem_id="question")
                 with gr.Row():

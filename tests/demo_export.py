@@ -23,6 +23,8 @@ class DemoExport:
     folder: Path  # the export (model.safetensors, config.yaml, tokenizer/)
     storage: Path  # the demo data: images/, annotations/{train,val,test}.json
 
+    num_test: int = SPEC.num_test
+
     def image(self, split: str = "test", index: int = 0) -> Path:
         return self.storage / "images" / f"{split}_{index:05d}.png"
 
