@@ -93,6 +93,8 @@ class ChatSession:
     turns: list[Turn] = field(default_factory=list)
     images: list[LoadedImage] = field(default_factory=list)  # every image, in the order loaded
     pending: list[int] = field(default_factory=list)  # images not shown yet: they go with the next question
+    # The answer being generated stops when its event is set. One per answer: an abandoned answer
+    # (a closed page) may be cleaned up later, and must not stop the next one then.
     stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
@@ -146,8 +148,8 @@ class ChatSession:
         if not self.images:
             raise ValueError("no image loaded: load one first (:img <path>, or the upload box)")
         turns, pending = self._fitting_turns(question)
-        self.stop.clear()  # from here on, interrupt() stops this answer
-        return self._answer(question, turns, pending)
+        self.stop = threading.Event()  # from here on, interrupt() stops this answer
+        return self._answer(question, turns, pending, self.stop)
 
     def answer(self, question: str) -> str:
         """:meth:`ask` without streaming: the whole answer."""
@@ -155,16 +157,16 @@ class ChatSession:
             pass
         return self.turns[-1].answer
 
-    def _answer(self, question: str, turns: list[Turn], pending: list[int]) -> Iterator[str]:
+    def _answer(self, question: str, turns: list[Turn], pending: list[int], stop: threading.Event) -> Iterator[str]:
         instructions = [self._instruction(t.question, t.images) for t in turns]
         instructions.append(self._instruction(question, pending))
         shown = [i for t in turns for i in t.images] + pending
         images = torch.stack([self.images[i].tensor for i in shown])
         kwargs = self.settings.to_kwargs()
-        kwargs["stopping_criteria"] = StoppingCriteriaList([_StopFlag(self.stop)])
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_StopFlag(stop)])
         set_seed(self.seed)  # before every answer, as cli_demo.py does
-        answer = yield from self._stream(images, instructions, [t.answer for t in turns], len(shown), kwargs)
-        if self.stop.is_set():
+        answer = yield from self._stream(images, instructions, [t.answer for t in turns], len(shown), kwargs, stop)
+        if stop.is_set():
             raise Interrupted("generation interrupted; the question was not kept")
         self.turns[:] = turns
         self.turns.append(Turn(question, pending, answer))
@@ -205,7 +207,7 @@ class ChatSession:
                 pending[:0] = dropped.images
 
     def _stream(self, images: torch.Tensor, instructions: list[str], answers: list[str], num_images: int,
-                kwargs: dict[str, Any]) -> Iterator[str]:
+                kwargs: dict[str, Any], stop: threading.Event) -> Iterator[str]:
         """Yield the answer's text as generated (a generator returning the whole answer)."""
         call = dict(images=images, prompts=[instructions], answers=[answers], num_images=[num_images])
         if self.settings.num_beams > 1:  # transformers' streamers do not support beam search: all at once
@@ -231,7 +233,7 @@ class ChatSession:
                     yield piece
         finally:
             if worker.is_alive() and sys.exc_info()[0] is not None:
-                self.stop.set()  # the consumer went away (Ctrl-C, closed page): let the thread finish soon
+                stop.set()  # the consumer went away (Ctrl-C, closed page): let the thread finish soon
             worker.join()
         if "error" in result:
             raise result["error"]

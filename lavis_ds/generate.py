@@ -31,7 +31,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from PIL import Image
@@ -334,9 +334,30 @@ def merge(out: Path, total: int) -> int:
     return total - len(ordered)
 
 
-def _batches(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
+class _Share(torch.utils.data.Dataset):
+    """This process's samples, loaded (image decoded and processed) by DataLoader workers."""
+
+    def __init__(self, dataset, samples: list[Sample]):
+        self.dataset, self.samples = dataset, samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        try:
+            return {**self.dataset[self.samples[i].record], "sample": self.samples[i].index}
+        except OSError as e:  # an image that does not decode: its message names it and the record
+            # Handed over as text: a worker's exception would reach the user wrapped in its traceback.
+            return {"error": str(e)}
+
+    @staticmethod
+    def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+        from lavis_ds.datasets.instruction import InstructionDataset
+
+        errors = [item["error"] for item in items if "error" in item]
+        if errors:
+            return {"error": errors[0]}
+        return {**InstructionDataset.collater(items), "sample": [item["sample"] for item in items]}
 
 
 # ----------------------------------------------------------------------------- processes
@@ -379,7 +400,7 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
     from tqdm import tqdm
     from transformers import set_seed
 
-    from lavis_ds.datasets.instruction import InstructionDataset
+    from torch.utils.data import DataLoader
 
     data, out = Path(args.data), Path(args.out)
     image_root = Path(args.images) if args.images else data.parent
@@ -409,22 +430,23 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
     if main:
         print(f"{data} ({format_name}): {len(samples)} sample(s); {len(done)} already in {out} and its shares, "
               f"{len(todo)} to answer on {processes.world} process(es)", file=sys.stderr)
+    loader = DataLoader(_Share(dataset, mine), batch_size=args.batch_size, num_workers=args.num_workers,
+                        collate_fn=_Share.collate)
     writer = open_for_append(out if processes.world == 1 else share_path(out, processes.rank))
     failure = None
     try:
         with writer, tqdm(total=len(mine), disable=not main, unit="sample", file=sys.stderr,
                           desc="generate" if processes.world == 1 else f"generate (rank 0 of {processes.world})") as bar:
-            for batch in _batches(mine, args.batch_size):
-                items = [dataset[sample.record] for sample in batch]
+            for batch in loader:
+                if "error" in batch:
+                    raise OSError(batch["error"])
                 # Seeded by the batch's first sample: sampling gives the same text when the run is resumed.
-                set_seed(args.seed + batch[0].index)
-                texts = generate(model, InstructionDataset.collater(items)["image"],
-                                 [item["instruction"] for item in items], [item["output"] for item in items],
-                                 **settings.to_kwargs())
-                writer.writelines(json.dumps({**expected[sample.index], "generated": text}, ensure_ascii=False)
-                                  + "\n" for sample, text in zip(batch, texts))
+                set_seed(args.seed + batch["sample"][0])
+                texts = generate(model, batch["image"], batch["instruction"], batch["output"], **settings.to_kwargs())
+                writer.writelines(json.dumps({**expected[index], "generated": text}, ensure_ascii=False) + "\n"
+                                  for index, text in zip(batch["sample"], texts))
                 writer.flush()
-                bar.update(len(batch))
+                bar.update(len(texts))
     except OSError as e:  # an image that is missing or does not decode; the message names it and its record
         failure = e
         print(f"lavis_ds generate: {e}", file=sys.stderr)
@@ -497,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--out", help="predictions file (JSON lines); an unfinished one is resumed")
     data.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming it")
     data.add_argument("--batch-size", type=int, default=8, help="samples per generate call (per process)")
+    data.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading images (per process)")
     data.add_argument("--skip-bad-records", action="store_true",
                       help="leave malformed records and records whose image is missing out (counted) instead of "
                            "stopping")

@@ -133,8 +133,8 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
         image.upload(add_image, [image, session, chatbot], [session, chatbot, note])
         inputs, outputs = [question, session, chatbot, seed_box, *controls], [question, chatbot, session, note]
         asked = [question.submit(ask, inputs, outputs), send.click(ask, inputs, outputs)]
-        # Cancelling closes the answer's generator, which stops generation (ChatSession._stream).
-        stop.click(None, None, None, cancels=asked)
+        # Cancelling ends the page's updates; interrupt() ends the generation behind them (its turn is not kept).
+        stop.click(lambda s: s.interrupt() if s is not None else None, [session], None, cancels=asked, queue=False)
         clear_button.click(clear_history, [session], [session, chatbot, note])
         restart_button.click(restart, [session], [session, chatbot, image, note])
     return demo

@@ -102,6 +102,11 @@ def test_several_images_in_one_batch_reach_their_own_sample(model, demo_export, 
     assert both[1] == generate(model, pixels(c), [[f"{IMG} {CAPTION}"]], max_new_tokens=12)[0]
     with pytest.raises(ValueError, match=r"num_images \[2, 2\] adds up to 4 images, but the batch holds 3"):
         generate(model, pixels(a, b, c), [CAPTION, CAPTION], num_images=[2, 2])
+    with pytest.raises(ValueError, match=r"2 image\(s\) but 1 <ImageHere> marker\(s\)"):
+        model.prompt.generation_prompt([f"{IMG} {CAPTION}"], num_images=2)
+    # 8 placeholders (the tiny Q-Former's queries) per image, each run inside its own <Img>...</Img>.
+    ids = model.prompt.generation_prompt([f"{IMG} {IMG} {CAPTION}"], num_images=2)
+    assert ids.count(model.prompt.image_token_id) == 2 * model.prompt.num_image_tokens == 16
 
 
 def test_seed_makes_sampling_repeatable(session, demo_export):

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER
@@ -121,7 +120,7 @@ def test_an_interrupted_file_is_resumed_and_a_torn_last_line_redone(full_run, de
     # Killed while writing line 6: five complete lines and half of the sixth.
     out.write_text("".join(lines[:5]) + lines[5][:40])
     args = ["--model", str(demo_export.folder), "--data", str(demo_export.test_annotations),
-            "--images", str(demo_export.storage / "images"), "--out", str(out), "--batch-size", "4"]
+            "--images", str(demo_export.storage / "images"), "--out", str(out), "--batch-size", "4", "--num-workers", "1"]
     assert _run(*args) == 0
     assert "5 already in" in capsys.readouterr().err
     assert out.read_text() == full_text
@@ -238,6 +237,23 @@ def test_bad_input_gets_a_clear_error(demo_export, tmp_path, capsys):
     assert _run("--model", model, "--data", str(missing_image), "--images", images, "--out", out,
                 "--skip-bad-records") == 0
     assert [line["image"] for line in _lines(Path(out))] == ["test_00000.png"]
+
+    # An image that exists but does not decode is found when its batch is loaded: the run stops there
+    # with the file and the record, keeps what it wrote, and the same command continues once it is fixed.
+    broken_root = tmp_path / "images"
+    shutil.copytree(images, broken_root)
+    (broken_root / "test_00006.png").write_bytes(b"not a png")
+    broken_out = tmp_path / "broken.jsonl"
+    args = ["--model", model, "--data", data, "--images", str(broken_root), "--out", str(broken_out),
+            "--batch-size", "3", "--num-workers", "1"]
+    err = _error(capsys, *args, "--max-new-tokens", str(MAX_NEW_TOKENS))
+    assert f"record 6 (image 'test_00006.png'): cannot read image file {broken_root}/test_00006.png" in err
+    assert "the answers so far are kept" in err
+    assert [line["index"] for line in _lines(broken_out)] == list(range(6))
+    shutil.copy(Path(images) / "test_00006.png", broken_root / "test_00006.png")
+    assert _run(*args) == 0
+    assert "6 already in" in capsys.readouterr().err
+    assert [line["index"] for line in _lines(broken_out)] == list(range(16))
 
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps([{"img": "a.png", "question": "Q?"}]))

@@ -7,7 +7,6 @@ must appear on the page.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER as IMG
