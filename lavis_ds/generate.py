@@ -397,10 +397,9 @@ class Processes:
 
 def run_file(args: argparse.Namespace, processes: Processes) -> int:
     """Answer every sample of ``args.data`` into ``args.out``; the return value is the exit code."""
+    from torch.utils.data import DataLoader
     from tqdm import tqdm
     from transformers import set_seed
-
-    from torch.utils.data import DataLoader
 
     data, out = Path(args.data), Path(args.out)
     image_root = Path(args.images) if args.images else data.parent
@@ -417,8 +416,8 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
                                     caption_prompt=args.prompt, skip_bad_records=args.skip_bad_records)
     expected = [sample.describe(dataset) for sample in samples]
 
-    main = processes.rank == 0
-    if args.overwrite and main:
+    is_main = processes.rank == 0
+    if args.overwrite and is_main:
         for path in [out, *share_paths(out)]:
             path.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -427,7 +426,7 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
     processes.barrier()  # everybody has read the shares before anybody appends to them
     todo = [sample for sample in samples if sample.index not in done]
     mine = todo[processes.rank::processes.world]
-    if main:
+    if is_main:
         print(f"{data} ({format_name}): {len(samples)} sample(s); {len(done)} already in {out} and its shares, "
               f"{len(todo)} to answer on {processes.world} process(es)", file=sys.stderr)
     loader = DataLoader(_Share(dataset, mine), batch_size=args.batch_size, num_workers=args.num_workers,
@@ -435,7 +434,7 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
     writer = open_for_append(out if processes.world == 1 else share_path(out, processes.rank))
     failure = None
     try:
-        with writer, tqdm(total=len(mine), disable=not main, unit="sample", file=sys.stderr,
+        with writer, tqdm(total=len(mine), disable=not is_main, unit="sample", file=sys.stderr,
                           desc="generate" if processes.world == 1 else f"generate (rank 0 of {processes.world})") as bar:
             for batch in loader:
                 if "error" in batch:
@@ -451,11 +450,11 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
         failure = e
         print(f"lavis_ds generate: {e}", file=sys.stderr)
     if processes.any_failed(failure is not None):
-        if main:
+        if is_main:
             print(f"lavis_ds generate: stopped; the answers so far are kept in {out} and its shares, and the same "
                   "command resumes", file=sys.stderr)
         return 2
-    if main:
+    if is_main:
         missing = merge(out, len(samples))
         print(f"wrote {len(samples) - missing} answer(s) to {out}", file=sys.stderr)
     return 0
