@@ -1,27 +1,46 @@
-"""Answer a prompt about images with an exported model, without DeepSpeed.
+"""Run an exported model without DeepSpeed: one prompt, or a whole annotation file.
 
     python -m lavis_ds.generate --model exports/demo --image a.png --prompt "Describe the image in a few words."
     python -m lavis_ds.generate --model exports/demo --image a.png b.png --prompt "..." --json
+    python -m lavis_ds.generate --model exports/demo --data test.json --images data/images --out preds.jsonl
+    torchrun --nproc_per_node=4 -m lavis_ds.generate --model exports/demo --data test.json --out preds.jsonl
 
 Images go through the eval image processor of the export's first dataset section
 (``blip2_image_eval`` at the model's ``image_size`` if there is none), the prompt
 through its eval text processor, as in the run's evaluation. A prompt without
 ``<ImageHere>`` gets the image in front (``<Img><ImageHere></Img> prompt``).
+
+With ``--data``, the file is read by the parser of one of the training formats
+(``--format``, or detected from the file), every record checked as a training run
+checks it, and the last instruction of every record answered, earlier turns with
+their answers as history. COCO-caption files give one sample per image with all of
+its captions as references. Each output line is
+``{"index", "id", "image", "prompt", "references", "generated"}`` (plus ``history``
+for multi-turn records), in input order. Under ``torchrun`` every process answers
+a share and writes ``<out>.rank<N>``; at the end the shares are merged into
+``--out``. An interrupted run started again with the same command only answers
+the samples that are not in ``--out`` or a share yet.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from PIL import Image
 from torch import nn
 
 from lavis_ds.export import ExportError, load_exported, read_export_config
+
+# Annotation formats --data reads: the builders whose parser reads one JSON file.
+FORMATS = ("minigpt4qwen_instruction", "llava_conversation", "coco_caption")
 
 
 def eval_processors(folder: str | Path) -> tuple[Callable, Callable | None]:
@@ -57,48 +76,406 @@ def as_trained(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any],
 
 
 @torch.no_grad()
-def generate(model: nn.Module, images: torch.Tensor, prompts: list[str], **generate_kwargs: Any) -> list[str]:
-    """Answers for a batch: ``images [B, 3, H, W]`` (processed) and one prompt per image.
+def generate(model: nn.Module, images: torch.Tensor, prompts: Sequence[str | Sequence[str]],
+             answers: Sequence[Sequence[str]] | None = None, num_images: Sequence[int] | None = None,
+             **generate_kwargs: Any) -> list[str]:
+    """Answers for a batch: ``images [N, 3, H, W]`` (processed) and one prompt per sample.
 
-    Keyword arguments go to the model's ``generate`` (``max_new_tokens``, ``num_beams``, ...).
+    A prompt is a string, or the turns of a conversation whose earlier answers are in
+    ``answers``; the last turn is answered. ``num_images`` (default: one per sample)
+    says how many of ``images`` belong to each sample, in order; a sample with several
+    marks each with ``<ImageHere>``. Keyword arguments go to the model's ``generate``
+    (``max_new_tokens``, ``num_beams``, ``do_sample``, ``streamer``, ...).
     """
-    batch, context = as_trained(model, {"image": images, "instruction": [[p] for p in prompts]})
+    batch = {"image": images, "instruction": [[p] if isinstance(p, str) else list(p) for p in prompts]}
+    if answers is not None:
+        batch["output"] = [list(a) for a in answers]
+    if num_images is not None:
+        batch["num_images"] = list(num_images)
+    batch, context = as_trained(model, batch)
     with context:
         return model.generate(batch, **generate_kwargs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from lavis_ds.datasets.instruction import process_text
+# ----------------------------------------------------------------------------- generation settings
+@dataclass
+class GenerationSettings:
+    """What the terminal chat, the web page and the command line let a user change.
 
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
-    parser.add_argument("--image", required=True, nargs="+", help="image file(s); one batch")
-    parser.add_argument("--prompt", required=True, help="the question or instruction")
-    parser.add_argument("--max-new-tokens", type=int, default=30)
-    parser.add_argument("--min-new-tokens", type=int, default=None)
-    parser.add_argument("--num-beams", type=int, default=1)
-    parser.add_argument("--dtype", default="auto", help="auto (the dtype it trained in), fp32, bf16 or fp16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", action="store_true", help="print one JSON list of {image, generated}")
-    args = parser.parse_args(argv)
+    Greedy decoding by default (``do_sample=False, num_beams=1``); ``num_beams > 1`` is beam
+    search; ``do_sample`` samples with ``temperature``, ``top_p`` and ``top_k``.
+    """
+
+    max_new_tokens: int = 30
+    do_sample: bool = False
+    num_beams: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 50
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "num_beams": self.num_beams >= 1,
+            "temperature": self.temperature > 0,
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": self.top_k >= 0,
+            "repetition_penalty": self.repetition_penalty > 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError("; ".join(f"{name}={getattr(self, name)!r} is out of range ({RANGES[name]})"
+                                       for name in bad))
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``generate``; the sampling ones only when sampling (transformers warns otherwise)."""
+        kwargs = {"max_new_tokens": self.max_new_tokens, "num_beams": self.num_beams, "do_sample": self.do_sample,
+                  "repetition_penalty": self.repetition_penalty}
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        return kwargs
+
+    def replace(self, key: str, text: str) -> "GenerationSettings":
+        """A copy with ``key`` set from the text ``text`` (``"0.7"``, ``"true"``); ``ValueError`` says what is valid."""
+        import difflib
+
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown setting {key!r}{hint} (settings: {', '.join(fields)})")
+        kind = type(getattr(GenerationSettings(), key))
+        try:
+            value = _parse_bool(text) if kind is bool else kind(text)
+        except ValueError:
+            raise ValueError(f"{key}: {text!r} is not {'true/false' if kind is bool else f'a {kind.__name__}'}") \
+                from None
+        return dataclasses.replace(self, **{key: value})
+
+
+RANGES = {"max_new_tokens": ">= 1", "num_beams": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]",
+          "top_k": ">= 0; 0 keeps all tokens", "repetition_penalty": "> 0; 1 is none"}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser, defaults: GenerationSettings) -> None:
+    """``--max-new-tokens``, ``--num-beams``, ``--do-sample``, ... with ``defaults``."""
+    group = parser.add_argument_group("generation settings")
+    group.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    group.add_argument("--num-beams", type=int, default=defaults.num_beams, help="> 1: beam search")
+    group.add_argument("--do-sample", action="store_true", default=defaults.do_sample,
+                       help="sample (with --temperature, --top-p, --top-k) instead of greedy/beam search")
+    group.add_argument("--temperature", type=float, default=defaults.temperature)
+    group.add_argument("--top-p", type=float, default=defaults.top_p)
+    group.add_argument("--top-k", type=int, default=defaults.top_k)
+    group.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
+
+
+def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
+    return GenerationSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationSettings)})
+
+
+# ----------------------------------------------------------------------------- annotation files
+@dataclass(frozen=True)
+class Sample:
+    """One line of the predictions file to produce: a record (or, for captions, an image) to answer."""
+
+    index: int
+    record: int  # position in the dataset's records; its image and turns are what the model sees
+    references: tuple[str, ...]  # reference answers of the last turn (every caption of a captioned image)
+
+    def describe(self, dataset) -> dict[str, Any]:
+        """The output line without ``generated``."""
+        record = dataset.records[self.record]
+        line = {"index": self.index, "id": record.record_id, "image": record.image,
+                "prompt": record.instructions[-1], "references": list(self.references)}
+        if len(record.instructions) > 1:
+            line["history"] = [list(turn) for turn in zip(record.instructions[:-1], record.outputs[:-1])]
+        return line
+
+
+def detect_format(path: Path) -> str:
+    """The annotation format of ``path``, from its layout and its first record's keys."""
+    from lavis_ds.datasets.loading import read_json
+
+    raw = read_json(path)
+    if isinstance(raw, dict) and {"images", "annotations"} <= raw.keys():
+        return "coco_caption"
+    first = raw[0] if isinstance(raw, list) and raw else None
+    keys = set(first) if isinstance(first, dict) else set()
+    for format_name, marker in (("llava_conversation", "conversations"),
+                                ("minigpt4qwen_instruction", "instruction"), ("coco_caption", "caption")):
+        if marker in keys:
+            return format_name
+    found = f"first record has keys {sorted(keys)}" if keys else f"content is {type(raw).__name__}"
+    raise ValueError(f"{path}: cannot tell its annotation format ({found}); expected records with 'conversations' "
+                     f"(LLaVA), 'instruction'/'output' (MiniGPT4Qwen) or 'caption' (COCO), or pass --format "
+                     f"({', '.join(FORMATS)})")
+
+
+def load_samples(path: Path, format_name: str, image_root: Path, image_processor: Callable,
+                 text_processor: Callable | None, caption_prompt: str | None = None,
+                 skip_bad_records: bool = False):
+    """``(dataset, samples)``: the file's records read and checked by its training builder's parser.
+
+    COCO-caption records of one image become one sample holding every caption as a
+    reference (the parser makes one record per caption, as training wants); every
+    other record is one sample.
+    """
+    from lavis_ds.common.registry import registry
+    from lavis_ds.datasets import builders  # noqa: F401  (registers the builders)
+    from lavis_ds.datasets.instruction import InstructionDataset
+    from lavis_ds.datasets.loading import ALL_KINDS, BadRecordsError, RecordLoader, describe_bad
+
+    if format_name not in FORMATS:
+        raise ValueError(f"--format {format_name!r} is not one of {', '.join(FORMATS)}")
+    options = {"prompt": caption_prompt} if caption_prompt is not None else {}
+    builder = registry.get_builder_class(format_name)(options, section_name=f"--format {format_name}")
+    loader = RecordLoader(builder.parse_file(), skip=ALL_KINDS if skip_bad_records else ())
+    try:
+        dataset = InstructionDataset([path], image_root, image_processor, text_processor, loader=loader)
+    except BadRecordsError as e:  # its own hint names the YAML key; here it is a flag
+        raise ValueError("\n".join(describe_bad(e.bad)) + "\n(pass --skip-bad-records to leave such records out; "
+                         "they are counted)") from None
+    if dataset.skip_summary:
+        print(f"{path}: {dataset.skip_summary}", file=sys.stderr)
+    groups: dict[tuple, list[int]] = {}
+    for i, record in enumerate(dataset.records):
+        key = ((record.source, record.image) if format_name == "coco_caption"
+               else (record.source, record.list_name, record.position))
+        groups.setdefault(key, []).append(i)
+    samples = [Sample(n, members[0], tuple(dataset.records[i].outputs[-1] for i in members))
+               for n, members in enumerate(groups.values())]
+    return dataset, samples
+
+
+# ----------------------------------------------------------------------------- the predictions file
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """``(complete lines, their length in bytes)``; a torn last line (a run killed mid-write) is left out."""
+    if not path.is_file():
+        return [], 0
+    lines, length = [], 0
+    data = path.read_bytes()
+    for number, line in enumerate(data.splitlines(keepends=True), 1):
+        if not line.endswith(b"\n"):
+            break  # json.dumps escapes newlines, so only an unfinished write lacks its "\n"
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {number} is not JSON ({e}); it is not a predictions file this "
+                             "command wrote: use another --out, or --overwrite to replace it") from None
+        length += len(line)
+    return lines, length
+
+
+def share_path(out: Path, rank: int) -> Path:
+    """Where process ``rank`` of a multi-process run writes its share."""
+    return out.with_name(f"{out.name}.rank{rank}")
+
+
+def share_paths(out: Path) -> list[Path]:
+    return sorted(p for p in out.parent.glob(f"{out.name}.rank*") if p.name[len(out.name) + 5:].isdigit())
+
+
+def finished_lines(out: Path, expected: Sequence[dict]) -> dict[int, dict]:
+    """Lines already written to ``out`` and every share, by index, each checked against the sample it names."""
+    done = {}
+    for path in [out, *share_paths(out)]:
+        for line in read_jsonl(path)[0]:
+            index = line.get("index") if isinstance(line, dict) else None
+            ok = isinstance(index, int) and 0 <= index < len(expected) and all(
+                line.get(key) == expected[index][key] for key in ("image", "prompt"))
+            if not ok:
+                wanted = expected[index] if isinstance(index, int) and 0 <= index < len(expected) else None
+                raise ValueError(f"{path} holds a line for another annotation file or format: {json.dumps(line)[:200]}"
+                                 + (f" (sample {index} here is image {wanted['image']!r}, prompt {wanted['prompt']!r})"
+                                    if wanted else "") + "; use another --out, or --overwrite to start over")
+            done.setdefault(index, line)
+    return done
+
+
+def open_for_append(path: Path):
+    """``path`` opened for appending after cutting a torn last line (its sample is answered again)."""
+    _, length = read_jsonl(path)
+    if path.is_file() and path.stat().st_size != length:
+        with path.open("r+b") as f:
+            f.truncate(length)
+    return path.open("a", encoding="utf-8")
+
+
+def merge(out: Path, total: int) -> int:
+    """Write every line of ``out`` and the shares into ``out`` in input order; remove the shares.
+
+    Returns the number of samples still missing (0 when the file is complete).
+    """
+    shares = share_paths(out)
+    lines = {}
+    for path in [out, *shares]:
+        for line in read_jsonl(path)[0]:
+            lines.setdefault(line["index"], line)
+    ordered = [lines[i] for i in sorted(lines)]
+    current, length = read_jsonl(out)
+    if shares or current != ordered or (out.is_file() and out.stat().st_size != length):
+        tmp = out.with_name(f".{out.name}.merging")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in ordered)
+        os.replace(tmp, out)  # atomic: a crash here leaves the old file and the shares
+        for path in shares:
+            path.unlink()
+    return total - len(ordered)
+
+
+class _Share(torch.utils.data.Dataset):
+    """This process's samples, loaded (image decoded and processed) by DataLoader workers."""
+
+    def __init__(self, dataset, samples: list[Sample]):
+        self.dataset, self.samples = dataset, samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        try:
+            return {**self.dataset[self.samples[i].record], "sample": self.samples[i].index}
+        except OSError as e:  # an image that does not decode: its message names it and the record
+            # Handed over as text: a worker's exception would reach the user wrapped in its traceback.
+            return {"error": str(e)}
+
+    @staticmethod
+    def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+        from lavis_ds.datasets.instruction import InstructionDataset
+
+        errors = [item["error"] for item in items if "error" in item]
+        if errors:
+            return {"error": errors[0]}
+        return {**InstructionDataset.collater(items), "sample": [item["sample"] for item in items]}
+
+
+# ----------------------------------------------------------------------------- processes
+class Processes:
+    """This process's rank among ``torchrun``'s (a gloo group, for barriers and the failure vote), or alone."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def any_failed(self, failed: bool) -> bool:
+        """Whether some process failed; every process must call it (so none waits for a dead one)."""
+        if self.world == 1:
+            return failed
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def run_file(args: argparse.Namespace, processes: Processes) -> int:
+    """Answer every sample of ``args.data`` into ``args.out``; the return value is the exit code."""
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+    from transformers import set_seed
+
+    data, out = Path(args.data), Path(args.out)
+    image_root = Path(args.images) if args.images else data.parent
+    if not image_root.is_dir():
+        raise ValueError(f"--images {image_root}: not a folder (the folder the records' image paths are relative to)")
+    format_name = args.format if args.format != "auto" else detect_format(data)
+    if args.prompt is not None and format_name != "coco_caption":
+        raise ValueError(f"--prompt with --data sets the caption instruction of coco_caption files; {data} is "
+                         f"{format_name}, whose records carry their own instructions")
+    settings = settings_from_args(args)
+    model = load_exported(args.model, device=args.device, dtype=args.dtype)
+    image_processor, text_processor = eval_processors(args.model)
+    dataset, samples = load_samples(data, format_name, image_root, image_processor, text_processor,
+                                    caption_prompt=args.prompt, skip_bad_records=args.skip_bad_records)
+    expected = [sample.describe(dataset) for sample in samples]
+
+    is_main = processes.rank == 0
+    if args.overwrite and is_main:
+        for path in [out, *share_paths(out)]:
+            path.unlink(missing_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    processes.barrier()  # nobody reads what rank 0 is deleting
+    done = finished_lines(out, expected)
+    processes.barrier()  # everybody has read the shares before anybody appends to them
+    todo = [sample for sample in samples if sample.index not in done]
+    mine = todo[processes.rank::processes.world]
+    if is_main:
+        print(f"{data} ({format_name}): {len(samples)} sample(s); {len(done)} already in {out} and its shares, "
+              f"{len(todo)} to answer on {processes.world} process(es)", file=sys.stderr)
+    loader = DataLoader(_Share(dataset, mine), batch_size=args.batch_size, num_workers=args.num_workers,
+                        collate_fn=_Share.collate)
+    writer = open_for_append(out if processes.world == 1 else share_path(out, processes.rank))
+    failure = None
+    try:
+        with writer, tqdm(total=len(mine), disable=not is_main, unit="sample", file=sys.stderr,
+                          desc="generate" if processes.world == 1 else f"generate (rank 0 of {processes.world})") as bar:
+            for batch in loader:
+                if "error" in batch:
+                    raise OSError(batch["error"])
+                # Seeded by the batch's first sample: sampling gives the same text when the run is resumed.
+                set_seed(args.seed + batch["sample"][0])
+                texts = generate(model, batch["image"], batch["instruction"], batch["output"], **settings.to_kwargs())
+                writer.writelines(json.dumps({**expected[index], "generated": text}, ensure_ascii=False) + "\n"
+                                  for index, text in zip(batch["sample"], texts))
+                writer.flush()
+                bar.update(len(texts))
+    except OSError as e:  # an image that is missing or does not decode; the message names it and its record
+        failure = e
+        print(f"lavis_ds generate: {e}", file=sys.stderr)
+    if processes.any_failed(failure is not None):
+        if is_main:
+            print(f"lavis_ds generate: stopped; the answers so far are kept in {out} and its shares, and the same "
+                  "command resumes", file=sys.stderr)
+        return 2
+    if is_main:
+        missing = merge(out, len(samples))
+        print(f"wrote {len(samples) - missing} answer(s) to {out}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- command line
+def run_prompt(args: argparse.Namespace) -> int:
+    """Today's single-prompt mode: one prompt over the given images, printed."""
+    from lavis_ds.datasets.instruction import process_text
 
     missing = [path for path in args.image if not Path(path).is_file()]
     if missing:
-        print(f"lavis_ds generate: image file(s) not found: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    try:
-        model = load_exported(args.model, device=args.device, dtype=args.dtype)
-        image_processor, text_processor = eval_processors(args.model)
-    except ExportError as e:
-        print(f"lavis_ds generate: {e}", file=sys.stderr)
-        return 2
+        raise ValueError(f"image file(s) not found: {', '.join(missing)}")
+    settings = settings_from_args(args)
+    model = load_exported(args.model, device=args.device, dtype=args.dtype)
+    image_processor, text_processor = eval_processors(args.model)
     images = []
     for path in args.image:
-        with Image.open(path) as image:
-            images.append(image_processor(image.convert("RGB")))
+        images.append(image_processor(open_image(path)))
     prompt = process_text(args.prompt, text_processor) if text_processor else args.prompt
-    kwargs = {"max_new_tokens": args.max_new_tokens, "num_beams": args.num_beams}
+    kwargs = settings.to_kwargs()
     if args.min_new_tokens is not None:
         kwargs["min_new_tokens"] = args.min_new_tokens
     texts = generate(model, torch.stack(images), [prompt] * len(images), **kwargs)
@@ -108,6 +485,73 @@ def main(argv: list[str] | None = None) -> int:
         for path, text in zip(args.image, texts):
             print(text if len(args.image) == 1 else f"{path}: {text}")
     return 0
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """An RGB image; ``ValueError`` naming the file if it is missing or does not decode."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"image file {path} not found")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... for broken files
+        raise ValueError(f"cannot read image file {path}: {type(e).__name__}: {e}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lavis_ds.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--image", nargs="+", help="image file(s), answered with --prompt; one batch")
+    source.add_argument("--data", help="an annotation file to answer record by record (needs --out)")
+    parser.add_argument("--prompt", help="with --image: the question or instruction; with --data: the caption "
+                                         "instruction of a coco_caption file (default: the builder's)")
+    parser.add_argument("--json", action="store_true", help="with --image: print one JSON list of {image, generated}")
+    parser.add_argument("--min-new-tokens", type=int, default=None, help="with --image")
+    data = parser.add_argument_group("annotation files (--data)")
+    data.add_argument("--format", default="auto", choices=("auto", *FORMATS),
+                      help="annotation format (default: detected from the file)")
+    data.add_argument("--images", help="folder the records' image paths are relative to "
+                                       "(default: the annotation file's folder)")
+    data.add_argument("--out", help="predictions file (JSON lines); an unfinished one is resumed")
+    data.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming it")
+    data.add_argument("--batch-size", type=int, default=8, help="samples per generate call (per process)")
+    data.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading images (per process)")
+    data.add_argument("--skip-bad-records", action="store_true",
+                      help="leave malformed records and records whose image is missing out (counted) instead of "
+                           "stopping")
+    data.add_argument("--seed", type=int, default=42, help="seeds sampling (--do-sample), per batch")
+    add_generation_arguments(parser, GenerationSettings())
+    parser.add_argument("--dtype", default="auto", help="auto (the dtype it trained in), fp32, bf16 or fp16")
+    parser.add_argument("--device", default="cpu")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.image is not None and args.prompt is None:
+        parser.error("--image needs --prompt")
+    if args.data is not None and args.out is None:
+        parser.error("--data needs --out (the predictions file)")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.image is not None:
+        try:
+            return run_prompt(args)
+        except (ExportError, ValueError) as e:
+            print(f"lavis_ds generate: {e}", file=sys.stderr)
+            return 2
+    processes = Processes()
+    try:
+        return run_file(args, processes)
+    except (ExportError, ValueError, OSError) as e:  # a bad model folder, data file, format or output path
+        print(f"lavis_ds generate: {e}", file=sys.stderr)
+        return 2
+    finally:
+        processes.close()
 
 
 if __name__ == "__main__":

@@ -45,3 +45,11 @@ def tiny_model_config(tiny_tokenizer_dir) -> dict:
     cfg = Blip2Qwen.default_config("tiny")
     cfg["tokenizer"] = str(tiny_tokenizer_dir)
     return cfg
+
+
+@pytest.fixture(scope="session")
+def demo_export(tmp_path_factory):
+    """The tiny demo model trained briefly (torchrun, 2 processes) and exported, once per session."""
+    from demo_export import train_and_export
+
+    return train_and_export(tmp_path_factory.mktemp("demo_export"))

@@ -336,13 +336,21 @@ class Blip2Qwen(BaseModel):
                  synced_gpus: bool = False, **generate_kwargs: Any) -> list[str]:
         """Answer the last instruction of each sample (greedy or beam search).
 
-        ``synced_gpus`` must be true under ZeRO-3 with more than one rank, so that
-        every rank keeps stepping until all have finished.
+        ``samples``: ``image``, ``instruction`` (turns per sample), optionally ``output``
+        (the answers of the earlier turns) and ``num_images`` (images per sample, default
+        1 each: ``image`` then holds every sample's images in order, and each image has its
+        ``<ImageHere>`` marker in the sample's turns). ``synced_gpus`` must be true under
+        ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
+        Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
         """
         image = samples["image"]
         answers = samples.get("output") or [()] * len(samples["instruction"])
-        prompts = [self.prompt.generation_prompt(ins, out)
-                   for ins, out in zip(samples["instruction"], answers, strict=True)]
+        num_images = samples.get("num_images") or [1] * len(samples["instruction"])
+        if sum(num_images) != image.shape[0]:
+            raise ValueError(f"num_images {list(num_images)} adds up to {sum(num_images)} images, "
+                             f"but the batch holds {image.shape[0]}")
+        prompts = [self.prompt.generation_prompt(ins, out, n)
+                   for ins, out, n in zip(samples["instruction"], answers, num_images, strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         input_ids, attention_mask = input_ids.to(image.device), attention_mask.to(image.device)
 
@@ -360,11 +368,12 @@ class Blip2Qwen(BaseModel):
         return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
     def _embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
-        """Token embeddings with each sample's placeholder run replaced by its image's projected queries."""
+        """Token embeddings with each placeholder run replaced by its image's projected queries."""
         embeds = self.llm_model.get_input_embeddings()(input_ids)
         is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
         # masked_scatter fills positions in row-major order: sample by sample, left to right,
-        # and ChatPrompt guarantees exactly num_query_token placeholders per sample.
+        # and ChatPrompt guarantees exactly num_query_token placeholders per image, so the
+        # images (in sample order, each sample's in marker order) land in their runs.
         return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))
 
     def _embedding_dtype(self) -> torch.dtype:

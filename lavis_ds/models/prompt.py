@@ -27,21 +27,27 @@ def as_turns(value: str | Turns) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def insert_image_placeholders(instructions: Turns, image_token: str, num_image_tokens: int) -> list[str]:
-    """Replace ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token``.
+def insert_image_placeholders(instructions: Turns, image_token: str, num_image_tokens: int,
+                              num_images: int = 1) -> list[str]:
+    """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token``.
 
     An instruction list without ``<ImageHere>`` gets ``<Img><ImageHere></Img> `` in
-    front of its first turn (COCO-caption style data has no marker). One image per
-    sample: a second marker is an error, not something to guess about.
+    front of its first turn (COCO-caption style data has no marker). Training
+    samples have one image; generation may show several (a chat that loads more
+    images, as MiniGPT4Qwen's demos do), and then every image needs its marker,
+    in the order of the images.
     """
     turns = list(instructions)
     if not turns:
         raise ValueError("a sample needs at least one instruction turn")
     markers = sum(turn.count(IMAGE_HERE) for turn in turns)
-    if markers > 1:
+    if num_images == 1 and markers > 1:
         raise ValueError(f"one image per sample: found {markers} {IMAGE_HERE} markers in {turns!r}")
-    if markers == 0:
+    if markers == 0 and num_images == 1:
         turns[0] = DEFAULT_IMAGE_PREFIX + turns[0]
+    elif markers != num_images:
+        raise ValueError(f"{num_images} image(s) but {markers} {IMAGE_HERE} marker(s) in {turns!r}: "
+                         "each image needs its own marker")
     return [turn.replace(IMAGE_HERE, image_token * num_image_tokens) for turn in turns]
 
 
@@ -114,16 +120,18 @@ class ChatPrompt:
             input_ids, labels = input_ids[: self.max_len], labels[: self.max_len]
         return input_ids, labels
 
-    def generation_prompt(self, instructions: str | Turns, answers: str | Turns = ()) -> list[int]:
+    def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1) -> list[int]:
         """Token ids up to ``<|im_start|>assistant\\n`` of the last turn; earlier turns keep their answers.
 
+        ``num_images`` > 1: the instructions mark each image with ``<ImageHere>``, in image order.
         Not truncated: cutting the end would drop the question or the assistant header.
         """
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens)
+        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
+                                                 num_images)
         segments = chatml_segments(self.system_prompt, instructions, as_turns(answers), add_generation_prompt=True)
-        return self._tokenize(segments)[0]
+        return self._tokenize(segments, num_images)[0]
 
-    def _tokenize(self, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    def _tokenize(self, segments: list[tuple[str, bool]], num_images: int = 1) -> tuple[list[int], list[int]]:
         input_ids: list[int] = []
         labels: list[int] = []
         for text, supervised in segments:
@@ -131,10 +139,11 @@ class ChatPrompt:
             input_ids += ids
             labels += ids if supervised else [IGNORE_INDEX] * len(ids)
         placeholders = input_ids.count(self.image_token_id)
-        if placeholders != self.num_image_tokens:
+        if placeholders != num_images * self.num_image_tokens:
             # A literal image token in user text, or a tokenizer that splits the image token.
             raise ValueError(
-                f"expected {self.num_image_tokens} {self.image_token} tokens in the prompt, found {placeholders}"
+                f"expected {num_images * self.num_image_tokens} {self.image_token} tokens in the prompt "
+                f"({num_images} image(s)), found {placeholders}"
             )
         return input_ids, labels
 

@@ -1,0 +1,412 @@
+"""Chat with an exported model about images, in a terminal.
+
+    python -m lavis_ds.chat --model exports/demo --image a.png [b.png ...]
+
+Type a question and the answer is printed token by token as it is generated. Lines
+that start with ``:`` are commands (``:help`` lists them), after MiniGPT4Qwen's
+``cli_demo.py``: load another image, clear the history, change the generation
+settings and the seed.
+
+The conversation is the ChatML prompt the model was trained on
+(:mod:`lavis_ds.models.prompt`): the system turn, then every earlier question with
+the model's answer, then the new question. An image is shown once, in front of
+the question asked after it was loaded, as ``<Img><ImageHere></Img>`` (the
+training format of one image); several images give one such marker each, in the
+order they were loaded. Training samples have one image, so several images work
+as far as the model generalises. When a conversation no longer fits the LLM's
+context, its oldest turns are left out (their images move to the oldest turn
+kept). :class:`ChatSession` is what the terminal and the web page
+(:mod:`lavis_ds.webui`) share.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from PIL import Image
+from torch import nn
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, set_seed
+
+from lavis_ds.datasets.instruction import process_text
+from lavis_ds.datasets.records import IMAGE_HERE, IMAGE_PLACEHOLDER
+from lavis_ds.export import ExportError, load_exported
+from lavis_ds.generate import (GenerationSettings, add_generation_arguments, eval_processors, generate, open_image,
+                               settings_from_args)
+
+CHAT_DEFAULTS = GenerationSettings(max_new_tokens=256)
+
+
+@dataclass
+class Turn:
+    """One question, the images shown with it, and the model's answer."""
+
+    question: str
+    images: list[int]  # positions in ChatSession.images of the images shown in front of the question
+    answer: str
+
+
+@dataclass
+class LoadedImage:
+    name: str
+    tensor: torch.Tensor  # processed by the export's eval image processor
+
+
+class Interrupted(Exception):
+    """Generation was stopped by the user; the turn is not kept."""
+
+
+class _StopFlag(StoppingCriteria):
+    """Ends generation once ``event`` is set (Ctrl-C in the terminal, a new question on the page)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass
+class ChatSession:
+    """A multi-turn conversation about images with one exported model.
+
+    Args:
+        model: A loaded export (:func:`lavis_ds.export.load_exported`).
+        image_processor, text_processor: The export's eval processors
+            (:func:`lavis_ds.generate.eval_processors`); ``text_processor`` may be None.
+        settings: Generation settings; change them with :meth:`set`.
+        seed: Set before every answer, so the same conversation gives the same answers
+            (also when sampling).
+    """
+
+    model: nn.Module
+    image_processor: Callable[[Image.Image], torch.Tensor]
+    text_processor: Callable[[str], str] | None = None
+    settings: GenerationSettings = field(default_factory=lambda: CHAT_DEFAULTS)
+    seed: int = 42
+    turns: list[Turn] = field(default_factory=list)
+    images: list[LoadedImage] = field(default_factory=list)  # every image, in the order loaded
+    pending: list[int] = field(default_factory=list)  # images not shown yet: they go with the next question
+    # The answer being generated stops when its event is set. One per answer: an abandoned answer
+    # (a closed page) may be cleaned up later, and must not stop the next one then.
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def from_export(cls, folder: str | Path, device: str = "cpu", dtype: str = "auto", **kwargs: Any) -> "ChatSession":
+        model = load_exported(folder, device=device, dtype=dtype)
+        image_processor, text_processor = eval_processors(folder)
+        return cls(model, image_processor, text_processor, **kwargs)
+
+    # ------------------------------------------------------------------ images and history
+    def add_image(self, image: Image.Image | str | Path, name: str | None = None) -> str:
+        """Load an image into the conversation; it is shown with the next question. Returns its name."""
+        if not isinstance(image, Image.Image):
+            name = name or str(image)
+            image = open_image(image)
+        name = name or f"image {len(self.images) + 1}"
+        self.images.append(LoadedImage(name, self.image_processor(image.convert("RGB"))))
+        self.pending.append(len(self.images) - 1)
+        return name
+
+    def clear_history(self) -> int:
+        """Forget the questions and answers; the images stay and are shown again with the next question."""
+        cleared = len(self.turns)
+        self.turns.clear()
+        self.pending = list(range(len(self.images)))
+        return cleared
+
+    def reset(self) -> None:
+        """Forget everything: history and images."""
+        self.turns.clear()
+        self.images.clear()
+        self.pending.clear()
+
+    def set(self, key: str, value: str) -> None:
+        """Change one generation setting from text (``set("temperature", "0.7")``); ``ValueError`` if invalid."""
+        self.settings = self.settings.replace(key, value)
+
+    # ------------------------------------------------------------------ answering
+    def ask(self, question: str) -> Iterator[str]:
+        """Answer ``question``: an iterator of the text as it is generated; the turn is kept when it ends.
+
+        Raises ``ValueError`` at once for a question that cannot be asked (no image
+        loaded, an image marker typed by hand, a conversation too long for the model);
+        the iterator raises :class:`Interrupted` after :meth:`interrupt`.
+        """
+        question = question.strip()
+        if not question:
+            raise ValueError("the question is empty")
+        if IMAGE_HERE in question or "<Img>" in question:
+            raise ValueError(f"{IMAGE_HERE!r} and <Img> are the image markers; load images with :img <path> "
+                             "(or the upload box) instead of typing them")
+        if not self.images:
+            raise ValueError("no image loaded: load one first (:img <path>, or the upload box)")
+        turns, pending = self._fitting_turns(question)
+        self.stop = threading.Event()  # from here on, interrupt() stops this answer
+        return self._answer(question, turns, pending, self.stop)
+
+    def answer(self, question: str) -> str:
+        """:meth:`ask` without streaming: the whole answer."""
+        for _ in self.ask(question):
+            pass
+        return self.turns[-1].answer
+
+    def _answer(self, question: str, turns: list[Turn], pending: list[int], stop: threading.Event) -> Iterator[str]:
+        instructions = [self._instruction(t.question, t.images) for t in turns]
+        instructions.append(self._instruction(question, pending))
+        shown = [i for t in turns for i in t.images] + pending
+        images = torch.stack([self.images[i].tensor for i in shown])
+        kwargs = self.settings.to_kwargs()
+        kwargs["stopping_criteria"] = StoppingCriteriaList([_StopFlag(stop)])
+        set_seed(self.seed)  # before every answer, as cli_demo.py does
+        answer = yield from self._stream(images, instructions, [t.answer for t in turns], len(shown), kwargs, stop)
+        if stop.is_set():
+            raise Interrupted("generation interrupted; the question was not kept")
+        self.turns[:] = turns
+        self.turns.append(Turn(question, pending, answer))
+        self.pending = []
+
+    def interrupt(self) -> None:
+        """Stop the answer being generated (from another thread, or a Ctrl-C handler)."""
+        self.stop.set()
+
+    def _instruction(self, question: str, image_indices: list[int]) -> str:
+        text = process_text(question, self.text_processor) if self.text_processor else question
+        return " ".join([IMAGE_PLACEHOLDER] * len(image_indices) + [text])
+
+    def _fitting_turns(self, question: str) -> tuple[list[Turn], list[int]]:
+        """The history turns that fit the context with the new question, and the images to show with it.
+
+        The oldest turns are dropped first; their images are moved to the oldest turn kept
+        (or to the new question), so the model still sees every image.
+        """
+        limit = getattr(self.model.llm_model.config, "max_position_embeddings", None)
+        turns = [dataclasses.replace(t, images=list(t.images)) for t in self.turns]
+        pending = list(self.pending)
+        while True:
+            instructions = [self._instruction(t.question, t.images) for t in turns]
+            instructions.append(self._instruction(question, pending))
+            num_images = sum(len(t.images) for t in turns) + len(pending)
+            length = len(self.model.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images))
+            if limit is None or length + self.settings.max_new_tokens <= limit:
+                return turns, pending
+            if not turns:
+                raise ValueError(f"the question with its {num_images} image(s) takes {length} tokens; with "
+                                 f"max_new_tokens={self.settings.max_new_tokens} that exceeds the model's context "
+                                 f"of {limit} tokens (lower max_new_tokens, or :reset and load fewer images)")
+            dropped = turns.pop(0)
+            if turns:
+                turns[0].images[:0] = dropped.images
+            else:
+                pending[:0] = dropped.images
+
+    def _stream(self, images: torch.Tensor, instructions: list[str], answers: list[str], num_images: int,
+                kwargs: dict[str, Any], stop: threading.Event) -> Iterator[str]:
+        """Yield the answer's text as generated (a generator returning the whole answer)."""
+        call = dict(images=images, prompts=[instructions], answers=[answers], num_images=[num_images])
+        if self.settings.num_beams > 1:  # transformers' streamers do not support beam search: all at once
+            answer = generate(self.model, **call, **kwargs)[0]
+            yield answer
+            return answer
+        streamer = TextIteratorStreamer(self.model.llm_tokenizer, skip_prompt=True, skip_special_tokens=True)
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                result["answer"] = generate(self.model, **call, streamer=streamer, **kwargs)[0]
+            except BaseException as e:  # handed to the caller below; end() unblocks its loop
+                result["error"] = e
+                streamer.end()
+
+        # generate() enters no_grad and autocast itself: both are per thread.
+        worker = threading.Thread(target=work, name="lavis_ds-generate", daemon=True)
+        worker.start()
+        try:
+            for piece in streamer:
+                if piece:
+                    yield piece
+        finally:
+            if worker.is_alive() and sys.exc_info()[0] is not None:
+                stop.set()  # the consumer went away (Ctrl-C, closed page): let the thread finish soon
+            worker.join()
+        if "error" in result:
+            raise result["error"]
+        return result["answer"]
+
+
+# ----------------------------------------------------------------------------- the terminal
+HELP = """\
+Commands (after MiniGPT4Qwen's cli_demo.py):
+    :help / :h                    show this help
+    :exit / :quit / :q            leave
+    :clear / :cl                  clear the screen
+    :clear-history / :clh         forget the conversation; the images stay and are shown with the next question
+    :history / :his               show the conversation
+    :image <path> ... / :img      load image(s); they are shown with the next question (no path: list the images)
+    :reset                        forget the conversation and the images
+    :seed [<N>]                   show or set the random seed (set before every answer)
+    :conf [<key>=<value> ...]     show or change generation settings, e.g. :conf do_sample=true temperature=0.7
+                                  (greedy: do_sample=false num_beams=1; beam search: num_beams=4)
+    :reset-conf                   back to the default generation settings
+Ctrl-C stops an answer; Ctrl-D or :q leaves."""
+
+
+class Terminal:
+    """The read-answer loop around a :class:`ChatSession`; ``write`` receives everything shown."""
+
+    def __init__(self, session: ChatSession, defaults: GenerationSettings, write: Callable[[str], Any]):
+        self.session, self.defaults, self.write = session, defaults, write
+
+    def say(self, text: str = "") -> None:
+        self.write(text + "\n")
+
+    def run(self, read: Callable[[str], str]) -> None:
+        self.say(f"Chat with the model about {len(self.session.images)} image(s). Type a question; :h for commands.")
+        while True:
+            try:
+                line = read("User> ").strip()
+            except EOFError:
+                self.say()
+                return
+            except KeyboardInterrupt:
+                self.say()
+                return
+            if not line:
+                continue
+            if line.startswith(":"):
+                if self.command(line[1:].split()) == "exit":
+                    return
+                continue
+            self.answer(line)
+
+    def answer(self, question: str) -> None:
+        started = False  # whether "Assistant: " is on the screen: a message then starts on a new line
+        try:
+            pieces = self.session.ask(question)
+            self.write("Assistant: ")
+            started = True
+            for piece in pieces:
+                self.write(piece)
+            self.say()
+        except KeyboardInterrupt:
+            self.session.interrupt()
+            self.say("\n[WARNING] generation interrupted; the question was not kept")
+        except (Interrupted, ValueError) as e:
+            kind = "WARNING" if isinstance(e, Interrupted) else "ERROR"
+            self.say(f"{chr(10) if started else ''}[{kind}] {e}")
+
+    def command(self, words: list[str]) -> str | None:
+        name, args = (words[0], words[1:]) if words else ("", [])
+        session = self.session
+        if name in ("exit", "quit", "q"):
+            return "exit"
+        if name in ("help", "h"):
+            self.say(HELP)
+        elif name in ("clear", "cl"):
+            if sys.stdout.isatty():
+                self.write("\033[2J\033[H")
+        elif name in ("clear-history", "clh"):
+            self.say(f"[INFO] {session.clear_history()} turn(s) cleared; {len(session.images)} image(s) will be "
+                     "shown with the next question")
+        elif name in ("history", "his"):
+            self._history()
+        elif name in ("image", "img"):
+            for path in args:
+                try:
+                    self.say(f"[INFO] loaded {session.add_image(path)}; it is shown with the next question")
+                except ValueError as e:
+                    self.say(f"[ERROR] {e}")
+            if not args:
+                for i, image in enumerate(session.images):
+                    shown = "not shown yet" if i in session.pending else "shown"
+                    self.say(f"[INFO] image {i + 1}: {image.name} ({shown})")
+                if not session.images:
+                    self.say("[INFO] no image loaded; :img <path> loads one")
+        elif name == "reset":
+            session.reset()
+            self.say("[INFO] conversation and images cleared; load an image with :img <path>")
+        elif name == "seed":
+            self._seed(args)
+        elif name == "conf":
+            self._conf(args)
+        elif name == "reset-conf":
+            session.settings = self.defaults
+            self.say(f"[INFO] generation settings reset: {self._settings()}")
+        else:
+            self.say(f"[ERROR] unknown command :{name}; :h lists the commands")
+        return None
+
+    def _history(self) -> None:
+        width = shutil.get_terminal_size((80, 20)).columns
+        self.say(f" History ({len(self.session.turns)}) ".center(width, "="))
+        for i, turn in enumerate(self.session.turns):
+            images = f"[{', '.join(self.session.images[i].name for i in turn.images)}] " if turn.images else ""
+            self.say(f"User[{i}]: {images}{turn.question}")
+            self.say(f"Assistant[{i}]: {turn.answer}")
+        self.say("=" * width)
+
+    def _seed(self, args: list[str]) -> None:
+        if not args:
+            self.say(f"[INFO] random seed: {self.session.seed}")
+            return
+        try:
+            self.session.seed = int(args[0])
+            self.say(f"[INFO] random seed set to {self.session.seed}")
+        except ValueError:
+            self.say(f"[ERROR] {args[0]!r} is not an integer seed")
+
+    def _conf(self, args: list[str]) -> None:
+        for pair in args:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                self.say(f"[ERROR] {pair!r}: write <key>=<value>, e.g. temperature=0.7")
+                continue
+            try:
+                self.session.set(key, value)
+                self.say(f"[INFO] {key} = {getattr(self.session.settings, key)}")
+            except ValueError as e:
+                self.say(f"[ERROR] {e}")
+        if not args:
+            self.say(f"[INFO] generation settings: {self._settings()}")
+
+    def _settings(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self.session.settings).items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lavis_ds.chat", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
+    parser.add_argument("--image", nargs="+", default=[], help="image file(s) to talk about (more with :img)")
+    parser.add_argument("--seed", type=int, default=42, help="random seed, set before every answer")
+    add_generation_arguments(parser, CHAT_DEFAULTS)
+    parser.add_argument("--dtype", default="auto", help="auto (the dtype it trained in), fp32, bf16 or fp16")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    try:
+        defaults = settings_from_args(args)
+        images = [(path, open_image(path)) for path in args.image]  # bad paths fail before the model loads
+        session = ChatSession.from_export(args.model, device=args.device, dtype=args.dtype, settings=defaults,
+                                          seed=args.seed)
+    except (ExportError, ValueError) as e:
+        print(f"lavis_ds chat: {e}", file=sys.stderr)
+        return 2
+    for path, image in images:
+        session.add_image(image, path)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()  # each piece as it comes, also into a pipe
+
+    Terminal(session, defaults, write).run(input)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
