@@ -1,7 +1,7 @@
 """Export a checkpoint (any ZeRO stage) to safetensors + config for inference without DeepSpeed.
 
     python export.py output/demo --out exports/demo                      # the run's newest complete checkpoint
-    python export.py output/demo/checkpoints/step_40 --out exports/step40
+    python export.py output/demo/checkpoints/step_62 --out exports/step62      # the demo's first epoch
     python export.py output/lora_run --out exports/lora --merge-lora     # also a merged Hugging Face LLM
 
 Then: python -m lavis_ds.generate --model exports/demo --image x.png --prompt "Describe the image."
