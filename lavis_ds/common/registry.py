@@ -67,6 +67,7 @@ builders = Registry("dataset builder")
 processors = Registry("processor")
 lr_schedulers = Registry("lr scheduler")
 runners = Registry("runner")
+metrics = Registry("metric")
 
 
 class _LavisStyle:
@@ -77,11 +78,13 @@ class _LavisStyle:
     register_processor = staticmethod(processors.register)
     register_lr_scheduler = staticmethod(lr_schedulers.register)
     register_runner = staticmethod(runners.register)
+    register_metric = staticmethod(metrics.register)
     get_model_class = staticmethod(models.get)
     get_builder_class = staticmethod(builders.get)
     get_processor_class = staticmethod(processors.get)
     get_lr_scheduler_class = staticmethod(lr_schedulers.get)
     get_runner_class = staticmethod(runners.get)
+    get_metric_class = staticmethod(metrics.get)
 
 
 registry = _LavisStyle()
