@@ -21,6 +21,7 @@ from lavis_ds.common.run_config import LEGACY_RUN_KEYS, RunConfig, batch_sizes, 
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.datasets.builders import merge_section_defaults
+from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
@@ -208,6 +209,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         for split in run.get(key) or []:
             if splits and split not in splits:
                 errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
+    errors.extend(metric_problems(run, plain["datasets"]))
     keep_last = run.get("keep_last")
     if isinstance(keep_last, int) and keep_last < 0:
         errors.append(f"run.keep_last: expected 0 (keep every checkpoint) or a positive count, got {keep_last}")

@@ -20,6 +20,7 @@ class Metric:
     """
 
     higher_is_better: ClassVar[bool] = True
+    scores: ClassVar[tuple[str, ...]] = ()  # the keys compute() returns
 
     def __call__(self, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
         check_inputs(predictions, references)

@@ -24,6 +24,8 @@ from lavis_ds.metrics.ptb_tokenizer import tokenize_caption
 class CaptionMetrics(Metric):
     """``Bleu_1`` ... ``Bleu_4`` and ``CIDEr`` (pycocoevalcap's CIDEr-D: the "CIDEr" of COCO and LAVIS reports)."""
 
+    scores = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "CIDEr")
+
     def compute(self, predictions: list[str], references: list[list[str]]) -> dict[str, float]:
         # Keyed by sample number, as COCOEvalCap keys by image id: one hypothesis, all references.
         res = {i: [tokenize_caption(p)] for i, p in enumerate(predictions)}

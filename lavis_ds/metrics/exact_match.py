@@ -14,6 +14,8 @@ def normalise(text: str) -> str:
 class ExactMatch(Metric):
     """Fraction of samples whose generated text equals (after :func:`normalise`) any of their references."""
 
+    scores = ("exact_match",)
+
     def compute(self, predictions: list[str], references: list[list[str]]) -> dict[str, float]:
         hits = sum(normalise(p) in {normalise(r) for r in refs} for p, refs in zip(predictions, references))
         return {"exact_match": hits / len(predictions)}

@@ -107,5 +107,7 @@ def vqa_accuracy(answer: str, human_answers: list[str]) -> float:
 class VqaAccuracy(Metric):
     """Mean VQAv2 accuracy over the questions, in [0, 1] (the official "overall" is this x 100, rounded)."""
 
+    scores = ("vqa_accuracy",)
+
     def compute(self, predictions: list[str], references: list[list[str]]) -> dict[str, float]:
         return {"vqa_accuracy": sum(map(vqa_accuracy, predictions, references)) / len(predictions)}
