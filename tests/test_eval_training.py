@@ -13,6 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lavis_ds.common.config import ConfigError, load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.hooks import BestCheckpoint, Validation
 from run_utils import metrics, run_train, tiny_config, write_yaml
 
 CAPTION_KEYS = {"caption/Bleu_1", "caption/Bleu_2", "caption/Bleu_3", "caption/Bleu_4", "caption/CIDEr"}
@@ -107,3 +109,25 @@ def test_a_dataset_section_names_its_own_metrics(tmp_path, demo_storage):
     cfg["datasets"]["demo_shapes"]["metrics"] = ["vqa"]
     with pytest.raises(ConfigError, match=r"datasets\.demo_shapes\.metrics\[0\]: Unknown metric 'vqa'"):
         load_config(write_yaml(tmp_path / "bad.yaml", cfg))
+
+
+def _scored(root, step, metric, value, higher, complete=True):
+    tag_dir = root / f"step_{step}"
+    tag_dir.mkdir(parents=True)
+    if complete:
+        ckpt.mark_complete(tag_dir, {"global_step": step})
+    (tag_dir / BestCheckpoint.SCORE_FILE).write_text(json.dumps(
+        {"metric": metric, "value": value, "higher_is_better": higher}))
+
+
+def test_the_best_checkpoint_follows_the_metric_direction_and_ignores_other_scores(tmp_path):
+    best = BestCheckpoint(Validation()).best
+    _scored(tmp_path, 2, "val/loss", 0.7, False)
+    _scored(tmp_path, 4, "val/loss", 0.5, False)
+    _scored(tmp_path, 6, "val/loss", 0.1, False, complete=False)  # a torn save never counts
+    _scored(tmp_path, 8, "val/caption/CIDEr", 0.9, True)
+    _scored(tmp_path, 10, "val/caption/CIDEr", 1.2, True)
+    _scored(tmp_path, 12, "val/caption/CIDEr", 1.2, True)  # a tie: the earlier one stays the best
+    assert best(tmp_path, "val/loss") == tmp_path / "step_4"
+    assert best(tmp_path, "val/caption/CIDEr") == tmp_path / "step_10"
+    assert best(tmp_path, "test/exact_match") is None and best(tmp_path, None) is None

@@ -275,9 +275,9 @@ class RunnerBase:
                 continue
             references = batch.get("references") or [output[-1:] for output in batch["output"]]
             for index, text, instruction, refs in zip(indices, texts, batch["instruction"], references, strict=True):
-                part, local = _part_of(dataset, index)
-                image_of = getattr(part, "image_name", None)
-                mine.append({"index": index, "dataset": sections[_part_number(dataset, index)],
+                number, part, local = _part_of(dataset, index)
+                image_of = getattr(part, "image_name", None)  # None if the dataset cannot say
+                mine.append({"index": index, "dataset": sections[number],
                              "image": image_of(local) if image_of else None, "prompt": instruction[-1],
                              "references": list(refs), "expected": refs[0], "generated": text})
         gathered = [mine]
@@ -303,14 +303,9 @@ class RunnerBase:
                           num_workers=self.run.num_workers, persistent_workers=False)
 
 
-def _part_number(dataset, index: int) -> int:
-    """Which part of a ConcatDataset (0 for a plain dataset) holds ``index``."""
-    return bisect.bisect_right(dataset.cumulative_sizes, index) if isinstance(dataset, ConcatDataset) else 0
-
-
-def _part_of(dataset, index: int):
-    """(the dataset holding ``index``, the index inside it), through a ConcatDataset."""
+def _part_of(dataset, index: int) -> tuple[int, torch.utils.data.Dataset, int]:
+    """(number of the part, the part, the index inside it) of a ConcatDataset's sample; (0, dataset, index) else."""
     if not isinstance(dataset, ConcatDataset):
-        return dataset, index
-    d = _part_number(dataset, index)
-    return dataset.datasets[d], index - (dataset.cumulative_sizes[d - 1] if d else 0)
+        return 0, dataset, index
+    d = bisect.bisect_right(dataset.cumulative_sizes, index)
+    return d, dataset.datasets[d], index - (dataset.cumulative_sizes[d - 1] if d else 0)
