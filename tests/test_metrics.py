@@ -327,7 +327,7 @@ def test_every_registered_metric_scores_a_tiny_split(name):
     metric = build_metric(name)
     assert isinstance(metric, Metric) and isinstance(metric.higher_is_better, bool)
     scores = metric(["a red circle", "two"], [["a red circle", "a circle"], ["2", "two", "3"]])
-    assert scores and all(isinstance(v, float) for v in scores.values())
+    assert set(scores) == set(metric.scores) and all(isinstance(v, float) for v in scores.values())
     assert metric([], []) == {}
 
 
