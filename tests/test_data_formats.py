@@ -176,7 +176,7 @@ def test_text_only_llava_records_are_skipped_and_counted_with_skip_text_only(tmp
 
 # ---- COCO-caption JSON ----------------------------------------------------------------------------
 
-def test_karpathy_lists_give_one_sample_per_caption_with_the_default_prompt(tmp_path):
+def test_karpathy_lists_train_one_sample_per_caption_and_evaluate_one_per_image(tmp_path):
     root = tmp_path / "coco"
     _image(root / "val2014/COCO_val2014_000000391895.jpg")
     _image(root / "val2014/COCO_val2014_000000522418.jpg")
@@ -188,12 +188,14 @@ def test_karpathy_lists_give_one_sample_per_caption_with_the_default_prompt(tmp_
     section = _section(train, root)
     section["build_info"]["annotations"]["val"] = {"storage": str(val)}
     splits = CocoCaptionBuilder(section).build()
-    assert len(splits["train"]) == 1 and len(splits["val"]) == 2
+    assert len(splits["train"]) == 1 and len(splits["val"]) == 1
     sample = splits["train"][0]
     assert sample["instruction"] == [f"{IMAGE_PLACEHOLDER} {DEFAULT_CAPTION_PROMPT}"]
     assert sample["output"] == ["A woman cutting a cake."]  # the default plain_text processor strips
     assert sample["image"].shape == (3, 16, 16)
-    assert [splits["val"][i]["output"] for i in range(2)] == [["A man on a bike."], ["A biker on a road."]]
+    # Evaluation keeps the references of an image together (scored against all of them; loss on the first).
+    assert splits["val"][0]["output"] == ["A man on a bike."]
+    assert splits["val"][0]["references"] == ["A man on a bike.", "A biker on a road."]
 
 
 def test_official_coco_captions_file_and_a_custom_prompt(tmp_path):

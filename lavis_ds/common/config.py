@@ -27,6 +27,7 @@ from lavis_ds.common.run_config import RunConfig, batch_sizes, build_deepspeed_c
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.mixing import ratio_problems
+from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 
 logger = logging.getLogger(__name__)
@@ -290,6 +291,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         for split in run.get(key) or []:
             if splits and split not in splits:
                 errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
+    errors.extend(metric_problems(run, plain["datasets"]))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")

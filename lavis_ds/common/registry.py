@@ -101,6 +101,7 @@ builders = Registry("dataset builder")
 processors = Registry("processor")
 lr_schedulers = Registry("lr scheduler")
 runners = Registry("runner")
+metrics = Registry("metric")
 
 
 class _LavisStyle:
@@ -111,6 +112,7 @@ class _LavisStyle:
     register_processor = staticmethod(processors.register)
     register_lr_scheduler = staticmethod(lr_schedulers.register)
     register_runner = staticmethod(runners.register)
+    register_metric = staticmethod(metrics.register)
     get_model_class = staticmethod(models.get)
     get_builder_class = staticmethod(builders.get)
     get_processor_class = staticmethod(processors.get)
@@ -120,6 +122,7 @@ class _LavisStyle:
     register_builder_alias = staticmethod(builders.register_alias)
     register_processor_alias = staticmethod(processors.register_alias)
     register_runner_alias = staticmethod(runners.register_alias)
+    get_metric_class = staticmethod(metrics.get)
 
 
 registry = _LavisStyle()

@@ -36,7 +36,7 @@ class RunConfig:
     seed: Annotated[int, NonNegative] = 42  # numpy takes seeds in [0, 2**32)
     log_freq: Annotated[int, AtLeastOne] = 10  # optimizer steps
     save_freq_steps: Annotated[int, NonNegative] = 0  # optimizer steps; 0 = only at epoch ends
-    # newest complete checkpoints to keep, plus the best by validation loss; 0 = all
+    # newest complete checkpoints to keep, plus the best by `best_metric`; 0 = all
     keep_last: Annotated[int, NonNegative] = 0
     resume: Any = "auto"  # "auto" | false | path to a checkpoint
     resume_ckpt_load_dir: str | None = None  # MiniGPT4Qwen spelling of `resume`
@@ -45,7 +45,11 @@ class RunConfig:
     train_splits: list[str] = field(default_factory=lambda: ["train"])
     valid_splits: list[str] = field(default_factory=list)
     test_splits: list[str] = field(default_factory=list)
-    generate: dict[str, Any] = field(default_factory=dict)  # kwargs of model.generate for test splits
+    generate: dict[str, Any] = field(default_factory=dict)  # kwargs of model.generate for evaluation
+    test_metrics: list[str] = field(default_factory=lambda: ["exact_match"])  # registered metrics of test splits
+    val_metrics: list[str] = field(default_factory=list)  # generation metrics of valid splits (besides the loss)
+    val_freq_steps: Annotated[int, NonNegative] = 0  # validate every N optimizer steps too; 0 = at epoch ends only
+    best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
     # the DeepSpeed JSON, inline or as the path of a .json file (see lavis_ds.common.deepspeed_section)
     deepspeed_config: dict[str, Any] | str = field(default_factory=dict)

@@ -13,6 +13,7 @@ from lavis_ds.datasets.loading import BadRecordsError, RecordLoader
 from lavis_ds.datasets.mixing import MixedDataset, mix_train_splits
 from lavis_ds.datasets.options import CocoCaptionOptions, LlavaOptions, SectionOptions
 from lavis_ds.datasets.records import BadRecord
+from lavis_ds.datasets.vqa import VqaBuilder, VqaOptions, parse_vqa_file
 
 __all__ = [
     "BaseDatasetBuilder",
@@ -20,6 +21,9 @@ __all__ = [
     "LlavaConversationBuilder",
     "CocoCaptionBuilder",
     "DemoShapesBuilder",
+    "VqaBuilder",
+    "VqaOptions",
+    "parse_vqa_file",
     "SectionOptions",
     "LlavaOptions",
     "CocoCaptionOptions",

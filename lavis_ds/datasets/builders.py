@@ -181,6 +181,11 @@ class BaseDatasetBuilder:
         """Reads this section's files once for ``check()`` and ``build()``, with its skip policy."""
         return RecordLoader(self.parse_file(), skip=self.options().skipped_kinds())
 
+    def loader_for(self, split: str) -> RecordLoader:
+        """The loader of one split. Default: one for all; formats whose evaluation samples keep several
+        references together (COCO's captions per image) read evaluation splits with another."""
+        return self.loader
+
     # ---- where the data is ----------------------------------------------------------------------
 
     @property
@@ -266,16 +271,17 @@ class BaseDatasetBuilder:
         for split, paths in files.items():
             key = self.annotation_key(split)
             readable = True
+            loader = self.loader_for(split)
             for path in paths:
                 try:
-                    self.loader.read(path, root)
+                    loader.read(path, root)
                 except (OSError, ValueError) as e:  # missing file, not JSON, wrong layout: the message names it
                     problems.append(f"{key}: {e}")
                     readable = False
             if not readable:
                 continue
             try:
-                self.loader.load(paths, root)
+                loader.load(paths, root)
             except BadRecordsError as e:
                 lines = describe_bad(e.bad)
                 problems += [f"{key}: {line.strip()}" for line in lines[1:]]
@@ -326,7 +332,7 @@ class BaseDatasetBuilder:
                 image_root,
                 vis_processor=processors["vis_processor"][_stage(split)],
                 text_processor=processors["text_processor"].get(_stage(split)),
-                loader=self.loader,
+                loader=self.loader_for(split),
                 replace_unreadable_images=self.options().skip_bad_records,
             )
             if dataset.skip_summary and dist.is_main_process():  # every rank loads; one warning is enough
@@ -363,6 +369,15 @@ class CocoCaptionBuilder(BaseDatasetBuilder):
 
     def parse_file(self) -> ParseFile:
         return functools.partial(parse_coco_caption_file, prompt=self.options().prompt)
+
+    @functools.cached_property
+    def eval_loader(self) -> RecordLoader:
+        """Evaluation splits: one sample per image, all its captions as references (CIDEr needs them together)."""
+        parse = functools.partial(parse_coco_caption_file, prompt=self.options().prompt, group_references=True)
+        return RecordLoader(parse, skip=self.options().skipped_kinds())
+
+    def loader_for(self, split: str) -> RecordLoader:
+        return self.loader if _stage(split) == "train" else self.eval_loader
 
 
 @registry.register_builder("demo_shapes")

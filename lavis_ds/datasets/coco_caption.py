@@ -4,17 +4,20 @@ Two layouts are read:
 
 - LAVIS / Karpathy (``coco_karpathy_train.json``, ``_val``, ``_test``): a JSON list of
   ``{"image": "val2014/COCO_val2014_000000391895.jpg", "caption": "...", "image_id": "..."}``.
-  ``caption`` may be a list of references (Karpathy val/test): each reference
-  becomes its own sample, which is the layout of Karpathy train.
+  ``caption`` may be a list of references (Karpathy val/test). For training each
+  reference becomes its own sample (the layout of Karpathy train); for evaluation
+  (``group_references=True``) the record stays one sample holding all its references.
 - Official COCO (``captions_train2017.json``): ``{"images": [{"id", "file_name"}, ...],
   "annotations": [{"id", "image_id", "caption"}, ...]}``; one sample per annotation,
-  the image path is the image's ``file_name`` (so the image root is e.g. ``train2017/``).
+  or for evaluation one sample per image with all its captions; the image path is the
+  image's ``file_name`` (so the image root is e.g. ``train2017/``).
 
 The instruction is the configured prompt; without the image placeholder in it,
 the image goes in front.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,14 +36,19 @@ def caption_instruction(prompt: str) -> str:
     return prompt if markers else f"{IMAGE_PLACEHOLDER} {prompt.strip()}"
 
 
-def parse_coco_caption_file(raw: Any, source: Path,
-                            prompt: str = DEFAULT_CAPTION_PROMPT) -> Iterator[InstructionRecord | BadRecord]:
-    """Either COCO-caption layout as a :data:`~lavis_ds.datasets.loading.ParseFile` (bind ``prompt`` first)."""
+def parse_coco_caption_file(raw: Any, source: Path, prompt: str = DEFAULT_CAPTION_PROMPT,
+                            group_references: bool = False) -> Iterator[InstructionRecord | BadRecord]:
+    """Either COCO-caption layout as a :data:`~lavis_ds.datasets.loading.ParseFile` (bind the options first).
+
+    ``group_references``: one sample per image with every caption as a reference (evaluation), instead
+    of one sample per caption (training).
+    """
     instruction = caption_instruction(prompt)
     if isinstance(raw, list):
-        return _karpathy(raw, source, instruction)
+        return _karpathy(raw, source, instruction, group_references)
     if isinstance(raw, dict) and "images" in raw and "annotations" in raw:
-        return _official(raw, source, instruction)
+        records = _official(raw, source, instruction)
+        return _grouped_by_image(records) if group_references else records
     found = f"an object with keys {sorted(raw)}" if isinstance(raw, dict) else f"a {type(raw).__name__}"
     raise ValueError(f"{source}: expected a list of {{image, caption}} records (LAVIS/Karpathy) or an official "
                      f"COCO captions file (an object with 'images' and 'annotations'), got {found}")
@@ -54,12 +62,17 @@ def _caption(value: Any, where: str, key: str = "caption") -> str:
     return value
 
 
-def _karpathy(raw: list, source: Path, instruction: str) -> Iterator[InstructionRecord | BadRecord]:
+def _karpathy(raw: list, source: Path, instruction: str, group: bool) -> Iterator[InstructionRecord | BadRecord]:
     for position, item in enumerate(raw):
         try:
-            yield from _karpathy_record(item, source, position, instruction)
+            records = _karpathy_record(item, source, position, instruction)
         except BadRecord as bad:
             yield bad
+            continue
+        if group:
+            yield dataclasses.replace(records[0], references=tuple(r.outputs[0] for r in records))
+        else:
+            yield from records
 
 
 def _karpathy_record(raw: Any, source: Path, position: int, instruction: str) -> list[InstructionRecord]:
@@ -105,6 +118,18 @@ def _official(raw: dict, source: Path, instruction: str) -> Iterator[Instruction
             yield _official_annotation(ann, source, position, instruction, file_names)
         except BadRecord as bad:
             yield bad
+
+
+def _grouped_by_image(items: Iterator[InstructionRecord | BadRecord]) -> Iterator[InstructionRecord | BadRecord]:
+    """Official annotations merged per image, in order of each image's first caption; bad ones pass through."""
+    by_image: dict[str, list[InstructionRecord]] = {}
+    for item in items:
+        if isinstance(item, BadRecord):
+            yield item
+        else:
+            by_image.setdefault(item.image, []).append(item)
+    for records in by_image.values():
+        yield dataclasses.replace(records[0], references=tuple(r.outputs[0] for r in records))
 
 
 def _official_annotation(ann: Any, source: Path, position: int, instruction: str,

@@ -147,6 +147,8 @@ class InstructionDataset(Dataset):
             "image": self.vis_processor(image),
             "instruction": [self._text(t) for t in record.instructions],
             "output": [self._text(t) for t in record.outputs],
+            # What evaluation scores the generated answer against (raw: metrics normalise for themselves).
+            "references": list(record.references or record.outputs[-1:]),
             "index": index,
         }
 
@@ -200,5 +202,6 @@ class InstructionDataset(Dataset):
             "image": torch.stack([s["image"] for s in samples]),
             "instruction": [list(s["instruction"]) for s in samples],
             "output": [list(s["output"]) for s in samples],
+            "references": [list(s["references"]) for s in samples],
             "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
         }

@@ -29,10 +29,13 @@ class SectionOptions:
             and replace a sample whose image does not decode by the next readable
             record (each logged and counted). Default: each of those is an error
             naming the annotation file and the record.
+        metrics: registered metric names scoring this dataset's test and validation
+            splits instead of ``run.test_metrics`` / ``run.val_metrics``.
     """
 
     sample_ratio: float | None = None
     skip_bad_records: bool = False
+    metrics: list[str] | None = None
 
     def __post_init__(self) -> None:
         ratio = self.sample_ratio

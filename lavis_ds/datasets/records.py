@@ -34,6 +34,9 @@ class InstructionRecord:
     position: int  # index of the record inside ``source`` (inside ``list_name`` if given)
     record_id: str | int | None = None  # the record's own id, if the format has one
     list_name: str | None = None  # e.g. "annotations" for official COCO files; None: the file is the list
+    # Every acceptable answer of the last turn, for evaluation (COCO's five captions, VQAv2's ten answers);
+    # None: the last output is the only one. Evaluation keeps them together on one sample.
+    references: tuple[str, ...] | None = None
 
     def where(self) -> str:
         return record_where(self.source, self.position, list_name=self.list_name, record_id=self.record_id,

@@ -7,6 +7,7 @@ here, once.
 """
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +50,6 @@ class RunnerBase:
         self.micro_batch, self.accum, self.global_batch = self._batch_sizes()
 
         self.state = TrainState()
-        self.validation: dict = {}  # {"step", "loss"} of the latest validation on the first valid split
         self.train_set = None
         if self.run.train_splits:
             # sample_ratio on the sections: each epoch draws from them by ratio; else one concatenation.
@@ -184,13 +184,10 @@ class RunnerBase:
         torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
         dist.barrier()  # every rank has written everything before the marker says so
         if self.rank == 0:
-            validation = self.validation
             ckpt.mark_complete(tag_dir, {
                 "global_step": self.state.global_step, "epoch": self.state.epoch,
-                "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout(),
-                "val_loss": validation.get("loss") if validation.get("step") == self.state.global_step else None})
-            if self.run.keep_last:
-                ckpt.prune(self.checkpoint_dir, self.run.keep_last, keep=ckpt.best(self.checkpoint_dir))
+                "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout()})
+        self.call_hooks("after_save", tag_dir)  # scoring and pruning (BestCheckpoint)
         dist.barrier()
         return tag_dir
 
@@ -293,16 +290,25 @@ class RunnerBase:
 
     @torch.no_grad()
     def generate_split(self, split: str) -> list[dict]:
-        """Generate an answer for every sample of a split; the full list on every rank, in index order."""
+        """Generate an answer for every sample of a split; the full list on every rank, in index order.
+
+        Each result: ``index``, ``dataset`` (its section), ``image``, ``prompt`` (the last instruction),
+        ``references`` (every acceptable answer), ``expected`` (the first) and ``generated``.
+        """
         kwargs = {"max_new_tokens": 30, "num_beams": 1, **dict(self.run.generate)}
+        sections = [name for name, per_split in self.datasets.items() if split in per_split]  # _concat's order
         mine = []
         for dataset, indices, batch, padding in self._eval_batches(split):
             texts = self.generate(batch, **kwargs)
             if padding:
                 continue
-            for index, text, output in zip(indices, texts, batch["output"], strict=True):
-                mine.append({"index": index, "image": _image_name(dataset, index),
-                             "expected": output[-1], "generated": text})
+            references = batch.get("references") or [output[-1:] for output in batch["output"]]
+            for index, text, instruction, refs in zip(indices, texts, batch["instruction"], references, strict=True):
+                number, part, local = _part_of(dataset, index)
+                image_of = getattr(part, "image_name", None)  # None if the dataset cannot say
+                mine.append({"index": index, "dataset": sections[number],
+                             "image": image_of(local) if image_of else None, "prompt": instruction[-1],
+                             "references": list(refs), "expected": refs[0], "generated": text})
         gathered = [mine]
         if torch_dist.is_initialized() and self.world_size > 1:
             gathered = [None] * self.world_size
@@ -326,11 +332,9 @@ class RunnerBase:
                           num_workers=self.run.num_workers, persistent_workers=False)
 
 
-def _image_name(dataset, index: int) -> str | None:
-    """The image file of a sample, for the sample lines of a report (None if the dataset cannot say)."""
-    if isinstance(dataset, ConcatDataset):
-        import bisect
-        d = bisect.bisect_right(dataset.cumulative_sizes, index)
-        dataset, index = dataset.datasets[d], index - (dataset.cumulative_sizes[d - 1] if d else 0)
-    image_of = getattr(dataset, "image_name", None)
-    return image_of(index) if image_of else None
+def _part_of(dataset, index: int) -> tuple[int, torch.utils.data.Dataset, int]:
+    """(number of the part, the part, the index inside it) of a ConcatDataset's sample; (0, dataset, index) else."""
+    if not isinstance(dataset, ConcatDataset):
+        return 0, dataset, index
+    d = bisect.bisect_right(dataset.cumulative_sizes, index)
+    return d, dataset.datasets[d], index - (dataset.cumulative_sizes[d - 1] if d else 0)

@@ -1,16 +1,23 @@
 """What happens around the loop: logging, evaluation, checkpoints.
 
-Each hook reacts to before_train / after_step / after_epoch / after_train.
+Each hook reacts to before_train / after_step / after_epoch / after_save / after_train.
 Their order in `build_hooks` is their run order.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import torch.distributed as torch_dist
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from lavis_ds.common.logger import MetricsWriter
+from lavis_ds.metrics import build_metric
+from lavis_ds.metrics.selection import TEST, VALID, higher_is_better, log_key, metric_names
+from lavis_ds.runners import checkpoint as ckpt
 
 
 class Hook:
@@ -20,16 +27,21 @@ class Hook:
 
     def after_epoch(self, runner, evaluate_only: bool = False) -> None: ...
 
+    def after_save(self, runner, tag_dir: Path) -> None: ...
+
     def after_train(self, runner) -> None: ...
 
 
 def build_hooks(runner) -> list[Hook]:
+    validation = Validation()
     return [
         # Logging first: a step's numbers are on disk before a checkpoint can be cut at that step.
         MetricsLogger(),
-        # Validation before the epoch-end checkpoint, so the checkpoint's metrics.jsonl holds its result.
-        Validation(),
+        # Validation before the checkpoint of the same step, so that the checkpoint can be scored by it.
+        validation,
         Checkpointer(),
+        # Reacts to saves only: scores each checkpoint by run.best_metric and prunes to run.keep_last + the best.
+        BestCheckpoint(validation),
         # Generation-based test metrics once, at the very end.
         TestGeneration(),
     ]
@@ -74,15 +86,72 @@ def _log(runner, record: dict) -> None:
                             for k, v in record.items() if k != "samples"))
 
 
+def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
+    """Generate a split, score it with its metrics (rank 0), write its predictions file; (scores, results).
+
+    Every rank generates its shard (ZeRO-3 forwards are collective); the metrics and the file are
+    made once, on rank 0, from the gathered results.
+    """
+    results = runner.generate_split(split)
+    scores: dict = {"num_samples": len(results)}
+    if runner.rank != 0:
+        return scores, results
+    sections = list(dict.fromkeys(r["dataset"] for r in results))
+    run = OmegaConf.to_container(runner.run, resolve=True)
+    for section in sections:
+        rows = [r for r in results if r["dataset"] == section]
+        names = metric_names(run, OmegaConf.to_container(runner.cfg.datasets[section], resolve=True), phase)
+        for name in names:
+            values = build_metric(name)([r["generated"] for r in rows], [r["references"] for r in rows])
+            for score, value in values.items():
+                scores[log_key(name, score, section if len(sections) > 1 else None)] = value
+    write_predictions(runner.output_dir / "predictions" / f"{split}_step{runner.state.global_step}.jsonl", results)
+    return scores, results
+
+
+def write_predictions(path: Path, results: list[dict]) -> None:
+    """One JSON line per sample: image, prompt, references, generated (and index, dataset); atomic."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = ("index", "dataset", "image", "prompt", "references", "generated")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps({k: r[k] for k in keys}, ensure_ascii=False) + "\n" for r in results),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class Validation(Hook):
-    """Validation loss on each of `run.valid_splits` at the end of every epoch."""
+    """Validation loss on each of `run.valid_splits` - plus generation metrics where the split has some
+    (`run.val_metrics` or the section's `metrics`) - at every epoch end and every `run.val_freq_steps` steps.
+
+    ``latest`` holds the newest results: ``{"step": N, "scores": {"val/loss": ..., "val/caption/CIDEr": ...}}``.
+    """
+
+    def __init__(self) -> None:
+        self.latest: dict = {}
+
+    def after_step(self, runner, metrics: dict) -> None:
+        freq = runner.run.val_freq_steps
+        at_epoch_end = runner.state.step_in_epoch == runner.steps_per_epoch  # after_epoch validates that one
+        if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
+            self.validate(runner)
 
     def after_epoch(self, runner, evaluate_only: bool = False) -> None:
-        for i, split in enumerate(runner.run.valid_splits):
-            result = runner.evaluate_loss(split)
-            _log(runner, {"split": split, **result})
-            if i == 0:  # the first valid split picks the best checkpoint (run.keep_last keeps it)
-                runner.validation = {"step": runner.state.global_step, "loss": result["loss"]}
+        self.validate(runner)
+
+    def validate(self, runner) -> None:
+        if not runner.run.valid_splits:
+            return
+        run = OmegaConf.to_container(runner.run, resolve=True)
+        datasets = OmegaConf.to_container(runner.cfg.datasets, resolve=True)
+        scores = {}
+        for split in runner.run.valid_splits:
+            record = {"split": split, **runner.evaluate_loss(split)}
+            if any(metric_names(run, datasets[name], VALID) for name, per_split in runner.datasets.items()
+                   if split in per_split):
+                record.update(score_split(runner, split, VALID)[0])
+            _log(runner, record)
+            scores.update({f"{split}/{k}": v for k, v in record.items() if isinstance(v, float)})
+        self.latest = {"step": runner.state.global_step, "scores": scores}
 
 
 class Checkpointer(Hook):
@@ -99,22 +168,58 @@ class Checkpointer(Hook):
             runner.save()
 
 
+class BestCheckpoint(Hook):
+    """Owns "the best checkpoint": scores each one by `run.best_metric` and prunes to `run.keep_last` + the best.
+
+    A checkpoint cut right after a validation gets ``lavis_ds_score.json`` (metric, value, direction);
+    the best is read back from those files, so it survives a resume. `run.best_metric` defaults to the
+    first valid split's loss (lower is better); a metric says its own direction (CIDEr: higher).
+    """
+
+    SCORE_FILE = "lavis_ds_score.json"
+
+    def __init__(self, validation: Validation) -> None:
+        self.validation = validation
+
+    def metric(self, runner) -> str | None:
+        if runner.run.best_metric:
+            return runner.run.best_metric
+        return f"{runner.run.valid_splits[0]}/loss" if runner.run.valid_splits else None
+
+    def after_save(self, runner, tag_dir: Path) -> None:
+        if runner.rank != 0:
+            return
+        metric, latest = self.metric(runner), self.validation.latest
+        if metric and latest.get("step") == runner.state.global_step and metric in latest["scores"]:
+            info = {"metric": metric, "value": latest["scores"][metric], "higher_is_better": higher_is_better(metric)}
+            (Path(tag_dir) / self.SCORE_FILE).write_text(json.dumps(info, indent=2))
+        if runner.run.keep_last:
+            ckpt.prune(runner.checkpoint_dir, runner.run.keep_last, keep=self.best(runner.checkpoint_dir, metric))
+
+    def best(self, ckpt_dir: Path, metric: str | None) -> Path | None:
+        """The complete checkpoint with the best recorded ``metric`` (None if none has a score for it)."""
+        scored = []
+        for tag_dir in Path(ckpt_dir).glob("step_*"):
+            score_file = tag_dir / self.SCORE_FILE
+            if metric and ckpt.is_complete(tag_dir) and score_file.is_file():
+                info = json.loads(score_file.read_text())
+                if info.get("metric") == metric and isinstance(info.get("value"), (int, float)):
+                    sign = -1 if info["higher_is_better"] else 1
+                    scored.append((sign * info["value"], int(tag_dir.name.removeprefix("step_")), tag_dir))
+        return min(scored)[2] if scored else None  # ties: the earliest step
+
+
 class TestGeneration(Hook):
-    """Generate answers for `run.test_splits`; log exact-match accuracy and a few sample lines."""
+    """Generate answers for `run.test_splits`; log their metrics (`run.test_metrics` or the section's `metrics`),
+    a few sample lines, and the predictions file."""
 
     def after_train(self, runner) -> None:
         for split in runner.run.test_splits:
-            results = runner.generate_split(split)
-            correct = sum(_normalise(r["generated"]) == _normalise(r["expected"]) for r in results)
+            scores, results = score_split(runner, split, TEST)
             samples = results[: runner.run.num_log_samples]
-            _log(runner, {"split": split, "exact_match": correct / max(1, len(results)),
-                          "num_samples": len(results), "samples": samples})
+            _log(runner, {"split": split, **scores, "samples": samples})
             if runner.rank == 0:
                 for s in samples:
                     tqdm.write(f"  {s['image']}: expected {s['expected']!r}, generated {s['generated']!r}")
         if torch_dist.is_initialized():
             torch_dist.barrier()
-
-
-def _normalise(text: str) -> str:
-    return " ".join(text.lower().strip().rstrip(".").split())
