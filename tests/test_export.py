@@ -156,7 +156,11 @@ def test_export_loads_without_deepspeed_and_generates_what_training_generated(na
     assert result["generated"] == expected_texts
     # Exact: the same weights in the same dtype on the same batches. Every trained weight and the
     # image path enter the loss (the texts of this briefly trained model hardly depend on the image).
-    assert result["val_loss"] == expected_val_loss
+    # Except ZeRO-3, whose forward rounds differently in the last bits (measured 3e-8 relative on this loss,
+    # on every run): DeepSpeed runs it through its partitioned-parameter machinery, which can swap in its own
+    # matmul-then-add linear (deepspeed/runtime/zero/linear.py) for the fused addmm a plain module runs.
+    exact = RUNS[name].get("stage") != 3
+    assert result["val_loss"] == (expected_val_loss if exact else pytest.approx(expected_val_loss, rel=1e-6))
 
 
 def test_exported_keys_are_the_trainable_parameters_only(trained, exported):
