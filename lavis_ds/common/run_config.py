@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 # LAVIS / MiniGPT4Qwen keys that a DeepSpeed run does not need; accepted so old YAMLs load.
 LEGACY_RUN_KEYS = ("task", "device", "world_size", "dist_url", "distributed", "amp", "iters_per_epoch",
@@ -42,6 +42,7 @@ class RunConfig:
     test_splits: list[str] = field(default_factory=list)
     generate: dict[str, Any] = field(default_factory=dict)  # kwargs of model.generate for test splits
     num_log_samples: int = 5  # generated samples written to metrics.jsonl per test split
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
 
 
