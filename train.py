@@ -31,26 +31,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dist.set_single_process_defaults()
     from lavis_ds.common.config import ConfigError
-    from lavis_ds.common.errors import LavisDsError, message_of
+    from lavis_ds.common.errors import LavisDsError, message_of, report
 
     try:
         return train(args)
     except ConfigError as e:  # the same on every rank: one prints it
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"lavis_ds: {e}", file=sys.stderr)
+            report(str(e))
         return 2
     except LavisDsError as e:  # the message names the file, key, record or step; no traceback helps more
         if not getattr(e, "quiet", False):
-            print(f"lavis_ds: {message_of(e)}", file=sys.stderr)
+            report(message_of(e))
         return e.exit_code
     except KeyboardInterrupt:
-        print("lavis_ds: interrupted: stopped at once, without finishing the step or saving", file=sys.stderr)
+        report("interrupted: stopped at once, without finishing the step or saving")
         return 130
     except RuntimeError as e:
         if not _lost_peer(e):
             raise
-        print(f"lavis_ds: rank {dist.rank()}: lost contact with another process, which failed or was killed "
-              f"(its own message, or the launcher's report, says why): {str(e).splitlines()[0]}", file=sys.stderr)
+        report(f"rank {dist.rank()}: lost contact with another process, which failed or was killed "
+               f"(its own message, or the launcher's report, says why): {str(e).splitlines()[0]}")
         return 1
 
 

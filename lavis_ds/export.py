@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lavis_ds.common.errors import InputError, LavisDsError
+from lavis_ds.common.errors import InputError, LavisDsError, report
 from lavis_ds.runners import checkpoint as ckpt
 
 WEIGHTS_FILE = "model.safetensors"
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.source, args.out, merge_lora=args.merge_lora, overwrite=args.overwrite)
     except LavisDsError as e:  # ExportError, CheckpointError: the message names the path
-        print(f"lavis_ds: {e}", file=sys.stderr)
+        report(str(e))
         return e.exit_code
     export = read_export_config(out).export
     print(f"exported {export.source} (step {export.global_step}, ZeRO-{export.zero_stage}, {export.dtype}) -> {out}")

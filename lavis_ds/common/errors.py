@@ -8,6 +8,7 @@ and keeps its traceback.
 from __future__ import annotations
 
 import re
+import sys
 
 
 class LavisDsError(Exception):
@@ -36,3 +37,10 @@ def message_of(error: BaseException) -> str:
     head = f"\n{cls.__module__}.{cls.__qualname__}: "
     start = text.rfind(head)
     return text[start + len(head):].strip() if start >= 0 else text
+
+
+def report(message: str) -> None:
+    """``lavis_ds: <message>`` on stderr, on a line of its own above any progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"lavis_ds: {message}", file=sys.stderr)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import math
 import signal
-import sys
 
 import torch
 import torch.distributed as torch_dist
@@ -20,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, DataLoader
 
 from lavis_ds.common import dist
-from lavis_ds.common.errors import LavisDsError
+from lavis_ds.common.errors import LavisDsError, report
 from lavis_ds.common.registry import registry
 from lavis_ds.common.config import ConfigError
 from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
@@ -149,8 +148,7 @@ class RunnerBase:
             error.quiet = self.rank != 0  # every rank raises it; one prints it
             raise error
         if self.rank == 0:
-            print(f"lavis_ds: {where}. run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)",
-                  file=sys.stderr, flush=True)
+            report(f"{where}. run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)")
         return {"loss": None, "skipped": "nonfinite_loss"}
 
     def _describe_nonfinite(self, losses: torch.Tensor) -> str:
@@ -237,10 +235,15 @@ class RunnerBase:
         tag = ckpt.tag_for(self.state.global_step)
         client_state = {"lavis_ds": {"train_state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                                      "world_size": self.world_size, "config": OmegaConf.to_yaml(self.cfg)}}
-        self.save_checkpoint(tag, client_state)
-        tag_dir = self.checkpoint_dir / tag
-        torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
-        dist.barrier()  # every rank has written everything before the marker says so
+        tag_dir, error = self.checkpoint_dir / tag, None
+        try:
+            self.save_checkpoint(tag, client_state)
+            torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
+        except OSError as e:  # a full or failing disk: every rank stops, the previous checkpoint stays the newest
+            error = ckpt.CheckpointError(f"cannot write the checkpoint {tag_dir}: {e.strerror or e} "
+                                         f"({e.filename or tag_dir}); it is left incomplete and is not resumed from")
+            error.exit_code = 1  # a fault while running, not bad input
+        faults.agree(0, error)  # also the barrier: every rank has written everything before the marker says so
         if self.rank == 0:
             validation = self.validation
             ckpt.mark_complete(tag_dir, {
@@ -279,8 +282,8 @@ class RunnerBase:
                 raise error
             if self.rank == 0:
                 kept = ckpt.set_aside(tag_dir)
-                print(f"lavis_ds: {message}; the checkpoint is set aside as {kept} (not deleted) and the previous "
-                      "complete checkpoint is used instead", file=sys.stderr, flush=True)
+                report(f"{message}; the checkpoint is set aside as {kept} (not deleted) and the previous complete "
+                       "checkpoint is used instead")
             dist.barrier()
         if explicit or candidates:
             raise ckpt.CheckpointError(f"{what}: no readable complete checkpoint (the damaged ones were set aside); "

@@ -10,12 +10,11 @@ Non-finite losses ride on the loss all-reduce every step already makes.
 from __future__ import annotations
 
 import signal
-import sys
 
 import torch
 import torch.distributed as torch_dist
 
-from lavis_ds.common.errors import LavisDsError, message_of
+from lavis_ds.common.errors import LavisDsError, message_of, report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -65,8 +64,8 @@ class SignalCatcher:
             raise KeyboardInterrupt  # the second signal: the user does not want to wait
         self.received = signum
         then = "save a checkpoint and exit" if signum == signal.SIGTERM else "exit without saving"
-        print(f"lavis_ds: received {signal.Signals(signum).name}: finishing the current optimizer step, then "
-              f"{then} (send it again to stop at once)", file=sys.stderr, flush=True)
+        report(f"received {signal.Signals(signum).name}: finishing the current optimizer step, then {then} "
+               "(send it again to stop at once)")
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
