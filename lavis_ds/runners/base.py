@@ -286,8 +286,10 @@ class RunnerBase:
                        "checkpoint is used instead")
             dist.barrier()
         if explicit or candidates:
-            raise ckpt.CheckpointError(f"{what}: no readable complete checkpoint (the damaged ones were set aside); "
-                                       "pass run.resume=false or a new run.output_dir to start over")
+            error = ckpt.CheckpointError(f"{what}: no readable complete checkpoint (the damaged ones were set aside); "
+                                         "pass run.resume=false or a new run.output_dir to start over")
+            error.quiet = self.rank != 0
+            raise error
         return None
 
     def _resume_candidates(self) -> tuple[list[Path], bool, str]:
