@@ -84,7 +84,8 @@ def load_file(path: Path, mmap: bool = False) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # torch reports a truncated zip as "PytorchStreamReader failed ..." without the path
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # torch's first sentence says what failed; the rest is generic advice
+        reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
         raise DamagedCheckpoint(f"{path}: unreadable ({reason}); the file is truncated or not a torch "
                                 f"checkpoint file") from None
 
