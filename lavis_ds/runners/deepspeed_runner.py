@@ -122,7 +122,8 @@ class DeepSpeedRunner(RunnerBase):
         ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
         stage = int((self.run.deepspeed_config.get("zero_optimization") or {}).get("stage", 0))
         files = ckpt.files_of_rank(tag_dir, self.rank, same_world)
-        ckpt.check_files(files, stage)
+        # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.
+        ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
         states = ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
         saved_stage = int((states.get("ds_config", {}).get("zero_optimization") or {}).get("stage", 0))
         saved_dtype, dtype = _dtype_of(states.get("ds_config") or {}), _dtype_of(self.run.deepspeed_config)
