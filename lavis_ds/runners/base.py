@@ -1,9 +1,10 @@
 """The training loop every runner shares.
 
-A runner subclass says how to wrap the model (``wrap``), run one optimizer
-step (``train_step``), run a forward pass (``forward``) and save/load a
-checkpoint. Everything else - data order, LR schedule, hooks, resumption - is
-here, once.
+A runner subclass says how to wrap the model (``wrap``), accumulate the gradients
+of a step (``forward_backward``) and apply them (``optimizer_step``), run a forward
+pass (``forward``), and check, save and load a checkpoint. Everything else - data
+order, LR schedule, hooks, resumption, what stops a run on every rank (signals,
+failed loads, non-finite losses) - is here, once.
 """
 from __future__ import annotations
 
