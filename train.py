@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 from lavis_ds.common import dist
-from lavis_ds.common.logger import show_known_warnings_once
+from lavis_ds.common.errors import InputError
 from lavis_ds.common.extensions import configure_build_environment
+from lavis_ds.common.logger import show_known_warnings_once
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,39 +28,83 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Exit codes: 0 done; 2 bad input (config, data, checkpoint, output_dir); 1 a fault while running
+    (non-finite loss, another process lost); 143 stopped by SIGTERM (checkpoint saved), 130 by SIGINT."""
     args = parse_args(argv)
     dist.set_single_process_defaults()
     show_known_warnings_once()
     configure_build_environment()  # before anything compiles: one ops folder and one ninja per environment
+    from lavis_ds.common.config import ConfigError
+    from lavis_ds.common.errors import LavisDsError, message_of, report
 
+    try:
+        return train(args)
+    except ConfigError as e:  # the same on every rank: one prints it
+        if int(os.environ.get("RANK", 0)) == 0:
+            report(str(e))
+        return 2
+    except LavisDsError as e:  # the message names the file, key, record or step; no traceback helps more
+        if not getattr(e, "quiet", False):
+            report(message_of(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        report("interrupted: stopped at once, without finishing the step or saving")
+        return 130
+    except RuntimeError as e:
+        if not _lost_peer(e):
+            raise
+        report(f"rank {dist.rank()}: lost contact with another process, which failed or was killed "
+               f"(its own message, or the launcher's report, says why): {str(e).splitlines()[0]}")
+        return 1
+
+
+def train(args: argparse.Namespace) -> int:
     import lavis_ds  # noqa: F401  (fills the registries)
     from lavis_ds.build import build_runner
-    from lavis_ds.common.config import ConfigError, load_config
+    from lavis_ds.common.config import load_config
     from lavis_ds.common.registry import registry
+    from lavis_ds.runners import faults
 
-    try:
-        cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]))
-    except ConfigError as e:
-        print(f"lavis_ds: {e}", file=sys.stderr)
-        return 2
-
+    cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]))
     registry.get_runner_class(cfg.run.runner).prepare_process(cfg)
     dist.init_distributed()
+    error = None
     if dist.is_main_process():
-        from omegaconf import OmegaConf
-
-        Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, Path(cfg.run.output_dir) / "config.yaml")
-    try:
-        runner = build_runner(cfg)
-    except ConfigError as e:  # found when building, e.g. a resume on a world size that cannot keep the batch
-        print(f"lavis_ds: {e}", file=sys.stderr)
-        return 2
+        try:
+            write_config(cfg)
+        except InputError as e:
+            error = e
+    faults.agree(0, error)  # every rank stops if rank 0 could not create the output folder
+    runner = build_runner(cfg)
     if dist.is_main_process():
         # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
         runner.module.save_run_files(cfg.run.output_dir)
     runner.evaluate_only() if cfg.run.evaluate else runner.train()
     return 0
+
+
+def write_config(cfg) -> None:
+    """Create run.output_dir and write the resolved config.yaml into it, or say why that is impossible."""
+    from omegaconf import OmegaConf
+
+    out = Path(cfg.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"run.output_dir: {out} is a file; give a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out / "config.yaml")
+    except OSError as e:
+        raise InputError(f"run.output_dir: cannot write to {out} ({e.strerror or e}: {e.filename or out}); "
+                         "give a folder this user can create and write") from None
+
+
+def _lost_peer(error: RuntimeError) -> bool:
+    """A collective failed because another rank's process ended (gloo/NCCL report it as a RuntimeError)."""
+    import torch.distributed as torch_dist
+
+    text = str(error)
+    return isinstance(error, torch_dist.DistError) or any(
+        hint in text for hint in ("Connection closed by peer", "Connection reset by peer", "remote worker crashing"))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lavis_ds.common.errors import InputError, LavisDsError, report
 from lavis_ds.runners import checkpoint as ckpt
 
 WEIGHTS_FILE = "model.safetensors"
@@ -50,7 +50,7 @@ LLM_PREFIX = "llm_model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     """A checkpoint that cannot be exported or an export that cannot be loaded; the message names the path."""
 
 
@@ -98,9 +98,12 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # Rank 0's file (every rank's carries the client state). weights_only=False: DeepSpeed pickles
-    # its own objects into checkpoints (its loader does the same).
-    states = torch.load(ckpt.model_states_file(tag_dir), map_location="cpu", weights_only=False)
+    # Every file whole before DeepSpeed's consolidation reads them: an error names the file, not only
+    # "PytorchStreamReader failed". Rank 0's model states carry the client state.
+    ckpt.read_marker(tag_dir)
+    for path in sorted(tag_dir.glob("*.pt")):
+        ckpt.load_file(path, mmap=True)
+    states = ckpt.load_file(ckpt.model_states_file(tag_dir))
     client = states.get("lavis_ds")
     if not isinstance(client, dict) or "config" not in client:
         raise ExportError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
@@ -431,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.source, args.out, merge_lora=args.merge_lora, overwrite=args.overwrite)
-    except ExportError as e:
-        print(f"lavis_ds export: {e}", file=sys.stderr)
-        return 2
+    except LavisDsError as e:  # ExportError, CheckpointError: the message names the path
+        report(str(e))
+        return e.exit_code
     export = read_export_config(out).export
     print(f"exported {export.source} (step {export.global_step}, ZeRO-{export.zero_stage}, {export.dtype}) -> {out}")
     return 0

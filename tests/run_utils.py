@@ -94,3 +94,21 @@ def kill_tree(pid: int) -> None:
                 pass
     _, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, f"still running after SIGKILL: {alive}"
+
+
+def tracebacks(text: str) -> list[str]:
+    """The last line of every Python traceback in ``text``, except torchrun's own report of a failed worker.
+
+    torchrun ends its own run with a traceback (ChildFailedError, SignalException) whenever a
+    worker exits non-zero or it was signalled; that is the launcher's, not lavis_ds's.
+    """
+    lines, found = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" in line:
+            j = i + 1
+            while j < len(lines) and (lines[j].startswith(" ") or not lines[j].strip()):
+                j += 1
+            last = lines[j] if j < len(lines) else ""
+            if not last.startswith("torch.distributed.elastic."):
+                found.append(last)
+    return found + (["Original Traceback (a DataLoader worker's)"] if "Original Traceback" in text else [])

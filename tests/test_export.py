@@ -313,4 +313,4 @@ def test_export_command_line(trained, tmp_path):
     assert {p.name for p in (tmp_path / "cli").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer"}
     proc = subprocess.run([sys.executable, str(REPO / "export.py"), str(tmp_path / "nowhere"), "--out",
                            str(tmp_path / "cli2")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "lavis_ds export: " in proc.stderr and "nowhere does not exist" in proc.stderr
+    assert proc.returncode == 2 and "lavis_ds: " in proc.stderr and "nowhere does not exist" in proc.stderr

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from lavis_ds.common.schema import Range
 
@@ -51,6 +51,7 @@ class RunConfig:
     val_freq_steps: Annotated[int, NonNegative] = 0  # validate every N optimizer steps too; 0 = at epoch ends only
     best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
     # the DeepSpeed JSON, inline or as the path of a .json file (see lavis_ds.common.deepspeed_section)
     deepspeed_config: dict[str, Any] | str = field(default_factory=dict)
 

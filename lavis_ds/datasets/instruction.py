@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from lavis_ds.common.errors import InputError
 from lavis_ds.datasets.loading import RecordLoader
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, record_where
 
@@ -33,8 +34,16 @@ VisProcessor = Callable[[Image.Image], torch.Tensor]
 MAX_CONSECUTIVE_REPLACEMENTS = 50
 
 
-class UnreadableImageError(OSError):
-    """An image file that does not decode; the message names the file and the record."""
+class UnreadableImageError(InputError, OSError):
+    """An image file that does not decode; the message names the file and the record.
+
+    An :class:`InputError`: raised inside a DataLoader worker, it still ends the run as
+    one message naming the image (train.py strips the worker's traceback from it).
+    """
+
+
+class MissingImageError(InputError, FileNotFoundError):
+    """An image file that went missing after the annotation files were checked."""
 
 
 def _turns(record: dict, key: str, where: str) -> tuple[str, ...]:
@@ -173,7 +182,7 @@ class InstructionDataset(Dataset):
             if step:
                 self._count_replacement(first_error, index, candidate)
             return candidate, image
-        raise OSError(f"{first_error}; the images of the next {MAX_CONSECUTIVE_REPLACEMENTS - 1} records are "
+        raise UnreadableImageError(f"{first_error}; the images of the next {MAX_CONSECUTIVE_REPLACEMENTS - 1} records are "
                       f"unreadable too, so no replacement was found: is the image root {self.image_root} right?")
 
     def _count_replacement(self, error: OSError, index: int, replacement: int) -> None:
@@ -186,7 +195,7 @@ class InstructionDataset(Dataset):
     def _load_image(self, record: InstructionRecord) -> Image.Image:
         path = self.image_root / record.image
         if not path.is_file():
-            raise FileNotFoundError(f"{record.where()}: image file {path} not found (image root {self.image_root})")
+            raise MissingImageError(f"{record.where()}: image file {path} not found (image root {self.image_root})")
         try:
             with Image.open(path) as image:
                 return image.convert("RGB")

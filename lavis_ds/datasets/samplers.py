@@ -41,12 +41,16 @@ class StepBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = self.permutation(self.epoch)
-        per_rank = self.micro_batch * self.accum
         for step in range(self.start_step, self.steps_per_epoch):
-            start = step * self.global_batch + self.rank * per_rank
-            mine = perm[start:start + per_rank].tolist()
-            for m in range(self.accum):
-                yield mine[m * self.micro_batch:(m + 1) * self.micro_batch]
+            yield from self.step_indices(step, perm)
+
+    def step_indices(self, step: int, perm: torch.Tensor | None = None) -> list[list[int]]:
+        """This rank's micro-batches (sample indices) of optimizer step ``step`` of the current epoch."""
+        perm = self.permutation(self.epoch) if perm is None else perm
+        per_rank = self.micro_batch * self.accum
+        start = step * self.global_batch + self.rank * per_rank
+        mine = perm[start:start + per_rank].tolist()
+        return [mine[m * self.micro_batch:(m + 1) * self.micro_batch] for m in range(self.accum)]
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.accum

@@ -1,14 +1,17 @@
 """The training loop every runner shares.
 
-A runner subclass says how to wrap the model (``wrap``), run one optimizer
-step (``train_step``), run a forward pass (``forward``) and save/load a
-checkpoint. Everything else - data order, LR schedule, hooks, resumption - is
-here, once.
+A runner subclass says how to wrap the model (``wrap``), accumulate the gradients
+of a step (``forward_backward``) and apply them (``optimizer_step``), run a forward
+pass (``forward``), and check, save and load a checkpoint. Everything else - data
+order, LR schedule, hooks, resumption, what stops a run on every rank (signals,
+failed loads, non-finite losses) - is here, once.
 """
 from __future__ import annotations
 
 import bisect
 import json
+import math
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, DataLoader
 
 from lavis_ds.common import dist
+from lavis_ds.common.errors import LavisDsError, report
 from lavis_ds.common.registry import registry
 from lavis_ds.common.config import ConfigError
 from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
@@ -26,6 +30,7 @@ from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners import faults
 from lavis_ds.runners.hooks import build_hooks
 
 
@@ -50,6 +55,7 @@ class RunnerBase:
         self.micro_batch, self.accum, self.global_batch = self._batch_sizes()
 
         self.state = TrainState()
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run saved or resumed from
         self.train_set = None
         if self.run.train_splits:
             # sample_ratio on the sections: each epoch draws from them by ratio; else one concatenation.
@@ -80,16 +86,19 @@ class RunnerBase:
             self.finished_file.unlink(missing_ok=True)
         self.call_hooks("before_train")
         self.module.train()  # once: evaluation restores the mode it found
-        for epoch in range(self.state.epoch, self.run.max_epoch):
-            self.sampler.set_position(epoch, self.state.step_in_epoch)
-            self.train_set.set_epoch(epoch)  # before iter(): DataLoader workers copy the dataset then
-            micro_batches = iter(self.train_loader)
-            for _ in range(self.state.step_in_epoch, self.steps_per_epoch):
-                self.run_step([next(micro_batches) for _ in range(self.accum)])
-            self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
-            self.call_hooks("after_epoch")
-        self.call_hooks("after_train")
-        self.close()
+        with faults.SignalCatcher() as self.signals:
+            try:
+                for epoch in range(self.state.epoch, self.run.max_epoch):
+                    self.sampler.set_position(epoch, self.state.step_in_epoch)
+                    self.train_set.set_epoch(epoch)  # before iter(): DataLoader workers copy the dataset then
+                    micro_batches = iter(self.train_loader)
+                    for _ in range(self.state.step_in_epoch, self.steps_per_epoch):
+                        self.run_step(self.next_micro_batches(micro_batches))
+                    self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
+                    self.call_hooks("after_epoch")
+                self.call_hooks("after_train")
+            finally:
+                self.close()
         if self.rank == 0:  # last: a run killed during its final evaluation evaluates again when rerun
             self.finished_file.write_text(json.dumps({"global_step": self.state.global_step}))
 
@@ -107,16 +116,83 @@ class RunnerBase:
                   "to start over pass --options run.resume=false or use another run.output_dir.", flush=True)
         return done
 
+    def next_micro_batches(self, micro_batches) -> list[dict]:
+        """This rank's micro-batches of the next optimizer step, once every rank agreed to take it.
+
+        The agreement (one all-reduce of two integers) carries what ends a run early: a signal
+        any rank received, or a sample that failed to load on any rank.
+        """
+        batches, error = [], None
+        try:
+            batches = [next(micro_batches) for _ in range(self.accum)]
+        except LavisDsError as e:  # e.g. an image that does not decode, raised in a DataLoader worker
+            error = e
+        if signum := faults.agree(self.signals.received, error):
+            self.call_hooks("on_stop", signum)  # the Checkpointer saves on SIGTERM
+            stopped = faults.Stopped(signum, self._stop_message(signum))
+            stopped.quiet = self.rank != 0  # every rank stops here; one says so
+            raise stopped
+        return batches
+
     def run_step(self, micro_batches: list[dict]) -> None:
         """One optimizer step and everything around it: its lr, the counters, the hooks."""
         lr = self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
-        metrics = self.train_step(micro_batches)
+        losses = self.forward_backward(micro_batches)  # gradients accumulated, not applied yet
+        metrics = self.check_losses(losses)  # a non-finite loss stops the run here, or skips the update
+        metrics.update(self.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr})
+
+    def check_losses(self, losses: torch.Tensor) -> dict:
+        """The step's mean loss over every rank and micro-batch; a NaN/inf one is named and handled here.
+
+        One all-reduce tells every rank whether any loss was non-finite, before any rank
+        applies the update: `run.on_nonfinite: stop` raises on all of them (the weights and
+        checkpoints never see the diverged step), `skip` drops the update on all of them.
+        """
+        totals = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)])
+        if torch_dist.is_initialized() and self.world_size > 1:
+            torch_dist.all_reduce(totals)
+        if totals[1] == 0:
+            return {"loss": totals[0].item() / (len(losses) * self.world_size)}
+        where = self._describe_nonfinite(losses)
+        if self.run.on_nonfinite == "stop":
+            latest = ckpt.latest_complete(self.checkpoint_dir)
+            error = faults.NonFiniteLoss(
+                f"{where}. run.on_nonfinite=stop: stopped before this optimizer step, so no weight and no checkpoint "
+                f"holds a diverged value; `run.resume: auto` continues from "
+                f"{latest or 'the start (no checkpoint yet)'}. Set run.on_nonfinite=skip to drop such steps and go on")
+            error.quiet = self.rank != 0  # every rank raises it; one prints it
+            raise error
+        if self.rank == 0:
+            report(f"{where}. run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)")
+        return {"loss": None, "skipped": "nonfinite_loss"}
+
+    def _describe_nonfinite(self, losses: torch.Tensor) -> str:
+        """Step, rank, micro-batch and samples of every non-finite loss (collective: gathers from all ranks)."""
+        indices = self.sampler.step_indices(self.state.step_in_epoch)
+        mine = [(m, float(loss), indices[m]) for m, loss in enumerate(losses.tolist()) if not math.isfinite(loss)]
+        parts = []
+        for rank, bad in enumerate(faults.gather(mine)):
+            for m, value, samples in bad:
+                names = [name for i in samples[:4] if (name := _image_name(self.train_set.dataset, i))]
+                parts.append(f"rank {rank}, micro-batch {m + 1} of {self.accum}: {value} (training samples "
+                             f"{', '.join(map(str, samples))}" + (f"; images {', '.join(names)}" if names else "") + ")")
+        return (f"non-finite loss at optimizer step {self.state.global_step + 1} (epoch {self.state.epoch}): "
+                + "; ".join(parts))
+
+    def _stop_message(self, signum: int) -> str:
+        latest = ckpt.latest_complete(self.checkpoint_dir)
+        step, name = self.state.global_step, signal.Signals(signum).name
+        if self.saved_step == step and latest is not None and signum == signal.SIGTERM:
+            return (f"stopped by {name} after optimizer step {step}: saved {latest}; "
+                    f"run the same command to continue from there")
+        return (f"stopped by {name} after optimizer step {step} without saving; the same command continues from "
+                f"{latest or 'the start (no checkpoint yet)'}")
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate, stop."""
@@ -129,6 +205,7 @@ class RunnerBase:
     def close(self) -> None:
         if getattr(self, "writer", None) is not None:
             self.writer.close()
+            self.writer = None
 
     def call_hooks(self, event: str, *args, **kwargs) -> None:
         for hook in self.hooks:
@@ -150,9 +227,17 @@ class RunnerBase:
         """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
         return {}
 
-    def train_step(self, micro_batches: list[dict]) -> dict:
-        """Forward/backward every micro-batch, one optimizer step; return loss and grad_norm."""
+    def forward_backward(self, micro_batches: list[dict]) -> torch.Tensor:
+        """Forward and backward every micro-batch, accumulating gradients; return this rank's losses (float64, CPU)."""
         raise NotImplementedError
+
+    def optimizer_step(self, apply: bool = True) -> dict:
+        """Finish the optimizer step (``apply=False``: drop the gradients, change no weight); return its grad_norm
+        and, if the engine skipped it on its own (fp16 loss-scale overflow), ``skipped``."""
+        raise NotImplementedError
+
+    def check_checkpoint(self, tag_dir: Path, same_world: bool) -> None:
+        """Raise a CheckpointError if this rank cannot resume from ``tag_dir`` (files, trained set, engine layout)."""
 
     def save_checkpoint(self, tag: str, client_state: dict) -> None:
         raise NotImplementedError
@@ -179,40 +264,102 @@ class RunnerBase:
         tag = ckpt.tag_for(self.state.global_step)
         client_state = {"lavis_ds": {"train_state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                                      "world_size": self.world_size, "config": OmegaConf.to_yaml(self.cfg)}}
-        self.save_checkpoint(tag, client_state)
-        tag_dir = self.checkpoint_dir / tag
-        torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
-        dist.barrier()  # every rank has written everything before the marker says so
+        tag_dir, error = self.checkpoint_dir / tag, None
+        try:
+            self.save_checkpoint(tag, client_state)
+            torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
+        except OSError as e:  # a full or failing disk: every rank stops, the previous checkpoint stays the newest
+            error = ckpt.CheckpointError(f"cannot write the checkpoint {tag_dir}: {e.strerror or e} "
+                                         f"({e.filename or tag_dir}); it is left incomplete and is not resumed from")
+            error.exit_code = 1  # a fault while running, not bad input
+        faults.agree(0, error)  # also the barrier: every rank has written everything before the marker says so
         if self.rank == 0:
             ckpt.mark_complete(tag_dir, {
                 "global_step": self.state.global_step, "epoch": self.state.epoch,
                 "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout()})
         self.call_hooks("after_save", tag_dir)  # scoring and pruning (BestCheckpoint)
         dist.barrier()
+        self.saved_step = self.state.global_step
         return tag_dir
 
     def resume_source(self) -> tuple[Path, str | None] | None:
-        """(load_dir, tag) to resume from, following run.resume / resume_ckpt_load_dir."""
+        """(load_dir, tag) to resume from, following run.resume / resume_ckpt_load_dir.
+
+        Every rank checks the files it will read, and all agree on the result: with
+        `run.resume: auto`, a damaged checkpoint is set aside (renamed, never deleted) and
+        the previous complete one is taken; a checkpoint named explicitly must be whole.
+        """
+        candidates, explicit, what = self._resume_candidates()
+        for tag_dir in candidates:
+            problem = None
+            try:
+                self.check_checkpoint(tag_dir, same_world=self._saved_world(tag_dir) == self.world_size)
+            except ckpt.CheckpointError as e:
+                problem = (str(e), isinstance(e, ckpt.DamagedCheckpoint))
+            problems = [p for p in faults.gather(problem) if p is not None]
+            if not problems:
+                return tag_dir.parent, tag_dir.name
+            message, damaged = problems[0]
+            if not damaged or explicit:
+                error = (ckpt.DamagedCheckpoint if damaged else ckpt.CheckpointError)(
+                    f"{what}: {message}" + ("; name another checkpoint, or pass run.resume=auto to take the newest "
+                                            "readable one" if damaged else ""))
+                error.quiet = self.rank != 0  # every rank knows the same problem; one prints it
+                raise error
+            if self.rank == 0:
+                kept = ckpt.set_aside(tag_dir)
+                report(f"{message}; the checkpoint is set aside as {kept} (not deleted) and the previous complete "
+                       "checkpoint is used instead")
+            dist.barrier()
+        if explicit or candidates:
+            error = ckpt.CheckpointError(f"{what}: no readable complete checkpoint (the damaged ones were set aside); "
+                                         "pass run.resume=false or a new run.output_dir to start over")
+            error.quiet = self.rank != 0
+            raise error
+        return None
+
+    def _resume_candidates(self) -> tuple[list[Path], bool, str]:
+        """(complete checkpoints to try in order, whether the user named exactly one, the setting that named them)."""
         if self.run.resume_ckpt_load_dir:
-            load_dir = Path(self.run.resume_ckpt_load_dir)
-            tag = self.run.resume_ckpt_tag
-            if tag is None and (latest := ckpt.latest_complete(load_dir)) is not None:
-                tag = latest.name
-            return load_dir, tag
+            load_dir, tag = Path(self.run.resume_ckpt_load_dir), self.run.resume_ckpt_tag
+            what = f"run.resume_ckpt_load_dir={load_dir}" + (f", run.resume_ckpt_tag={tag}" if tag else "")
+            if tag is None:
+                return ckpt.complete_checkpoints(load_dir) or [self._complete_or_error(load_dir, what)], False, what
+            return [self._complete_or_error(load_dir / tag, what)], True, what
         resume = self.run.resume
         if resume in (False, None):
-            return None
+            return [], False, "run.resume"
         if resume == "auto":
-            latest = ckpt.latest_complete(self.checkpoint_dir)
-            return (latest.parent, latest.name) if latest else None
-        path = Path(resume)
+            return ckpt.complete_checkpoints(self.checkpoint_dir), False, "run.resume=auto"
+        path, what = Path(resume), f"run.resume={resume}"
         if ckpt.is_complete(path):
-            return path.parent, path.name
-        latest = ckpt.latest_complete(path)
-        if latest is None:
-            raise FileNotFoundError(f"run.resume: {path} holds no complete lavis_ds checkpoint "
-                                    f"(a step_<N> folder with {ckpt.COMPLETE_MARKER})")
-        return latest.parent, latest.name
+            return [path], True, what
+        found = ckpt.complete_checkpoints(path)
+        if not found:
+            self._complete_or_error(path, what)
+        return found, False, what
+
+    @staticmethod
+    def _complete_or_error(path: Path, what: str) -> Path:
+        if ckpt.is_complete(path):
+            return path
+        newest = ckpt.latest_complete(path.parent) if path.parent.is_dir() else None
+        if not path.exists():
+            state = "does not exist"
+        elif any(path.glob("*model_states.pt")):
+            state = f"is an incomplete checkpoint (no {ckpt.COMPLETE_MARKER}: a save that did not finish)"
+        else:
+            state = "is not a checkpoint folder"
+        raise ckpt.CheckpointError(
+            f"{what}: {path} {state}; it holds no complete lavis_ds checkpoint (a step_<N> folder with "
+            f"{ckpt.COMPLETE_MARKER}); " + (f"the newest complete one beside it is {newest}" if newest else
+                                            "name a complete checkpoint, or use run.resume=auto"))
+
+    def _saved_world(self, tag_dir: Path) -> int | None:
+        try:
+            return ckpt.read_marker(tag_dir).get("world_size")
+        except ckpt.DamagedCheckpoint:
+            return None  # check_checkpoint reports it
 
     def _batch_sizes(self) -> tuple[int, int, int]:
         """The config's batch sizes; resuming on another number of processes keeps the saved global batch."""
@@ -229,7 +376,7 @@ class RunnerBase:
 
     def saved_layout(self) -> dict | None:
         """World size and global batch of the checkpoint to resume from (None: fresh start or unknown)."""
-        if self.resume_from is None or self.resume_from[1] is None:
+        if self.resume_from is None:
             return None
         info = ckpt.read_marker(self.resume_from[0] / self.resume_from[1])
         return info if "world_size" in info else None
@@ -247,14 +394,15 @@ class RunnerBase:
         dist.barrier()
         client = self.load_checkpoint(load_dir, tag)["lavis_ds"]
         self.state = TrainState(**client["train_state"])
+        self.saved_step = self.state.global_step
         self.scheduler.load_state_dict(client["scheduler"])
-        rng = ckpt.rng_file(load_dir / (tag or ""), self.rank)
-        if tag and client.get("world_size") == self.world_size and rng.is_file():
-            ckpt.restore_rng_states(torch.load(rng, weights_only=False))
+        rng = ckpt.rng_file(load_dir / tag, self.rank)
+        if client.get("world_size") == self.world_size and rng.is_file():
+            ckpt.restore_rng_states(ckpt.load_file(rng))
         else:
             seed_everything(self.run.seed + self.rank + self.state.global_step)
         if self.rank == 0:
-            print(f"resumed from {load_dir / (tag or '')} at epoch {self.state.epoch}, "
+            print(f"resumed from {load_dir / tag} at epoch {self.state.epoch}, "
                   f"step {self.state.global_step} ({self.state.step_in_epoch} into the epoch), "
                   f"lr {self.scheduler.get_lr():.3e}", flush=True)
 
@@ -328,8 +476,10 @@ class RunnerBase:
     def _loader(self, dataset, batch_sampler) -> DataLoader:
         first = dataset.dataset if isinstance(dataset, SeededDataset) else dataset
         first = first.datasets[0] if isinstance(first, ConcatDataset) else first
+        # Workers leave SIGTERM/SIGINT to this process, which stops at a step boundary.
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=first.collater,
-                          num_workers=self.run.num_workers, persistent_workers=False)
+                          num_workers=self.run.num_workers, persistent_workers=False,
+                          worker_init_fn=faults.ignore_stop_signals if self.run.num_workers else None)
 
 
 def _part_of(dataset, index: int) -> tuple[int, torch.utils.data.Dataset, int]:

@@ -17,8 +17,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lavis_ds.common.errors import InputError
+
 COMPLETE_MARKER = "lavis_ds_complete.json"
+DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
 _TAG = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be resumed from or exported; the message names the folder or file."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A file of a complete checkpoint is missing or unreadable (truncated, not a torch file, bad JSON).
+
+    ``run.resume: auto`` falls back to the previous complete checkpoint; a checkpoint
+    named explicitly stops the run.
+    """
 
 
 def tag_for(global_step: int) -> str:
@@ -29,18 +44,50 @@ def is_complete(tag_dir: Path) -> bool:
     return (Path(tag_dir) / COMPLETE_MARKER).is_file()
 
 
-def latest_complete(ckpt_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``ckpt_dir``, if any."""
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The complete checkpoints under ``ckpt_dir``, newest first."""
     if not Path(ckpt_dir).is_dir():
-        return None
+        return []
     found = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir()
              if (m := _TAG.match(p.name)) and is_complete(p)]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_complete(ckpt_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``ckpt_dir``, if any."""
+    found = complete_checkpoints(ckpt_dir)
+    return found[0] if found else None
 
 
 def read_marker(tag_dir: Path) -> dict:
     """What ``mark_complete`` recorded about a checkpoint (step, epoch, world size, global batch...)."""
-    return json.loads((Path(tag_dir) / COMPLETE_MARKER).read_text())
+    path = Path(tag_dir) / COMPLETE_MARKER
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DamagedCheckpoint(f"{path}: unreadable completion marker ({type(e).__name__}: {e})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("global_step"), int):
+        raise DamagedCheckpoint(f"{path}: not a lavis_ds completion marker (expected a JSON object with "
+                                f"global_step, epoch, world_size, global_batch; got {str(info)[:80]!r})")
+    return info
+
+
+def load_file(path: Path, mmap: bool = False) -> dict:
+    """``torch.load`` of one checkpoint file; a missing, truncated or foreign file is a DamagedCheckpoint naming it.
+
+    ``mmap=True`` reads only the file's index and pickle, not its tensors: a cheap check that it is whole.
+    weights_only=False: DeepSpeed pickles its own objects into checkpoints (its loader does the same).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DamagedCheckpoint(f"{path}: file missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:  # torch reports a truncated zip as "PytorchStreamReader failed ..." without the path
+        # torch's first sentence says what failed; the rest is generic advice
+        reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
+        raise DamagedCheckpoint(f"{path}: unreadable ({reason}); the file is truncated or not a torch "
+                                f"checkpoint file") from None
 
 
 def mark_complete(tag_dir: Path, info: dict) -> None:
@@ -102,9 +149,27 @@ def _delete(folders: list[Path], ckpt_dir: Path) -> None:
 
 def best(ckpt_dir: Path) -> Path | None:
     """The complete checkpoint with the lowest validation loss recorded in its marker, if any."""
-    scored = [(loss, p) for p in Path(ckpt_dir).iterdir()
-              if _TAG.match(p.name) and is_complete(p) and (loss := read_marker(p).get("val_loss")) is not None]
+    scored = [(loss, p) for p in complete_checkpoints(ckpt_dir) if (loss := _val_loss(p)) is not None]
     return min(scored)[1] if scored else None
+
+
+def _val_loss(tag_dir: Path) -> float | None:
+    try:
+        return read_marker(tag_dir).get("val_loss")
+    except DamagedCheckpoint:
+        return None  # a damaged marker competes for nothing (resume reports it)
+
+
+def set_aside(tag_dir: Path) -> Path:
+    """Rename a damaged checkpoint to ``step_<N>.damaged`` (kept for inspection; never resumed, pruned or
+    overwritten when training reaches step N again). Returns the new path."""
+    tag_dir = Path(tag_dir)
+    target, n = tag_dir.with_name(tag_dir.name + DAMAGED_SUFFIX), 1
+    while target.exists():
+        n += 1
+        target = tag_dir.with_name(f"{tag_dir.name}{DAMAGED_SUFFIX}{n}")
+    os.replace(tag_dir, target)
+    return target
 
 
 def model_states_file(tag_dir: Path) -> Path:
@@ -112,24 +177,79 @@ def model_states_file(tag_dir: Path) -> Path:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if (Path(tag_dir) / name).is_file():
             return Path(tag_dir) / name
-    raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model states file (mp_rank_00_model_states.pt); "
+    raise DamagedCheckpoint(f"{tag_dir}: no DeepSpeed model states file (mp_rank_00_model_states.pt); "
                             "is this a DeepSpeed checkpoint folder?")
 
 
-def check_trainable_saved(tag_dir: Path, trainable: list[str]) -> None:
-    """Fail clearly if the checkpoint lacks trainable parameters of the model being resumed.
+def files_of_rank(tag_dir: Path, rank: int, same_world: bool) -> list[Path]:
+    """The files ``rank`` reads to resume from ``tag_dir``.
 
-    The engine loads lean checkpoints non-strictly (frozen weights are absent on
-    purpose), which would silently leave a missing trainable weight at its initial
-    value, e.g. after changing which parts are frozen between runs.
+    Every rank reads the model states; each its own optimizer partition and RNG
+    states, unless the world size changed: then rank 0 converts every partition.
     """
-    # mmap: only the key index is read, not the tensors.
-    saved = torch.load(model_states_file(tag_dir), map_location="cpu", mmap=True, weights_only=False)["module"]
-    missing = [name for name in trainable if name not in saved]
-    if missing:
-        raise ValueError(
-            f"{tag_dir} lacks {len(missing)} trainable parameter(s) of this model, e.g. {', '.join(missing[:5])}; "
-            "it was saved from a model with other trainable parts (check the freeze_* / get_lora settings)")
+    tag_dir = Path(tag_dir)
+    files = sorted(tag_dir.glob("*model_states.pt")) or [model_states_file(tag_dir)]
+    optim = sorted(tag_dir.glob("*optim_states.pt"))
+    if same_world:
+        optim = [f for f in optim if f"zero_pp_rank_{rank}_" in f.name]
+        return files + optim + [rng_file(tag_dir, rank)]
+    return files + (optim if rank == 0 else [])
+
+
+def check_files(files: list[Path], zero_stage: int) -> None:
+    """Raise DamagedCheckpoint naming the first of ``files`` that is missing or does not load."""
+    for path in files:
+        load_file(path, mmap=True)
+    if zero_stage > 0 and not any(f.name.endswith("optim_states.pt") for f in files if f.is_file()):
+        folder = files[0].parent
+        raise DamagedCheckpoint(f"{folder}: the optimizer states of this rank (*zero_pp_rank_*_optim_states.pt) "
+                                f"are missing; ZeRO-{zero_stage} keeps them in one file per rank")
+
+
+def saved_trainable(states: dict) -> dict[str, tuple]:
+    """Names and shapes of the parameters that trained when the checkpoint was saved."""
+    if states.get("param_shapes"):  # ZeRO 1-3: the optimizer's parameters
+        return {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    buffers = set(states.get("buffer_names") or ())  # ZeRO-0: the module was saved without frozen parameters
+    return {name: tuple(t.shape) for name, t in (states.get("module") or {}).items() if name not in buffers}
+
+
+def trainable_problems(tag_dir: Path, states: dict, model: torch.nn.Module) -> list[str]:
+    """How the model's trainable parameters differ from those saved in ``tag_dir`` (empty: they match).
+
+    The engine loads lean checkpoints non-strictly (frozen weights are absent on purpose),
+    which would leave a parameter that became trainable at its initial value, and
+    DeepSpeed refuses a parameter set that shrank with "parameter-alignment layout does
+    not match". Both are changes of freeze_* / get_lora / lr settings between runs.
+    """
+    saved = saved_trainable(states)
+    every_name = dict(model.named_parameters(remove_duplicate=False))  # tied aliases are names too
+    trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    trainable_aliases = {name for name, p in every_name.items() if p.requires_grad}
+    problems = []
+    new = [name for name in trainable if name not in saved]
+    if new:
+        problems.append(f"{len(new)} parameter(s) train now but were not trained in the checkpoint: {_names(new)}")
+    frozen_now = [name for name in saved if name in every_name and name not in trainable_aliases]
+    if frozen_now:
+        problems.append(f"{len(frozen_now)} parameter(s) trained in the checkpoint are frozen now: "
+                        f"{_names(frozen_now)}")
+    unknown = [name for name in saved if name not in every_name]
+    if unknown:
+        problems.append(f"{len(unknown)} saved parameter(s) are not in this model: {_names(unknown)}")
+    shapes = [f"{name} {saved[name]} saved vs {shape} now" for name, shape in trainable.items()
+              if name in saved and saved[name] != shape]
+    if shapes:
+        problems.append(f"{len(shapes)} parameter(s) changed shape: {_names(shapes)}")
+    if problems:
+        problems.append("the model was built with other settings than the run that saved it (freeze_*, get_lora, "
+                        "sizes): restore them to resume, or pass run.resume=false (or a new run.output_dir) to "
+                        "start over")
+    return problems
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:

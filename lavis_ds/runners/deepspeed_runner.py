@@ -1,6 +1,7 @@
 """The DeepSpeed ZeRO engine (stages 0-3, CPU offload, bf16/fp16/fp32) behind the shared loop."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -111,22 +112,40 @@ class DeepSpeedRunner(RunnerBase):
         with self._autocast():
             return self.engine(self._to_engine(batch))
 
-    def train_step(self, micro_batches):
-        total = torch.zeros((), dtype=torch.float64)
-        grad_norm = None
-        for batch in micro_batches:
+    def forward_backward(self, micro_batches):
+        losses = []
+        for i, batch in enumerate(micro_batches):
             loss = self.forward(batch)["loss"]
             self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
-            if self.engine.is_gradient_accumulation_boundary() and self._plain_optimizer:
-                grad_norm = self._grad_norm()  # gradients are all-reduced now and zeroed by step()
-            self.engine.step()  # an optimizer step only at the accumulation boundary
-            total += loss.detach().double().cpu()
-        if torch_dist.is_initialized():
-            torch_dist.all_reduce(total)
+            if i < len(micro_batches) - 1:
+                self.engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
+            losses.append(loss.detach().double().cpu())
+        return torch.stack(losses)
+
+    def optimizer_step(self, apply=True):
+        # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm:
+        # the gradients are all-reduced now and zeroed by step().
+        grad_norm = self._grad_norm() if self._plain_optimizer and apply else None
+        with contextlib.nullcontext() if apply else self._without_update():
+            self.engine.step()  # the accumulation boundary
+        if not apply:
+            return {"grad_norm": None}
+        if not self.engine.was_step_applied():  # fp16's loss scaler found inf/nan gradients and lowered the scale
+            return {"grad_norm": None, "skipped": "overflow"}
         if grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        return {"loss": total.item() / (len(micro_batches) * self.world_size),
-                "grad_norm": float(grad_norm) if grad_norm is not None else None}
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else None}
+
+    @contextlib.contextmanager
+    def _without_update(self):
+        """DeepSpeed steps as usual (reductions, clearing the gradients, its counters), but the torch
+        optimizer inside every ZeRO/precision wrapper changes nothing: no weight, no Adam moment, no step count."""
+        optimizer = self.engine.basic_optimizer
+        optimizer.step = lambda *args, **kwargs: None
+        try:
+            yield
+        finally:
+            del optimizer.step
 
     def generate(self, batch, **kwargs):
         # Under ZeRO-3 every rank must join every forward until all are done.
@@ -138,16 +157,35 @@ class DeepSpeedRunner(RunnerBase):
         self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state,
                                     exclude_frozen_parameters=True)
 
+    def check_checkpoint(self, tag_dir, same_world):
+        ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
+        stage = self.layout["zero_stage"]
+        files = ckpt.files_of_rank(tag_dir, self.rank, same_world)
+        # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.
+        ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
+        states = ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
+        saved, now = _layout(states.get("ds_config") or {}), self.layout
+        (saved_stage, saved_dtype), (stage, dtype) = saved.values(), now.values()
+        # A change that wrap() found convertible is loaded through the universal checkpoint; this catches
+        # checkpoints whose completion marker does not record the layout (saved before it did).
+        if saved != now and not self.universal:
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was saved by ZeRO-{saved_stage} in {saved_dtype}, this run is ZeRO-{stage} in {dtype}: "
+                f"the optimizer states are laid out for the former. Resume with "
+                f"run.deepspeed_config.zero_optimization.stage={saved_stage} and {saved_dtype}, or start over "
+                f"(run.resume=false or a new run.output_dir)")
+        problems = ckpt.trainable_problems(tag_dir, states, self.model)
+        if problems:
+            raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
+
     def load_checkpoint(self, load_dir: Path, tag):
-        if tag is not None:
-            ckpt.check_trainable_saved(Path(load_dir) / tag, self.trainable_names())
         if self.universal:
             load_dir = ckpt.universal_copy(Path(load_dir) / tag, self.checkpoint_dir / "universal", self.rank)
-        # Frozen weights are not in the checkpoint (checked above: everything trainable is);
+        # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
+            raise ckpt.CheckpointError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
         if self.universal:
             # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
             torch_dist.barrier()

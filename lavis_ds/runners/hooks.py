@@ -1,12 +1,14 @@
 """What happens around the loop: logging, evaluation, checkpoints.
 
-Each hook reacts to before_train / after_step / after_epoch / after_save / after_train.
-Their order in `build_hooks` is their run order.
+Each hook reacts to before_train / after_step / after_epoch / after_save / after_train, and
+on_stop (a SIGTERM/SIGINT stops the run at a step boundary). Their order in `build_hooks`
+is their run order.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -30,6 +32,8 @@ class Hook:
     def after_save(self, runner, tag_dir: Path) -> None: ...
 
     def after_train(self, runner) -> None: ...
+
+    def on_stop(self, runner, signum: int) -> None: ...
 
 
 def build_hooks(runner) -> list[Hook]:
@@ -72,11 +76,15 @@ class MetricsLogger(Hook):
                   "samples_per_sec": (step - self.last_step) * runner.global_batch / max(now - self.last_time, 1e-9)}
         self.last_time, self.last_step = now, step
         runner.writer.write(record)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        if record["loss"] is not None:  # None: a skipped step (non-finite loss)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
 
     def after_train(self, runner) -> None:
         if runner.rank == 0:
             self.bar.close()  # the writer stays open for later hooks; the runner closes it
+
+    def on_stop(self, runner, signum: int) -> None:
+        self.after_train(runner)
 
 
 def _log(runner, record: dict) -> None:
@@ -155,7 +163,7 @@ class Validation(Hook):
 
 
 class Checkpointer(Hook):
-    """Every `run.save_freq_steps` optimizer steps, and at each epoch end."""
+    """Every `run.save_freq_steps` optimizer steps, at each epoch end, and when SIGTERM stops the run."""
 
     def after_step(self, runner, metrics: dict) -> None:
         freq = runner.run.save_freq_steps
@@ -165,6 +173,12 @@ class Checkpointer(Hook):
 
     def after_epoch(self, runner, evaluate_only: bool = False) -> None:
         if not evaluate_only:
+            runner.save()
+
+    def on_stop(self, runner, signum: int) -> None:
+        # SIGTERM is preemption: save where every rank stopped, unless that step is saved already.
+        # SIGINT is a user's Ctrl-C: stop without writing anything.
+        if signum == signal.SIGTERM and runner.state.global_step not in (0, runner.saved_step):
             runner.save()
 
 

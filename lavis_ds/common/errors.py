@@ -1,0 +1,46 @@
+"""The errors whose message is the whole answer.
+
+train.py and export.py print a :class:`LavisDsError` as one ``lavis_ds: <message>``
+on stderr and exit with its ``exit_code``, without a traceback: the message names
+the file, key, record or step and says what would be valid. Anything else is a bug
+and keeps its traceback.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+
+class LavisDsError(Exception):
+    """A failure the message fully explains. ``exit_code`` 1: a fault found while running."""
+
+    exit_code = 1
+
+
+class InputError(LavisDsError):
+    """Bad input - a file, a record, a checkpoint, a setting - that the user must change: exit code 2."""
+
+    exit_code = 2
+
+
+# torch's DataLoader re-raises a worker's exception as ``type(msg)`` with the worker's
+# formatted traceback inside the message; the original message is its last entry.
+_WORKER_WRAPPER = re.compile(r"^Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback", re.S)
+
+
+def message_of(error: BaseException) -> str:
+    """The error's own message, without the traceback a DataLoader worker wrapped it in."""
+    text = str(error)
+    if not _WORKER_WRAPPER.match(text):
+        return text
+    cls = type(error)
+    head = f"\n{cls.__module__}.{cls.__qualname__}: "
+    start = text.rfind(head)
+    return text[start + len(head):].strip() if start >= 0 else text
+
+
+def report(message: str) -> None:
+    """``lavis_ds: <message>`` on stderr, on a line of its own above any progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"lavis_ds: {message}", file=sys.stderr)

@@ -1,0 +1,118 @@
+"""What stops a run, decided by every rank together: signals, samples that fail to load, non-finite losses.
+
+A rank that stops alone leaves the others blocked in their next collective. So the
+loop asks once per optimizer step, before the forward, with one all-reduce of two
+small integers (`agree`): has any rank received SIGTERM/SIGINT, has any rank failed
+to load its micro-batches? Every rank then stops at the same step, and a failure
+travels to every rank with its message (printed once, by the rank that failed).
+Non-finite losses ride on the loss all-reduce every step already makes.
+"""
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as torch_dist
+
+from lavis_ds.common.errors import LavisDsError, message_of, report
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(LavisDsError):
+    """The run stopped at a step boundary because of a signal. Exit 128 + signal, as a shell reports it."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class NonFiniteLoss(LavisDsError):
+    """A NaN/inf loss with `run.on_nonfinite: stop`. Raised on every rank before the optimizer step."""
+
+
+class PeerFailed(LavisDsError):
+    """Another rank failed; it prints the message, this rank exits with the same code, silently."""
+
+    def __init__(self, rank: int, message: str, exit_code: int):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.exit_code, self.quiet = exit_code, True
+
+
+class SignalCatcher:
+    """SIGTERM/SIGINT ask the run to stop at the next step boundary; a second one stops it at once.
+
+    SLURM and Kubernetes send SIGTERM before they kill a job; torchrun forwards the
+    SIGTERM or SIGINT it gets to every worker. ``received`` is the first signal (0: none).
+    """
+
+    def __init__(self):
+        self.received = 0
+        self._previous = {}
+
+    def __enter__(self) -> "SignalCatcher":
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:
+            raise KeyboardInterrupt  # the second signal: the user does not want to wait
+        self.received = signum
+        then = "save a checkpoint and exit" if signum == signal.SIGTERM else "exit without saving"
+        report(f"received {signal.Signals(signum).name}: finishing the current optimizer step, then {then} "
+               "(send it again to stop at once)")
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT to the main process, which stops at a step boundary.
+
+    A worker killed by them (SLURM signals every process, Ctrl-C the whole process
+    group) would end the run with "DataLoader worker exited unexpectedly" instead.
+    """
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def agree(stop: int, error: BaseException | None = None) -> int:
+    """Collective, once per optimizer step: the stop signal any rank received (0: none).
+
+    Raises on every rank if any rank passes an ``error``: that rank its own, the
+    others :class:`PeerFailed` with its message and exit code.
+    """
+    flags = torch.tensor([stop, error is not None], dtype=torch.int64)
+    if _distributed():
+        torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
+    if flags[1]:
+        raise_together(error)
+    return int(flags[0])
+
+
+def raise_together(error: BaseException | None) -> None:
+    """Collective: every rank raises; the lowest failing rank's error is the one reported."""
+    mine = None if error is None else (message_of(error), getattr(error, "exit_code", 1))
+    gathered = [mine]
+    if _distributed():
+        gathered = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(gathered, mine)
+    first = next(rank for rank, item in enumerate(gathered) if item is not None)
+    if error is not None and first == (torch_dist.get_rank() if _distributed() else 0):
+        raise error
+    raise PeerFailed(first, *gathered[first])
+
+
+def gather(obj) -> list:
+    """``obj`` of every rank, in rank order (a list of one without a process group)."""
+    if not _distributed():
+        return [obj]
+    gathered = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _distributed() -> bool:
+    return torch_dist.is_initialized() and torch_dist.get_world_size() > 1
