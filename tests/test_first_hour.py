@@ -3,7 +3,6 @@ precision on the same output folder, a rerun of a finished run, warnings that fi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import REPO, env, metrics, run_train, tiny_config, train_steps, write_yaml
+from run_utils import env, run_train, tiny_config, train_steps, write_yaml
 
 STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x 2 processes
 

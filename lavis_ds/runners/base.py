@@ -452,10 +452,8 @@ class RunnerBase:
                 continue
             references = batch.get("references") or [output[-1:] for output in batch["output"]]
             for index, text, instruction, refs in zip(indices, texts, batch["instruction"], references, strict=True):
-                number, part, local = _part_of(dataset, index)
-                image_of = getattr(part, "image_name", None)  # None if the dataset cannot say
-                mine.append({"index": index, "dataset": sections[number],
-                             "image": image_of(local) if image_of else None, "prompt": instruction[-1],
+                mine.append({"index": index, "dataset": sections[_part_of(dataset, index)[0]],
+                             "image": _image_name(dataset, index), "prompt": instruction[-1],
                              "references": list(refs), "expected": refs[0], "generated": text})
         gathered = [mine]
         if torch_dist.is_initialized() and self.world_size > 1:
@@ -480,6 +478,13 @@ class RunnerBase:
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=first.collater,
                           num_workers=self.run.num_workers, persistent_workers=False,
                           worker_init_fn=faults.ignore_stop_signals if self.run.num_workers else None)
+
+
+def _image_name(dataset, index: int) -> str | None:
+    """The image file of a sample, for reports and predictions (None if the dataset cannot say)."""
+    _, part, local = _part_of(dataset, index)
+    image_of = getattr(part, "image_name", None)
+    return image_of(local) if image_of else None
 
 
 def _part_of(dataset, index: int) -> tuple[int, torch.utils.data.Dataset, int]:

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from lavis_ds.common.config import ConfigError
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import build_deepspeed_config
 from lavis_ds.runners import checkpoint as ckpt
@@ -42,10 +41,9 @@ class DeepSpeedRunner(RunnerBase):
         run.pop("batch_size_train", None)
         ds_config = build_deepspeed_config(run, self.world_size)
         # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
-        # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision.
-        self.layout = _layout(ds_config)
-        layout_changed = self._layout_changed(self.layout)  # checked first: it may refuse the resume
-        self.universal = self.elastic or layout_changed
+        # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision
+        # (check_checkpoint has refused the changes that cannot convert).
+        self.universal = self.elastic or self._layout_changed()
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
@@ -65,30 +63,23 @@ class DeepSpeedRunner(RunnerBase):
         self.engine.module_state_dict = functools.partial(_without_frozen, self.engine.module_state_dict, model)
         return optimizer
 
+    @property
+    def layout(self) -> dict:
+        return _layout(self.run.deepspeed_config)
+
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_deepspeed", **self.layout}
 
-    def _layout_changed(self, now: dict) -> bool:
-        """Whether the checkpoint to resume has another ZeRO stage or precision; refuse pairs that cannot convert."""
-        saved = self.saved_layout() or {}
-        changed = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
-        if not changed:
+    def _layout_changed(self) -> bool:
+        """Whether the checkpoint to resume has another ZeRO stage or precision than this run (and say so)."""
+        if self.resume_from is None or self.resume_from[1] is None:
             return False
-        what = " and ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
-        stages = {saved.get("zero_stage"), now["zero_stage"]}
-        precisions = {saved.get("precision"), now["precision"]}
-        if 0 in stages or "fp16" in precisions:
-            # ZeRO-0 keeps no partitioned optimizer files to convert, and fp16's loss-scaler state has no fp32 twin.
-            source = self.resume_from[0] / self.resume_from[1]
-            raise ConfigError([
-                f"run.deepspeed_config: {source} was saved with ZeRO stage {saved.get('zero_stage')} in "
-                f"{saved.get('precision')} and this run asks for stage {now['zero_stage']} in {now['precision']}. "
-                "Resuming converts between ZeRO stages 1-3 and between fp32 and bf16 only; resume with the "
-                "settings it was saved with, or start afresh (--options run.resume=false, or another "
-                "run.output_dir)"], str(source))
-        if self.rank == 0:
-            print(f"resuming through DeepSpeed's universal checkpoint: {what}", flush=True)
-        return True
+        tag_dir = self.resume_from[0] / self.resume_from[1]
+        saved, now = _saved_layout(tag_dir), self.layout
+        changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if saved[key] != now[key]]
+        if changed and self.rank == 0:
+            print(f"resuming through DeepSpeed's universal checkpoint: {' and '.join(changed)}", flush=True)
+        return bool(changed)
 
     def _grad_norm(self) -> float:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -165,15 +156,16 @@ class DeepSpeedRunner(RunnerBase):
         ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
         states = ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
         saved, now = _layout(states.get("ds_config") or {}), self.layout
-        (saved_stage, saved_dtype), (stage, dtype) = saved.values(), now.values()
-        # A change that wrap() found convertible is loaded through the universal checkpoint; this catches
-        # checkpoints whose completion marker does not record the layout (saved before it did).
-        if saved != now and not self.universal:
+        # Stages 1-3 and fp32/bf16 convert through the universal checkpoint (wrap); ZeRO-0 keeps no
+        # partitioned optimizer files to convert, and fp16's loss-scaler state has no fp32/bf16 twin.
+        if saved != now and ({saved["zero_stage"], now["zero_stage"]} & {0} or
+                             "fp16" in {saved["precision"], now["precision"]}):
             raise ckpt.CheckpointError(
-                f"{tag_dir} was saved by ZeRO-{saved_stage} in {saved_dtype}, this run is ZeRO-{stage} in {dtype}: "
-                f"the optimizer states are laid out for the former. Resume with "
-                f"run.deepspeed_config.zero_optimization.stage={saved_stage} and {saved_dtype}, or start over "
-                f"(run.resume=false or a new run.output_dir)")
+                f"{tag_dir} was saved with ZeRO stage {saved['zero_stage']} in {saved['precision']} and this run "
+                f"asks for stage {now['zero_stage']} in {now['precision']}. Resuming converts between ZeRO stages "
+                f"1-3 and between fp32 and bf16 only; resume with the settings it was saved with "
+                f"(run.deepspeed_config.zero_optimization.stage={saved['zero_stage']}, {saved['precision']}), or "
+                f"start afresh (--options run.resume=false, or another run.output_dir)")
         problems = ckpt.trainable_problems(tag_dir, states, self.model)
         if problems:
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
@@ -199,8 +191,14 @@ class DeepSpeedRunner(RunnerBase):
 registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
 
 
-def _layout(ds_config: dict) -> dict:
-    """How a DeepSpeed checkpoint is cut: its ZeRO stage and training precision."""
+def _saved_layout(tag_dir: Path) -> dict:
+    """The ZeRO stage and precision a checkpoint was saved with, from the DeepSpeed config it recorded."""
+    states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)  # the pickle only, not the tensors
+    return _layout(states.get("ds_config") or {})
+
+
+def _layout(ds_config) -> dict:
+    """How a DeepSpeed checkpoint is cut: its ZeRO stage and training precision (from a dict or DictConfig)."""
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     bf16 = (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False)
     fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
