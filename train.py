@@ -66,8 +66,9 @@ def train(args: argparse.Namespace) -> int:
     from lavis_ds.runners import faults
 
     cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]))
-    registry.get_runner_class(cfg.run.runner).prepare_process(cfg)
-    dist.init_distributed()
+    runner_class = registry.get_runner_class(cfg.run.runner)
+    runner_class.prepare_process(cfg)
+    runner_class.init_process_group()
     error = None
     if dist.is_main_process():
         try:

@@ -72,7 +72,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                f"run.deepspeed_config.zero_optimization.stage={args.stage}",
                f"run.deepspeed_config.bf16.enabled={str(args.dtype == 'bf16').lower()}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_distributed()
+    registry.get_runner_class(cfg.run.runner).init_process_group()
     runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
                                                        build_datasets(cfg.datasets))
     runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here

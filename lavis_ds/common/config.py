@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lavis_ds.common import deepspeed_section, dist, lavis_compat
 from lavis_ds.common import registry as reg
-from lavis_ds.common.run_config import RunConfig, batch_sizes, build_deepspeed_config, deepspeed_problems
+from lavis_ds.common.run_config import DEEPSPEED_TWINS, RunConfig, training_settings
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.mixing import ratio_problems
@@ -74,10 +74,13 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
     notes += more_notes
     validate(cfg, errors, world_size)
     if not errors:
-        # What DeepSpeed will be handed (autos filled, batch layout completed): config.yaml records it.
-        cfg.run.deepspeed_config = build_deepspeed_config(OmegaConf.to_container(cfg.run), world_size)
+        # The engine completes its section as it will use it (DeepSpeed: autos filled, batch layout); config.yaml
+        # records that.
+        run, runner_notes = reg.runners.get(cfg.run.runner).complete_config(OmegaConf.to_container(cfg.run),
+                                                                          world_size)
+        cfg.run = OmegaConf.create(run)
         if dist.is_main_process():  # every rank loads the config; one says what it did
-            for line in notes + deepspeed_section.no_effect_warnings(OmegaConf.to_container(cfg.run.deepspeed_config)):
+            for line in notes + runner_notes:
                 logger.warning("%s", line)
     if check_files:  # files too, for every section whose structure is sound: all problems in one round
         errors += _file_problems(cfg, errors)
@@ -268,21 +271,18 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
-    ds = run.get("deepspeed_config") or {}
-    if isinstance(ds, dict):
-        ds_problems = deepspeed_problems(ds, run)
-        errors.extend(ds_problems)
-        try:
-            micro, _, _ = batch_sizes(run, world_size)
-        except (ValueError, TypeError) as e:
-            errors.append(str(e))
-            ds_problems.append(str(e))
-        else:
-            if not isinstance(micro, int) or micro < 1:  # run.batch_size_train's range check said so
-                ds_problems.append("micro-batch")
-        if not ds_problems:  # DeepSpeed's own models would repeat them less clearly
-            # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
-            errors.extend(deepspeed_section.schema_problems(build_deepspeed_config(run, world_size)))
+    # Batch layout, clipping, precision: resolved from the neutral keys and their DeepSpeed twins, once their
+    # values passed the range checks (a micro-batch of 0 is reported once, as run.batch_size_train's).
+    settings_ok = not any(e.startswith(tuple(f"run.{key}" for key in (*DEEPSPEED_TWINS, "precision"))) for e in errors)
+    try:
+        training_settings(run, world_size)
+    except (ValueError, TypeError) as e:
+        errors.append(str(e))
+        settings_ok = False
+    runner = run.get("runner")
+    close = runner if runner in reg.runners else reg.runners.closest(str(runner))
+    if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
+        errors.extend(reg.runners.get(close).config_problems(run, world_size, settings_ok))
     # Split names are known only for datasets that list annotation files (generated ones have their own).
     annotations = [(section.get("build_info") or {}).get("annotations") for section in plain["datasets"].values()
                    if isinstance(section, dict)]

@@ -3,7 +3,7 @@
 Hugging Face's DeepSpeed integration documents config files whose values may be
 ``"auto"`` (filled from the Trainer's arguments). The same files work here:
 an "auto" is filled from the run's own keys where the run has one (``init_lr``,
-``weight_decay``, ``batch_size_train``), otherwise it is left out so DeepSpeed
+``weight_decay``, ``batch_size_train``, ``accum_grad_iters``, ``grad_norm_clip``...), otherwise it is left out so DeepSpeed
 uses its default; a ``scheduler`` section that is all "auto" is dropped, since
 lavis_ds steps the learning rate itself. Each of these is said once in the log.
 
@@ -27,15 +27,18 @@ AUTO = "auto"
 # "auto" path -> the run key that fills it (Hugging Face fills these from its TrainingArguments).
 AUTO_FROM_RUN = {
     ("train_micro_batch_size_per_gpu",): "batch_size_train",
+    ("gradient_accumulation_steps",): "accum_grad_iters",
+    ("train_batch_size",): "global_batch_size",
+    ("gradient_clipping",): "grad_norm_clip",
     ("optimizer", "params", "lr"): "init_lr",
     ("optimizer", "params", "weight_decay"): "weight_decay",
 }
 # "auto" paths whose value lavis_ds computes itself (left out here, filled when the engine is configured).
 AUTO_COMPUTED = {
     ("train_batch_size",): "micro-batch x gradient accumulation x processes",
-    ("gradient_accumulation_steps",): "1 unless run.accum_grad_iters says otherwise",
-    ("bf16", "enabled"): "false unless run.amp / model.autocast_dtype say otherwise",
-    ("fp16", "enabled"): "false unless run.amp / model.autocast_dtype say otherwise",
+    ("gradient_accumulation_steps",): "1, or global batch / (micro-batch x processes)",
+    ("bf16", "enabled"): "run.precision",
+    ("fp16", "enabled"): "run.precision",
 }
 
 
@@ -101,8 +104,8 @@ def resolve_auto(ds: dict, run: dict) -> tuple[dict, list[str]]:
             _set(ds, path, run[run_key])
             filled.append(f"{dotted} = run.{run_key} ({run[run_key]!r})")
             continue
-        if path in (("bf16", "enabled"), ("fp16", "enabled")):  # the LAVIS precision keys filled it if given
-            _set(ds, path, False)
+        if path in (("bf16", "enabled"), ("fp16", "enabled")):
+            _pop(ds, path)  # run.precision decides (build_deepspeed_config)
         else:
             _pop(ds, path)
         if path in AUTO_COMPUTED:

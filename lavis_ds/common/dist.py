@@ -17,7 +17,7 @@ def set_single_process_defaults() -> None:
     """Fill in the env vars a launcher would set, so a plain `python train.py` works.
 
     deepspeed.init_distributed() without them falls back to MPI discovery and
-    fails; torchrun and the deepspeed launcher set them all, so this is a no-op there.
+    fails, init_process_group waits for them; torchrun and the deepspeed launcher set them all, so this is a no-op there.
     """
     if "WORLD_SIZE" in os.environ:
         return
@@ -28,12 +28,15 @@ def set_single_process_defaults() -> None:
 
 
 def init_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU)."""
-    import deepspeed
+    """Initialise torch.distributed from the launcher's variables (gloo on CPU, nccl on GPU).
+
+    An engine that needs its own start (DeepSpeed) does it in its runner's ``init_process_group``.
+    """
+    import torch
 
     set_single_process_defaults()
     if not dist.is_initialized():
-        deepspeed.init_distributed(verbose=False)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def rank() -> int:

@@ -4,7 +4,8 @@ MiniGPT4Qwen's published YAMLs (Coobiw/MPP-LLaVA, ``lavis/projects/``) carry LAV
 keys. None of them may be dropped silently: ``accum_grad_iters: 16`` that is
 ignored trains with a global batch 16 times too small. So every key here is one of
 
-* mapped to the lavis_ds key with the same meaning (``MAPPED_RUN_KEYS``, precision);
+* mapped to the lavis_ds key with the same meaning (``MAPPED_RUN_KEYS``, precision; ``accum_grad_iters``
+  and ``grad_norm_clip`` are lavis_ds keys themselves);
 * ignored because it changes nothing in lavis_ds (``IGNORED``), said once in the log;
 * refused, with the key to use instead (``REPLACED_RUN_KEYS``, and ignorable keys
   whose value asks for something lavis_ds does not do).
@@ -19,8 +20,6 @@ DS = "deepspeed_config"
 
 # run.<LAVIS key> -> run.<path of the lavis_ds key with the same meaning>
 MAPPED_RUN_KEYS = {
-    "accum_grad_iters": (DS, "gradient_accumulation_steps"),
-    "grad_norm_clip": (DS, "gradient_clipping"),
     "resume_ckpt_path": ("resume",),
     # LAVIS's generation settings for evaluation -> model.generate arguments of the test splits
     "max_new_tokens": ("generate", "max_new_tokens"),
@@ -66,12 +65,15 @@ IGNORED: dict[tuple[str, str], tuple[Callable[[Any, dict], bool], str]] = {
     ("run", "world_size"): (lambda v, s: True, ""),  # the launcher decides
     ("run", "dist_url"): (lambda v, s: True, ""),
     ("run", "distributed"): (lambda v, s: True, ""),
-    ("run", "fsdp"): (
-        lambda v, s: not v,
-        "true: lavis_ds shards with DeepSpeed; use run.deepspeed_config.zero_optimization.stage: 3 instead"),
+    ("run", "fsdp"): (  # LAVIS's boolean; a mapping is runner_fsdp's options section and stays
+        lambda v, s: v is False,
+        "true: choose the engine with run.runner: runner_fsdp (its options go in a run.fsdp mapping)"),
 }
 
-# model.autocast_dtype / run.amp spellings -> DeepSpeed precision section
+# LAVIS booleans whose key lavis_ds uses for a mapping of its own
+NATIVE_WHEN_MAPPING = {("run", "fsdp")}
+
+# model.autocast_dtype / run.amp spellings -> run.precision
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
            "float32": "fp32", "fp32": "fp32", "float": "fp32"}
 
@@ -91,7 +93,8 @@ def translate(cfg: dict) -> tuple[list[str], list[str]]:
     seen: list[tuple[str, str]] = []
     for (section_name, key), (harmless, why) in IGNORED.items():
         section = cfg.get(section_name)
-        if not isinstance(section, dict) or key not in section:
+        if not isinstance(section, dict) or key not in section or (section_name, key) in NATIVE_WHEN_MAPPING \
+                and isinstance(section[key], dict):
             continue
         if harmless(section[key], section):
             ignored.append(f"{section_name}.{key}")
@@ -148,7 +151,7 @@ def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: 
 
 def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: list[str]) -> None:
     """``model.autocast_dtype`` (the dtype MiniGPT4Qwen's forward ran in) or else ``run.amp`` (LAVIS: fp16
-    autocast with a GradScaler) -> the DeepSpeed precision section."""
+    autocast with a GradScaler) -> run.precision."""
     dtype = model.pop("autocast_dtype", None) if model is not None else None
     amp = run.pop("amp", None)
     if dtype is not None:
@@ -165,23 +168,16 @@ def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: l
         precision, source = ("fp16" if amp else "fp32"), f"run.amp={amp!r}"
     else:
         return
-    ds = run.get(DS)
-    if ds is None:
-        ds = run[DS] = {}
-    if not isinstance(ds, dict):
-        problems.append(f"{source}: cannot be mapped into run.{DS}, which is {ds!r}")
-        return
-    conflict = False
+    ds = run.get(DS) if isinstance(run.get(DS), dict) else {}
     for key in ("bf16", "fp16"):
-        section = ds.get(key)
-        enabled = section.get("enabled") if isinstance(section, dict) else None
-        wanted = precision == key
-        if enabled in (None, "auto"):
-            if wanted or enabled == "auto":
-                ds[key] = {**(section if isinstance(section, dict) else {}), "enabled": wanted}
-        elif bool(enabled) != wanted:
+        enabled = ds[key].get("enabled") if isinstance(ds.get(key), dict) else None
+        if isinstance(enabled, bool) and enabled != (precision == key):
             problems.append(f"{source} means {precision} but run.{DS}.{key}.enabled is {enabled!r}; they disagree, "
                             f"give one")
-            conflict = True
-    if not conflict:
-        mapped.append(f"{source} -> {precision} (run.{DS}.bf16 / fp16)")
+            return
+    present = run.get("precision")
+    if present is not None and present != precision:
+        problems.append(f"{source} means {precision} but run.precision is {present!r}; they disagree, give one")
+        return
+    run["precision"] = precision
+    mapped.append(f"{source} -> run.precision = {precision}")

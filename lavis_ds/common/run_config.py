@@ -1,4 +1,10 @@
-"""The `run:` section: its keys, their defaults, and the DeepSpeed JSON derived from it."""
+"""The `run:` section: its keys, their defaults, the training settings every engine reads, and the DeepSpeed
+JSON derived from them.
+
+Micro-batch, accumulation, global batch, clipping and precision are engine-neutral `run` keys. A
+DeepSpeed section may set the same things in DeepSpeed's words (YAMLs written for DeepSpeed keep
+working under every runner); a value given both ways must agree.
+"""
 from __future__ import annotations
 
 import copy
@@ -29,8 +35,13 @@ class RunConfig:
     weight_decay: Annotated[float, NonNegative] = 0.05
     lr_scales: dict[str, float] = field(default_factory=dict)  # parameter-name prefix -> lr factor
     max_epoch: Annotated[int, AtLeastOne] = 1
-    # micro-batch per process (= train_micro_batch_size_per_gpu)
+    # micro-batch per process (DeepSpeed: train_micro_batch_size_per_gpu)
     batch_size_train: Annotated[int | None, AtLeastOne] = None
+    # micro-batches per optimizer step (DeepSpeed: gradient_accumulation_steps); default 1, or from global_batch_size
+    accum_grad_iters: Annotated[int | None, AtLeastOne] = None
+    global_batch_size: Annotated[int | None, AtLeastOne] = None  # samples per optimizer step (DeepSpeed: train_batch_size)
+    grad_norm_clip: Annotated[float | None, NonNegative] = None  # max global gradient norm; 0 or unset: no clipping
+    precision: Literal["fp32", "bf16", "fp16", None] = None  # training precision; unset: the DeepSpeed section's, or fp32
     batch_size_eval: Annotated[int, AtLeastOne] = 8
     num_workers: Annotated[int, NonNegative] = 0
     seed: Annotated[int, NonNegative] = 42  # numpy takes seeds in [0, 2**32)
@@ -52,34 +63,99 @@ class RunConfig:
     best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
-    # the DeepSpeed JSON, inline or as the path of a .json file (see lavis_ds.common.deepspeed_section)
+    # runner_deepspeed's options: the DeepSpeed JSON, inline or as the path of a .json file (deepspeed_section)
     deepspeed_config: dict[str, Any] | str = field(default_factory=dict)
+    fsdp: dict[str, Any] | bool = field(default_factory=dict)  # runner_fsdp's options (FSDPOptions)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """What every engine needs to know to step like every other: batch layout, clipping, precision."""
+
+    micro_batch: int
+    accum: int
+    global_batch: int
+    grad_norm_clip: float  # 0: no clipping
+    precision: str  # one of PRECISIONS
+
+
+# run key -> the DeepSpeed key that says the same thing
+DEEPSPEED_TWINS = {
+    "batch_size_train": "train_micro_batch_size_per_gpu",
+    "accum_grad_iters": "gradient_accumulation_steps",
+    "global_batch_size": "train_batch_size",
+    "grad_norm_clip": "gradient_clipping",
+}
+
+
+def training_settings(run: dict, world_size: int) -> TrainingSettings:
+    """The run's training settings from its neutral keys and DeepSpeed section; ValueError naming a disagreement."""
+    ds = run.get("deepspeed_config") if isinstance(run.get("deepspeed_config"), dict) else {}
+    value = {}
+    for key, twin in DEEPSPEED_TWINS.items():
+        mine, theirs = run.get(key), ds.get(twin)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(f"run.{key}={mine!r} and run.deepspeed_config.{twin}={theirs!r} disagree; they are the "
+                             f"same setting, give one")
+        value[key] = mine if mine is not None else theirs
+    micro, accum, given = value["batch_size_train"], value["accum_grad_iters"], value["global_batch_size"]
+    if micro is None:
+        raise ValueError("run.batch_size_train (the micro-batch per process) is required "
+                         "(or run.deepspeed_config.train_micro_batch_size_per_gpu)")
+    if accum is None and given is not None:  # as DeepSpeed does: the global batch fixes the accumulation
+        micro, accum, total = elastic_batch_sizes(micro, given, world_size, _named("global_batch_size", run, full=True))
+    else:
+        accum = 1 if accum is None else accum
+        total = micro * accum * world_size
+        if given is not None and given != total:
+            raise ValueError(
+                f"{_named('global_batch_size', run, full=True)}={given} but {_named('batch_size_train', run)}={micro} x "
+                f"{_named('accum_grad_iters', run)}={accum} x world size {world_size} = {total}; "
+                "make them agree or drop the global batch size")
+    return TrainingSettings(micro, accum, total, float(value["grad_norm_clip"] or 0.0),
+                            _precision(run.get("precision"), ds))
+
+
+def with_batch_layout(run: dict, micro: int, accum: int, global_batch: int) -> dict:
+    """A copy of ``run`` whose batch keys say this layout (the runner's: an elastic resume changes the accumulation)."""
+    ds = {k: v for k, v in (run.get("deepspeed_config") or {}).items() if k not in DEEPSPEED_TWINS.values()
+          or k == "gradient_clipping"}
+    return {**run, "deepspeed_config": ds, "batch_size_train": micro, "accum_grad_iters": accum,
+            "global_batch_size": global_batch}
+
+
+def _named(key: str, run: dict, full: bool = False) -> str:
+    """The key the user wrote for a setting: the run key, or else its DeepSpeed twin (if given); ``full``: its path."""
+    ds = run.get("deepspeed_config") if isinstance(run.get("deepspeed_config"), dict) else {}
+    if run.get(key) is None and ds.get(DEEPSPEED_TWINS[key]) is not None:
+        return ("run.deepspeed_config." if full else "") + DEEPSPEED_TWINS[key]
+    return ("run." if full else "") + key
+
+
+def _precision(precision: str | None, ds: dict) -> str:
+    enabled = [key for key in ("bf16", "fp16") if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True]
+    if "bf16" not in enabled and isinstance(ds.get("bfloat16"), dict) and ds["bfloat16"].get("enabled") is True:
+        enabled.append("bf16")  # DeepSpeed's older spelling
+    if len(enabled) > 1:
+        raise ValueError("run.deepspeed_config: bf16.enabled and fp16.enabled are both true; pick one")
+    theirs = enabled[0] if enabled else None
+    if precision is not None and theirs is not None and precision != theirs:
+        raise ValueError(f"run.precision={precision!r} and run.deepspeed_config.{theirs}.enabled=true disagree; "
+                         "they are the same setting, give one")
+    explicit_off = [key for key in ("bf16", "fp16") if isinstance(ds.get(key), dict) and ds[key].get("enabled") is False]
+    if precision in explicit_off:
+        raise ValueError(f"run.precision={precision!r} and run.deepspeed_config.{precision}.enabled=false disagree; "
+                         "they are the same setting, give one")
+    return precision or theirs or "fp32"
 
 
 def batch_sizes(run: dict, world_size: int) -> tuple[int, int, int]:
     """(micro, accumulation, global) batch sizes, or ValueError saying which disagree."""
-    ds = run.get("deepspeed_config") or {}
-    micro = ds.get("train_micro_batch_size_per_gpu")
-    legacy = run.get("batch_size_train")
-    if micro is not None and legacy is not None and micro != legacy:
-        raise ValueError(
-            f"run.batch_size_train={legacy} and run.deepspeed_config.train_micro_batch_size_per_gpu={micro} "
-            "disagree; they are the same setting, give one")
-    micro = micro if micro is not None else legacy
-    if micro is None:
-        raise ValueError("run.deepspeed_config.train_micro_batch_size_per_gpu (or run.batch_size_train) is required")
-    accum = ds.get("gradient_accumulation_steps")
-    given = ds.get("train_batch_size")
-    if accum is None and given is not None:  # as DeepSpeed does: the global batch fixes the accumulation
-        return elastic_batch_sizes(micro, given, world_size, "run.deepspeed_config.train_batch_size")
-    accum = 1 if accum is None else accum
-    total = micro * accum * world_size
-    if given is not None and given != total:
-        raise ValueError(
-            f"run.deepspeed_config.train_batch_size={given} but train_micro_batch_size_per_gpu={micro} x "
-            f"gradient_accumulation_steps={accum} x world size {world_size} = {total}; "
-            "make them agree or drop train_batch_size")
-    return micro, accum, total
+    settings = training_settings(run, world_size)
+    return settings.micro_batch, settings.accum, settings.global_batch
 
 
 def elastic_batch_sizes(micro: int, global_batch: int, world_size: int, source: str) -> tuple[int, int, int]:
@@ -101,8 +177,6 @@ def deepspeed_problems(ds: dict, run: dict | None = None) -> list[str]:
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         errors.append(f"{path}.zero_optimization.stage: {stage!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
-    if (ds.get("bf16") or {}).get("enabled") and (ds.get("fp16") or {}).get("enabled"):
-        errors.append(f"{path}: bf16.enabled and fp16.enabled are both true; pick one")
     if "scheduler" in ds:
         errors.append(f"{path}.scheduler: lavis_ds steps the learning rate itself (run.lr_sched, run.init_lr, ...); "
                       "remove this section (a section whose params are all \"auto\" is dropped for you)")
@@ -126,8 +200,16 @@ def deepspeed_problems(ds: dict, run: dict | None = None) -> list[str]:
 def build_deepspeed_config(run: dict, world_size: int) -> dict:
     """The JSON handed to deepspeed.initialize: the user's section, completed."""
     ds = copy.deepcopy(dict(run.get("deepspeed_config") or {}))
-    micro, accum, total = batch_sizes(run, world_size)
-    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=total)
+    if "bfloat16" in ds:  # DeepSpeed's older spelling
+        ds["bf16"] = {**ds.pop("bfloat16"), **(ds.get("bf16") or {})}
+    settings = training_settings(run, world_size)
+    ds.update(train_micro_batch_size_per_gpu=settings.micro_batch, gradient_accumulation_steps=settings.accum,
+              train_batch_size=settings.global_batch)
+    if settings.grad_norm_clip or "gradient_clipping" in ds:
+        ds["gradient_clipping"] = settings.grad_norm_clip
+    for key in ("bf16", "fp16"):
+        if settings.precision == key or key in ds:
+            ds[key] = {**(ds.get(key) or {}), "enabled": settings.precision == key}
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = optimizer.setdefault("params", {})
     # The scheduler overwrites lr before the first step; weight decay lives in the param groups.

@@ -206,6 +206,12 @@ class Blip2Qwen(BaseModel):
             problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
         return problems
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The transformer blocks of the three towers (ViT blocks, Q-Former layers, LLM decoder layers): the
+        units a sharding engine gathers one at a time. What is left (embeddings, norms, heads, queries,
+        projection) belongs to the model as a whole."""
+        return [*self.visual_encoder.blocks, *self.qformer.encoder.layer, *base_llm(self.llm_model).model.layers]
+
     def train(self, mode: bool = True) -> "Blip2Qwen":
         super().train(mode)
         if self.llm_grad_checkpoint:

@@ -213,8 +213,24 @@ class RunnerBase:
 
     # ------------------------------------------------- what subclasses provide
     @classmethod
+    def config_problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
+        """Problems of this engine's own options section of ``run`` (plain dict; ``settings_ok``: the neutral
+        training settings resolved). Default: none."""
+        return []
+
+    @classmethod
+    def complete_config(cls, run: dict, world_size: int) -> tuple[dict, list[str]]:
+        """``run`` (valid) with this engine's section completed as the engine will use it, and notes for the log."""
+        return run, []
+
+    @classmethod
     def prepare_process(cls, cfg: DictConfig) -> None:
         """Once per process, before the process group starts (e.g. compile the engine's ops). Default: nothing."""
+
+    @classmethod
+    def init_process_group(cls) -> None:
+        """Start torch.distributed for this process (after ``prepare_process``)."""
+        dist.init_distributed()
 
     def wrap(self, model: torch.nn.Module, param_groups: list[dict]):
         """Build the engine around ``model``; return the optimizer whose param_groups carry the lr."""

@@ -214,15 +214,15 @@ def saved_trainable(states: dict) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in (states.get("module") or {}).items() if name not in buffers}
 
 
-def trainable_problems(tag_dir: Path, states: dict, model: torch.nn.Module) -> list[str]:
-    """How the model's trainable parameters differ from those saved in ``tag_dir`` (empty: they match).
+def trainable_problems(tag_dir: Path, saved: dict[str, tuple], model: torch.nn.Module) -> list[str]:
+    """How the model's trainable parameters differ from those saved in ``tag_dir`` (``saved``: their names and
+    shapes; empty result: they match).
 
     The engine loads lean checkpoints non-strictly (frozen weights are absent on purpose),
     which would leave a parameter that became trainable at its initial value, and
     DeepSpeed refuses a parameter set that shrank with "parameter-alignment layout does
     not match". Both are changes of freeze_* / get_lora / lr settings between runs.
     """
-    saved = saved_trainable(states)
     every_name = dict(model.named_parameters(remove_duplicate=False))  # tied aliases are names too
     trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
     trainable_aliases = {name for name, p in every_name.items() if p.requires_grad}

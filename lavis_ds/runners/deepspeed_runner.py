@@ -9,7 +9,7 @@ import torch
 import torch.distributed as torch_dist
 
 from lavis_ds.common.registry import registry
-from lavis_ds.common.run_config import build_deepspeed_config
+from lavis_ds.common.run_config import build_deepspeed_config, deepspeed_problems, with_batch_layout
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.adam_counter import replay_step_counter
 from lavis_ds.runners.base import RunnerBase
@@ -20,6 +20,27 @@ class DeepSpeedRunner(RunnerBase):
     """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
     @classmethod
+    def config_problems(cls, run, world_size, settings_ok):
+        from lavis_ds.common import deepspeed_section
+
+        ds = run.get("deepspeed_config") or {}
+        if not isinstance(ds, dict):
+            return []  # reported when the file was read
+        problems = deepspeed_problems(ds, run)
+        if not problems and settings_ok:  # DeepSpeed's own models would repeat them less clearly
+            # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
+            problems += deepspeed_section.schema_problems(build_deepspeed_config(run, world_size))
+        return problems
+
+    @classmethod
+    def complete_config(cls, run, world_size):
+        from lavis_ds.common import deepspeed_section
+
+        # What DeepSpeed will be handed (autos filled, batch layout and precision completed).
+        run = {**run, "deepspeed_config": build_deepspeed_config(run, world_size)}
+        return run, deepspeed_section.no_effect_warnings(run["deepspeed_config"])
+
+    @classmethod
     def prepare_process(cls, cfg):
         import os
 
@@ -27,6 +48,16 @@ class DeepSpeedRunner(RunnerBase):
 
         # Before the process group: initialising it loads the shared-memory op on a CPU machine.
         ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=os.environ.get("LOCAL_RANK", "0") == "0")
+
+    @classmethod
+    def init_process_group(cls):
+        import deepspeed
+
+        from lavis_ds.common import dist
+
+        dist.set_single_process_defaults()
+        if not torch_dist.is_initialized():  # DeepSpeed's own start: on CPU it also loads its shared-memory op
+            deepspeed.init_distributed(verbose=False)
 
     def wrap(self, model, param_groups):
         # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
@@ -36,10 +67,8 @@ class DeepSpeedRunner(RunnerBase):
 
         run = OmegaConf.to_container(self.run, resolve=True)
         # The batch layout the runner settled on (a resume on another world size changes the accumulation).
-        run["deepspeed_config"].update(train_micro_batch_size_per_gpu=self.micro_batch,
-                                       gradient_accumulation_steps=self.accum, train_batch_size=self.global_batch)
-        run.pop("batch_size_train", None)
-        ds_config = build_deepspeed_config(run, self.world_size)
+        ds_config = build_deepspeed_config(with_batch_layout(run, self.micro_batch, self.accum, self.global_batch),
+                                           self.world_size)
         # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
         # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision
         # (check_checkpoint has refused the changes that cannot convert).
@@ -166,7 +195,7 @@ class DeepSpeedRunner(RunnerBase):
                 f"1-3 and between fp32 and bf16 only; resume with the settings it was saved with "
                 f"(run.deepspeed_config.zero_optimization.stage={saved['zero_stage']}, {saved['precision']}), or "
                 f"start afresh (--options run.resume=false, or another run.output_dir)")
-        problems = ckpt.trainable_problems(tag_dir, states, self.model)
+        problems = ckpt.trainable_problems(tag_dir, ckpt.saved_trainable(states), self.model)
         if problems:
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
 

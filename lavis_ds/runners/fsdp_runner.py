@@ -1,0 +1,224 @@
+"""PyTorch FSDP2 (``fully_shard``) behind the shared loop: the other ZeRO-3, without DeepSpeed.
+
+Each repeated block (ViT block, Q-Former layer, LLM decoder layer) is a sharding unit, then
+the model as a whole (embeddings, norms, heads, queries, projection). The optimizer is
+torch's AdamW on the same parameter groups as DeepSpeed's, stepped by the same schedulers.
+Checkpoints are ``torch.distributed.checkpoint`` folders of the trainable parameters and
+their optimizer state, in the same step_<N> protocol as every runner's; a checkpoint saved
+by N processes loads on M (DCP reshards).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lavis_ds.common.registry import registry
+from lavis_ds.common.run_config import DEEPSPEED_TWINS, training_settings
+from lavis_ds.common.schema import check_section, fields_of
+from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.base import RunnerBase
+
+CLIENT_STATE = "client_state.pt"  # the loop's state (step, scheduler, config); rank 0 writes it
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Keys of run.deepspeed_config that this runner reads (as the neutral run keys they stand for).
+READ_FROM_DEEPSPEED = {*DEEPSPEED_TWINS.values(), "bf16", "fp16", "bfloat16", "optimizer"}
+
+
+@dataclass
+class FSDPOptions:
+    """Schema of ``run.fsdp``."""
+
+    # mixed: fp32 parameters and optimizer states, run.precision compute (as DeepSpeed trains);
+    # low: parameters and optimizer states kept in run.precision (half the memory, a coarser update)
+    precision_mode: Literal["mixed", "low"] = "mixed"
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer states in host memory
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
+
+
+@registry.register_runner("runner_fsdp")
+class FSDPRunner(RunnerBase):
+    """Runs the loop on ``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
+
+    @classmethod
+    def config_problems(cls, run, world_size, settings_ok):
+        options, problems = run.get("fsdp") or {}, []
+        if not isinstance(options, dict):
+            return [f"run.fsdp: expected a mapping of runner_fsdp options ({', '.join(fields_of(FSDPOptions))}), "
+                    f"got {options!r}"]
+        check_section(options, fields_of(FSDPOptions), "run.fsdp", problems, require=False)
+        if settings_ok and training_settings(run, world_size).precision == "fp16":
+            problems.append("run.precision: fp16 is not supported by runner_fsdp (fp16 needs a loss scaler, which "
+                            "only runner_deepspeed has here); use bf16, or run.runner: runner_deepspeed")
+        return problems
+
+    @classmethod
+    def complete_config(cls, run, world_size):
+        ds = run.get("deepspeed_config") or {}
+        unused = sorted(key for key in ds if key not in READ_FROM_DEEPSPEED)
+        notes = [f"run.deepspeed_config: runner_fsdp reads its batch, clipping, precision and AdamW settings only; "
+                 f"not used: {', '.join(unused)}"] if unused else []
+        return run, notes
+
+    def wrap(self, model, param_groups):
+        from omegaconf import OmegaConf
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        run = OmegaConf.to_container(self.run, resolve=True)
+        self.settings = training_settings(run, self.world_size)
+        self.options = FSDPOptions(**(run.get("fsdp") or {}))
+        self.dtype = DTYPES[self.settings.precision]
+        low_precision = self.dtype != torch.float32
+        if low_precision and self.options.precision_mode == "low":
+            model.to(self.dtype)
+            policy = MixedPrecisionPolicy()  # parameters already in the compute dtype
+        elif low_precision:
+            policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        shard = dict(mp_policy=policy, reshard_after_forward=self.options.reshard_after_forward,
+                     **({"offload_policy": CPUOffloadPolicy()} if self.options.cpu_offload else {}))
+        # fully_shard swaps every parameter for a sharded one: remember the groups by name.
+        names = {id(p): name for name, p in model.named_parameters()}
+        group_names = [[names[id(p)] for p in group["params"]] for group in param_groups]
+        for block in model.repeated_blocks():
+            fully_shard(block, **shard)
+        fully_shard(model, **shard)
+        sharded = dict(model.named_parameters())
+        groups = [{**group, "params": [sharded[name] for name in group_names[i]]} for i, group in enumerate(param_groups)]
+        return torch.optim.AdamW(groups, lr=self.run.init_lr, **_adam_settings(run))
+
+    def checkpoint_layout(self) -> dict:
+        return {"runner": "runner_fsdp", "format": "torch.distributed.checkpoint",
+                "precision": self.settings.precision, "precision_mode": self.options.precision_mode}
+
+    # ------------------------------------------------------------------ steps
+    def _to_device(self, batch: dict) -> dict:
+        """Float inputs take the compute dtype (as under DeepSpeed's bf16 engine)."""
+        return {k: (v.to(self.dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+
+    def _autocast(self):
+        return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=self.dtype,
+                              enabled=self.dtype != torch.float32)
+
+    def forward(self, batch):
+        with self._autocast():
+            return self.model(self._to_device(batch))
+
+    def forward_backward(self, micro_batches):
+        losses = []
+        for i, batch in enumerate(micro_batches):
+            # Gradients are reduce-scattered once per optimizer step, at its last micro-batch.
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss = self.forward(batch)["loss"]
+            (loss / len(micro_batches)).backward()  # the mean over micro-batches, as DeepSpeed scales it
+            losses.append(loss.detach().double().cpu())
+        return torch.stack(losses)
+
+    def optimizer_step(self, apply=True):
+        if not apply:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": None}
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.settings.grad_norm_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.grad_norm_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)}
+
+    def generate(self, batch, **kwargs):
+        # generate() is not forward(): the model-level parameters (queries, embeddings, heads) are gathered
+        # here; each block gathers its own. Every rank keeps stepping until all are done.
+        self.model.unshard()
+        try:
+            with self._autocast():
+                return self.model.generate(self._to_device(batch), synced_gpus=self.world_size > 1, **kwargs)
+        finally:
+            self.model.reshard()
+
+    # ------------------------------------------------------------- checkpoints
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer,
+                                                  options=StateDictOptions(ignore_frozen_params=True))
+        return {"model": model_state, "optim": optim_state}
+
+    def save_checkpoint(self, tag, client_state):
+        import torch.distributed.checkpoint as dcp
+
+        tag_dir = self.checkpoint_dir / tag
+        dcp.save(self._state(), checkpoint_id=str(tag_dir))
+        if self.rank == 0:
+            torch.save(client_state, tag_dir / CLIENT_STATE)
+
+    def load_checkpoint(self, load_dir, tag):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        tag_dir = Path(load_dir) / tag
+        state = self._state()  # the shapes and shards to read into (DCP reshards to them)
+        dcp.load(state, checkpoint_id=str(tag_dir))
+        # Frozen weights are not in the checkpoint: they come from where the model loaded them.
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        return ckpt.load_file(tag_dir / CLIENT_STATE)
+
+    def check_checkpoint(self, tag_dir, same_world):
+        marker = ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
+        writer = marker.get("runner", "runner_deepspeed")
+        if writer != "runner_fsdp":
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was written by {writer}; runner_fsdp resumes its own checkpoints only (switching "
+                f"engines within a run is not supported yet): resume with run.runner: {writer}, or start afresh "
+                f"(--options run.resume=false, or another run.output_dir)")
+        saved = _saved_shapes(tag_dir)
+        ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
+        if same_world:
+            ckpt.load_file(ckpt.rng_file(tag_dir, self.rank))
+        problems = ckpt.trainable_problems(tag_dir, saved, self.model)
+        if problems:
+            raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
+        if marker.get("precision_mode", "mixed") != self.options_mode():
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was saved with run.fsdp.precision_mode={marker.get('precision_mode')} and this run asks "
+                f"for {self.options_mode()}; its parameters and optimizer states are kept in another dtype. Resume "
+                f"with the mode it was saved with, or start afresh (--options run.resume=false)")
+
+    def options_mode(self) -> str:
+        """run.fsdp.precision_mode (readable before wrap: checkpoints are checked first)."""
+        return (self.run.get("fsdp") or {}).get("precision_mode", "mixed")
+
+
+def _adam_settings(run: dict) -> dict:
+    """betas and eps of a DeepSpeed Adam/AdamW section, so that a run switched to this engine steps alike."""
+    optimizer = (run.get("deepspeed_config") or {}).get("optimizer") or {}
+    params = optimizer.get("params") or {}
+    return {key: tuple(params[key]) if key == "betas" else params[key] for key in ("betas", "eps") if key in params}
+
+
+def _saved_shapes(tag_dir: Path) -> dict[str, tuple]:
+    """Names and shapes of the trainable parameters in a DCP checkpoint; DamagedCheckpoint if a file is missing
+    or shorter than its index says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(tag_dir)).read_metadata()
+    except Exception as e:  # noqa: BLE001  a missing or torn .metadata, whatever the reader raises
+        raise ckpt.DamagedCheckpoint(f"{tag_dir / '.metadata'}: unreadable ({type(e).__name__}: {e}); the "
+                                     f"checkpoint's index is missing or damaged") from None
+    for info in (metadata.storage_data or {}).values():
+        path = tag_dir / info.relative_path
+        if not path.is_file() or path.stat().st_size < info.offset + info.length:
+            raise ckpt.DamagedCheckpoint(f"{path}: " + ("file missing" if not path.is_file() else
+                                                       "shorter than the checkpoint's index says (truncated)"))
+    return {key[len("model."):]: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(entry, "size")}
+
+
+# A short name, as `runner_deepspeed` has `deepspeed_runner`.
+registry.register_runner_alias("fsdp_runner", "runner_fsdp")
