@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -39,6 +40,49 @@ def tiny_config(output_dir: Path, demo_storage: Path, stage: int = 2, dtype: str
             **run,
         },
     }
+
+
+# The resumption runs: 64 samples, micro 4 x accumulation 2 x 2 processes, 3 epochs, a checkpoint every 3 steps.
+STEPS_PER_EPOCH = 64 // (4 * 2 * 2)
+EPOCHS = 3
+SAVE_EVERY = 3
+
+
+def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -> dict:
+    """Random crops and flips (the demo's train processor), dropout and stochastic depth all on."""
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, accum=2, max_epoch=EPOCHS,
+                      save_freq_steps=SAVE_EVERY, **run)
+    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
+    cfg["model"].update(drop_path_rate=0.1, llm_config={"attention_dropout": 0.1},
+                        qformer={"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
+    return cfg
+
+
+def start(cfg_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(command(cfg_path), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def kill_after_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
+    """SIGKILL the whole process group as soon as ``step`` is in metrics.jsonl."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(complete_steps(out)) >= step:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
+    kill_tree(proc.pid)
+    proc.wait()
+
+
+def complete_steps(out: Path) -> list[str]:
+    """Training lines written so far (the file may end in a half-written line)."""
+    lines = (out / "metrics.jsonl").read_text().split("\n")[:-1]
+    return [line for line in lines if '"split"' not in line]
+
+
+def comparable(steps: list[dict]) -> list[tuple]:
+    return [(m["step"], m["epoch"], m["loss"], m["lr"], m["grad_norm"]) for m in steps]
 
 
 def write_yaml(path: Path, cfg: dict) -> Path:

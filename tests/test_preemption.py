@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import REPO, command, env, run_train, tiny_config, tracebacks, train_steps, write_yaml
-from test_resume import EPOCHS, STEPS_PER_EPOCH, _complete_steps, comparable, noisy_config
+from run_utils import (EPOCHS, REPO, STEPS_PER_EPOCH, command, comparable, complete_steps, env, noisy_config,
+                       run_train, tiny_config, tracebacks, train_steps, write_yaml)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def signal_after_step(cmd: list[str], out: Path, log: Path, step: int, signum: i
         proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=f, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
-            if (out / "metrics.jsonl").is_file() and len(_complete_steps(out)) >= step:
+            if (out / "metrics.jsonl").is_file() and len(complete_steps(out)) >= step:
                 break
             time.sleep(0.02)
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()}"

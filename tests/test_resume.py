@@ -11,11 +11,8 @@ from pathlib import Path
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import REPO, command, env, kill_tree, run_train, tiny_config, train_steps, write_yaml
-
-STEPS_PER_EPOCH = 64 // (4 * 2 * 2)  # 64 samples, micro 4 x accumulation 2 x 2 processes
-EPOCHS = 3
-SAVE_EVERY = 3
+from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, command, comparable, env, kill_after_step, kill_tree,
+                       noisy_config, run_train, start, tiny_config, train_steps, write_yaml)
 
 
 @pytest.fixture(scope="module")
@@ -23,43 +20,6 @@ def demo_storage(tmp_path_factory):
     storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
     ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
     return storage
-
-
-def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -> dict:
-    """Random crops and flips (the demo's train processor), dropout and stochastic depth all on."""
-    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, accum=2, max_epoch=EPOCHS,
-                      save_freq_steps=SAVE_EVERY, **run)
-    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
-    cfg["model"].update(drop_path_rate=0.1, llm_config={"attention_dropout": 0.1},
-                        qformer={"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
-    return cfg
-
-
-def start(cfg_path: Path) -> subprocess.Popen:
-    return subprocess.Popen(command(cfg_path), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def kill_after_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
-    """SIGKILL the whole process group as soon as ``step`` is in metrics.jsonl."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").is_file() and len(_complete_steps(out)) >= step:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
-    kill_tree(proc.pid)
-    proc.wait()
-
-
-def _complete_steps(out: Path) -> list[str]:
-    """Training lines written so far (the file may end in a half-written line)."""
-    lines = (out / "metrics.jsonl").read_text().split("\n")[:-1]
-    return [line for line in lines if '"split"' not in line]
-
-
-def comparable(steps: list[dict]) -> list[tuple]:
-    return [(m["step"], m["epoch"], m["loss"], m["lr"], m["grad_norm"]) for m in steps]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -1,0 +1,148 @@
+"""runner_fsdp (PyTorch FSDP2) on 2 processes: the same steps as DeepSpeed, exact resumption, resharding,
+generation under sharding, and clear answers for what it does not do."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+
+import pytest
+
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, command, comparable, env, kill_after_step,
+                       metrics, noisy_config, run_train, start, tiny_config, train_steps, write_yaml)
+
+SAME_STEPS = 20  # 160 samples, micro 4 x 2 processes
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=160, num_val=16, num_test=8))
+    return storage
+
+
+def _config(out, demo_storage, runner, stage=2, dtype="fp32", **run):
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, runner=runner, **run)
+    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 8 * SAME_STEPS
+    return cfg
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(tmp_path_factory, demo_storage):
+    """The same fp32 run on runner_fsdp, ZeRO-2 and ZeRO-3 (each tested several ways below)."""
+    root = tmp_path_factory.mktemp("same")
+    runs = {}
+    for name, runner, stage in (("fsdp", "runner_fsdp", 3), ("zero2", "runner_deepspeed", 2),
+                                ("zero3", "runner_deepspeed", 3)):
+        out = root / name
+        cfg = write_yaml(root / f"{name}.yaml", _config(out, demo_storage, runner, stage, test_splits=["test"]))
+        runs[name] = (out, run_train(cfg))
+    return runs
+
+
+@pytest.mark.parametrize("deepspeed", ["zero2", "zero3"])
+def test_fsdp_takes_the_steps_deepspeed_takes_in_fp32(fp32_runs, deepspeed):
+    fsdp, reference = train_steps(fp32_runs["fsdp"][0]), train_steps(fp32_runs[deepspeed][0])
+    assert len(fsdp) == len(reference) == SAME_STEPS
+    for mine, theirs in zip(fsdp, reference):
+        assert mine["lr"] == theirs["lr"]
+        assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
+        assert _relative(mine["grad_norm"], theirs["grad_norm"]) < 1e-5, (mine, theirs)
+    assert fsdp[-1]["loss"] < 0.8 * fsdp[0]["loss"]
+
+
+def test_fsdp_generates_under_sharding_what_deepspeed_generates(fp32_runs):
+    """Greedy answers on the test split, each rank a shard of it, every rank stepping until all are done."""
+    def test_line(out):
+        return next(m for m in metrics(out) if m.get("split") == "test")
+
+    fsdp, zero3 = test_line(fp32_runs["fsdp"][0]), test_line(fp32_runs["zero3"][0])
+    assert fsdp["exact_match"] == zero3["exact_match"]
+    assert [s["generated"] for s in fsdp["samples"]] == [s["generated"] for s in zero3["samples"]]
+
+
+def test_fsdp_checkpoint_is_a_lean_dcp_folder_with_the_protocol(fp32_runs):
+    out, proc = fp32_runs["fsdp"]
+    tag_dir = out / "checkpoints" / f"step_{SAME_STEPS}"
+    marker = json.loads((tag_dir / "lavis_ds_complete.json").read_text())
+    assert marker["runner"] == "runner_fsdp" and marker["format"] == "torch.distributed.checkpoint"
+    assert {"world_size": 2, "global_batch": 8}.items() <= marker.items()
+    files = {p.name for p in tag_dir.iterdir()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "client_state.pt", "rng_state_rank0.pt",
+            "rng_state_rank1.pt", "lavis_ds_complete.json"} <= files
+    assert "run.deepspeed_config: runner_fsdp reads its batch, clipping, precision and AdamW settings only; " \
+           "not used: zero_optimization" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fsdp_killed_run_continues_bit_for_bit(tmp_path, dtype):
+    storage = tmp_path / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
+    reference_out, killed_out = tmp_path / "reference", tmp_path / "killed"
+    reference = write_yaml(tmp_path / "reference.yaml",
+                           noisy_config(reference_out, storage, 3, dtype, runner="runner_fsdp"))
+    killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, storage, 3, dtype, runner="runner_fsdp"))
+    total = STEPS_PER_EPOCH * EPOCHS
+    kill_step = random.randint(SAVE_EVERY + 1, total - 2)
+    with open(tmp_path / "reference.log", "w") as log:
+        reference_proc = subprocess.Popen(command(reference), cwd=REPO, env=env(), stdout=log, stderr=log)
+        kill_after_step(start(killed), killed_out, kill_step)
+        rerun = run_train(killed)
+        assert reference_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+    expected = comparable(train_steps(reference_out))
+    assert len(expected) == total
+    assert "resumed from" in rerun.stdout, f"kill after step {kill_step}: no resume\n{rerun.stdout[-2000:]}"
+    assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
+
+
+def test_fsdp_resumes_on_one_process_what_two_saved(tmp_path, demo_storage):
+    """DCP reshards the 2-process checkpoint for 1 process; the global batch is kept (accumulation doubles)."""
+    out = tmp_path / "run"
+    cfg = write_yaml(tmp_path / "run.yaml", _config(out, demo_storage, "runner_fsdp", max_epoch=2))
+    reference_out = tmp_path / "reference"
+    reference = write_yaml(tmp_path / "reference.yaml",
+                           _config(reference_out, demo_storage, "runner_fsdp", max_epoch=2))
+    run_train(reference)
+    run_train(cfg, options=("run.max_epoch=1",))  # stops after epoch 0, its checkpoint saved by 2 processes
+    rerun = run_train(cfg, nproc=0)
+    assert f"resumed from {out / 'checkpoints' / f'step_{SAME_STEPS}'}" in rerun.stdout
+    resumed, expected = train_steps(out)[SAME_STEPS:], train_steps(reference_out)[SAME_STEPS:]
+    assert [m["step"] for m in resumed] == [m["step"] for m in expected] == list(range(SAME_STEPS + 1, 2 * SAME_STEPS + 1))
+    for mine, theirs in zip(resumed, expected):
+        # Reductions over 1 process add in another order than over 2: equal up to rounding, not bit for bit.
+        assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
+
+
+def test_bf16_mixed_fsdp_stays_close_to_deepspeed_bf16(tmp_path, demo_storage):
+    runs = {}
+    for name, runner in (("fsdp", "runner_fsdp"), ("zero2", "runner_deepspeed")):
+        out = tmp_path / name
+        run_train(write_yaml(tmp_path / f"{name}.yaml", _config(out, demo_storage, runner, dtype="bf16")))
+        runs[name] = [m["loss"] for m in train_steps(out)]
+    assert all(math.isfinite(x) for x in runs["fsdp"])
+    worst = max(_relative(a, b) for a, b in zip(runs["fsdp"], runs["zero2"]))
+    # Both compute in bf16 from fp32 master weights; they round in different places (DeepSpeed holds bf16
+    # weights and casts once per step, FSDP casts at every all-gather). Measured: see docs/benchmarks.md.
+    assert worst < 0.05, (worst, runs)
+
+
+def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, demo_storage):
+    bad = write_yaml(tmp_path / "bad.yaml", _config(tmp_path / "bad", demo_storage, "runner_fsdp", dtype="fp16",
+                                                    fsdp={"precision_mod": "low"}))
+    proc = run_train(bad, nproc=0, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "run.precision: fp16 is not supported by runner_fsdp" in proc.stderr
+    assert "run.fsdp.precision_mod: unknown key; did you mean 'precision_mode'?" in proc.stderr
+
+    out = tmp_path / "deepspeed"
+    run_train(write_yaml(tmp_path / "ds.yaml", _config(out, demo_storage, "runner_deepspeed")), nproc=0)
+    proc = run_train(write_yaml(tmp_path / "switch.yaml", _config(out, demo_storage, "runner_fsdp", max_epoch=2)),
+                     nproc=0, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "was written by runner_deepspeed; runner_fsdp resumes its own checkpoints only" in proc.stderr
