@@ -68,7 +68,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         raise ExportError(f"{path} does not exist")
     if ckpt.is_complete(path):
         return path
-    if _is_deepspeed_folder(path):
+    if _is_checkpoint_folder(path):
         newest = ckpt.latest_complete(path.parent)
         hint = f"; the newest complete checkpoint beside it is {newest}" if newest else ""
         raise ExportError(f"{path} is an incomplete checkpoint: it has no {ckpt.COMPLETE_MARKER}, so not every "
@@ -78,29 +78,31 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         if newest is not None:
             return newest
     incomplete = sorted(str(p) for folder in (path / "checkpoints", path) if folder.is_dir()
-                        for p in folder.iterdir() if p.is_dir() and _is_deepspeed_folder(p))
+                        for p in folder.iterdir() if p.is_dir() and _is_checkpoint_folder(p))
     found = f" (only incomplete checkpoints: {', '.join(incomplete)})" if incomplete else ""
     raise ExportError(f"{path} is not a lavis_ds checkpoint{found}: give a checkpoint folder "
                       f"<output_dir>/checkpoints/step_<N> holding {ckpt.COMPLETE_MARKER}, or a run's output_dir "
                       f"(its newest complete checkpoint is exported)")
 
 
-def _is_deepspeed_folder(path: Path) -> bool:
-    return path.is_dir() and any(path.glob("*model_states.pt"))
+def _is_checkpoint_folder(path: Path) -> bool:
+    return path.is_dir() and ckpt.looks_like_checkpoint(path)
 
 
 # ----------------------------------------------------------------------------- reading the trained weights
 def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(trained fp32 weights by parameter name, info)`` of a complete checkpoint folder.
 
-    ``info`` has the run ``config`` (DictConfig), ``zero_stage``, ``dtype`` (the engine's:
-    fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
+    ``info`` has the run ``config`` (DictConfig), ``runner``, ``zero_stage`` (DeepSpeed's; None under FSDP),
+    ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
     """
+    marker = ckpt.read_marker(tag_dir)
+    if marker.get("runner") == "runner_fsdp":
+        return _read_fsdp_checkpoint(tag_dir, marker)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # Every file whole before DeepSpeed's consolidation reads them: an error names the file, not only
     # "PytorchStreamReader failed". Rank 0's model states carry the client state.
-    ckpt.read_marker(tag_dir)
     for path in sorted(tag_dir.glob("*.pt")):
         ckpt.load_file(path, mmap=True)
     states = ckpt.load_file(ckpt.model_states_file(tag_dir))
@@ -116,7 +118,7 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
         if any((ds_config.get(key) or {}).get("enabled") for key in keys):
             dtype = name
     train_state = client.get("train_state", {})
-    info = {"config": cfg, "zero_stage": stage, "dtype": dtype, "world_size": client.get("world_size"),
+    info = {"config": cfg, "zero_stage": stage, "runner": "runner_deepspeed", "dtype": dtype, "world_size": client.get("world_size"),
             "global_step": train_state.get("global_step"), "epoch": train_state.get("epoch")}
 
     if stage == 0:
@@ -127,6 +129,18 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
                                                       exclude_frozen_parameters=True)
     names = [name for group in states["param_shapes"] for name in group]
     return {name: merged[name] for name in names}, info
+
+
+def _read_fsdp_checkpoint(tag_dir: Path, marker: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from lavis_ds.runners.fsdp_runner import read_trained_weights
+
+    weights, client_state = read_trained_weights(tag_dir)
+    client = client_state.get("lavis_ds") or {}
+    train_state = client.get("train_state", {})
+    info = {"config": OmegaConf.create(client["config"]), "zero_stage": None, "runner": "runner_fsdp",
+            "dtype": marker.get("precision", "fp32"), "world_size": client.get("world_size"),
+            "global_step": train_state.get("global_step"), "epoch": train_state.get("epoch")}
+    return weights, info
 
 
 class _SavedParameters:
@@ -308,7 +322,8 @@ def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, i
         "seed": int(cfg.run.seed),
         "datasets": datasets,
         "export": {"source": str(tag_dir.resolve()), "global_step": info["global_step"], "epoch": info["epoch"],
-                   "zero_stage": info["zero_stage"], "dtype": info["dtype"], "merged_llm": merged},
+                   "runner": info["runner"], "zero_stage": info["zero_stage"], "dtype": info["dtype"],
+                   "merged_llm": merged},
     }
     header = ("# A lavis_ds export. load_exported() rebuilds model: (seeded with `seed`) and loads model.safetensors.\n"
               "# model.tokenizer (and model.llm_model with merged_llm) are relative to this folder; other paths\n"
@@ -438,5 +453,6 @@ def main(argv: list[str] | None = None) -> int:
         report(str(e))
         return e.exit_code
     export = read_export_config(out).export
-    print(f"exported {export.source} (step {export.global_step}, ZeRO-{export.zero_stage}, {export.dtype}) -> {out}")
+    engine = "FSDP2" if export.get("runner") == "runner_fsdp" else f"ZeRO-{export.zero_stage}"
+    print(f"exported {export.source} (step {export.global_step}, {engine}, {export.dtype}) -> {out}")
     return 0

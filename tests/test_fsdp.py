@@ -80,6 +80,25 @@ def test_fsdp_checkpoint_is_a_lean_dcp_folder_with_the_protocol(fp32_runs):
            "not used: zero_optimization" in proc.stderr + proc.stdout
 
 
+def test_export_reads_an_fsdp_checkpoint_as_it_reads_a_deepspeed_one(fp32_runs, tmp_path):
+    """The same run exported from FSDP2 and from ZeRO-3: the same trained tensors (to the runs' agreement)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lavis_ds.export import WEIGHTS_FILE, export_checkpoint, load_exported
+
+    exported = {name: export_checkpoint(fp32_runs[name][0], tmp_path / name) for name in ("fsdp", "zero3")}
+    fsdp, zero3 = (load_file(str(exported[name] / WEIGHTS_FILE)) for name in ("fsdp", "zero3"))
+    assert fsdp.keys() == zero3.keys() and len(fsdp) > 10
+    for name in fsdp:
+        # atol: an attention key bias has a zero gradient in exact arithmetic (softmax ignores a constant
+        # per query), so Adam turns rounding noise into steps of lr size there: such biases agree only to
+        # ~1e-4 between any two engines. Everything else agrees to ~1e-6.
+        torch.testing.assert_close(fsdp[name], zero3[name], rtol=1e-4, atol=2e-4)
+    model = load_exported(exported["fsdp"])
+    assert not any(hasattr(p, "device_mesh") for p in model.parameters())  # plain tensors, no DTensor left
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fsdp_killed_run_continues_bit_for_bit(tmp_path, dtype):
     storage = tmp_path / "demo_shapes"
@@ -103,19 +122,25 @@ def test_fsdp_killed_run_continues_bit_for_bit(tmp_path, dtype):
 
 def test_fsdp_resumes_on_one_process_what_two_saved(tmp_path, demo_storage):
     """DCP reshards the 2-process checkpoint for 1 process; the global batch is kept (accumulation doubles)."""
-    out = tmp_path / "run"
-    cfg = write_yaml(tmp_path / "run.yaml", _config(out, demo_storage, "runner_fsdp", max_epoch=2))
-    reference_out = tmp_path / "reference"
-    reference = write_yaml(tmp_path / "reference.yaml",
-                           _config(reference_out, demo_storage, "runner_fsdp", max_epoch=2))
-    run_train(reference)
-    run_train(cfg, options=("run.max_epoch=1",))  # stops after epoch 0, its checkpoint saved by 2 processes
-    rerun = run_train(cfg, nproc=0)
-    assert f"resumed from {out / 'checkpoints' / f'step_{SAME_STEPS}'}" in rerun.stdout
-    resumed, expected = train_steps(out)[SAME_STEPS:], train_steps(reference_out)[SAME_STEPS:]
-    assert [m["step"] for m in resumed] == [m["step"] for m in expected] == list(range(SAME_STEPS + 1, 2 * SAME_STEPS + 1))
+    import shutil
+
+    def config(out):  # dropout off: its masks are drawn per rank, which a change of world size changes
+        cfg = _config(out, demo_storage, "runner_fsdp", max_epoch=2)
+        cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        return cfg
+
+    reference_out, out = tmp_path / "reference", tmp_path / "continued"
+    run_train(write_yaml(tmp_path / "reference.yaml", config(reference_out)))
+    saved = f"checkpoints/step_{SAME_STEPS}"  # the end of epoch 0, saved by 2 processes
+    shutil.copytree(reference_out / saved, out / saved)
+    rerun = run_train(write_yaml(tmp_path / "continued.yaml", config(out)), nproc=0)
+    assert f"resumed from {out / saved}" in rerun.stdout
+    resumed, expected = train_steps(out), train_steps(reference_out)[SAME_STEPS:]
+    assert [m["step"] for m in resumed] == [m["step"] for m in expected] == list(range(SAME_STEPS + 1,
+                                                                                          2 * SAME_STEPS + 1))
     for mine, theirs in zip(resumed, expected):
         # Reductions over 1 process add in another order than over 2: equal up to rounding, not bit for bit.
+        assert mine["lr"] == theirs["lr"]
         assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
 
 
@@ -127,9 +152,10 @@ def test_bf16_mixed_fsdp_stays_close_to_deepspeed_bf16(tmp_path, demo_storage):
         runs[name] = [m["loss"] for m in train_steps(out)]
     assert all(math.isfinite(x) for x in runs["fsdp"])
     worst = max(_relative(a, b) for a, b in zip(runs["fsdp"], runs["zero2"]))
-    # Both compute in bf16 from fp32 master weights; they round in different places (DeepSpeed holds bf16
-    # weights and casts once per step, FSDP casts at every all-gather). Measured: see docs/benchmarks.md.
-    assert worst < 0.05, (worst, runs)
+    # Both compute in bf16 from fp32 master weights but round in different places (DeepSpeed keeps bf16
+    # weights beside its fp32 masters, FSDP casts at each all-gather). Measured over these 20 steps: 0.8%
+    # at worst (docs/benchmarks.md); the bound leaves room for other seeds and CPUs.
+    assert worst < 0.02, (worst, runs)
 
 
 def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, demo_storage):

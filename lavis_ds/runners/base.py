@@ -362,7 +362,7 @@ class RunnerBase:
         newest = ckpt.latest_complete(path.parent) if path.parent.is_dir() else None
         if not path.exists():
             state = "does not exist"
-        elif any(path.glob("*model_states.pt")):
+        elif ckpt.looks_like_checkpoint(path):
             state = f"is an incomplete checkpoint (no {ckpt.COMPLETE_MARKER}: a save that did not finish)"
         else:
             state = "is not a checkpoint folder"

@@ -172,6 +172,12 @@ def set_aside(tag_dir: Path) -> Path:
     return target
 
 
+def looks_like_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds an engine's checkpoint files (DeepSpeed's model states or a DCP index),
+    complete or not."""
+    return any(Path(folder).glob("*model_states.pt")) or (Path(folder) / ".metadata").is_file()
+
+
 def model_states_file(tag_dir: Path) -> Path:
     """The DeepSpeed file holding the module state dict (ZeRO-3 names it per data-parallel rank)."""
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):

@@ -220,5 +220,21 @@ def _saved_shapes(tag_dir: Path) -> dict[str, tuple]:
             if key.startswith("model.") and hasattr(entry, "size")}
 
 
+def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(trained weights by parameter name, in fp32; the client state)`` of a complete runner_fsdp checkpoint,
+    read in one process whatever number of processes saved it (for export)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt.read_marker(tag_dir)
+    _saved_shapes(tag_dir)  # every file there and whole, or DamagedCheckpoint naming it
+    metadata = FileSystemReader(str(tag_dir)).read_metadata()
+    model = {key[len("model."):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
+    state = {"model": model}
+    dcp.load(state, checkpoint_id=str(tag_dir))
+    return {name: tensor.float() for name, tensor in state["model"].items()}, ckpt.load_file(tag_dir / CLIENT_STATE)
+
+
 # A short name, as `runner_deepspeed` has `deepspeed_runner`.
 registry.register_runner_alias("fsdp_runner", "runner_fsdp")
