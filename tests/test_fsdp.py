@@ -166,9 +166,39 @@ def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, dem
     assert "run.precision: fp16 is not supported by runner_fsdp" in proc.stderr
     assert "run.fsdp.precision_mod: unknown key; did you mean 'precision_mode'?" in proc.stderr
 
-    out = tmp_path / "deepspeed"
-    run_train(write_yaml(tmp_path / "ds.yaml", _config(out, demo_storage, "runner_deepspeed")), nproc=0)
-    proc = run_train(write_yaml(tmp_path / "switch.yaml", _config(out, demo_storage, "runner_fsdp", max_epoch=2)),
-                     nproc=0, check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "was written by runner_deepspeed; runner_fsdp resumes its own checkpoints only" in proc.stderr
+    # Engines: a ZeRO-0 checkpoint has no per-parameter moments to carry over; FSDP -> DeepSpeed is not built.
+    for writer, reader, stage, message in (
+            ("runner_deepspeed", "runner_fsdp", 0, "was saved by runner_deepspeed with ZeRO stage 0 (no per-parameter "
+                                                   "optimizer states to carry over)"),
+            ("runner_fsdp", "runner_deepspeed", 2, "was written by runner_fsdp; runner_deepspeed cannot resume it yet")):
+        out = tmp_path / writer
+        run_train(write_yaml(tmp_path / f"{writer}.yaml", _config(out, demo_storage, writer, stage)), nproc=0)
+        proc = run_train(write_yaml(tmp_path / f"{reader}.yaml", _config(out, demo_storage, reader, stage,
+                                                                          max_epoch=2)), nproc=0, check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert message in proc.stderr and "run.resume=false" in proc.stderr
+        assert (out / "checkpoints" / f"step_{SAME_STEPS * 2}").is_dir()  # refused, not set aside as damaged
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_deepspeed_run_continues_under_fsdp(tmp_path, demo_storage, dtype):
+    """Checkpointed by runner_deepspeed (ZeRO-2) after epoch 0, continued by runner_fsdp: the fp32 weights and
+    Adam moments carry over, and the next steps' losses are the uninterrupted DeepSpeed run's."""
+    import shutil
+
+    reference_out, out = tmp_path / "deepspeed", tmp_path / "switched"
+    run_train(write_yaml(tmp_path / "deepspeed.yaml",
+                         _config(reference_out, demo_storage, "runner_deepspeed", dtype=dtype, max_epoch=2)))
+    saved = f"checkpoints/step_{SAME_STEPS}"
+    shutil.copytree(reference_out / saved, out / saved)
+    proc = run_train(write_yaml(tmp_path / "switched.yaml",
+                                _config(out, demo_storage, "runner_fsdp", dtype=dtype, max_epoch=2)))
+    assert f"resumed runner_deepspeed's checkpoint {out / saved} under runner_fsdp" in proc.stdout
+    continued, expected = train_steps(out), train_steps(reference_out)[SAME_STEPS:]
+    assert [m["step"] for m in continued] == [m["step"] for m in expected]
+    # fp32: the same arithmetic up to summation order; bf16: the engines round differently (see above).
+    tolerance = 1e-5 if dtype == "fp32" else 0.02
+    for mine, theirs in zip(continued, expected):
+        assert mine["lr"] == theirs["lr"]
+        assert _relative(mine["loss"], theirs["loss"]) < tolerance, (mine, theirs)
+    assert not any((out / "checkpoints" / "universal").iterdir())  # the conversion was scratch

@@ -178,7 +178,12 @@ class DeepSpeedRunner(RunnerBase):
                                     exclude_frozen_parameters=True)
 
     def check_checkpoint(self, tag_dir, same_world):
-        ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
+        writer = ckpt.read_marker(tag_dir).get("runner", "runner_deepspeed")  # whole, or DamagedCheckpoint
+        if writer != "runner_deepspeed":
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was written by {writer}; runner_deepspeed cannot resume it yet (runner_fsdp resumes "
+                f"DeepSpeed checkpoints, not the other way round): resume with run.runner: {writer}, or start "
+                f"afresh (--options run.resume=false, or another run.output_dir)")
         stage = self.layout["zero_stage"]
         files = ckpt.files_of_rank(tag_dir, self.rank, same_world)
         # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.

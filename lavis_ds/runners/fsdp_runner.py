@@ -161,6 +161,8 @@ class FSDPRunner(RunnerBase):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         tag_dir = Path(load_dir) / tag
+        if _written_by(tag_dir) == "runner_deepspeed":
+            return self._load_deepspeed(tag_dir)
         state = self._state()  # the shapes and shards to read into (DCP reshards to them)
         dcp.load(state, checkpoint_id=str(tag_dir))
         # Frozen weights are not in the checkpoint: they come from where the model loaded them.
@@ -168,14 +170,47 @@ class FSDPRunner(RunnerBase):
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
         return ckpt.load_file(tag_dir / CLIENT_STATE)
 
+    def _load_deepspeed(self, tag_dir: Path) -> dict:
+        """Continue a runner_deepspeed run: its fp32 weights and Adam moments, parameter by parameter.
+
+        DeepSpeed's universal checkpoint form (made by rank 0, removed after the load) holds every
+        trainable parameter's fp32 master, exp_avg and exp_avg_sq whole; each rank keeps its shard.
+        """
+        import torch.distributed as torch_dist
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_state_dict)
+
+        universal = ckpt.universal_copy(tag_dir, self.checkpoint_dir / "universal", self.rank) / tag_dir.name
+        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # by parameter name
+        weights, moments = {}, {}
+        for group in groups:
+            for name in group["params"]:
+                saved = {key: torch.load(universal / "zero" / name / f"{key}.pt", map_location="cpu",
+                                         weights_only=False)
+                         for key in ("fp32", "exp_avg", "exp_avg_sq", "step")}
+                weights[name] = saved["fp32"]["param"]
+                moments[name] = {"step": torch.tensor(float(saved["step"])), "exp_avg": saved["exp_avg"]["param"],
+                                 "exp_avg_sq": saved["exp_avg_sq"]["param"]}
+        set_state_dict(self.model, self.optimizer, model_state_dict=weights,
+                       optim_state_dict={"state": moments, "param_groups": groups},
+                       options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        if self.rank == 0:
+            ckpt.remove_universal_copy(universal)
+            print(f"resumed runner_deepspeed's checkpoint {tag_dir} under runner_fsdp (fp32 weights and AdamW "
+                  f"moments carried over parameter by parameter)", flush=True)
+        return ckpt.load_file(ckpt.model_states_file(tag_dir))
+
     def check_checkpoint(self, tag_dir, same_world):
         marker = ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
-        writer = marker.get("runner", "runner_deepspeed")
+        writer = _written_by(tag_dir)
+        if writer == "runner_deepspeed":
+            self._check_deepspeed(tag_dir)
+            return
         if writer != "runner_fsdp":
-            raise ckpt.CheckpointError(
-                f"{tag_dir} was written by {writer}; runner_fsdp resumes its own checkpoints only (switching "
-                f"engines within a run is not supported yet): resume with run.runner: {writer}, or start afresh "
-                f"(--options run.resume=false, or another run.output_dir)")
+            raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which runner_fsdp cannot resume: resume "
+                                       f"with run.runner: {writer}, or start afresh (--options run.resume=false)")
         saved = _saved_shapes(tag_dir)
         ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
         if same_world:
@@ -189,9 +224,33 @@ class FSDPRunner(RunnerBase):
                 f"for {self.options_mode()}; its parameters and optimizer states are kept in another dtype. Resume "
                 f"with the mode it was saved with, or start afresh (--options run.resume=false)")
 
+    def _check_deepspeed(self, tag_dir: Path) -> None:
+        """What a switch from runner_deepspeed carries over exactly: fp32 masters and Adam moments (ZeRO 1-3,
+        fp32 or bf16). fp16's loss-scaler state has no FSDP twin; ZeRO-0 keeps no per-parameter moments."""
+        states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)
+        ds = states.get("ds_config") or {}
+        stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+        if stage == 0 or (ds.get("fp16") or {}).get("enabled", False):
+            why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
+                   "fp16 (its loss-scaler state has no runner_fsdp counterpart)")
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was saved by runner_deepspeed with {why}; runner_fsdp continues DeepSpeed checkpoints "
+                f"of ZeRO stages 1-3 in fp32 or bf16. Resume with run.runner: runner_deepspeed, or start afresh "
+                f"(--options run.resume=false)")
+        if self.rank == 0:  # rank 0 converts every partition
+            ckpt.check_files(ckpt.files_of_rank(tag_dir, 0, same_world=False), stage)
+        problems = ckpt.trainable_problems(tag_dir, ckpt.saved_trainable(states), self.model)
+        if problems:
+            raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
+
     def options_mode(self) -> str:
         """run.fsdp.precision_mode (readable before wrap: checkpoints are checked first)."""
         return (self.run.get("fsdp") or {}).get("precision_mode", "mixed")
+
+
+def _written_by(tag_dir: Path) -> str:
+    """The runner a complete checkpoint's marker names (markers older than the field: DeepSpeed's)."""
+    return ckpt.read_marker(tag_dir).get("runner", "runner_deepspeed")
 
 
 def _adam_settings(run: dict) -> dict:
