@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     dist.set_single_process_defaults()
     show_known_warnings_once()
     configure_build_environment()  # before anything compiles: one ops folder and one ninja per environment
-    from lavis_ds.common.config import ConfigError
+    from lavis_ds.config import ConfigError
     from lavis_ds.common.errors import LavisDsError, message_of, report
 
     try:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 def train(args: argparse.Namespace) -> int:
     import lavis_ds  # noqa: F401  (fills the registries)
     from lavis_ds.build import build_runner
-    from lavis_ds.common.config import load_config
+    from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
     from lavis_ds.runners import faults
 

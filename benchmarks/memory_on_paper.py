@@ -74,7 +74,7 @@ class Counts:
 
 
 def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
-    from lavis_ds.common.config import load_config
+    from lavis_ds.config import load_config
     from lavis_ds.models import Blip2Qwen
 
     cfg = load_config(yaml_path, world_size=gpus, check_files=False)

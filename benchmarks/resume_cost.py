@@ -287,7 +287,7 @@ class ReplayControl:
 
         import lavis_ds  # noqa: F401  (fills the registries)
         from lavis_ds.build import build_datasets
-        from lavis_ds.common.config import load_config
+        from lavis_ds.config import load_config
         from lavis_ds.common.seeding import SeededDataset
         from lavis_ds.datasets.samplers import StepBatchSampler
 

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_runner(args: argparse.Namespace, output_dir: str):
     """The DeepSpeedRunner of the YAML, its hooks set up as `train()` would, no resume."""
     from lavis_ds.build import build_datasets, build_model
-    from lavis_ds.common.config import load_config
+    from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
 
     options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0",

@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.export import ExportError, load_exported, read_export_config
 
 # Annotation formats --data reads: the builders whose parser reads one JSON file.
@@ -66,13 +67,11 @@ def as_trained(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any],
 
     A model whose parameters are all bf16 (or fp16) gets float inputs in that dtype and
     runs under autocast (as the runner feeds its engine); any other model gets the batch
-    on its device and no autocast.
+    on its device (fp32 inputs stay fp32) and no autocast.
     """
-    half = cast_dtype(model)
+    dtype = cast_dtype(model) or torch.float32
     device = next(model.parameters()).device
-    batch = {k: (v.to(device, half if half and v.is_floating_point() else None) if torch.is_tensor(v) else v)
-             for k, v in batch.items()}
-    return batch, torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None)
+    return to_compute(batch, device, dtype), autocast(device, dtype)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import lavis_ds  # noqa: F401
-from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.config import ConfigError, load_config
 from lavis_ds.common.registry import Registry, registry
 from lavis_ds.common.schema import fields_of
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import lavis_ds  # noqa: F401
-from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.config import ConfigError, load_config
 from run_utils import REPO, run_train, write_yaml
 
 PROJECT_YAMLS = sorted((REPO / "projects").rglob("*.yaml"))

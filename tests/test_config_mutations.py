@@ -9,7 +9,7 @@ import re
 import pytest
 
 import lavis_ds  # noqa: F401
-from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.config import ConfigError, load_config
 from run_utils import write_yaml
 
 DS = "run.deepspeed_config"

@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.config import ConfigError, load_config
 from lavis_ds.datasets import (
     IMAGE_PLACEHOLDER,
     BadRecordsError,

@@ -11,7 +11,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.config import ConfigError, load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.hooks import BestCheckpoint, Validation

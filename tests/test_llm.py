@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from conftest import TINY_CORPUS
 from lavis_ds.build import build_model
-from lavis_ds.common.config import load_config
+from lavis_ds.config import load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm import TokenRowsEmbedding, TokenRowsHead, lora_target_names

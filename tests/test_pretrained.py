@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Blip2Config, Blip2ForConditionalGeneration
 
-from lavis_ds.common.config import ConfigError, load_config
+from lavis_ds.config import ConfigError, load_config
 from lavis_ds.models import Blip2Qwen, EvaViT
 from lavis_ds.models.pretrained import CheckpointError, load_eva_vit, read_checkpoint
 from run_utils import write_yaml

@@ -115,7 +115,7 @@ def test_checkpoint_holds_no_frozen_tensor_and_has_the_expected_size(tmp_path, d
     import torch
 
     from lavis_ds.build import build_model
-    from lavis_ds.common.config import load_config
+    from lavis_ds.config import load_config
 
     out = tmp_path / "lean"
     cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, max_epoch=1, save_freq_steps=0)

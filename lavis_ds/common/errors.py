@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Iterable
 
 
 class LavisDsError(Exception):
@@ -21,6 +22,15 @@ class InputError(LavisDsError):
     """Bad input - a file, a record, a checkpoint, a setting - that the user must change: exit code 2."""
 
     exit_code = 2
+
+
+class ConfigError(ValueError):
+    """Every problem found in a run config, one per line (raised by ``lavis_ds.config.load_config``)."""
+
+    def __init__(self, problems: Iterable[str], source: str = "config"):
+        self.problems = list(problems)
+        super().__init__(f"{len(self.problems)} problem(s) in {source}:\n" +
+                         "\n".join(f"  - {p}" for p in self.problems))
 
 
 # torch's DataLoader re-raises a worker's exception as ``type(msg)`` with the worker's

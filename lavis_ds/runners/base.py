@@ -23,7 +23,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 from lavis_ds.common import dist
 from lavis_ds.common.errors import LavisDsError, report
 from lavis_ds.common.registry import registry
-from lavis_ds.common.config import ConfigError
+from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
 from lavis_ds.datasets.mixing import mix_train_splits
@@ -195,17 +195,17 @@ class RunnerBase:
                 f"{latest or 'the start (no checkpoint yet)'}")
 
     def evaluate_only(self) -> None:
-        """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate, stop."""
+        """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""
         self.resume()
         self.call_hooks("before_train")
-        self.call_hooks("after_epoch", evaluate_only=True)
-        self.call_hooks("after_train")
-        self.close()
+        try:
+            self.call_hooks("evaluate")
+        finally:
+            self.close()
 
     def close(self) -> None:
-        if getattr(self, "writer", None) is not None:
-            self.writer.close()
-            self.writer = None
+        """The hooks release what they made (writer, progress bar); called once, however the run ends."""
+        self.call_hooks("close")
 
     def call_hooks(self, event: str, *args, **kwargs) -> None:
         for hook in self.hooks:

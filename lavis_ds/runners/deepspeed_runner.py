@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
+from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import build_deepspeed_config, deepspeed_problems, with_batch_layout
 from lavis_ds.runners import checkpoint as ckpt
@@ -119,14 +120,10 @@ class DeepSpeedRunner(RunnerBase):
         return self.engine.module
 
     def _to_engine(self, batch: dict) -> dict:
-        """Move tensors to the engine's device; float inputs take the engine's dtype."""
-        return {k: (v.to(self.engine.device, self.dtype if v.is_floating_point() else None)
-                    if torch.is_tensor(v) else v) for k, v in batch.items()}
+        return to_compute(batch, self.engine.device, self.dtype)  # bf16/fp16 engines hold a cast module
 
     def _autocast(self):
-        # bf16/fp16 engines hold a cast module; autocast keeps ops that mix in fp32 tensors consistent.
-        device_type = "cuda" if self.engine.device.type == "cuda" else "cpu"
-        return torch.autocast(device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        return autocast(self.engine.device, self.dtype)
 
     def forward(self, batch):
         with self._autocast():

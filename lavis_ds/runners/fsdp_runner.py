@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import DEEPSPEED_TWINS, training_settings
 from lavis_ds.common.schema import check_section, fields_of
@@ -95,13 +96,15 @@ class FSDPRunner(RunnerBase):
                 "precision": self.settings.precision, "precision_mode": self.options.precision_mode}
 
     # ------------------------------------------------------------------ steps
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
     def _to_device(self, batch: dict) -> dict:
-        """Float inputs take the compute dtype (as under DeepSpeed's bf16 engine)."""
-        return {k: (v.to(self.dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+        return to_compute(batch, self.device, self.dtype)  # as under DeepSpeed's bf16 engine
 
     def _autocast(self):
-        return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=self.dtype,
-                              enabled=self.dtype != torch.float32)
+        return autocast(self.device, self.dtype)
 
     def forward(self, batch):
         with self._autocast():

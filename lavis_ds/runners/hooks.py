@@ -1,8 +1,9 @@
 """What happens around the loop: logging, evaluation, checkpoints.
 
-Each hook reacts to before_train / after_step / after_epoch / after_save / after_train, and
-on_stop (a SIGTERM/SIGINT stops the run at a step boundary). Their order in `build_hooks`
-is their run order.
+Each hook reacts to before_train / after_step / after_epoch / after_save / after_train, to
+on_stop (a SIGTERM/SIGINT stops the run at a step boundary), to evaluate (`run.evaluate`:
+evaluate a checkpoint, no training) and to close (the run is over, however it ended: release
+what the hook made). Their order in `build_hooks` is their run order.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Hook:
 
     def after_step(self, runner, metrics: dict) -> None: ...
 
-    def after_epoch(self, runner, evaluate_only: bool = False) -> None: ...
+    def after_epoch(self, runner) -> None: ...
 
     def after_save(self, runner, tag_dir: Path) -> None: ...
 
@@ -35,31 +36,41 @@ class Hook:
 
     def on_stop(self, runner, signum: int) -> None: ...
 
+    def evaluate(self, runner) -> None: ...
+
+    def close(self, runner) -> None: ...
+
 
 def build_hooks(runner) -> list[Hook]:
-    validation = Validation()
+    logger = MetricsLogger()
+    validation = Validation(logger)
     return [
         # Logging first: a step's numbers are on disk before a checkpoint can be cut at that step.
-        MetricsLogger(),
+        logger,
         # Validation before the checkpoint of the same step, so that the checkpoint can be scored by it.
         validation,
         Checkpointer(),
         # Reacts to saves only: scores each checkpoint by run.best_metric and prunes to run.keep_last + the best.
         BestCheckpoint(validation),
         # Generation-based test metrics once, at the very end.
-        TestGeneration(),
+        TestGeneration(logger),
     ]
 
 
 class MetricsLogger(Hook):
-    """metrics.jsonl + TensorBoard on rank 0 every `run.log_freq` steps, and a progress bar with ETA."""
+    """metrics.jsonl + TensorBoard on rank 0 every `run.log_freq` steps, and a progress bar with ETA.
+
+    Owns the writer and the bar: other hooks write their records through ``log``.
+    """
+
+    def __init__(self) -> None:
+        self.writer, self.bar = None, None
 
     def before_train(self, runner) -> None:
-        runner.writer = None
         if runner.rank != 0:
             return
         resumed = runner.state.global_step if runner.state.global_step else None
-        runner.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
+        self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
         self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
                         dynamic_ncols=True, mininterval=1.0)
         self.last_time, self.last_step = time.perf_counter(), runner.state.global_step
@@ -75,23 +86,34 @@ class MetricsLogger(Hook):
         record = {"step": step, "epoch": runner.state.epoch, **metrics,
                   "samples_per_sec": (step - self.last_step) * runner.global_batch / max(now - self.last_time, 1e-9)}
         self.last_time, self.last_step = now, step
-        runner.writer.write(record)
+        self.writer.write(record)
         if record["loss"] is not None:  # None: a skipped step (non-finite loss)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
 
-    def after_train(self, runner) -> None:
-        if runner.rank == 0:
-            self.bar.close()  # the writer stays open for later hooks; the runner closes it
-
-    def on_stop(self, runner, signum: int) -> None:
-        self.after_train(runner)
-
-
-def _log(runner, record: dict) -> None:
-    if runner.rank == 0:
-        runner.writer.write({"step": runner.state.global_step, "epoch": runner.state.epoch, **record})
+    def log(self, runner, record: dict) -> None:
+        """An evaluation record, at the current step: to metrics.jsonl and TensorBoard, and one line on screen."""
+        if runner.rank != 0:
+            return
+        self.writer.write({"step": runner.state.global_step, "epoch": runner.state.epoch, **record})
         tqdm.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in record.items() if k != "samples"))
+
+    def after_train(self, runner) -> None:
+        self._close_bar()  # the writer stays open for the final tests
+
+    def on_stop(self, runner, signum: int) -> None:
+        self._close_bar()
+
+    def close(self, runner) -> None:
+        self._close_bar()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
@@ -134,7 +156,8 @@ class Validation(Hook):
     ``latest`` holds the newest results: ``{"step": N, "scores": {"val/loss": ..., "val/caption/CIDEr": ...}}``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, logger: MetricsLogger) -> None:
+        self.logger = logger
         self.latest: dict = {}
 
     def after_step(self, runner, metrics: dict) -> None:
@@ -143,7 +166,10 @@ class Validation(Hook):
         if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
             self.validate(runner)
 
-    def after_epoch(self, runner, evaluate_only: bool = False) -> None:
+    def after_epoch(self, runner) -> None:
+        self.validate(runner)
+
+    def evaluate(self, runner) -> None:
         self.validate(runner)
 
     def validate(self, runner) -> None:
@@ -157,7 +183,7 @@ class Validation(Hook):
             if any(metric_names(run, datasets[name], VALID) for name, per_split in runner.datasets.items()
                    if split in per_split):
                 record.update(score_split(runner, split, VALID)[0])
-            _log(runner, record)
+            self.logger.log(runner, record)
             scores.update({f"{split}/{k}": v for k, v in record.items() if isinstance(v, float)})
         self.latest = {"step": runner.state.global_step, "scores": scores}
 
@@ -171,9 +197,8 @@ class Checkpointer(Hook):
         if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
             runner.save()
 
-    def after_epoch(self, runner, evaluate_only: bool = False) -> None:
-        if not evaluate_only:
-            runner.save()
+    def after_epoch(self, runner) -> None:
+        runner.save()
 
     def on_stop(self, runner, signum: int) -> None:
         # SIGTERM is preemption: save where every rank stopped, unless that step is saved already.
@@ -227,11 +252,20 @@ class TestGeneration(Hook):
     """Generate answers for `run.test_splits`; log their metrics (`run.test_metrics` or the section's `metrics`),
     a few sample lines, and the predictions file."""
 
+    def __init__(self, logger: MetricsLogger) -> None:
+        self.logger = logger
+
     def after_train(self, runner) -> None:
+        self.test(runner)
+
+    def evaluate(self, runner) -> None:
+        self.test(runner)
+
+    def test(self, runner) -> None:
         for split in runner.run.test_splits:
             scores, results = score_split(runner, split, TEST)
             samples = results[: runner.run.num_log_samples]
-            _log(runner, {"split": split, **scores, "samples": samples})
+            self.logger.log(runner, {"split": split, **scores, "samples": samples})
             if runner.rank == 0:
                 for s in samples:
                     tqdm.write(f"  {s['image']}: expected {s['expected']!r}, generated {s['generated']!r}")

@@ -8,6 +8,9 @@ first (`lavis_compat`), a DeepSpeed section given as a JSON file is read and its
 whole and every problem is reported in one `ConfigError`, each with its key path:
 an unknown name (arch, model_type, builder, runner) is reported with the rest,
 which is checked against the closest known name.
+
+It lives beside the build step (``lavis_ds.build``), above ``common/``: checking a config asks the
+registered models, builders, metrics and runners about their own sections.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lavis_ds.common import deepspeed_section, dist, lavis_compat
 from lavis_ds.common import registry as reg
+from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.run_config import DEEPSPEED_TWINS, RunConfig, training_settings
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
@@ -34,14 +38,6 @@ logger = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
 
-
-class ConfigError(ValueError):
-    """Every problem found in a run config, one per line."""
-
-    def __init__(self, problems: Iterable[str], source: str = "config"):
-        self.problems = list(problems)
-        super().__init__(f"{len(self.problems)} problem(s) in {source}:\n" +
-                         "\n".join(f"  - {p}" for p in self.problems))
 
 
 def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_size: int = 1,
