@@ -67,6 +67,21 @@ def test_fsdp_generates_under_sharding_what_deepspeed_generates(fp32_runs):
     assert [s["generated"] for s in fsdp["samples"]] == [s["generated"] for s in zero3["samples"]]
 
 
+def test_evaluate_only_scores_a_checkpoint_and_trains_nothing(fp32_runs, tmp_path, demo_storage):
+    """`run.evaluate: true` with `run.resume` naming a checkpoint: validation and test lines at its step, nothing
+    trained or saved, and the test scores the training run logged for that checkpoint."""
+    trained = fp32_runs["fsdp"][0]
+    out = tmp_path / "evaluated"
+    run_train(write_yaml(tmp_path / "evaluate.yaml", _config(
+        out, demo_storage, "runner_fsdp", valid_splits=["val"], test_splits=["test"], evaluate=True,
+        resume=str(trained / "checkpoints" / f"step_{SAME_STEPS}"))))
+    lines = metrics(out)
+    assert [(m.get("split"), m["step"]) for m in lines] == [("val", SAME_STEPS), ("test", SAME_STEPS)]
+    logged = next(m for m in metrics(trained) if m.get("split") == "test")
+    assert lines[1]["exact_match"] == logged["exact_match"] and lines[1]["samples"] == logged["samples"]
+    assert not list(out.glob("checkpoints/step_*"))
+
+
 def test_fsdp_checkpoint_is_a_lean_dcp_folder_with_the_protocol(fp32_runs):
     out, proc = fp32_runs["fsdp"]
     tag_dir = out / "checkpoints" / f"step_{SAME_STEPS}"
