@@ -67,6 +67,33 @@ def test_fsdp_generates_under_sharding_what_deepspeed_generates(fp32_runs):
     assert [s["generated"] for s in fsdp["samples"]] == [s["generated"] for s in zero3["samples"]]
 
 
+def test_frozen_towers_lora_and_gradient_checkpointing_under_fsdp(tmp_path, demo_storage):
+    """The MiniGPT4Qwen split (frozen ViT and LLM) with LoRA on the LLM and both recomputation switches: the
+    same steps as DeepSpeed's, and a checkpoint that holds exactly the trainable parameters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lavis_ds.build import build_model
+    from lavis_ds.config import load_config
+
+    losses = {}
+    for runner in ("runner_fsdp", "runner_deepspeed"):
+        cfg = _config(tmp_path / runner, demo_storage, runner)
+        cfg["model"].update(freeze_vit=True, freeze_llm=True, get_lora=True, use_grad_checkpoint=True,
+                            llm_grad_checkpoint=True)
+        path = write_yaml(tmp_path / f"{runner}.yaml", cfg)
+        run_train(path)
+        losses[runner] = [m["loss"] for m in train_steps(tmp_path / runner)]
+    assert all(_relative(a, b) < 1e-5 for a, b in zip(losses["runner_fsdp"], losses["runner_deepspeed"])), losses
+    assert losses["runner_fsdp"][-1] < losses["runner_fsdp"][0]
+
+    model = build_model(load_config(path, world_size=2).model, seed=7)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in name for name in trainable) and not any(name.startswith("visual_encoder") for name in trainable)
+    metadata = FileSystemReader(str(tmp_path / "runner_fsdp" / "checkpoints" / f"step_{SAME_STEPS}")).read_metadata()
+    saved = {key.removeprefix("model.") for key in metadata.state_dict_metadata if key.startswith("model.")}
+    assert saved == trainable
+
+
 def test_evaluate_only_scores_a_checkpoint_and_trains_nothing(fp32_runs, tmp_path, demo_storage):
     """`run.evaluate: true` with `run.resume` naming a checkpoint: validation and test lines at its step, nothing
     trained or saved, and the test scores the training run logged for that checkpoint."""
