@@ -1,0 +1,64 @@
+"""A test engine: the shared loop on the bare model and torch's AdamW, in one process, no process group.
+
+It exists to show that `runners/base.py` needs no engine, and to test the loop and its hooks
+in-process, in seconds. Registered as `runner_plain_test`; name this module under `imports:`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lavis_ds.common.registry import registry
+from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.base import RunnerBase
+
+STATE_FILE = "plain.pt"
+
+
+@registry.register_runner("runner_plain_test")
+class PlainRunner(RunnerBase):
+    def wrap(self, model, param_groups):
+        return torch.optim.AdamW(param_groups, lr=self.run.init_lr)
+
+    def forward(self, batch):
+        return self.model(batch)
+
+    def forward_backward(self, micro_batches):
+        losses = []
+        for batch in micro_batches:
+            loss = self.forward(batch)["loss"]
+            (loss / len(micro_batches)).backward()
+            losses.append(loss.detach().double())
+        return torch.stack(losses)
+
+    def optimizer_step(self, apply=True):
+        norm = None
+        if apply:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf")))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm}
+
+    def generate(self, batch, **kwargs):
+        return self.model.generate(batch, **kwargs)
+
+    def checkpoint_layout(self):
+        return {"runner": "runner_plain_test"}
+
+    def save_checkpoint(self, tag, client_state):
+        tag_dir = self.checkpoint_dir / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        trainable = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+        torch.save({"model": trainable, "optimizer": self.optimizer.state_dict(), **client_state}, tag_dir / STATE_FILE)
+
+    def check_checkpoint(self, tag_dir, same_world):
+        ckpt.read_marker(tag_dir)
+        ckpt.load_file(Path(tag_dir) / STATE_FILE, mmap=True)
+
+    def load_checkpoint(self, load_dir, tag):
+        state = ckpt.load_file(Path(load_dir) / tag / STATE_FILE)
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        return state
