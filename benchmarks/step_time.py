@@ -1,6 +1,10 @@
-"""Optimizer-step time: lavis_ds's DeepSpeedRunner against a minimal hand-written DeepSpeed loop.
+"""Optimizer-step time: a lavis_ds runner against a minimal hand-written loop on the same engine.
 
     torchrun --nproc_per_node=2 benchmarks/step_time.py [--stage 2 --dtype fp32]
+    torchrun --nproc_per_node=2 benchmarks/step_time.py --runner runner_fsdp [--dtype bf16]
+
+With `--runner runner_fsdp` the raw loop is FSDP2 by hand: the same `fully_shard` units and
+mixed-precision policy, torch AdamW, `set_requires_gradient_sync` for accumulation, clipping.
 
 Both loops get the same model (the tiny BLIP2-Qwen of the demo YAML, built twice from
 the same seed), the same DeepSpeed config (`build_deepspeed_config` of that YAML, with
@@ -46,7 +50,8 @@ LOOPS = ("runner", "raw")  # the order within each pair of blocks
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg-path", default=str(REPO / "projects/demo/tiny_zero2.yaml"), help="run YAML")
-    parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage")
+    parser.add_argument("--runner", default="runner_deepspeed", choices=("runner_deepspeed", "runner_fsdp"))
+    parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (DeepSpeed)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="engine precision")
     parser.add_argument("--steps", type=int, default=200, help="timed optimizer steps per loop")
     parser.add_argument("--block", type=int, default=10, help="optimizer steps per block")
@@ -66,7 +71,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
 
-    options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0",
+    options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0", f"run.runner={args.runner}",
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
                "run.max_epoch=1000",
                f"run.deepspeed_config.zero_optimization.stage={args.stage}",
@@ -78,6 +83,42 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
     runner.module.train()  # as train() leaves it before its loop
     return runner
+
+
+def build_raw_fsdp_step(cfg) -> Callable[[list[dict]], None]:
+    """FSDP2 by hand: a second model from the same seed, the same units and policy, torch AdamW."""
+    import torch
+    from omegaconf import OmegaConf
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lavis_ds.build import build_model
+    from lavis_ds.common.run_config import training_settings
+
+    settings = training_settings(OmegaConf.to_container(cfg.run, resolve=True), dist.world_size())
+    dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else \
+        MixedPrecisionPolicy()
+    model = build_model(cfg.model, cfg.run.seed)
+    for block in model.repeated_blocks():
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.run.init_lr, weight_decay=cfg.run.weight_decay)
+    model.train()
+
+    def raw_step(micro_batches: list[dict]) -> None:
+        for i, batch in enumerate(micro_batches):
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            batch = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = model(batch)["loss"]
+            (loss / len(micro_batches)).backward()
+        if settings.grad_norm_clip:
+            torch.nn.utils.clip_grad_norm_(params, settings.grad_norm_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return raw_step
 
 
 def build_raw_step(cfg) -> Callable[[list[dict]], None]:
@@ -152,13 +193,11 @@ def main(argv=None) -> int:
     loader = iter(runner.train_loader)
     steps = [[next(loader) for _ in range(runner.accum)] for _ in range(min(args.distinct, runner.steps_per_epoch))]
 
-    loops = {"runner": runner.run_step, "raw": build_raw_step(runner.cfg)}
+    raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
+    loops = {"runner": runner.run_step, "raw": raw(runner.cfg)}
     per_step, block_means = interleave({name: loops[name] for name in LOOPS}, steps, args.warmup, args.block,
                                        args.steps // args.block)
-    for hook in runner.hooks:  # not call_hooks("after_train"): that would also run the test generation
-        if getattr(hook, "bar", None) is not None:
-            hook.bar.close()
-    runner.close()
+    runner.close()  # not call_hooks("after_train"): that would also run the test generation
     shutil.rmtree(output_dir, ignore_errors=True)
 
     summary = {name: _summary(per_step[name], block_means[name]) for name in LOOPS}
@@ -180,7 +219,8 @@ def _summary(per_step: list[float], block_means: list[float]) -> dict:
 
 def _report(args, runner, per_rank: list[dict]) -> None:
     ms = 1e3
-    print(f"\nstep time: ZeRO-{args.stage} {args.dtype}, {runner.world_size} processes, micro-batch "
+    engine = "FSDP2" if args.runner == "runner_fsdp" else f"ZeRO-{args.stage}"
+    print(f"\nstep time: {args.runner} ({engine}) {args.dtype}, {runner.world_size} processes, micro-batch "
           f"{runner.micro_batch} x accumulation {runner.accum} (global batch {runner.global_batch}); "
           f"{args.warmup} warm-up steps, then {args.steps} timed steps per loop in alternating blocks of "
           f"{args.block}; data loading excluded")
