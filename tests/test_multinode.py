@@ -1,0 +1,74 @@
+"""Two nodes, simulated on this machine: two `torchrun --nnodes=2 --nproc_per_node=1` launches meeting at a c10d
+rendezvous on 127.0.0.1. They train, get killed together, resume bit for bit; the checkpoint also resumes on
+one node."""
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, TRAIN, comparable, env, free_port, kill_after_step,
+                       kill_tree, noisy_config, run_train, train_steps, write_yaml)
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
+    return storage
+
+
+def two_nodes(cfg_path, log) -> list[subprocess.Popen]:
+    """Node 0 and node 1 of one job, each a torchrun with one process, as on two machines."""
+    endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", str(TRAIN), "--cfg-path",
+         str(cfg_path)], cwd=REPO, env=env(), stdout=log, stderr=log, start_new_session=True) for node in (0, 1)]
+
+
+def wait_all(nodes, log_path) -> None:
+    codes = [node.wait(timeout=600) for node in nodes]
+    assert codes == [0, 0], log_path.read_text()[-5000:]
+
+
+def test_two_nodes_killed_together_resume_bit_for_bit_and_on_one_node(tmp_path, demo_storage):
+    total = STEPS_PER_EPOCH * EPOCHS
+    runs = {name: tmp_path / name for name in ("reference", "killed", "one_node")}
+    cfgs = {name: write_yaml(tmp_path / f"{name}.yaml", noisy_config(out, demo_storage, 2, "fp32"))
+            for name, out in runs.items()}
+
+    with open(tmp_path / "reference.log", "w") as log:
+        wait_all(two_nodes(cfgs["reference"], log), tmp_path / "reference.log")
+    reference = comparable(train_steps(runs["reference"]))
+    assert len(reference) == total
+    # Output is written once per job: rank 0 of node 0, not a rank 0 of each node.
+    assert len([line for line in (runs["reference"] / "metrics.jsonl").read_text().splitlines()
+                if '"split"' not in line]) == total
+
+    kill_step = random.randint(SAVE_EVERY + 1, total - 2)
+    with open(tmp_path / "killed.log", "w") as log:
+        nodes = two_nodes(cfgs["killed"], log)
+        kill_after_step(nodes[0], runs["killed"], kill_step)
+        kill_tree(nodes[1].pid)  # the whole job goes down, as when its nodes are preempted
+        nodes[1].wait()
+        wait_all(two_nodes(cfgs["killed"], log), tmp_path / "killed.log")
+    log_text = (tmp_path / "killed.log").read_text()
+    assert "resumed from" in log_text, log_text[-3000:]
+    assert comparable(train_steps(runs["killed"])) == reference, f"killed after step {kill_step}"
+
+    # The two-node job's epoch-1 checkpoint, continued by 2 processes on one node.
+    saved = f"checkpoints/step_{STEPS_PER_EPOCH}"
+    shutil.copytree(runs["reference"] / saved, runs["one_node"] / saved)
+    proc = run_train(cfgs["one_node"])
+    assert f"resumed from {runs['one_node'] / saved}" in proc.stdout
+    continued = train_steps(runs["one_node"])
+    assert [m["step"] for m in continued] == list(range(STEPS_PER_EPOCH + 1, total + 1))
+    for mine, theirs in zip(continued, train_steps(runs["reference"])[STEPS_PER_EPOCH:]):
+        # Same ranks, same data; reductions across "nodes" may add in another order.
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine, theirs)
