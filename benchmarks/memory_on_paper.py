@@ -1,4 +1,5 @@
-"""Per-GPU memory of the full-size MiniGPT4Qwen recipe under ZeRO 0-3, with and without optimizer offload.
+"""Per-GPU memory of the full-size MiniGPT4Qwen recipe under ZeRO 0-3 (with and without optimizer offload)
+and under FSDP2 (runner_fsdp: mixed, low, mixed with CPU offload).
 
     python benchmarks/memory_on_paper.py [--gpus 4] [--gpu-gb 24] [--seq-len 256] [--answer-len 128]
 
@@ -38,6 +39,16 @@ frozen and with the YAML's LoRA adapters. --no-measure uses the formula.
 Logits and loss: b*s*V*2 (bf16 logits) + 3*b*a*V*4 (fp32 copy of the supervised
 positions, its log-softmax, its gradient), a = answer tokens.
 
+FSDP2 (runner_fsdp), per GPU:
+  mixed      params 4P/N (fp32 shards, frozen ones included: FSDP keeps what the model holds)
+             + the gathered working set in bf16: the root unit (embeddings, lm_head, norms, queries,
+             projection and the towers' non-block parts, gathered for the whole forward) plus two
+             blocks (the current one and the prefetched one); grads 4T/N (fp32 reduce-scatter);
+             optimizer 8T/N (Adam m + v; the fp32 parameter is its own master); no bucket.
+  low        params 2P/N + the same working set, grads 2T/N, optimizer 4T/N (all bf16).
+  mixed+cpu  CPUOffloadPolicy: shards, gradients and optimizer live in host memory; the GPU holds
+             the working set and the activations.
+
 Not counted: the CUDA context and PyTorch's allocator caching (typically 0.5-1.5 GB),
 transient ViT / Q-Former forward buffers (< 0.2 GB at these sizes).
 """
@@ -67,6 +78,8 @@ class Counts:
     proj: int
     llm: int  # the LLM without adapters
     lora: int
+    vit_blocks: int  # parameters inside the ViT's blocks (FSDP2 shards each block as a unit)
+    qformer_layers: int  # parameters inside the Q-Former's layers
     trainable: int
     micro_batch: int
     lora_cfg: dict | None
@@ -93,7 +106,8 @@ def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
                 if model_cfg.get("get_lora") else None)
     qformer = n(model.qformer) + n(model.ln_vision) + model.query_tokens.numel()
     return Counts(vit=n(model.visual_encoder), qformer=qformer, proj=n(model.llm_proj),
-                  llm=n(model.llm_model) - lora, lora=lora,
+                  llm=n(model.llm_model) - lora, lora=lora, vit_blocks=n(model.visual_encoder.blocks),
+                  qformer_layers=n(model.qformer.encoder.layer),
                   trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                   micro_batch=int(cfg.run.deepspeed_config.train_micro_batch_size_per_gpu),
                   lora_cfg=lora_cfg, llm_config=model.llm_model.config)
@@ -151,6 +165,11 @@ def table(title: str, c: Counts, gpus: int, gpu_gb: float, seq: int, answer: int
     layer_params = (c.llm - 2 * vocab * cfg.hidden_size) / layers
     working_set = 2 * (vocab * cfg.hidden_size + layer_params)
 
+    # FSDP2: the root unit is everything outside the repeated blocks, gathered in bf16 for the whole forward.
+    blocks = layer_params * layers + c.lora + c.vit_blocks + c.qformer_layers  # LoRA lives in the decoder layers
+    root = total_params - blocks
+    fsdp_working = 2 * (root + 2 * layer_params)
+
     lines = [f"### {title}", "",
              f"Parameters: ViT {c.vit / 1e6:,.0f}M, Q-Former + ln_vision + queries {c.qformer / 1e6:,.1f}M, "
              f"projection {c.proj / 1e6:,.2f}M, LLM {c.llm / 1e6:,.0f}M"
@@ -160,7 +179,7 @@ def table(title: str, c: Counts, gpus: int, gpu_gb: float, seq: int, answer: int
              f"Activations: {per_token_layer / cfg.hidden_size:.1f}*s*b*h bytes per layer measured "
              f"(formula: {formula / cfg.hidden_size:.0f}*s*b*h) -> {act_layers / GB:.2f} GB for {layers} layers "
              f"+ logits/loss {act_logits / GB:.2f} GB.", "",
-             "| ZeRO | optimizer offload | params | grads | optimizer | buffers | activations | total | fits |",
+             "| engine | offload | params | grads | optimizer | buffers | activations | total | fits |",
              "|---|---|---|---|---|---|---|---|---|"]
     for stage in (0, 1, 2, 3):
         for offload in (False, True):
@@ -176,7 +195,16 @@ def table(title: str, c: Counts, gpus: int, gpu_gb: float, seq: int, answer: int
             fits = "yes" if total <= gpu_gb * GB * 0.95 else "no"  # ~5% for context and fragmentation
             cells = [f"{params / GB:.2f}", f"{grads / GB:.3f}", f"{optim / GB:.3f}", f"{buffers / GB:.2f}",
                      f"{activations / GB:.2f}", f"{total / GB:.2f}", fits]
-            lines.append(f"| {stage} | {'cpu' if offload else '-'} | " + " | ".join(cells) + " |")
+            lines.append(f"| ZeRO-{stage} | {'cpu' if offload else '-'} | " + " | ".join(cells) + " |")
+    for mode, params, grads, optim in (
+            ("mixed", 4 * total_params / gpus, 4 * T / gpus, 8 * T / gpus),
+            ("low", 2 * total_params / gpus, 2 * T / gpus, 4 * T / gpus),
+            ("mixed+cpu", 0, 0, 0)):
+        total = params + fsdp_working + grads + optim + activations
+        fits = "yes" if total <= gpu_gb * GB * 0.95 else "no"
+        cells = [f"{(params + fsdp_working) / GB:.2f}", f"{grads / GB:.3f}", f"{optim / GB:.3f}", "0.00",
+                 f"{activations / GB:.2f}", f"{total / GB:.2f}", fits]
+        lines.append(f"| FSDP2 {mode} | {'cpu' if mode.endswith('cpu') else '-'} | " + " | ".join(cells) + " |")
     # How the activations scale: the one term that grows with the batch.
     lines += ["", "Activations (GB) by micro-batch and sequence length (half of the tokens supervised):", "",
               "| micro-batch | " + " | ".join(f"s={s}" for s in (256, 512)) + " |", "|---|---|---|"]
