@@ -40,8 +40,8 @@ Logits and loss: b*s*V*2 (bf16 logits) + 3*b*a*V*4 (fp32 copy of the supervised
 positions, its log-softmax, its gradient), a = answer tokens.
 
 FSDP2 (runner_fsdp), per GPU:
-  mixed      params 4P/N (fp32 shards, frozen ones included: FSDP keeps what the model holds)
-             + the gathered working set in bf16: the root unit (embeddings, lm_head, norms, queries,
+  mixed      params (2(P-T) + 4T)/N (fp32 shards of the trainable parameters, bf16 of the frozen ones:
+             runner_fsdp casts those as DeepSpeed does) + the gathered working set in bf16: the root unit (embeddings, lm_head, norms, queries,
              projection and the towers' non-block parts, gathered for the whole forward) plus two
              blocks (the current one and the prefetched one); grads 4T/N (fp32 reduce-scatter);
              optimizer 8T/N (Adam m + v; the fp32 parameter is its own master); no bucket.
@@ -197,7 +197,7 @@ def table(title: str, c: Counts, gpus: int, gpu_gb: float, seq: int, answer: int
                      f"{activations / GB:.2f}", f"{total / GB:.2f}", fits]
             lines.append(f"| ZeRO-{stage} | {'cpu' if offload else '-'} | " + " | ".join(cells) + " |")
     for mode, params, grads, optim in (
-            ("mixed", 4 * total_params / gpus, 4 * T / gpus, 8 * T / gpus),
+            ("mixed", (2 * (total_params - T) + 4 * T) / gpus, 4 * T / gpus, 8 * T / gpus),
             ("low", 2 * total_params / gpus, 2 * T / gpus, 4 * T / gpus),
             ("mixed+cpu", 0, 0, 0)):
         total = params + fsdp_working + grads + optim + activations

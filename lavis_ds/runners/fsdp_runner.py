@@ -32,7 +32,8 @@ READ_FROM_DEEPSPEED = {*DEEPSPEED_TWINS.values(), "bf16", "fp16", "bfloat16", "o
 class FSDPOptions:
     """Schema of ``run.fsdp``."""
 
-    # mixed: fp32 parameters and optimizer states, run.precision compute (as DeepSpeed trains);
+    # mixed: fp32 trainable parameters and optimizer states, frozen ones and compute in run.precision (as
+    # DeepSpeed trains);
     # low: parameters and optimizer states kept in run.precision (half the memory, a coarser update)
     precision_mode: Literal["mixed", "low"] = "mixed"
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer states in host memory
@@ -76,6 +77,11 @@ class FSDPRunner(RunnerBase):
             model.to(self.dtype)
             policy = MixedPrecisionPolicy()  # parameters already in the compute dtype
         elif low_precision:
+            # Frozen weights are stored in the compute dtype, as DeepSpeed casts them: the policy would round
+            # them to it at every all-gather anyway, so this changes no number and halves their memory.
+            for param in model.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(self.dtype)
             policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         else:
             policy = MixedPrecisionPolicy()
