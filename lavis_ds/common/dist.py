@@ -36,6 +36,8 @@ def init_distributed() -> None:
 
     set_single_process_defaults()
     if not dist.is_initialized():
+        if torch.cuda.is_available():  # one GPU per process, the launcher's local rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 

@@ -72,6 +72,7 @@ class FSDPRunner(RunnerBase):
         self.settings = training_settings(run, self.world_size)
         self.options = FSDPOptions(**(run.get("fsdp") or {}))
         self.dtype = DTYPES[self.settings.precision]
+        model.to(self.device)  # fully_shard shards what is on the device (a no-op on CPU)
         low_precision = self.dtype != torch.float32
         if low_precision and self.options.precision_mode == "low":
             model.to(self.dtype)
