@@ -21,9 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, DataLoader
 
 from lavis_ds.common import dist
-from lavis_ds.common.errors import LavisDsError, report
+from lavis_ds.common.errors import ConfigError, LavisDsError, report
 from lavis_ds.common.registry import registry
-from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
 from lavis_ds.datasets.mixing import mix_train_splits
