@@ -97,32 +97,26 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
     """
     marker = ckpt.read_marker(tag_dir)
-    if marker.get("runner") == "runner_fsdp":
-        return _read_fsdp_checkpoint(tag_dir, marker)
+    if ckpt.written_by(marker) == "runner_fsdp":
+        from lavis_ds.runners.fsdp_runner import read_trained_weights
+
+        weights, client_state = read_trained_weights(tag_dir)
+        return weights, _info(tag_dir, client_state, "runner_fsdp", None, marker.get("precision", "fp32"))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from lavis_ds.runners.deepspeed_runner import layout_of
 
     # Every file whole before DeepSpeed's consolidation reads them: an error names the file, not only
     # "PytorchStreamReader failed". Rank 0's model states carry the client state.
     for path in sorted(tag_dir.glob("*.pt")):
         ckpt.load_file(path, mmap=True)
     states = ckpt.load_file(ckpt.model_states_file(tag_dir))
-    client = states.get("lavis_ds")
-    if not isinstance(client, dict) or "config" not in client:
-        raise ExportError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
-                          "it was not written by lavis_ds's runner")
-    cfg = OmegaConf.create(client["config"])
-    ds_config = states.get("ds_config") or {}
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    dtype = "fp32"
-    for name, keys in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",))):
-        if any((ds_config.get(key) or {}).get("enabled") for key in keys):
-            dtype = name
-    train_state = client.get("train_state", {})
-    info = {"config": cfg, "zero_stage": stage, "runner": "runner_deepspeed", "dtype": dtype, "world_size": client.get("world_size"),
-            "global_step": train_state.get("global_step"), "epoch": train_state.get("epoch")}
+    layout = layout_of(states.get("ds_config") or {})
+    stage = layout["zero_stage"]
+    info = _info(tag_dir, states, "runner_deepspeed", stage, layout["precision"])
 
     if stage == 0:
-        return _stage0_weights(states, cfg.run, tag_dir), info
+        return _stage0_weights(states, info["config"].run, tag_dir), info
     # Stages 1-3: DeepSpeed merges the fp32 partitions of every rank. Its result also holds buffers
     # and tied aliases; `param_shapes` lists the optimizer's parameters, i.e. exactly what trained.
     merged = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name,
@@ -131,16 +125,16 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     return {name: merged[name] for name in names}, info
 
 
-def _read_fsdp_checkpoint(tag_dir: Path, marker: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from lavis_ds.runners.fsdp_runner import read_trained_weights
-
-    weights, client_state = read_trained_weights(tag_dir)
-    client = client_state.get("lavis_ds") or {}
+def _info(tag_dir: Path, client_state: dict, runner: str, zero_stage: int | None, dtype: str) -> dict[str, Any]:
+    """``read_checkpoint``'s info, from the client state the runner saved (its ``lavis_ds`` key)."""
+    client = client_state.get("lavis_ds")
+    if not isinstance(client, dict) or "config" not in client:
+        raise ExportError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
+                          "it was not written by lavis_ds's runner")
     train_state = client.get("train_state", {})
-    info = {"config": OmegaConf.create(client["config"]), "zero_stage": None, "runner": "runner_fsdp",
-            "dtype": marker.get("precision", "fp32"), "world_size": client.get("world_size"),
-            "global_step": train_state.get("global_step"), "epoch": train_state.get("epoch")}
-    return weights, info
+    return {"config": OmegaConf.create(client["config"]), "runner": runner, "zero_stage": zero_stage, "dtype": dtype,
+            "world_size": client.get("world_size"), "global_step": train_state.get("global_step"),
+            "epoch": train_state.get("epoch")}
 
 
 class _SavedParameters:

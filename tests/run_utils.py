@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -83,6 +84,31 @@ def complete_steps(out: Path) -> list[str]:
 
 def comparable(steps: list[dict]) -> list[tuple]:
     return [(m["step"], m["epoch"], m["loss"], m["lr"], m["grad_norm"]) for m in steps]
+
+
+def killed_run_continues_bit_for_bit(tmp_path: Path, demo_storage: Path, stage: int, dtype: str,
+                                     **run) -> list[tuple]:
+    """A noisy run SIGKILLed after a random step (anywhere after the first checkpoint, checkpoint steps and
+    epoch ends included) and rerun, against the same run uninterrupted: asserts the rerun resumed and that
+    both curves are identical; returns the curve."""
+    reference_out, killed_out = tmp_path / "reference", tmp_path / "killed"
+    reference = write_yaml(tmp_path / "reference.yaml", noisy_config(reference_out, demo_storage, stage, dtype, **run))
+    killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, demo_storage, stage, dtype, **run))
+    total = STEPS_PER_EPOCH * EPOCHS
+    kill_step = random.randint(SAVE_EVERY + 1, total - 2)
+
+    # The reference runs next to the run that gets killed: two jobs, one wall-clock wait.
+    with open(tmp_path / "reference.log", "w") as log:
+        reference_proc = subprocess.Popen(command(reference), cwd=REPO, env=env(), stdout=log, stderr=log)
+        kill_after_step(start(killed), killed_out, kill_step)
+        rerun = run_train(killed)
+        assert reference_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+
+    expected = comparable(train_steps(reference_out))
+    assert len(expected) == total
+    assert "resumed from" in rerun.stdout, f"kill after step {kill_step}: no resume\n{rerun.stdout[-2000:]}"
+    assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
+    return expected
 
 
 def write_yaml(path: Path, cfg: dict) -> Path:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import subprocess
 
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, command, comparable, env, kill_after_step,
-                       metrics, noisy_config, run_train, start, tiny_config, train_steps, write_yaml)
+from run_utils import killed_run_continues_bit_for_bit, metrics, run_train, tiny_config, train_steps, write_yaml
 
 SAME_STEPS = 20  # 160 samples, micro 4 x 2 processes
 
@@ -148,21 +145,7 @@ def test_export_reads_an_fsdp_checkpoint_as_it_reads_a_deepspeed_one(fp32_runs, 
 def test_fsdp_killed_run_continues_bit_for_bit(tmp_path, dtype):
     storage = tmp_path / "demo_shapes"
     ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
-    reference_out, killed_out = tmp_path / "reference", tmp_path / "killed"
-    reference = write_yaml(tmp_path / "reference.yaml",
-                           noisy_config(reference_out, storage, 3, dtype, runner="runner_fsdp"))
-    killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, storage, 3, dtype, runner="runner_fsdp"))
-    total = STEPS_PER_EPOCH * EPOCHS
-    kill_step = random.randint(SAVE_EVERY + 1, total - 2)
-    with open(tmp_path / "reference.log", "w") as log:
-        reference_proc = subprocess.Popen(command(reference), cwd=REPO, env=env(), stdout=log, stderr=log)
-        kill_after_step(start(killed), killed_out, kill_step)
-        rerun = run_train(killed)
-        assert reference_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
-    expected = comparable(train_steps(reference_out))
-    assert len(expected) == total
-    assert "resumed from" in rerun.stdout, f"kill after step {kill_step}: no resume\n{rerun.stdout[-2000:]}"
-    assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
+    killed_run_continues_bit_for_bit(tmp_path, storage, 3, dtype, runner="runner_fsdp")
 
 
 def test_fsdp_resumes_on_one_process_what_two_saved(tmp_path, demo_storage):

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import math
 import os
-import random
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, command, comparable, env, kill_after_step, kill_tree,
-                       noisy_config, run_train, start, tiny_config, train_steps, write_yaml)
+from run_utils import (EPOCHS, SAVE_EVERY, STEPS_PER_EPOCH, kill_tree, killed_run_continues_bit_for_bit, noisy_config,
+                       run_train, start, tiny_config, train_steps, write_yaml)
 
 
 @pytest.fixture(scope="module")
@@ -25,25 +23,7 @@ def demo_storage(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_killed_run_continues_bit_for_bit(tmp_path, demo_storage, stage, dtype):
-    reference_out = tmp_path / "reference"
-    reference = write_yaml(tmp_path / "reference.yaml", noisy_config(reference_out, demo_storage, stage, dtype))
-    killed_out = tmp_path / "killed"
-    killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, demo_storage, stage, dtype))
-    total = STEPS_PER_EPOCH * EPOCHS
-    # Anywhere after the first checkpoint, checkpoint steps and epoch ends included.
-    kill_step = random.randint(SAVE_EVERY + 1, total - 2)
-
-    # The reference runs next to the run that gets killed: two jobs, one wall-clock wait.
-    with open(tmp_path / "reference.log", "w") as log:
-        reference_proc = subprocess.Popen(command(reference), cwd=REPO, env=env(), stdout=log, stderr=log)
-        kill_after_step(start(killed), killed_out, kill_step)
-        rerun = run_train(killed)
-        assert reference_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
-
-    expected = comparable(train_steps(reference_out))
-    assert len(expected) == total
-    assert "resumed from" in rerun.stdout, f"kill after step {kill_step}: no resume\n{rerun.stdout[-2000:]}"
-    assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
+    expected = killed_run_continues_bit_for_bit(tmp_path, demo_storage, stage, dtype)
     losses = [loss for _, _, loss, _, _ in expected]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) < 0.9 * sum(losses[:3])
 

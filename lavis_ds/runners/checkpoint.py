@@ -72,6 +72,11 @@ def read_marker(tag_dir: Path) -> dict:
     return info
 
 
+def written_by(info: dict) -> str:
+    """The runner a completion marker names (markers older than the field were written by runner_deepspeed)."""
+    return info.get("runner", "runner_deepspeed")
+
+
 def load_file(path: Path, mmap: bool = False) -> dict:
     """``torch.load`` of one checkpoint file; a missing, truncated or foreign file is a DamagedCheckpoint naming it.
 

@@ -95,7 +95,7 @@ class DeepSpeedRunner(RunnerBase):
 
     @property
     def layout(self) -> dict:
-        return _layout(self.run.deepspeed_config)
+        return layout_of(self.run.deepspeed_config)
 
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_deepspeed", **self.layout}
@@ -175,7 +175,7 @@ class DeepSpeedRunner(RunnerBase):
                                     exclude_frozen_parameters=True)
 
     def check_checkpoint(self, tag_dir, same_world):
-        writer = ckpt.read_marker(tag_dir).get("runner", "runner_deepspeed")  # whole, or DamagedCheckpoint
+        writer = ckpt.written_by(ckpt.read_marker(tag_dir))  # whole, or DamagedCheckpoint
         if writer != "runner_deepspeed":
             raise ckpt.CheckpointError(
                 f"{tag_dir} was written by {writer}; runner_deepspeed cannot resume it yet (runner_fsdp resumes "
@@ -186,7 +186,7 @@ class DeepSpeedRunner(RunnerBase):
         # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.
         ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
         states = ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
-        saved, now = _layout(states.get("ds_config") or {}), self.layout
+        saved, now = layout_of(states.get("ds_config") or {}), self.layout
         # Stages 1-3 and fp32/bf16 convert through the universal checkpoint (wrap); ZeRO-0 keeps no
         # partitioned optimizer files to convert, and fp16's loss-scaler state has no fp32/bf16 twin.
         if saved != now and ({saved["zero_stage"], now["zero_stage"]} & {0} or
@@ -225,10 +225,10 @@ registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
 def _saved_layout(tag_dir: Path) -> dict:
     """The ZeRO stage and precision a checkpoint was saved with, from the DeepSpeed config it recorded."""
     states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)  # the pickle only, not the tensors
-    return _layout(states.get("ds_config") or {})
+    return layout_of(states.get("ds_config") or {})
 
 
-def _layout(ds_config) -> dict:
+def layout_of(ds_config) -> dict:
     """How a DeepSpeed checkpoint is cut: its ZeRO stage and training precision (from a dict or DictConfig)."""
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     bf16 = (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False)

@@ -9,18 +9,21 @@ by N processes loads on M (DCP reshards).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+from omegaconf import OmegaConf
 
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
-from lavis_ds.common.run_config import DEEPSPEED_TWINS, training_settings
+from lavis_ds.common.run_config import DEEPSPEED_TWINS, TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.base import RunnerBase
+from lavis_ds.runners.deepspeed_runner import layout_of
 
 CLIENT_STATE = "client_state.pt"  # the loop's state (step, scheduler, config); rank 0 writes it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -64,13 +67,18 @@ class FSDPRunner(RunnerBase):
                  f"not used: {', '.join(unused)}"] if unused else []
         return run, notes
 
+    @functools.cached_property
+    def options(self) -> FSDPOptions:
+        """``run.fsdp`` (read before wrap too: checkpoints are checked first)."""
+        return FSDPOptions(**(self.run.get("fsdp") or {}))
+
+    @functools.cached_property
+    def settings(self) -> TrainingSettings:
+        return training_settings(OmegaConf.to_container(self.run, resolve=True), self.world_size)
+
     def wrap(self, model, param_groups):
-        from omegaconf import OmegaConf
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        run = OmegaConf.to_container(self.run, resolve=True)
-        self.settings = training_settings(run, self.world_size)
-        self.options = FSDPOptions(**(run.get("fsdp") or {}))
         self.dtype = DTYPES[self.settings.precision]
         model.to(self.device)  # fully_shard shards what is on the device (a no-op on CPU)
         low_precision = self.dtype != torch.float32
@@ -95,8 +103,9 @@ class FSDPRunner(RunnerBase):
             fully_shard(block, **shard)
         fully_shard(model, **shard)
         sharded = dict(model.named_parameters())
-        groups = [{**group, "params": [sharded[name] for name in group_names[i]]} for i, group in enumerate(param_groups)]
-        return torch.optim.AdamW(groups, lr=self.run.init_lr, **_adam_settings(run))
+        groups = [{**group, "params": [sharded[name] for name in names]} for group, names in zip(param_groups, group_names)]
+        return torch.optim.AdamW(groups, lr=self.run.init_lr,
+                                 **_adam_settings(OmegaConf.to_container(self.run, resolve=True)))
 
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_fsdp", "format": "torch.distributed.checkpoint",
@@ -171,7 +180,7 @@ class FSDPRunner(RunnerBase):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         tag_dir = Path(load_dir) / tag
-        if _written_by(tag_dir) == "runner_deepspeed":
+        if ckpt.written_by(ckpt.read_marker(tag_dir)) == "runner_deepspeed":
             return self._load_deepspeed(tag_dir)
         state = self._state()  # the shapes and shards to read into (DCP reshards to them)
         dcp.load(state, checkpoint_id=str(tag_dir))
@@ -214,33 +223,33 @@ class FSDPRunner(RunnerBase):
 
     def check_checkpoint(self, tag_dir, same_world):
         marker = ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
-        writer = _written_by(tag_dir)
+        writer = ckpt.written_by(marker)
         if writer == "runner_deepspeed":
             self._check_deepspeed(tag_dir)
             return
         if writer != "runner_fsdp":
             raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which runner_fsdp cannot resume: resume "
                                        f"with run.runner: {writer}, or start afresh (--options run.resume=false)")
-        saved = _saved_shapes(tag_dir)
+        saved = _saved_shapes(_read_index(tag_dir))
         ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
         if same_world:
             ckpt.load_file(ckpt.rng_file(tag_dir, self.rank))
         problems = ckpt.trainable_problems(tag_dir, saved, self.model)
         if problems:
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
-        if marker.get("precision_mode", "mixed") != self.options_mode():
+        if marker.get("precision_mode", "mixed") != self.options.precision_mode:
             raise ckpt.CheckpointError(
                 f"{tag_dir} was saved with run.fsdp.precision_mode={marker.get('precision_mode')} and this run asks "
-                f"for {self.options_mode()}; its parameters and optimizer states are kept in another dtype. Resume "
-                f"with the mode it was saved with, or start afresh (--options run.resume=false)")
+                f"for {self.options.precision_mode}; its parameters and optimizer states are kept in another dtype. "
+                f"Resume with the mode it was saved with, or start afresh (--options run.resume=false)")
 
     def _check_deepspeed(self, tag_dir: Path) -> None:
         """What a switch from runner_deepspeed carries over exactly: fp32 masters and Adam moments (ZeRO 1-3,
         fp32 or bf16). fp16's loss-scaler state has no FSDP twin; ZeRO-0 keeps no per-parameter moments."""
         states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)
-        ds = states.get("ds_config") or {}
-        stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-        if stage == 0 or (ds.get("fp16") or {}).get("enabled", False):
+        layout = layout_of(states.get("ds_config") or {})
+        stage = layout["zero_stage"]
+        if stage == 0 or layout["precision"] == "fp16":
             why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
                    "fp16 (its loss-scaler state has no runner_fsdp counterpart)")
             raise ckpt.CheckpointError(
@@ -253,15 +262,6 @@ class FSDPRunner(RunnerBase):
         if problems:
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
 
-    def options_mode(self) -> str:
-        """run.fsdp.precision_mode (readable before wrap: checkpoints are checked first)."""
-        return (self.run.get("fsdp") or {}).get("precision_mode", "mixed")
-
-
-def _written_by(tag_dir: Path) -> str:
-    """The runner a complete checkpoint's marker names (markers older than the field: DeepSpeed's)."""
-    return ckpt.read_marker(tag_dir).get("runner", "runner_deepspeed")
-
 
 def _adam_settings(run: dict) -> dict:
     """betas and eps of a DeepSpeed Adam/AdamW section, so that a run switched to this engine steps alike."""
@@ -270,9 +270,9 @@ def _adam_settings(run: dict) -> dict:
     return {key: tuple(params[key]) if key == "betas" else params[key] for key in ("betas", "eps") if key in params}
 
 
-def _saved_shapes(tag_dir: Path) -> dict[str, tuple]:
-    """Names and shapes of the trainable parameters in a DCP checkpoint; DamagedCheckpoint if a file is missing
-    or shorter than its index says."""
+def _read_index(tag_dir: Path):
+    """The DCP index (``.metadata``) of a checkpoint; DamagedCheckpoint if it, or a file it lists, is missing,
+    unreadable or shorter than the index says."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -285,22 +285,26 @@ def _saved_shapes(tag_dir: Path) -> dict[str, tuple]:
         if not path.is_file() or path.stat().st_size < info.offset + info.length:
             raise ckpt.DamagedCheckpoint(f"{path}: " + ("file missing" if not path.is_file() else
                                                        "shorter than the checkpoint's index says (truncated)"))
-    return {key[len("model."):]: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()
+    return metadata
+
+
+def _saved_tensors(metadata) -> dict:
+    """The saved trainable parameters' entries of a DCP index, by parameter name."""
+    return {key[len("model."):]: entry for key, entry in metadata.state_dict_metadata.items()
             if key.startswith("model.") and hasattr(entry, "size")}
+
+
+def _saved_shapes(metadata) -> dict[str, tuple]:
+    return {name: tuple(entry.size) for name, entry in _saved_tensors(metadata).items()}
 
 
 def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """``(trained weights by parameter name, in fp32; the client state)`` of a complete runner_fsdp checkpoint,
     read in one process whatever number of processes saved it (for export)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
-    ckpt.read_marker(tag_dir)
-    _saved_shapes(tag_dir)  # every file there and whole, or DamagedCheckpoint naming it
-    metadata = FileSystemReader(str(tag_dir)).read_metadata()
-    model = {key[len("model."):]: torch.empty(entry.size, dtype=entry.properties.dtype)
-             for key, entry in metadata.state_dict_metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
-    state = {"model": model}
+    saved = _saved_tensors(_read_index(tag_dir))  # every file there and whole, or DamagedCheckpoint naming it
+    state = {"model": {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in saved.items()}}
     dcp.load(state, checkpoint_id=str(tag_dir))
     return {name: tensor.float() for name, tensor in state["model"].items()}, ckpt.load_file(tag_dir / CLIENT_STATE)
 
