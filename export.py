@@ -6,9 +6,8 @@
 
 Then: python -m lavis_ds.generate --model exports/demo --image x.png --prompt "Describe the image."
 """
-import sys
-
+from lavis_ds.common.dist import exit_now
 from lavis_ds.export import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

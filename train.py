@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from lavis_ds.common import dist
@@ -109,4 +108,4 @@ def _lost_peer(error: RuntimeError) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    dist.exit_now(main())

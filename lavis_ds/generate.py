@@ -554,4 +554,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lavis_ds.common.dist import exit_now
+
+    exit_now(main())

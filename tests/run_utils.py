@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+import forked
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
 
@@ -59,21 +61,32 @@ def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -
     return cfg
 
 
-def start(cfg_path: Path) -> subprocess.Popen:
-    return subprocess.Popen(command(cfg_path), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+def start(cfg_path: Path, nproc: int = 2, launcher: str = "fork"):
+    """A training job left running (``launcher`` as for ``run_train``); ``output_of`` reads a forked job's output."""
+    if launcher == "fork":
+        return forked.Job(train_args(cfg_path), nproc, env(), REPO, _logs_for(cfg_path))
+    return subprocess.Popen(command(cfg_path, nproc), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def kill_after_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300) -> None:
-    """SIGKILL the whole process group as soon as ``step`` is in metrics.jsonl."""
+def kill_after_step(proc, out: Path, step: int, timeout: float = 300) -> None:
+    """SIGKILL the whole job as soon as ``step`` is in metrics.jsonl."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         if (out / "metrics.jsonl").is_file() and len(complete_steps(out)) >= step:
             break
         time.sleep(0.02)
     assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
-    kill_tree(proc.pid)
-    proc.wait()
+    kill(proc)
+
+
+def kill(proc) -> None:
+    """SIGKILL a job, forked or launched, with every process under it."""
+    if isinstance(proc, forked.Job):
+        proc.kill()
+    else:
+        kill_tree(proc.pid)
+        proc.wait()
 
 
 def complete_steps(out: Path) -> list[str]:
@@ -98,11 +111,10 @@ def killed_run_continues_bit_for_bit(tmp_path: Path, demo_storage: Path, stage: 
     kill_step = random.randint(SAVE_EVERY + 1, total - 2)
 
     # The reference runs next to the run that gets killed: two jobs, one wall-clock wait.
-    with open(tmp_path / "reference.log", "w") as log:
-        reference_proc = subprocess.Popen(command(reference), cwd=REPO, env=env(), stdout=log, stderr=log)
-        kill_after_step(start(killed), killed_out, kill_step)
-        rerun = run_train(killed)
-        assert reference_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+    reference_job = start(reference)
+    kill_after_step(start(killed), killed_out, kill_step)
+    rerun = run_train(killed)
+    assert reference_job.wait(timeout=600) == 0, output_of(reference_job)[-4000:]
 
     expected = comparable(train_steps(reference_out))
     assert len(expected) == total
@@ -116,26 +128,58 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
-def command(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = ()) -> list[str]:
-    launcher = [] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                                      f"--master_port={free_port()}"]
-    head = launcher or [sys.executable]
-    return head + [str(TRAIN), "--cfg-path", str(cfg_path)] + (["--options", *options] if options else [])
-
-
 def env() -> dict:
     e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return e
 
 
+def train_args(cfg_path: Path, options: tuple[str, ...] = ()) -> list[str]:
+    return ["--cfg-path", str(cfg_path)] + (["--options", *options] if options else [])
+
+
+def command(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = ()) -> list[str]:
+    """The command a user types: ``torchrun --nproc_per_node=N train.py ...``, or ``python train.py`` for nproc=0."""
+    launcher = [] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                                      f"--master_port={free_port()}"]
+    return (launcher or [sys.executable]) + [str(TRAIN)] + train_args(cfg_path, options)
+
+
 def run_train(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = (), cwd: Path | None = None,
-              check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    """nproc=0 runs plain `python train.py` (no launcher)."""
-    proc = subprocess.run(command(cfg_path, nproc, options), cwd=cwd or REPO, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+              check: bool = True, timeout: int = 600, launcher: str = "fork") -> subprocess.CompletedProcess:
+    """Run train.py with ``nproc`` processes (0: one process without launcher variables, as `python train.py`).
+
+    ``launcher="fork"`` forks the processes from a server that imported torch & co once (``forked``);
+    ``"launch"`` runs the user's command (``torchrun ...`` or ``python train.py``), for the tests about it.
+    """
+    if launcher == "fork":
+        job = forked.Job(train_args(cfg_path, options), nproc, env(), cwd or REPO, _logs_for(cfg_path))
+        try:
+            code = job.wait(timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            raise
+        stdout, stderr = job.output()
+        proc = subprocess.CompletedProcess(["train.py(forked)", f"x{max(1, nproc)}", *train_args(cfg_path, options)],
+                                           code, stdout, stderr)
+    else:
+        proc = subprocess.run(command(cfg_path, nproc, options), cwd=cwd or REPO, env=env(), capture_output=True,
+                              text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _logs_for(cfg_path: Path) -> Path:
+    """A fresh log folder beside the YAML (one per launch: a rerun of the same YAML keeps the first one's)."""
+    for i in range(1000):
+        folder = cfg_path.parent / f"{cfg_path.stem}.logs{i or ''}"
+        if not folder.exists():
+            return folder
+    raise AssertionError(f"too many runs of {cfg_path}")
+
+
+def output_of(job: forked.Job) -> str:
+    return "\n".join(job.output())
 
 
 def metrics(output_dir: Path) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import (EPOCHS, SAVE_EVERY, STEPS_PER_EPOCH, kill_tree, killed_run_continues_bit_for_bit, noisy_config,
+from run_utils import (EPOCHS, SAVE_EVERY, STEPS_PER_EPOCH, kill, killed_run_continues_bit_for_bit, noisy_config,
                        run_train, start, tiny_config, train_steps, write_yaml)
 
 
@@ -49,8 +49,7 @@ def test_kill_while_saving_resumes_from_the_previous_checkpoint(tmp_path, demo_s
         time.sleep(0.05)
     time.sleep(1.0)
     assert proc.poll() is None, "the run ended instead of blocking in save()"
-    kill_tree(proc.pid)
-    proc.wait()
+    kill(proc)
     assert (torn / "mp_rank_00_model_states.pt").exists() and not (torn / "lavis_ds_complete.json").exists()
     previous = STEPS_PER_EPOCH  # saved at the end of epoch 0, the newest complete one before step 6
     assert (out / "checkpoints" / f"step_{previous}" / "lavis_ds_complete.json").exists()

@@ -9,8 +9,12 @@ and how long, into the environment's own folder (``lavis_ds.common.extensions``)
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from lavis_ds.common.extensions import configure_build_environment
 
@@ -43,6 +47,7 @@ def ensure_built(builder_names: list[str], announce: bool = True) -> None:
     if accelerator.device_name() != "cpu":
         return
     folder = configure_build_environment()
+    remember_cpu_info(folder)
     import deepspeed.ops  # noqa: F401  (fills __compatible_ops__)
 
     for name in builder_names:
@@ -57,6 +62,48 @@ def ensure_built(builder_names: list[str], announce: bool = True) -> None:
         builder.load(verbose=False)
         if announce and not built:
             print(f"lavis_ds: '{builder.NAME}' compiled in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def remember_cpu_info(folder: Path) -> None:
+    """Answer py-cpuinfo's question once per CPU instead of several times in every process.
+
+    DeepSpeed's op builders ask ``cpuinfo.get_cpu_info()`` for the compiler flags each time an op
+    loads, and py-cpuinfo answers by starting a new Python process: 1.2 s a call here, twice per
+    training process. The answer is kept in the environment's extensions folder under a key made
+    from this CPU's model and flags, so another CPU (a moved environment) asks again.
+    """
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "remembered", False):
+        return
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: ask once in this process
+        lines = None
+    ask = cpuinfo.get_cpu_info
+    cache = None
+    if lines is not None:
+        stable = [line for line in lines if line.startswith(("vendor_id", "model name", "flags"))]
+        key = hashlib.sha256("\n".join(sorted(set(stable))).encode()).hexdigest()[:16]
+        cache = folder / f"cpuinfo-{key}.json"
+
+    answer: dict = {}
+
+    def get_cpu_info() -> dict:
+        if not answer:
+            if cache is not None and cache.is_file():
+                answer.update(json.loads(cache.read_text()))
+            else:
+                answer.update(ask())
+                if cache is not None and answer:  # written whole or not at all: processes start together
+                    folder.mkdir(parents=True, exist_ok=True)
+                    partial = cache.with_suffix(f".{os.getpid()}.tmp")
+                    partial.write_text(json.dumps(answer))
+                    os.replace(partial, cache)
+        return dict(answer)
+
+    get_cpu_info.remembered = True
+    cpuinfo.get_cpu_info = get_cpu_info
 
 
 def main() -> int:

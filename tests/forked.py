@@ -1,0 +1,155 @@
+"""Training processes forked from a server that has already imported torch, DeepSpeed and transformers.
+
+On this machine kind, Python start-up is most of a tiny run: importing torch, transformers,
+timm and DeepSpeed costs ~9 s of CPU per process, training the tiny model ~3 s. Tests that
+need processes which train, save, fail or get killed fork them from multiprocessing's
+forkserver, which did those imports once. Each one is still a real process running
+``train.py``'s ``main()`` with the variables a launcher sets (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), its own gloo process group and its own DataLoader workers, and it
+ends through ``train.py``'s own exit. What only the launchers do (torchrun's agent, its signal
+forwarding and failure report, ``python train.py`` starting from nothing) is tested through the
+real launchers by the tests that are about them (``run_utils.command``).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait as wait_for
+from pathlib import Path
+
+# What every training process imports, imported once by the server.
+PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train", "lavis_ds",
+           "lavis_ds.runners.deepspeed_runner", "lavis_ds.runners.fsdp_runner",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "forked"]
+FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
+
+_context = None
+
+
+def _server():
+    """The forkserver context, started with the repository and this folder importable."""
+    global _context
+    if _context is None:
+        from run_utils import REPO
+
+        for folder in (str(REPO), str(Path(__file__).parent)):
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _train_main(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+    """One process of a job: a fresh environment, train.py's main(), train.py's exit."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    os.setsid()  # as start_new_session: a signal to the test's group does not reach it
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+    import train
+    from lavis_ds.common.dist import exit_now
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    sys.argv = ["train.py", *argv]
+    try:
+        code = train.main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # what Python does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
+class Job:
+    """The processes of one launch; quacks like the ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, argv: list[str], nproc: int, env: dict, cwd: Path, logs: Path):
+        ctx = _server()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.stdout_file, self.stderr_file = logs / "stdout.txt", logs / "stderr.txt"
+        for f in (self.stdout_file, self.stderr_file):
+            f.write_text("")
+        ranks = max(1, nproc)
+        launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
+                    "LOCAL_WORLD_SIZE": str(ranks)} if nproc else {}
+        self.processes = []
+        for rank in range(ranks):
+            rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc else {}))
+            p = ctx.Process(target=_train_main, args=(argv, rank_env, str(cwd), str(self.stdout_file),
+                                                      str(self.stderr_file)))
+            p.start()
+            self.processes.append(p)
+        self.returncode: int | None = None
+        self._first_failure: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.processes[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            codes = [p.exitcode for p in self.processes]
+            if any(c not in (None, 0) for c in codes) and None in codes:
+                self._first_failure = self._first_failure or time.time()
+                if time.time() - self._first_failure > FAILED_PEERS_GRACE:
+                    self.kill()
+                    codes = [p.exitcode for p in self.processes]
+            if None not in codes:
+                self.returncode = next((c for c in codes if c != 0), 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.time()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"train.py x{len(self.processes)}", timeout)
+            wait_for([p.sentinel for p in self.processes if p.exitcode is None], timeout=min(left or 1.0, 1.0))
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL every process of the job and their DataLoader workers at once, as a preemption would."""
+        import psutil
+
+        tree = []
+        for p in self.processes:
+            try:
+                root = psutil.Process(p.pid)
+                tree += root.children(recursive=True) + [root]
+            except psutil.NoSuchProcess:
+                pass
+        for sig in (signal.SIGSTOP, signal.SIGKILL):  # freeze all first: none runs on after another died
+            for process in tree:
+                try:
+                    process.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+        psutil.wait_procs(tree, timeout=30)
+        for p in self.processes:
+            p.join()
+
+    def output(self) -> tuple[str, str]:
+        return self.stdout_file.read_text(errors="replace"), self.stderr_file.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
