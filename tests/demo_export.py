@@ -40,5 +40,5 @@ def train_and_export(root: Path) -> DemoExport:
     cfg = tiny_config(root / "run", storage, stage=2, micro=8, max_epoch=3, warmup_steps=4)
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=SPEC.num_train, num_val=SPEC.num_val,
                                                        num_test=SPEC.num_test)
-    run_train(write_yaml(root / "demo.yaml", cfg), nproc=2)
+    run_train(write_yaml(root / "demo.yaml", cfg), nproc=2, launcher="launch")  # torchrun, as the README says
     return DemoExport(export_checkpoint(root / "run", root / "export"), storage)

@@ -113,7 +113,7 @@ def test_batch_sizes_are_checked_against_the_world_size(instruction_data, tiny_t
 def test_train_py_prints_the_problems_without_a_traceback(instruction_data, tiny_tokenizer_dir):
     tmp_path, ann = instruction_data
     proc = run_train(_cfg(tmp_path, ann, tiny_tokenizer_dir), nproc=0,
-                     options=("model.arch=blip2_qwn",), check=False)
+                     options=("model.arch=blip2_qwn",), check=False, launcher="launch")
     assert proc.returncode == 2
     assert "model.arch: Unknown model 'blip2_qwn'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -26,7 +26,7 @@ import torch
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.samplers import StepBatchSampler
-from run_utils import REPO, command, env, run_train, tiny_config, tracebacks, train_steps, write_yaml
+from run_utils import REPO, env, run_train, tiny_config, tracebacks, train_steps, write_yaml
 
 STEPS = 16  # 64 samples, micro-batch 4, one process
 SAVE_EVERY = 4  # the base run leaves step_4, step_8, step_12, step_16
@@ -48,7 +48,7 @@ def complete_checkpoints(out: Path) -> dict[str, dict[str, str]]:
 @dataclass
 class Case:
     name: str
-    setup: Callable[[Path], list[str]]  # prepares the case's folder; returns the command
+    setup: Callable[[Path], list[str] | TrainLaunch]  # prepares the case's folder; returns what to run
     exit_code: int
     says: list[str]  # regexes the output must match (the file/key/record/step and what is valid)
     untouched: Callable[[Path], list[str]] = lambda root: []  # checkpoint names that must stay byte-identical
@@ -147,8 +147,17 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def train_cmd(cfg: Path, nproc: int = 0, *options: str) -> list[str]:
-    return command(cfg, nproc, options)
+@dataclass(frozen=True)
+class TrainLaunch:
+    """train.py with ``nproc`` processes (0: `python train.py`), forked or through the user's launcher (run_train)."""
+    cfg: Path
+    nproc: int = 0
+    options: tuple[str, ...] = ()
+    launcher: str = "fork"
+
+
+def train_cmd(cfg: Path, nproc: int = 0, *options: str, launcher: str = "fork") -> TrainLaunch:
+    return TrainLaunch(cfg, nproc, options, launcher)
 
 
 def export_cmd(source: Path, out: Path) -> list[str]:
@@ -158,7 +167,7 @@ def export_cmd(source: Path, out: Path) -> list[str]:
 # ---------------------------------------------------------------- the cases
 def cases(storage: Path, base: Path) -> list[Case]:
     def resume_case(damage: Callable[[Path], None], **run):
-        def setup(d: Path) -> list[str]:
+        def setup(d: Path) -> list[str] | TrainLaunch:
             out, cfg = copy_run(base, d, storage, **run)
             damage(out / "checkpoints")
             return train_cmd(cfg)
@@ -178,7 +187,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
     older = good("step_4", "step_8", "step_12")
 
     def export_case(damage: Callable[[Path], None] | None = None, source: str = "out"):
-        def setup(d: Path) -> list[str]:
+        def setup(d: Path) -> list[str] | TrainLaunch:
             out = d / "out"
             shutil.copytree(base, out)
             if damage:
@@ -189,7 +198,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
         return setup
 
     def data_case(mutate: Callable[[Path], dict], nproc: int = 0, **run):
-        def setup(d: Path) -> list[str]:
+        def setup(d: Path) -> list[str] | TrainLaunch:
             images = d / "images"
             shutil.copytree(storage / "images", images)
             records = json.loads((storage / "annotations" / "train.json").read_text())[:64]
@@ -219,11 +228,13 @@ def cases(storage: Path, base: Path) -> list[Case]:
         return mutate
 
     def nan_case(on_nonfinite: str, nproc: int, step: int, rank: int, save_freq_steps: int):
-        def setup(d: Path) -> list[str]:
+        def setup(d: Path) -> list[str] | TrainLaunch:
             poisoned = sample_at(step, rank, nproc=nproc)
             cfg = nan_project(d, storage, d / "out", poisoned, nproc, save_freq_steps=save_freq_steps,
                               on_nonfinite=on_nonfinite)
-            return train_cmd(cfg, nproc if nproc > 1 else 0)  # the user's package is found from the working directory
+            # The user's package is found from the working directory; 2 processes go through torchrun, whose
+            # report of a failed worker comes with ours.
+            return train_cmd(cfg, nproc if nproc > 1 else 0, launcher="launch" if nproc > 1 else "fork")
         return setup
 
     def nan_stopped(d: Path, proc) -> None:
@@ -249,7 +260,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
         assert "run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)" in proc.stderr
 
     def output_dir_case(make: Callable[[Path], Path]):
-        def setup(d: Path) -> list[str]:
+        def setup(d: Path) -> list[str] | TrainLaunch:
             cfg = base_config(make(d), storage)
             return train_cmd(write_yaml(d / "run.yaml", cfg))
         return setup
@@ -396,6 +407,8 @@ def outcomes(request, root, demo_storage, base_run, frozen_vit_run) -> dict[str,
 
     def run(item):
         case, case_dir, cmd = item
+        if isinstance(cmd, TrainLaunch):
+            return run_train(cmd.cfg, cmd.nproc, cmd.options, cwd=case_dir, check=False, launcher=cmd.launcher)
         return subprocess.run(cmd, cwd=case_dir, env=env(), capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(PARALLEL) as pool:

@@ -20,16 +20,18 @@ def demo_storage(tmp_path_factory):
     return storage
 
 
-def _train(tmp_path, demo_storage, name, nproc=2, **kw):
+def _train(tmp_path, demo_storage, name, nproc=2, launcher="fork", **kw):
     out = tmp_path / name
     cfg = write_yaml(tmp_path / f"{name}.yaml", tiny_config(out, demo_storage, **kw))
-    run_train(cfg, nproc=nproc)
+    run_train(cfg, nproc=nproc, launcher=launcher)
     return train_steps(out)
 
 
 @pytest.fixture(scope="module")
 def stage0_fp32(tmp_path_factory, demo_storage):
-    return _train(tmp_path_factory.mktemp("stage0"), demo_storage, "stage0", stage=0, accum=2, max_epoch=2)
+    # Through torchrun, as users launch it; the stages it is compared with run forked (tests/forked.py).
+    return _train(tmp_path_factory.mktemp("stage0"), demo_storage, "stage0", launcher="launch", stage=0, accum=2,
+                  max_epoch=2)
 
 
 def _falls(losses):
@@ -98,7 +100,7 @@ def test_single_process_without_launcher_and_eval_lines(tmp_path, demo_storage):
     out = tmp_path / "single"
     cfg = tiny_config(out, demo_storage, stage=2, valid_splits=["val"], test_splits=["test"],
                       generate={"max_new_tokens": 4})
-    run_train(write_yaml(tmp_path / "single.yaml", cfg), nproc=0)
+    run_train(write_yaml(tmp_path / "single.yaml", cfg), nproc=0, launcher="launch")  # `python train.py`
     lines = metrics(out)
     assert (out / "config.yaml").is_file() and any((out / "tb").iterdir())
     val = [m for m in lines if m.get("split") == "val"]
