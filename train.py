@@ -63,6 +63,7 @@ def train(args: argparse.Namespace) -> int:
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
     from lavis_ds.runners import faults
+    from lavis_ds.runners.shared_folder import not_shared_error
 
     cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]))
     runner_class = registry.get_runner_class(cfg.run.runner)
@@ -75,6 +76,7 @@ def train(args: argparse.Namespace) -> int:
         except InputError as e:
             error = e
     faults.agree(0, error)  # every rank stops if rank 0 could not create the output folder
+    faults.agree(0, not_shared_error(Path(cfg.run.output_dir)))  # checkpoints need one folder every node sees
     runner = build_runner(cfg)
     if dist.is_main_process():
         # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).

@@ -4,6 +4,7 @@ one node."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, TRAIN, comparable, env, free_port, kill_after_step,
-                       kill_tree, noisy_config, run_train, train_steps, write_yaml)
+                       kill_tree, noisy_config, run_train, tracebacks, train_steps, write_yaml)
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +24,15 @@ def demo_storage(tmp_path_factory):
     return storage
 
 
-def two_nodes(cfg_path, log) -> list[subprocess.Popen]:
-    """Node 0 and node 1 of one job, each a torchrun with one process, as on two machines."""
+def two_nodes(cfg_path, log, node_env=({}, {})) -> list[subprocess.Popen]:
+    """Node 0 and node 1 of one job, each a torchrun with one process, as on two machines (``node_env``: each
+    node's own environment variables)."""
     endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     return [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
          "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", str(TRAIN), "--cfg-path",
-         str(cfg_path)], cwd=REPO, env=env(), stdout=log, stderr=log, start_new_session=True) for node in (0, 1)]
+         str(cfg_path)], cwd=REPO, env=dict(env(), **node_env[node]), stdout=log, stderr=log, start_new_session=True)
+        for node in (0, 1)]
 
 
 def wait_all(nodes, log_path) -> None:
@@ -72,3 +75,21 @@ def test_two_nodes_killed_together_resume_bit_for_bit_and_on_one_node(tmp_path, 
     for mine, theirs in zip(continued, train_steps(runs["reference"])[STEPS_PER_EPOCH:]):
         # Same ranks, same data; reductions across "nodes" may add in another order.
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * abs(theirs["loss"]), (mine, theirs)
+
+
+def test_an_output_dir_that_one_node_cannot_see_is_named_before_anything_is_written(tmp_path, demo_storage):
+    """A node-local output_dir (here each node's own $NODE_SCRATCH, as $TMPDIR is on clusters): the job stops at
+    start with the ranks and hosts that do not see rank 0's files, instead of writing half checkpoints."""
+    cfg = noisy_config(tmp_path / "unused", demo_storage, 2, "fp32")
+    cfg["run"]["output_dir"] = "${oc.env:NODE_SCRATCH}/run"
+    scratch = [tmp_path / "node0", tmp_path / "node1"]
+    with open(tmp_path / "job.log", "w") as log:
+        nodes = two_nodes(write_yaml(tmp_path / "run.yaml", cfg), log,
+                          node_env=[{"NODE_SCRATCH": str(s)} for s in scratch])
+        codes = [node.wait(timeout=600) for node in nodes]
+    text = (tmp_path / "job.log").read_text()
+    assert codes == [1, 1], text[-4000:]  # torchrun's code for a failed worker; ours (2) is in its report
+    assert re.search(rf"run\.output_dir: {scratch[0]}/run is not one folder shared by every process: rank 1 "
+                     r"\(host [^,]+, node 1\) does not see the file rank 0", text), text[-4000:]
+    assert not tracebacks(text), text[-4000:]
+    assert not (scratch[0] / "run" / "checkpoints").exists() and not (scratch[1] / "run").exists()
