@@ -7,12 +7,15 @@ from, so a run killed mid-save falls back to the previous checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,6 +25,15 @@ from lavis_ds.common.errors import InputError
 COMPLETE_MARKER = "lavis_ds_complete.json"
 DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
 _TAG = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Handover:
+    """A checkpoint's trained state as another engine takes it over: per parameter, whole (not sharded), in fp32."""
+
+    states: dict[str, dict[str, torch.Tensor]]  # parameter name -> {"fp32", "exp_avg", "exp_avg_sq"}
+    step: int  # AdamW steps taken (the t of its bias correction)
+    client_state: dict  # what the loop saved beside it (its "lavis_ds" key)
 
 
 class CheckpointError(InputError):
@@ -263,9 +275,11 @@ def _names(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
+def universal_copy(tag_dir: Path, universal_root: Path, rank: int,
+                   write: Callable[[Path], None] | None = None) -> Path:
     """DeepSpeed's universal (world-size independent) form of ``tag_dir``; returns its load dir.
 
+    ``write(folder)`` makes it (default: DeepSpeed's ``ds_to_universal`` of a DeepSpeed checkpoint).
     Made afresh for every elastic resume (a lean checkpoint converts in seconds) and
     deleted once loaded, so a copy can never be stale. Rank 0 converts into a scratch
     folder and renames it into place: a kill during conversion leaves no half-made copy.
@@ -274,22 +288,40 @@ def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
 
     target = Path(universal_root) / Path(tag_dir).name
     if rank == 0:
-        from argparse import Namespace
-
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
         if target.is_dir():  # left by a kill between this conversion and its load
             remove_universal_copy(target)
         scratch = target.with_name(f".tmp-{target.name}")
         shutil.rmtree(scratch, ignore_errors=True)
-        ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(scratch), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True))
+        (write or functools.partial(_ds_to_universal, Path(tag_dir)))(scratch)
         _readable_by_every_stage(scratch)
         os.replace(scratch, target)
     if torch_dist.is_initialized():
         torch_dist.barrier()
     return target.parent
+
+
+def _ds_to_universal(tag_dir: Path, folder: Path) -> None:
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(folder), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+
+
+def write_universal(folder: Path, handover: Handover, model_states: dict, param_groups: list[dict]) -> None:
+    """``handover`` (another engine's checkpoint) in the layout ``ds_to_universal`` makes of a DeepSpeed one:
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` per parameter, ``zero/optimizer_state.pt`` with the
+    optimizer's ``param_groups`` (their hyper-parameters overwrite the engine's on load), and a model-states file
+    with ``model_states`` (DeepSpeed's bookkeeping: ``param_shapes``, step counters) and the client state."""
+    zero = Path(folder) / "zero"
+    for name, state in handover.states.items():
+        (zero / name).mkdir(parents=True)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            torch.save({"param": state[key].float().contiguous()}, zero / name / f"{key}.pt")
+        torch.save(handover.step, zero / name / "step.pt")
+    torch.save({"param_groups": param_groups}, zero / "optimizer_state.pt")
+    torch.save({**handover.client_state, **model_states}, Path(folder) / "mp_rank_00_model_states.pt")
 
 
 def _readable_by_every_stage(folder: Path) -> None:

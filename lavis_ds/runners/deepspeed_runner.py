@@ -73,7 +73,9 @@ class DeepSpeedRunner(RunnerBase):
         # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
         # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision
         # (check_checkpoint has refused the changes that cannot convert).
-        self.universal = self.elastic or self._layout_changed()
+        tag_dir = self.resume_from[0] / self.resume_from[1] if self.resume_from and self.resume_from[1] else None
+        self.source = self.foreign_writer(tag_dir) if tag_dir else None  # another engine's checkpoint to continue
+        self.universal = self.elastic or self.source is not None or self._layout_changed()
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
@@ -175,12 +177,10 @@ class DeepSpeedRunner(RunnerBase):
                                     exclude_frozen_parameters=True)
 
     def check_checkpoint(self, tag_dir, same_world):
-        writer = ckpt.written_by(ckpt.read_marker(tag_dir))  # whole, or DamagedCheckpoint
-        if writer != "runner_deepspeed":
-            raise ckpt.CheckpointError(
-                f"{tag_dir} was written by {writer}; runner_deepspeed cannot resume it yet (runner_fsdp resumes "
-                f"DeepSpeed checkpoints, not the other way round): resume with run.runner: {writer}, or start "
-                f"afresh (--options run.resume=false, or another run.output_dir)")
+        source = self.foreign_writer(tag_dir)
+        if source is not None:
+            self.check_takeover(tag_dir, source)
+            return
         stage = self.layout["zero_stage"]
         files = ckpt.files_of_rank(tag_dir, self.rank, same_world)
         # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.
@@ -202,20 +202,93 @@ class DeepSpeedRunner(RunnerBase):
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
 
     def load_checkpoint(self, load_dir: Path, tag):
-        if self.universal:
-            load_dir = ckpt.universal_copy(Path(load_dir) / tag, self.checkpoint_dir / "universal", self.rank)
+        tag_dir, scratch = Path(load_dir) / tag, self.checkpoint_dir / "universal"
+        if self.source is not None:  # another engine's: its per-parameter state, written as a universal copy
+            handover = self.source.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
+            load_dir = ckpt.universal_copy(tag_dir, scratch, self.rank,
+                                           write=functools.partial(self._write_handover, handover))
+        elif self.universal:
+            load_dir = ckpt.universal_copy(tag_dir, scratch, self.rank)
         # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
+        hyper = [{key: value for key, value in group.items() if key != "params"}
+                 for group in self.engine.optimizer.param_groups]
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
         if self.universal:
+            # ZeRO-3's universal load gives every param group the first group's hyper-parameters (DeepSpeed
+            # 0.19.8): biases and norms would be weight-decayed, lr_scales lost. They are the run's own.
+            for group, own in zip(self.engine.optimizer.param_groups, hyper):
+                group.update(own)
             # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
             torch_dist.barrier()
             if self.rank == 0:
                 ckpt.remove_universal_copy(Path(load_dir) / tag)
         replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
+        if self.source is not None:
+            self.report_takeover(tag_dir, ckpt.written_by(ckpt.read_marker(tag_dir)))
         return client_state
+
+    def _write_handover(self, handover: ckpt.Handover, folder: Path) -> None:
+        """Another engine's checkpoint as DeepSpeed's universal checkpoint (rank 0)."""
+        model_states = {
+            # What DeepSpeed's own save records and its load reads back (a universal load takes no weights from it).
+            "param_shapes": self.engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
+            "dp_world_size": handover.client_state["lavis_ds"].get("world_size", self.world_size),
+            "global_steps": handover.step, "global_samples": handover.step * self.global_batch, "skipped_steps": 0}
+        # This engine's own hyper-parameters: a universal load sets them from the file.
+        groups = [{key: value for key, value in group.items() if key != "params"}
+                  for group in self.engine.optimizer.param_groups]
+        ckpt.write_universal(folder, handover, model_states, groups)
+
+    # ------------------------------------------------ continued by another engine
+    def takeover_problem(self):
+        stage, precision = self.layout["zero_stage"], self.layout["precision"]
+        if stage == 0:
+            return ("with ZeRO stage 0 cannot continue it (stage 0 loads no per-parameter optimizer states); use "
+                    "run.deepspeed_config.zero_optimization.stage 1, 2 or 3")
+        if precision == "fp16":
+            return ("in fp16 cannot continue it exactly (fp16's loss scaler has no state in another engine's "
+                    "checkpoint); use run.precision fp32 or bf16")
+        return None
+
+    @classmethod
+    def handover_shapes(cls, tag_dir, rank):
+        """Carries over: fp32 masters and Adam moments of ZeRO 1-3 in fp32 or bf16. ZeRO-0 keeps no per-parameter
+        moments; fp16's loss-scaler state has no counterpart in another engine."""
+        states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)
+        layout = layout_of(states.get("ds_config") or {})
+        stage = layout["zero_stage"]
+        if stage == 0 or layout["precision"] == "fp16":
+            why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
+                   "fp16 (its loss-scaler state has no counterpart in another engine)")
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was saved by runner_deepspeed with {why}; another engine continues DeepSpeed checkpoints "
+                f"of ZeRO stages 1-3 in fp32 or bf16. Resume with run.runner: runner_deepspeed, or start afresh "
+                f"(--options run.resume=false)")
+        if rank == 0:  # rank 0 converts every partition
+            ckpt.check_files(ckpt.files_of_rank(tag_dir, 0, same_world=False), stage)
+        return ckpt.saved_trainable(states)
+
+    @classmethod
+    def read_handover(cls, tag_dir, scratch, rank, needed=True):
+        """Every trainable parameter's fp32 master and Adam moments, whole, from DeepSpeed's universal checkpoint
+        form (made by rank 0, removed once every rank has read it)."""
+        universal = ckpt.universal_copy(tag_dir, scratch, rank) / tag_dir.name
+        handover = None
+        if needed:
+            folder = universal / "zero"
+            states = {name: {key: torch.load(folder / name / f"{key}.pt", map_location="cpu", weights_only=False)
+                             ["param"] for key in ("fp32", "exp_avg", "exp_avg_sq")}
+                      for name in ckpt.saved_trainable(ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True))}
+            step = torch.load(folder / next(iter(states)) / "step.pt", weights_only=False)
+            handover = ckpt.Handover(states, int(step), ckpt.load_file(ckpt.model_states_file(tag_dir)))
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        if rank == 0:
+            ckpt.remove_universal_copy(universal)
+        return handover
 
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
