@@ -119,7 +119,7 @@ def continue_from(checkpoint: Path, cfg_path: Path, out: Path, nproc: int = 2) -
     return run_train(cfg_path, nproc=nproc)
 
 
-def assert_continues(out: Path, reference_out: Path, steps: range, tolerance: float) -> None:
+def assert_same_steps(out: Path, reference_out: Path, steps: range, tolerance: float) -> None:
     """``out`` logged the optimizer ``steps`` and each is the reference run's step of that number: the same lr, the
     loss within ``tolerance`` relative (another engine or number of processes adds in another order)."""
     continued, expected = train_steps(out), {m["step"]: m for m in train_steps(reference_out)}

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import (assert_continues, continue_from, killed_run_continues_bit_for_bit, metrics, run_train,
+from run_utils import (assert_same_steps, continue_from, killed_run_continues_bit_for_bit, metrics, run_train,
                        tiny_config, train_steps, write_yaml)
 
 SAME_STEPS = 20  # 160 samples, micro 4 x 2 processes
@@ -53,6 +53,15 @@ def test_fsdp_takes_the_steps_deepspeed_takes_in_fp32(fp32_runs, deepspeed):
         assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
         assert _relative(mine["grad_norm"], theirs["grad_norm"]) < 1e-5, (mine, theirs)
     assert fsdp[-1]["loss"] < 0.8 * fsdp[0]["loss"]
+
+
+def test_cpu_offload_and_keeping_gathered_parameters_take_the_default_steps(fp32_runs, tmp_path, demo_storage):
+    """run.fsdp.cpu_offload and reshard_after_forward=false change where parameters live and when they are gathered,
+    not the arithmetic: the same 20 steps as the default run (both in one run, to keep the suite short)."""
+    out = tmp_path / "options"
+    run_train(write_yaml(tmp_path / "options.yaml", _config(
+        out, demo_storage, "runner_fsdp", fsdp={"cpu_offload": True, "reshard_after_forward": False})))
+    assert_same_steps(out, fp32_runs["fsdp"][0], range(1, SAME_STEPS + 1), 1e-6)
 
 
 def test_fsdp_generates_under_sharding_what_deepspeed_generates(fp32_runs):
@@ -160,7 +169,7 @@ def test_fsdp_resumes_on_one_process_what_two_saved(tmp_path, demo_storage):
     rerun = continue_from(saved, write_yaml(tmp_path / "continued.yaml", config(out)), out, nproc=0)
     assert f"resumed from {out / 'checkpoints' / saved.name}" in rerun.stdout
     # Reductions over 1 process add in another order than over 2: equal up to rounding, not bit for bit.
-    assert_continues(out, reference_out, range(SAME_STEPS + 1, 2 * SAME_STEPS + 1), 1e-5)
+    assert_same_steps(out, reference_out, range(SAME_STEPS + 1, 2 * SAME_STEPS + 1), 1e-5)
 
 
 def _without_dropout(cfg: dict) -> dict:
@@ -226,7 +235,7 @@ def test_a_run_switches_to_fsdp_and_back_to_deepspeed(tmp_path, demo_storage, dt
                          fsdp_out, nproc=nproc)
     assert f"resumed runner_deepspeed's checkpoint {fsdp_out / 'checkpoints' / saved.name} under runner_fsdp" \
         in proc.stdout
-    assert_continues(fsdp_out, reference_out, range(SAME_STEPS + 1, 2 * SAME_STEPS + 1), tolerance)
+    assert_same_steps(fsdp_out, reference_out, range(SAME_STEPS + 1, 2 * SAME_STEPS + 1), tolerance)
 
     saved = fsdp_out / "checkpoints" / f"step_{2 * SAME_STEPS}"
     assert json.loads((saved / "lavis_ds_complete.json").read_text())["runner"] == "runner_fsdp"
@@ -234,6 +243,6 @@ def test_a_run_switches_to_fsdp_and_back_to_deepspeed(tmp_path, demo_storage, dt
                          back_out)
     assert f"resumed runner_fsdp's checkpoint {back_out / 'checkpoints' / saved.name} under runner_deepspeed" \
         in proc.stdout
-    assert_continues(back_out, reference_out, range(2 * SAME_STEPS + 1, 3 * SAME_STEPS + 1), tolerance)
+    assert_same_steps(back_out, reference_out, range(2 * SAME_STEPS + 1, 3 * SAME_STEPS + 1), tolerance)
     for out in (fsdp_out, back_out):
         assert not any((out / "checkpoints" / "universal").iterdir())  # the conversions were scratch
