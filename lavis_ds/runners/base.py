@@ -267,6 +267,12 @@ class RunnerBase:
         """The model without its wrapper (for generate and export)."""
         return self.model
 
+    @classmethod
+    def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this runner
+        wrote, read in one process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
+        raise ckpt.CheckpointError(f"{tag_dir}: {cls.__name__} checkpoints cannot be exported")
+
     # ------------------------------------ switching engines: what a runner provides
     # A checkpoint written by another runner continues here when both engines keep AdamW's state per
     # parameter in fp32: the runner that wrote it reads it out (handover_shapes, read_handover), this one

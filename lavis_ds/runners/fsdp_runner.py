@@ -94,8 +94,10 @@ class FSDPRunner(RunnerBase):
             policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         else:
             policy = MixedPrecisionPolicy()
+        # Pinned host memory speeds up copies to a GPU; without one (CPU-only torch) pinning raises.
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         shard = dict(mp_policy=policy, reshard_after_forward=self.options.reshard_after_forward,
-                     **({"offload_policy": CPUOffloadPolicy()} if self.options.cpu_offload else {}))
+                     **({"offload_policy": offload} if self.options.cpu_offload else {}))
         # fully_shard swaps every parameter for a sharded one: remember the groups by name.
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in group["params"]] for group in param_groups]
@@ -250,6 +252,11 @@ class FSDPRunner(RunnerBase):
         saved = _saved_shapes(_read_index(tag_dir))  # every file there and whole, or DamagedCheckpoint naming it
         ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
         return saved
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir):
+        weights, client_state = read_trained_weights(tag_dir)
+        return weights, client_state, {"precision": ckpt.read_marker(tag_dir).get("precision", "fp32")}
 
     @classmethod
     def read_handover(cls, tag_dir, scratch, rank, needed=True):

@@ -206,13 +206,12 @@ class DeepSpeedRunner(RunnerBase):
         if self.source is not None:  # another engine's: its per-parameter state, written as a universal copy
             handover = self.source.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank,
-                                           write=functools.partial(self._write_handover, handover))
+                                              write=functools.partial(self._write_handover, handover))
         elif self.universal:
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank)
+        hyper = self._hyper_parameters()
         # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
-        hyper = [{key: value for key, value in group.items() if key != "params"}
-                 for group in self.engine.optimizer.param_groups]
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
@@ -238,9 +237,12 @@ class DeepSpeedRunner(RunnerBase):
             "dp_world_size": handover.client_state["lavis_ds"].get("world_size", self.world_size),
             "global_steps": handover.step, "global_samples": handover.step * self.global_batch, "skipped_steps": 0}
         # This engine's own hyper-parameters: a universal load sets them from the file.
-        groups = [{key: value for key, value in group.items() if key != "params"}
-                  for group in self.engine.optimizer.param_groups]
-        ds_ckpt.write_universal(folder, handover, model_states, groups)
+        ds_ckpt.write_universal(folder, handover, model_states, self._hyper_parameters())
+
+    def _hyper_parameters(self) -> list[dict]:
+        """Each optimizer param group's settings (lr, weight decay, lr_scale, betas, ...) without its tensors."""
+        return [{key: value for key, value in group.items() if key != "params"}
+                for group in self.engine.optimizer.param_groups]
 
     # ------------------------------------------------ continued by another engine
     def takeover_problem(self):
