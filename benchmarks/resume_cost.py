@@ -156,6 +156,7 @@ def place_checkpoint(source: Path, dest_root: Path, epoch: int, global_step: int
     import torch
 
     from lavis_ds.runners import checkpoint as ckpt
+    from lavis_ds.runners.deepspeed.checkpoint import model_states_file
 
     tag_dir = dest_root / ckpt.tag_for(global_step)
     if ckpt.is_complete(tag_dir):
@@ -164,7 +165,7 @@ def place_checkpoint(source: Path, dest_root: Path, epoch: int, global_step: int
     shutil.copytree(source, tag_dir)
     marker = ckpt.read_marker(tag_dir)  # keeps world_size and global_batch, which resume reads
     (tag_dir / ckpt.COMPLETE_MARKER).unlink()
-    states_path = ckpt.model_states_file(tag_dir)
+    states_path = model_states_file(tag_dir)
     states = torch.load(states_path, weights_only=False)
     client = states["lavis_ds"]
     client["train_state"] = {"epoch": epoch, "global_step": global_step, "step_in_epoch": step_in_epoch}

@@ -128,7 +128,7 @@ def build_raw_step(cfg) -> Callable[[list[dict]], None]:
     from omegaconf import OmegaConf
 
     from lavis_ds.build import build_model
-    from lavis_ds.common.run_config import build_deepspeed_config
+    from lavis_ds.runners.deepspeed.section import build_deepspeed_config
 
     ds_config = build_deepspeed_config(OmegaConf.to_container(cfg.run, resolve=True), dist.world_size())
     model = build_model(cfg.model, cfg.run.seed)

@@ -4,7 +4,8 @@ Order of precedence, lowest first: the model's default YAML for its `model_type`
 the dataset builder's default YAML, the `RunConfig` defaults, the user's YAML,
 the `--options key=value` overrides. LAVIS / MiniGPT4Qwen keys are translated
 first (`lavis_compat`), a DeepSpeed section given as a JSON file is read and its
-"auto" values filled (`deepspeed_section`). The merged config is checked as a
+"auto" values filled (`runners/deepspeed/section.py`: every runner reads the DeepSpeed words of the
+engine-neutral settings). The merged config is checked as a
 whole and every problem is reported in one `ConfigError`, each with its key path:
 an unknown name (arch, model_type, builder, runner) is reported with the rest,
 which is checked against the closest known name.
@@ -24,7 +25,7 @@ from typing import Iterable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lavis_ds.common import deepspeed_section, dist, lavis_compat
+from lavis_ds.common import dist, lavis_compat
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.run_config import DEEPSPEED_TWINS, RunConfig, training_settings
@@ -33,6 +34,7 @@ from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_default
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
+from lavis_ds.runners.deepspeed import section as deepspeed_section
 
 logger = logging.getLogger(__name__)
 

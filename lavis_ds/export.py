@@ -15,16 +15,9 @@ the model from ``config.yaml`` through the registry, which brings them from wher
 training had them (random init from ``seed``, or the files named by ``pretrained``,
 ``vit_pretrained`` and ``llm_model``), then loads ``model.safetensors`` over it.
 
-Export reads checkpoints of every ZeRO stage and precision. Stages 1-3 go through
-DeepSpeed's own consolidation (``deepspeed.utils.zero_to_fp32``), which reads the fp32
-master partitions of every rank (``*zero_pp_rank_*_optim_states.pt``, including the
-``bf16_zero_pp_*`` files of DeepSpeed's BF16 optimizer). Stage 0 keeps everything in
-``mp_rank_00_model_states.pt``: in fp32 the module's weights are the trained values (a
-plain torch optimizer steps them); in bf16/fp16 the module holds a rounded copy and the
-fp32 masters sit in the FP16 optimizer's flat groups, which are split back by name here.
-
-This module imports DeepSpeed only inside :func:`export_checkpoint`: loading an export
-needs neither DeepSpeed nor a process group.
+Export reads the checkpoints of every runner, each through the runner that wrote it
+(``read_trained_weights``: DeepSpeed's of every ZeRO stage and precision, FSDP's DCP folders).
+Loading an export needs no engine and no process group.
 """
 from __future__ import annotations
 
@@ -39,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common.errors import InputError, LavisDsError, report
+from lavis_ds.common.registry import runners as runner_registry
 from lavis_ds.runners import checkpoint as ckpt
 
 WEIGHTS_FILE = "model.safetensors"
@@ -96,108 +90,25 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     ``info`` has the run ``config`` (DictConfig), ``runner``, ``zero_stage`` (DeepSpeed's; None under FSDP),
     ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
     """
-    marker = ckpt.read_marker(tag_dir)
-    if ckpt.written_by(marker) == "runner_fsdp":
-        from lavis_ds.runners.fsdp_runner import read_trained_weights
-
-        weights, client_state = read_trained_weights(tag_dir)
-        return weights, _info(tag_dir, client_state, "runner_fsdp", None, marker.get("precision", "fp32"))
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from lavis_ds.runners.deepspeed_runner import layout_of
-
-    # Every file whole before DeepSpeed's consolidation reads them: an error names the file, not only
-    # "PytorchStreamReader failed". Rank 0's model states carry the client state.
-    for path in sorted(tag_dir.glob("*.pt")):
-        ckpt.load_file(path, mmap=True)
-    states = ckpt.load_file(ckpt.model_states_file(tag_dir))
-    layout = layout_of(states.get("ds_config") or {})
-    stage = layout["zero_stage"]
-    info = _info(tag_dir, states, "runner_deepspeed", stage, layout["precision"])
-
-    if stage == 0:
-        return _stage0_weights(states, info["config"].run, tag_dir), info
-    # Stages 1-3: DeepSpeed merges the fp32 partitions of every rank. Its result also holds buffers
-    # and tied aliases; `param_shapes` lists the optimizer's parameters, i.e. exactly what trained.
-    merged = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name,
-                                                      exclude_frozen_parameters=True)
-    names = [name for group in states["param_shapes"] for name in group]
-    return {name: merged[name] for name in names}, info
+    writer = ckpt.written_by(ckpt.read_marker(tag_dir))
+    if writer not in runner_registry:
+        raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
+                          f"(known: {', '.join(runner_registry)})")
+    # Each engine reads its own files (the DeepSpeed runner: its consolidation of the fp32 partitions).
+    weights, client_state, layout = runner_registry.get(writer).read_trained_weights(tag_dir)
+    return weights, _info(tag_dir, client_state, writer, layout.get("zero_stage"), layout["precision"])
 
 
 def _info(tag_dir: Path, client_state: dict, runner: str, zero_stage: int | None, dtype: str) -> dict[str, Any]:
     """``read_checkpoint``'s info, from the client state the runner saved (its ``lavis_ds`` key)."""
-    client = client_state.get("lavis_ds")
-    if not isinstance(client, dict) or "config" not in client:
-        raise ExportError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
-                          "it was not written by lavis_ds's runner")
+    config = ckpt.saved_config(tag_dir, client_state)
+    client = client_state["lavis_ds"]
     train_state = client.get("train_state", {})
-    return {"config": OmegaConf.create(client["config"]), "runner": runner, "zero_stage": zero_stage, "dtype": dtype,
+    return {"config": config, "runner": runner, "zero_stage": zero_stage, "dtype": dtype,
             "world_size": client.get("world_size"), "global_step": train_state.get("global_step"),
             "epoch": train_state.get("epoch")}
 
 
-class _SavedParameters:
-    """Names and shapes of saved parameters, as ``build_param_groups`` reads a model (meta tensors: no memory)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.params = {name: nn.Parameter(torch.empty(t.shape, device="meta")) for name, t in tensors.items()}
-
-    def named_parameters(self):
-        return iter(self.params.items())
-
-
-def _stage0_weights(states: dict, run: DictConfig, tag_dir: Path) -> dict[str, torch.Tensor]:
-    from lavis_ds.optim import build_param_groups
-
-    buffers = set(states.get("buffer_names") or ())
-    # The module was saved with exclude_frozen_parameters: what is left besides buffers trained.
-    module = _first_name_per_tensor({k: v for k, v in states["module"].items() if k not in buffers})
-    optimizer = states.get("optimizer") or {}
-    if "fp32_groups_flat" not in optimizer:
-        return {name: t.float() for name, t in module.items()}  # fp32: a torch optimizer stepped these
-
-    # bf16/fp16: FP16_Optimizer flattened each param group (in group order, no padding) into one fp32
-    # master. The groups are the runner's, so the same function, on the same names in the same
-    # order, gives the same groups.
-    saved = _SavedParameters(module)
-    groups = build_param_groups(saved, run.weight_decay, dict(run.lr_scales))
-    name_of = {id(p): name for name, p in saved.params.items()}
-    flats = optimizer["fp32_groups_flat"]
-    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
-    if len(flats) != len(groups) or [f.numel() for f in flats] != sizes:
-        raise ExportError(f"{tag_dir}: the fp32 master groups ({[f.numel() for f in flats]} elements) do not match "
-                          f"the parameter groups of the saved weights ({sizes}); were run.weight_decay or "
-                          "run.lr_scales changed in the saved config?")
-    weights = {}
-    for group, flat in zip(groups, flats):
-        offset = 0
-        for p in group["params"]:
-            weights[name_of[id(p)]] = flat[offset:offset + p.numel()].view(p.shape).float()
-            offset += p.numel()
-    # The module copy is the master rounded to the engine's dtype: a wrong split cannot pass this.
-    wrong = [name for name, w in weights.items() if not torch.equal(w.to(module[name].dtype), module[name])]
-    if wrong:
-        raise ExportError(f"{tag_dir}: the fp32 master weights do not round to the saved module weights for "
-                          f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; the flat master groups "
-                          "could not be matched to parameter names")
-    return {name: weights[name] for name in module}
-
-
-def _first_name_per_tensor(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop later names of the same tensor (tied weights), as ``named_parameters()`` does.
-
-    torch.load keeps shared storage shared, and a state dict lists parameters in
-    ``named_parameters`` order, so the name kept is the one the model's parameter has.
-    """
-    seen, unique = set(), {}
-    for name, t in tensors.items():
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        unique[name] = t
-    return unique
 
 
 # ----------------------------------------------------------------------------- export

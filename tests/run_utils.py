@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,6 +122,24 @@ def killed_run_continues_bit_for_bit(tmp_path: Path, demo_storage: Path, stage: 
     assert "resumed from" in rerun.stdout, f"kill after step {kill_step}: no resume\n{rerun.stdout[-2000:]}"
     assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
     return expected
+
+
+def continue_from(checkpoint: Path, cfg_path: Path, out: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """Run ``cfg_path`` (whose output_dir is ``out``) on from a copy of another run's ``checkpoint`` (a step_<N>
+    folder): a run moved to other settings, processes or engine at that checkpoint."""
+    shutil.copytree(checkpoint, Path(out) / "checkpoints" / Path(checkpoint).name)
+    return run_train(cfg_path, nproc=nproc)
+
+
+def assert_same_steps(out: Path, reference_out: Path, steps: range, tolerance: float) -> None:
+    """``out`` logged the optimizer ``steps`` and each is the reference run's step of that number: the same lr, the
+    loss within ``tolerance`` relative (another engine or number of processes adds in another order)."""
+    continued, expected = train_steps(out), {m["step"]: m for m in train_steps(reference_out)}
+    assert [m["step"] for m in continued] == list(steps)
+    for mine in continued:
+        theirs = expected[mine["step"]]
+        assert mine["lr"] == theirs["lr"], (mine, theirs)
+        assert abs(mine["loss"] - theirs["loss"]) <= tolerance * abs(theirs["loss"]), (mine, theirs)
 
 
 def write_yaml(path: Path, cfg: dict) -> Path:

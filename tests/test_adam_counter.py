@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from lavis_ds.runners.adam_counter import replay_step_counter
+from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
 
 STEPS = 12
 

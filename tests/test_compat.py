@@ -277,7 +277,7 @@ def test_scheduler_with_real_values_and_conflicting_lr_are_errors(tmp_path):
 def test_config_yaml_holds_the_deepspeed_section_as_handed_to_deepspeed(tmp_path):
     cfg = _demo_run(tmp_path)
     loaded = load_config(write_yaml(tmp_path / "x.yaml", cfg), world_size=2)
-    from lavis_ds.common.run_config import build_deepspeed_config
+    from lavis_ds.runners.deepspeed.section import build_deepspeed_config
     from omegaconf import OmegaConf
 
     assert OmegaConf.to_container(loaded.run.deepspeed_config) == build_deepspeed_config(

@@ -57,10 +57,11 @@ def test_a_changed_zero_stage_resumes_through_the_universal_checkpoint(tmp_path,
     reference = train_steps(stage2_two_epochs)
     assert [m["step"] for m in continued] == [m["step"] for m in reference]
     # fp32 master weights and Adam moments carried over: the curve goes on where it was (ZeRO-3 adds in
-    # another order, so equal within float tolerance, not bit for bit).
+    # another order, so equal within float tolerance, not bit for bit). Each parameter group keeps its own
+    # weight decay: ZeRO-3's universal load gave every group the first one's.
     for ours, theirs in zip(continued[STEPS_PER_EPOCH:], reference[STEPS_PER_EPOCH:]):
         assert ours["lr"] == pytest.approx(theirs["lr"], rel=1e-9)
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     assert not (out / "checkpoints" / "universal" / f"step_{STEPS_PER_EPOCH}").exists()  # scratch copy gone
 
     # And back: the ZeRO-3 checkpoint it just wrote resumes under ZeRO-2 in bf16 (stage and precision change).

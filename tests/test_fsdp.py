@@ -8,7 +8,8 @@ import math
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import killed_run_continues_bit_for_bit, metrics, run_train, tiny_config, train_steps, write_yaml
+from run_utils import (assert_same_steps, continue_from, killed_run_continues_bit_for_bit, metrics, run_train,
+                       tiny_config, train_steps, write_yaml)
 
 SAME_STEPS = 20  # 160 samples, micro 4 x 2 processes
 
@@ -52,6 +53,15 @@ def test_fsdp_takes_the_steps_deepspeed_takes_in_fp32(fp32_runs, deepspeed):
         assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
         assert _relative(mine["grad_norm"], theirs["grad_norm"]) < 1e-5, (mine, theirs)
     assert fsdp[-1]["loss"] < 0.8 * fsdp[0]["loss"]
+
+
+def test_cpu_offload_and_keeping_gathered_parameters_take_the_default_steps(fp32_runs, tmp_path, demo_storage):
+    """run.fsdp.cpu_offload and reshard_after_forward=false change where parameters live and when they are gathered,
+    not the arithmetic: the same 20 steps as the default run (both in one run, to keep the suite short)."""
+    out = tmp_path / "options"
+    run_train(write_yaml(tmp_path / "options.yaml", _config(
+        out, demo_storage, "runner_fsdp", fsdp={"cpu_offload": True, "reshard_after_forward": False})))
+    assert_same_steps(out, fp32_runs["fsdp"][0], range(1, SAME_STEPS + 1), 1e-6)
 
 
 def test_fsdp_generates_under_sharding_what_deepspeed_generates(fp32_runs):
@@ -150,26 +160,22 @@ def test_fsdp_killed_run_continues_bit_for_bit(tmp_path, dtype):
 
 def test_fsdp_resumes_on_one_process_what_two_saved(tmp_path, demo_storage):
     """DCP reshards the 2-process checkpoint for 1 process; the global batch is kept (accumulation doubles)."""
-    import shutil
-
-    def config(out):  # dropout off: its masks are drawn per rank, which a change of world size changes
-        cfg = _config(out, demo_storage, "runner_fsdp", max_epoch=2)
-        cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-        return cfg
+    def config(out):
+        return _without_dropout(_config(out, demo_storage, "runner_fsdp", max_epoch=2))
 
     reference_out, out = tmp_path / "reference", tmp_path / "continued"
     run_train(write_yaml(tmp_path / "reference.yaml", config(reference_out)))
-    saved = f"checkpoints/step_{SAME_STEPS}"  # the end of epoch 0, saved by 2 processes
-    shutil.copytree(reference_out / saved, out / saved)
-    rerun = run_train(write_yaml(tmp_path / "continued.yaml", config(out)), nproc=0)
-    assert f"resumed from {out / saved}" in rerun.stdout
-    resumed, expected = train_steps(out), train_steps(reference_out)[SAME_STEPS:]
-    assert [m["step"] for m in resumed] == [m["step"] for m in expected] == list(range(SAME_STEPS + 1,
-                                                                                          2 * SAME_STEPS + 1))
-    for mine, theirs in zip(resumed, expected):
-        # Reductions over 1 process add in another order than over 2: equal up to rounding, not bit for bit.
-        assert mine["lr"] == theirs["lr"]
-        assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
+    saved = reference_out / "checkpoints" / f"step_{SAME_STEPS}"  # the end of epoch 0, saved by 2 processes
+    rerun = continue_from(saved, write_yaml(tmp_path / "continued.yaml", config(out)), out, nproc=0)
+    assert f"resumed from {out / 'checkpoints' / saved.name}" in rerun.stdout
+    # Reductions over 1 process add in another order than over 2: equal up to rounding, not bit for bit.
+    assert_same_steps(out, reference_out, range(SAME_STEPS + 1, 2 * SAME_STEPS + 1), 1e-5)
+
+
+def _without_dropout(cfg: dict) -> dict:
+    """Dropout masks are drawn per rank, which a change of the number of processes changes."""
+    cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    return cfg
 
 
 def test_bf16_mixed_fsdp_stays_close_to_deepspeed_bf16(tmp_path, demo_storage):
@@ -194,11 +200,12 @@ def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, dem
     assert "run.precision: fp16 is not supported by runner_fsdp" in proc.stderr
     assert "run.fsdp.precision_mod: unknown key; did you mean 'precision_mode'?" in proc.stderr
 
-    # Engines: a ZeRO-0 checkpoint has no per-parameter moments to carry over; FSDP -> DeepSpeed is not built.
+    # Engines: ZeRO-0 keeps no per-parameter moments to carry over, whichever side of the switch it is on.
     for writer, reader, stage, message in (
             ("runner_deepspeed", "runner_fsdp", 0, "was saved by runner_deepspeed with ZeRO stage 0 (no per-parameter "
                                                    "optimizer states to carry over)"),
-            ("runner_fsdp", "runner_deepspeed", 2, "was written by runner_fsdp; runner_deepspeed cannot resume it yet")):
+            ("runner_fsdp", "runner_deepspeed", 0, "was written by runner_fsdp, and runner_deepspeed with ZeRO stage 0 "
+                                                   "cannot continue it")):
         out = tmp_path / writer
         run_train(write_yaml(tmp_path / f"{writer}.yaml", _config(out, demo_storage, writer, stage)), nproc=0)
         proc = run_train(write_yaml(tmp_path / f"{reader}.yaml", _config(out, demo_storage, reader, stage,
@@ -208,25 +215,34 @@ def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, dem
         assert (out / "checkpoints" / f"step_{SAME_STEPS * 2}").is_dir()  # refused, not set aside as damaged
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_deepspeed_run_continues_under_fsdp(tmp_path, demo_storage, dtype):
-    """Checkpointed by runner_deepspeed (ZeRO-2) after epoch 0, continued by runner_fsdp: the fp32 weights and
-    Adam moments carry over, and the next steps' losses are the uninterrupted DeepSpeed run's."""
-    import shutil
+@pytest.mark.parametrize("dtype, nproc, back_to_stage", [("fp32", 1, 3), ("bf16", 2, 1)])
+def test_a_run_switches_to_fsdp_and_back_to_deepspeed(tmp_path, demo_storage, dtype, nproc, back_to_stage):
+    """Checkpointed by runner_deepspeed (ZeRO-2, 2 processes) after epoch 0, continued by runner_fsdp for epoch 1
+    (fp32: on 1 process), and by runner_deepspeed again for epoch 2 (fp32: ZeRO-3; bf16: ZeRO-1, DeepSpeed's BF16
+    optimizer): the fp32 weights and Adam moments carry over each time, and every continued step's loss is the
+    uninterrupted DeepSpeed run's."""
+    def config(out, runner, stage=2, epochs=3):  # a schedule that does not depend on max_epoch: runs of 2 and 3 epochs
+        return _without_dropout(_config(out, demo_storage, runner, stage, dtype=dtype, max_epoch=epochs,
+                                        lr_sched="linear_warmup_step_lr", lr_decay_rate=0.5))
 
-    reference_out, out = tmp_path / "deepspeed", tmp_path / "switched"
-    run_train(write_yaml(tmp_path / "deepspeed.yaml",
-                         _config(reference_out, demo_storage, "runner_deepspeed", dtype=dtype, max_epoch=2)))
-    saved = f"checkpoints/step_{SAME_STEPS}"
-    shutil.copytree(reference_out / saved, out / saved)
-    proc = run_train(write_yaml(tmp_path / "switched.yaml",
-                                _config(out, demo_storage, "runner_fsdp", dtype=dtype, max_epoch=2)))
-    assert f"resumed runner_deepspeed's checkpoint {out / saved} under runner_fsdp" in proc.stdout
-    continued, expected = train_steps(out), train_steps(reference_out)[SAME_STEPS:]
-    assert [m["step"] for m in continued] == [m["step"] for m in expected]
+    reference_out, fsdp_out, back_out = tmp_path / "deepspeed", tmp_path / "fsdp", tmp_path / "back"
+    run_train(write_yaml(tmp_path / "deepspeed.yaml", config(reference_out, "runner_deepspeed")))
     # fp32: the same arithmetic up to summation order; bf16: the engines round differently (see above).
     tolerance = 1e-5 if dtype == "fp32" else 0.02
-    for mine, theirs in zip(continued, expected):
-        assert mine["lr"] == theirs["lr"]
-        assert _relative(mine["loss"], theirs["loss"]) < tolerance, (mine, theirs)
-    assert not any((out / "checkpoints" / "universal").iterdir())  # the conversion was scratch
+
+    saved = reference_out / "checkpoints" / f"step_{SAME_STEPS}"
+    proc = continue_from(saved, write_yaml(tmp_path / "fsdp.yaml", config(fsdp_out, "runner_fsdp", epochs=2)),
+                         fsdp_out, nproc=nproc)
+    assert f"resumed runner_deepspeed's checkpoint {fsdp_out / 'checkpoints' / saved.name} under runner_fsdp" \
+        in proc.stdout
+    assert_same_steps(fsdp_out, reference_out, range(SAME_STEPS + 1, 2 * SAME_STEPS + 1), tolerance)
+
+    saved = fsdp_out / "checkpoints" / f"step_{2 * SAME_STEPS}"
+    assert json.loads((saved / "lavis_ds_complete.json").read_text())["runner"] == "runner_fsdp"
+    proc = continue_from(saved, write_yaml(tmp_path / "back.yaml", config(back_out, "runner_deepspeed", back_to_stage)),
+                         back_out)
+    assert f"resumed runner_fsdp's checkpoint {back_out / 'checkpoints' / saved.name} under runner_deepspeed" \
+        in proc.stdout
+    assert_same_steps(back_out, reference_out, range(2 * SAME_STEPS + 1, 3 * SAME_STEPS + 1), tolerance)
+    for out in (fsdp_out, back_out):
+        assert not any((out / "checkpoints" / "universal").iterdir())  # the conversions were scratch

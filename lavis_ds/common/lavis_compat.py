@@ -10,13 +10,14 @@ ignored trains with a global batch 16 times too small. So every key here is one 
 * refused, with the key to use instead (``REPLACED_RUN_KEYS``, and ignorable keys
   whose value asks for something lavis_ds does not do).
 
-Works on plain dicts (the user's YAML before defaults are merged); imports nothing of lavis_ds.
+Works on plain dicts (the user's YAML before defaults are merged); imports nothing of lavis_ds outside
+``common/``.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-DS = "deepspeed_config"
+from lavis_ds.common.run_config import precision_switches
 
 # run.<LAVIS key> -> run.<path of the lavis_ds key with the same meaning>
 MAPPED_RUN_KEYS = {
@@ -52,7 +53,7 @@ IGNORED: dict[tuple[str, str], tuple[Callable[[Any, dict], bool], str]] = {
         lambda v, s: not v,
         "true (the instruction fed to the Q-Former) is not implemented, as in MiniGPT4Qwen; set it false"),
     ("model", "enable_autocast"): (
-        lambda v, s: True, ""),  # the whole forward runs under the engine's autocast (run.deepspeed_config bf16/fp16)
+        lambda v, s: True, ""),  # the whole forward runs under the engine's autocast (run.precision)
     ("model", "apply_lemmatizer"): (
         lambda v, s: not v, "true (LAVIS's VQA answer lemmatizer) is not implemented; set it false"),
     ("model", "llm_device_map"): (lambda v, s: True, ""),  # DeepSpeed places the model
@@ -135,7 +136,7 @@ def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: 
         child = node.get(key)
         if child is None:
             child = node[key] = {}
-        if not isinstance(child, dict):  # e.g. deepspeed_config still a path: read before translating
+        if not isinstance(child, dict):  # e.g. an engine section still a file path: read before translating
             problems.append(f"{source}: cannot be mapped into run.{'.'.join(target[:-1])}, which is {child!r}")
             return False
         node = child
@@ -168,12 +169,9 @@ def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: l
         precision, source = ("fp16" if amp else "fp32"), f"run.amp={amp!r}"
     else:
         return
-    ds = run.get(DS) if isinstance(run.get(DS), dict) else {}
-    for key in ("bf16", "fp16"):
-        enabled = ds[key].get("enabled") if isinstance(ds.get(key), dict) else None
-        if isinstance(enabled, bool) and enabled != (precision == key):
-            problems.append(f"{source} means {precision} but run.{DS}.{key}.enabled is {enabled!r}; they disagree, "
-                            f"give one")
+    for path, (key, enabled) in precision_switches(run).items():
+        if enabled != (precision == key):
+            problems.append(f"{source} means {precision} but {path} is {enabled!r}; they disagree, give one")
             return
     present = run.get("precision")
     if present is not None and present != precision:

@@ -1,6 +1,6 @@
 """Runners: the shared training loop (base.py) and the engines behind it."""
 from lavis_ds.runners.base import RunnerBase
-from lavis_ds.runners.deepspeed_runner import DeepSpeedRunner
+from lavis_ds.runners.deepspeed import DeepSpeedRunner
 from lavis_ds.runners.fsdp_runner import FSDPRunner
 
 __all__ = ["RunnerBase", "DeepSpeedRunner", "FSDPRunner"]

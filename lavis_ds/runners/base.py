@@ -23,6 +23,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 from lavis_ds.common import dist
 from lavis_ds.common.errors import ConfigError, LavisDsError, report
 from lavis_ds.common.registry import registry
+from lavis_ds.common.registry import runners as runner_registry
 from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
 from lavis_ds.datasets.mixing import mix_train_splits
@@ -265,6 +266,68 @@ class RunnerBase:
     def module(self) -> torch.nn.Module:
         """The model without its wrapper (for generate and export)."""
         return self.model
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this runner
+        wrote, read in one process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
+        raise ckpt.CheckpointError(f"{tag_dir}: {cls.__name__} checkpoints cannot be exported")
+
+    # ------------------------------------ switching engines: what a runner provides
+    # A checkpoint written by another runner continues here when both engines keep AdamW's state per
+    # parameter in fp32: the runner that wrote it reads it out (handover_shapes, read_handover), this one
+    # says whether it can take it exactly (takeover_problem) and loads it (in its load_checkpoint).
+    @classmethod
+    def handover_shapes(cls, tag_dir: Path, rank: int) -> dict[str, tuple]:
+        """For another runner resuming ``tag_dir``, which this runner wrote: the trained parameters' names and
+        shapes, or a CheckpointError if the checkpoint cannot carry over exactly. Default: it cannot."""
+        raise ckpt.CheckpointError(f"{tag_dir} was written by {cls.__name__}, whose checkpoints do not carry over "
+                                   f"to another engine")
+
+    @classmethod
+    def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
+        """The trained state of ``tag_dir`` (which this runner wrote) for another runner. Collective: every rank
+        calls it; ``needed``: whether this rank uses the result (None may come back if not); ``scratch``: a
+        folder for temporary files, removed again."""
+        raise NotImplementedError
+
+    def takeover_problem(self) -> str | None:
+        """Why this run cannot continue another engine's checkpoint exactly (None: it can). Default: it cannot."""
+        return f"{type(self).__name__} does not continue other engines' checkpoints"
+
+    # ------------------------------------------------ switching engines: the shared part
+    @property
+    def name(self) -> str:
+        """The registered name of this runner (``run.runner`` without its alias)."""
+        return runner_registry.canonical(self.run.runner)
+
+    def foreign_writer(self, tag_dir: Path) -> type[RunnerBase] | None:
+        """The runner class that wrote ``tag_dir`` if it is another engine's (None: this runner's own)."""
+        writer = ckpt.written_by(ckpt.read_marker(tag_dir))  # whole, or DamagedCheckpoint
+        if writer not in runner_registry:
+            raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
+                                       f"(known: {', '.join(runner_registry)}); list its module under `imports:`")
+        source = registry.get_runner_class(writer)
+        return None if isinstance(self, source) else source
+
+    def check_takeover(self, tag_dir: Path, source: type[RunnerBase]) -> None:
+        """A CheckpointError unless ``tag_dir``, written by ``source``, continues here exactly: the writer's
+        side (its engine layout), this run's side, and the trained parameters."""
+        writer = ckpt.written_by(ckpt.read_marker(tag_dir))
+        problem = self.takeover_problem()
+        if problem:
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was written by {writer}, and {self.name} {problem}. Resume with run.runner: {writer}, "
+                f"or start afresh (--options run.resume=false, or another run.output_dir)")
+        saved = source.handover_shapes(tag_dir, self.rank)
+        problems = ckpt.trainable_problems(tag_dir, saved, self.model)
+        if problems:
+            raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
+
+    def report_takeover(self, tag_dir: Path, source_name: str) -> None:
+        if self.rank == 0:
+            print(f"resumed {source_name}'s checkpoint {tag_dir} under {self.name} (fp32 weights and AdamW moments "
+                  f"carried over parameter by parameter)", flush=True)
 
     def trainable_names(self) -> list[str]:
         return [name for name, p in self.module.named_parameters() if p.requires_grad]

@@ -1,9 +1,10 @@
-"""Checkpoint folders on disk: naming, completeness markers, RNG states.
+"""Checkpoint folders on disk, whatever engine fills them: naming, completeness markers, RNG states.
 
-A checkpoint is ``<output_dir>/checkpoints/step_<N>/``. DeepSpeed writes its
+A checkpoint is ``<output_dir>/checkpoints/step_<N>/``. The engine writes its
 files there from every rank; after all ranks are done, rank 0 writes
-``lavis_ds_complete.json``. Only folders with that marker are ever resumed
-from, so a run killed mid-save falls back to the previous checkpoint.
+``lavis_ds_complete.json``, which names the runner that wrote the folder. Only folders
+with that marker are ever resumed from, so a run killed mid-save falls back to the
+previous checkpoint. What is inside is each engine's own (its runner reads it).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,15 @@ from lavis_ds.common.errors import InputError
 COMPLETE_MARKER = "lavis_ds_complete.json"
 DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
 _TAG = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Handover:
+    """A checkpoint's trained state as another engine takes it over: per parameter, whole (not sharded), in fp32."""
+
+    states: dict[str, dict[str, torch.Tensor]]  # parameter name -> {"fp32", "exp_avg", "exp_avg_sq"}
+    step: int  # AdamW steps taken (the t of its bias correction)
+    client_state: dict  # what the loop saved beside it (its "lavis_ds" key)
 
 
 class CheckpointError(InputError):
@@ -95,6 +106,17 @@ def load_file(path: Path, mmap: bool = False) -> dict:
                                 f"checkpoint file") from None
 
 
+def saved_config(tag_dir: Path, client_state: dict):
+    """The run config (DictConfig) a runner saved in its client state (its ``lavis_ds`` key)."""
+    from omegaconf import OmegaConf
+
+    client = client_state.get("lavis_ds")
+    if not isinstance(client, dict) or "config" not in client:
+        raise CheckpointError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
+                              "it was not written by lavis_ds's runner")
+    return OmegaConf.create(client["config"])
+
+
 def mark_complete(tag_dir: Path, info: dict) -> None:
     tmp = Path(tag_dir) / (COMPLETE_MARKER + ".tmp")
     tmp.write_text(json.dumps(info, indent=2))
@@ -130,7 +152,7 @@ def prune(ckpt_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path
     kept = set(complete[-keep_last:]) | ({Path(keep)} if keep else set())
     newest = int(_TAG.match(complete[-1].name).group(1))
     doomed = [p for step, p in steps if p not in kept and (is_complete(p) or step < newest)]
-    _delete(doomed, ckpt_dir)
+    delete_folders(doomed, ckpt_dir)
     return doomed
 
 
@@ -139,11 +161,11 @@ def discard_incomplete(ckpt_dir: Path) -> list[Path]:
     if not Path(ckpt_dir).is_dir():
         return []
     torn = [p for p in Path(ckpt_dir).iterdir() if _TAG.match(p.name) and not is_complete(p)]
-    _delete(torn, ckpt_dir)
+    delete_folders(torn, ckpt_dir)
     return torn
 
 
-def _delete(folders: list[Path], ckpt_dir: Path) -> None:
+def delete_folders(folders: list[Path], ckpt_dir: Path) -> None:
     for path in folders:
         trash = path.with_name(f".deleting-{path.name}")
         os.replace(path, trash)
@@ -181,48 +203,6 @@ def looks_like_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds an engine's checkpoint files (DeepSpeed's model states or a DCP index),
     complete or not."""
     return any(Path(folder).glob("*model_states.pt")) or (Path(folder) / ".metadata").is_file()
-
-
-def model_states_file(tag_dir: Path) -> Path:
-    """The DeepSpeed file holding the module state dict (ZeRO-3 names it per data-parallel rank)."""
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if (Path(tag_dir) / name).is_file():
-            return Path(tag_dir) / name
-    raise DamagedCheckpoint(f"{tag_dir}: no DeepSpeed model states file (mp_rank_00_model_states.pt); "
-                            "is this a DeepSpeed checkpoint folder?")
-
-
-def files_of_rank(tag_dir: Path, rank: int, same_world: bool) -> list[Path]:
-    """The files ``rank`` reads to resume from ``tag_dir``.
-
-    Every rank reads the model states; each its own optimizer partition and RNG
-    states, unless the world size changed: then rank 0 converts every partition.
-    """
-    tag_dir = Path(tag_dir)
-    files = sorted(tag_dir.glob("*model_states.pt")) or [model_states_file(tag_dir)]
-    optim = sorted(tag_dir.glob("*optim_states.pt"))
-    if same_world:
-        optim = [f for f in optim if f"zero_pp_rank_{rank}_" in f.name]
-        return files + optim + [rng_file(tag_dir, rank)]
-    return files + (optim if rank == 0 else [])
-
-
-def check_files(files: list[Path], zero_stage: int) -> None:
-    """Raise DamagedCheckpoint naming the first of ``files`` that is missing or does not load."""
-    for path in files:
-        load_file(path, mmap=True)
-    if zero_stage > 0 and not any(f.name.endswith("optim_states.pt") for f in files if f.is_file()):
-        folder = files[0].parent
-        raise DamagedCheckpoint(f"{folder}: the optimizer states of this rank (*zero_pp_rank_*_optim_states.pt) "
-                                f"are missing; ZeRO-{zero_stage} keeps them in one file per rank")
-
-
-def saved_trainable(states: dict) -> dict[str, tuple]:
-    """Names and shapes of the parameters that trained when the checkpoint was saved."""
-    if states.get("param_shapes"):  # ZeRO 1-3: the optimizer's parameters
-        return {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
-    buffers = set(states.get("buffer_names") or ())  # ZeRO-0: the module was saved without frozen parameters
-    return {name: tuple(t.shape) for name, t in (states.get("module") or {}).items() if name not in buffers}
 
 
 def trainable_problems(tag_dir: Path, saved: dict[str, tuple], model: torch.nn.Module) -> list[str]:
@@ -263,82 +243,3 @@ def _names(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def universal_copy(tag_dir: Path, universal_root: Path, rank: int) -> Path:
-    """DeepSpeed's universal (world-size independent) form of ``tag_dir``; returns its load dir.
-
-    Made afresh for every elastic resume (a lean checkpoint converts in seconds) and
-    deleted once loaded, so a copy can never be stale. Rank 0 converts into a scratch
-    folder and renames it into place: a kill during conversion leaves no half-made copy.
-    """
-    import torch.distributed as torch_dist
-
-    target = Path(universal_root) / Path(tag_dir).name
-    if rank == 0:
-        from argparse import Namespace
-
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-        if target.is_dir():  # left by a kill between this conversion and its load
-            remove_universal_copy(target)
-        scratch = target.with_name(f".tmp-{target.name}")
-        shutil.rmtree(scratch, ignore_errors=True)
-        ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(scratch), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True))
-        _readable_by_every_stage(scratch)
-        os.replace(scratch, target)
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
-    return target.parent
-
-
-def _readable_by_every_stage(folder: Path) -> None:
-    """Let a universal copy be loaded by any ZeRO stage 1-3, whichever stage saved it.
-
-    A universal copy restores weights and Adam moments per parameter from ``zero/<name>/``; the
-    rest is stage-specific bookkeeping, which ``ds_to_universal`` writes in the saving stage's form:
-    - the module-states file (read for client state only) is found by a stage-specific name,
-      ``zero_pp_rank_0_mp_rank_00_model_states.pt`` for ZeRO-3, ``mp_rank_00_model_states.pt`` below;
-    - ``zero/optimizer_state.pt``: stages 1-2 read its top-level ``param_groups`` and ``ds_version``
-      (a ZeRO-3 save lacks the latter), ZeRO-3 reads ``optimizer_state_dict`` (its param groups and the
-      Adam step), which a stage 1-2 save lacks;
-    - each parameter's ``fp32``/``exp_avg``/``exp_avg_sq``: ZeRO-3 writes flat tensors, stages 1-2
-      read ``{"param": tensor}`` in the parameter's shape (ZeRO-3 reads both forms), and a ``step``
-      file that ZeRO-3 does not write.
-    """
-    names = [folder / "mp_rank_00_model_states.pt", folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"]
-    present = next((path for path in names if path.is_file()), None)
-    for path in names:
-        if present is not None and not path.exists():
-            os.link(present, path)
-    optimizer_file = folder / "zero" / "optimizer_state.pt"
-    state = torch.load(optimizer_file, map_location="cpu", weights_only=False)
-    before = set(state)
-    if "optimizer_state_dict" not in state:
-        step_file = next((folder / "zero").glob("*/step.pt"), None)
-        step = torch.load(step_file, weights_only=False) if step_file else 0
-        state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
-    if "ds_version" not in state:  # stages 1-2 refuse a file without it; a ZeRO-3 save does not write it
-        from deepspeed import __version__
-
-        state["ds_version"] = __version__
-    if set(state) != before:
-        torch.save(state, optimizer_file)
-    # Per-parameter states: ZeRO-3 writes flat tensors, stages 1-2 read {"param": tensor of the parameter's shape}.
-    shapes = {name: shape for group in torch.load(present, map_location="cpu", mmap=True, weights_only=False)
-              ["param_shapes"] for name, shape in group.items()}
-    step = state["optimizer_state_dict"]["state"][0]["step"]
-    for name, shape in shapes.items():
-        if not (folder / "zero" / name / "step.pt").is_file():  # a ZeRO-3 save keeps the step in one place only
-            torch.save(step, folder / "zero" / name / "step.pt")
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            path = folder / "zero" / name / f"{key}.pt"
-            value = torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
-            if torch.is_tensor(value):
-                torch.save({"param": value.view(shape)}, path)
-
-
-def remove_universal_copy(target: Path) -> None:
-    """Delete a universal copy once loaded; renamed first, so a kill mid-way never leaves a gutted one in place."""
-    _delete([Path(target)], Path(target).parent)
-    (Path(target).parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer to it

@@ -10,6 +10,7 @@ by N processes loads on M (DCP reshards).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,7 +24,6 @@ from lavis_ds.common.run_config import DEEPSPEED_TWINS, TrainingSettings, traini
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.base import RunnerBase
-from lavis_ds.runners.deepspeed_runner import layout_of
 
 CLIENT_STATE = "client_state.pt"  # the loop's state (step, scheduler, config); rank 0 writes it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,8 +94,10 @@ class FSDPRunner(RunnerBase):
             policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         else:
             policy = MixedPrecisionPolicy()
+        # Pinned host memory speeds up copies to a GPU; without one (CPU-only torch) pinning raises.
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         shard = dict(mp_policy=policy, reshard_after_forward=self.options.reshard_after_forward,
-                     **({"offload_policy": CPUOffloadPolicy()} if self.options.cpu_offload else {}))
+                     **({"offload_policy": offload} if self.options.cpu_offload else {}))
         # fully_shard swaps every parameter for a sharded one: remember the groups by name.
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in group["params"]] for group in param_groups]
@@ -180,8 +182,9 @@ class FSDPRunner(RunnerBase):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         tag_dir = Path(load_dir) / tag
-        if ckpt.written_by(ckpt.read_marker(tag_dir)) == "runner_deepspeed":
-            return self._load_deepspeed(tag_dir)
+        source = self.foreign_writer(tag_dir)
+        if source is not None:
+            return self._take_over(source, tag_dir)
         state = self._state()  # the shapes and shards to read into (DCP reshards to them)
         dcp.load(state, checkpoint_id=str(tag_dir))
         # Frozen weights are not in the checkpoint: they come from where the model loaded them.
@@ -189,47 +192,33 @@ class FSDPRunner(RunnerBase):
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
         return ckpt.load_file(tag_dir / CLIENT_STATE)
 
-    def _load_deepspeed(self, tag_dir: Path) -> dict:
-        """Continue a runner_deepspeed run: its fp32 weights and Adam moments, parameter by parameter.
-
-        DeepSpeed's universal checkpoint form (made by rank 0, removed after the load) holds every
-        trainable parameter's fp32 master, exp_avg and exp_avg_sq whole; each rank keeps its shard.
-        """
+    def _take_over(self, source: type[RunnerBase], tag_dir: Path) -> dict:
+        """Continue another engine's run: its fp32 weights and Adam moments, parameter by parameter (every rank
+        reads them whole and keeps its shard)."""
         import torch.distributed as torch_dist
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                              set_state_dict)
 
-        universal = ckpt.universal_copy(tag_dir, self.checkpoint_dir / "universal", self.rank) / tag_dir.name
+        handover = source.read_handover(tag_dir, self.checkpoint_dir / "universal", self.rank)
         groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # by parameter name
-        weights, moments = {}, {}
-        for group in groups:
-            for name in group["params"]:
-                saved = {key: torch.load(universal / "zero" / name / f"{key}.pt", map_location="cpu",
-                                         weights_only=False)
-                         for key in ("fp32", "exp_avg", "exp_avg_sq", "step")}
-                weights[name] = saved["fp32"]["param"]
-                moments[name] = {"step": torch.tensor(float(saved["step"])), "exp_avg": saved["exp_avg"]["param"],
-                                 "exp_avg_sq": saved["exp_avg_sq"]["param"]}
+        names = [name for group in groups for name in group["params"]]
+        weights = {name: handover.states[name]["fp32"] for name in names}
+        moments = {name: {"step": torch.tensor(float(handover.step)), "exp_avg": handover.states[name]["exp_avg"],
+                          "exp_avg_sq": handover.states[name]["exp_avg_sq"]} for name in names}
         set_state_dict(self.model, self.optimizer, model_state_dict=weights,
                        optim_state_dict={"state": moments, "param_groups": groups},
                        options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
         if torch_dist.is_initialized():
             torch_dist.barrier()
-        if self.rank == 0:
-            ckpt.remove_universal_copy(universal)
-            print(f"resumed runner_deepspeed's checkpoint {tag_dir} under runner_fsdp (fp32 weights and AdamW "
-                  f"moments carried over parameter by parameter)", flush=True)
-        return ckpt.load_file(ckpt.model_states_file(tag_dir))
+        self.report_takeover(tag_dir, ckpt.written_by(ckpt.read_marker(tag_dir)))
+        return handover.client_state
 
     def check_checkpoint(self, tag_dir, same_world):
-        marker = ckpt.read_marker(tag_dir)  # whole, or DamagedCheckpoint
-        writer = ckpt.written_by(marker)
-        if writer == "runner_deepspeed":
-            self._check_deepspeed(tag_dir)
+        source = self.foreign_writer(tag_dir)
+        if source is not None:
+            self.check_takeover(tag_dir, source)
             return
-        if writer != "runner_fsdp":
-            raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which runner_fsdp cannot resume: resume "
-                                       f"with run.runner: {writer}, or start afresh (--options run.resume=false)")
+        marker = ckpt.read_marker(tag_dir)
         saved = _saved_shapes(_read_index(tag_dir))
         ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
         if same_world:
@@ -243,24 +232,50 @@ class FSDPRunner(RunnerBase):
                 f"for {self.options.precision_mode}; its parameters and optimizer states are kept in another dtype. "
                 f"Resume with the mode it was saved with, or start afresh (--options run.resume=false)")
 
-    def _check_deepspeed(self, tag_dir: Path) -> None:
-        """What a switch from runner_deepspeed carries over exactly: fp32 masters and Adam moments (ZeRO 1-3,
-        fp32 or bf16). fp16's loss-scaler state has no FSDP twin; ZeRO-0 keeps no per-parameter moments."""
-        states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)
-        layout = layout_of(states.get("ds_config") or {})
-        stage = layout["zero_stage"]
-        if stage == 0 or layout["precision"] == "fp16":
-            why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
-                   "fp16 (its loss-scaler state has no runner_fsdp counterpart)")
+    # ------------------------------------------------ switching engines
+    def takeover_problem(self):
+        if self.options.precision_mode == "low" and self.settings.precision != "fp32":
+            return (f"with run.fsdp.precision_mode=low cannot continue it exactly (the fp32 weights and AdamW "
+                    f"moments would be rounded to {self.settings.precision}); use precision_mode mixed")
+        return None
+
+    @classmethod
+    def handover_shapes(cls, tag_dir, rank):
+        """Carries over: the fp32 parameters and AdamW moments of precision_mode mixed (or fp32); ``low`` keeps
+        them in bf16."""
+        marker = ckpt.read_marker(tag_dir)
+        if marker.get("precision_mode") == "low" and marker.get("precision", "fp32") != "fp32":
             raise ckpt.CheckpointError(
-                f"{tag_dir} was saved by runner_deepspeed with {why}; runner_fsdp continues DeepSpeed checkpoints "
-                f"of ZeRO stages 1-3 in fp32 or bf16. Resume with run.runner: runner_deepspeed, or start afresh "
-                f"(--options run.resume=false)")
-        if self.rank == 0:  # rank 0 converts every partition
-            ckpt.check_files(ckpt.files_of_rank(tag_dir, 0, same_world=False), stage)
-        problems = ckpt.trainable_problems(tag_dir, ckpt.saved_trainable(states), self.model)
-        if problems:
-            raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
+                f"{tag_dir} was saved by runner_fsdp with run.fsdp.precision_mode=low: its parameters and AdamW "
+                f"moments are kept in {marker['precision']}, not fp32, so another engine cannot continue it exactly. "
+                f"Resume with run.runner: runner_fsdp, or start afresh (--options run.resume=false)")
+        saved = _saved_shapes(_read_index(tag_dir))  # every file there and whole, or DamagedCheckpoint naming it
+        ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
+        return saved
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir):
+        weights, client_state = read_trained_weights(tag_dir)
+        return weights, client_state, {"precision": ckpt.read_marker(tag_dir).get("precision", "fp32")}
+
+    @classmethod
+    def read_handover(cls, tag_dir, scratch, rank, needed=True):
+        """Every trained parameter and its AdamW moments, whole, read by this process alone (DCP without a
+        process group); nothing for a rank that does not need them."""
+        if not needed:
+            return None
+        flat = _read_everything(tag_dir)
+        names = [key[len("model."):] for key in flat if key.startswith("model.")]
+        states, steps = {}, set()
+        for name in names:
+            weight = flat[f"model.{name}"].float()
+            # A parameter that never had a gradient has no AdamW state yet: zero moments, as its first step makes.
+            zero = torch.zeros_like(weight)
+            states[name] = {"fp32": weight, "exp_avg": flat.get(f"optim.state.{name}.exp_avg", zero).float(),
+                            "exp_avg_sq": flat.get(f"optim.state.{name}.exp_avg_sq", zero).float()}
+            if f"optim.state.{name}.step" in flat:
+                steps.add(int(flat[f"optim.state.{name}.step"]))
+        return ckpt.Handover(states, max(steps, default=0), ckpt.load_file(tag_dir / CLIENT_STATE))
 
 
 def _adam_settings(run: dict) -> dict:
@@ -298,15 +313,25 @@ def _saved_shapes(metadata) -> dict[str, tuple]:
     return {name: tuple(entry.size) for name, entry in _saved_tensors(metadata).items()}
 
 
+def _read_everything(tag_dir: Path, prefix: str = "") -> dict:
+    """The entries of a DCP checkpoint whose flat keys (``model.<name>``, ``optim.state.<name>.exp_avg``, ...) start
+    with ``prefix``, whole, read by this process alone whatever number of processes saved it."""
+    import torch.distributed.checkpoint as dcp
+
+    entries = _read_index(tag_dir).state_dict_metadata  # every file there and whole, or DamagedCheckpoint naming it
+    flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype) if hasattr(entry, "size") else None
+            for key, entry in entries.items() if key.startswith(prefix)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, checkpoint_id=str(tag_dir), no_dist=True)
+    return flat
+
+
 def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """``(trained weights by parameter name, in fp32; the client state)`` of a complete runner_fsdp checkpoint,
     read in one process whatever number of processes saved it (for export)."""
-    import torch.distributed.checkpoint as dcp
-
-    saved = _saved_tensors(_read_index(tag_dir))  # every file there and whole, or DamagedCheckpoint naming it
-    state = {"model": {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in saved.items()}}
-    dcp.load(state, checkpoint_id=str(tag_dir))
-    return {name: tensor.float() for name, tensor in state["model"].items()}, ckpt.load_file(tag_dir / CLIENT_STATE)
+    weights = {key[len("model."):]: tensor.float() for key, tensor in _read_everything(tag_dir, "model.").items()}
+    return weights, ckpt.load_file(tag_dir / CLIENT_STATE)
 
 
 # A short name, as `runner_deepspeed` has `deepspeed_runner`.

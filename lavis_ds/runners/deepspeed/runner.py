@@ -10,10 +10,14 @@ import torch.distributed as torch_dist
 
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
-from lavis_ds.common.run_config import build_deepspeed_config, deepspeed_problems, with_batch_layout
+from lavis_ds.common.run_config import with_batch_layout
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.adam_counter import replay_step_counter
 from lavis_ds.runners.base import RunnerBase
+from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
+from lavis_ds.runners.deepspeed import section
+from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
+from lavis_ds.runners.deepspeed.checkpoint import layout_of
+from lavis_ds.runners.deepspeed.section import build_deepspeed_config
 
 
 @registry.register_runner("runner_deepspeed")
@@ -22,30 +26,26 @@ class DeepSpeedRunner(RunnerBase):
 
     @classmethod
     def config_problems(cls, run, world_size, settings_ok):
-        from lavis_ds.common import deepspeed_section
-
         ds = run.get("deepspeed_config") or {}
         if not isinstance(ds, dict):
             return []  # reported when the file was read
-        problems = deepspeed_problems(ds, run)
+        problems = section.deepspeed_problems(ds, run)
         if not problems and settings_ok:  # DeepSpeed's own models would repeat them less clearly
             # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
-            problems += deepspeed_section.schema_problems(build_deepspeed_config(run, world_size))
+            problems += section.schema_problems(build_deepspeed_config(run, world_size))
         return problems
 
     @classmethod
     def complete_config(cls, run, world_size):
-        from lavis_ds.common import deepspeed_section
-
         # What DeepSpeed will be handed (autos filled, batch layout and precision completed).
         run = {**run, "deepspeed_config": build_deepspeed_config(run, world_size)}
-        return run, deepspeed_section.no_effect_warnings(run["deepspeed_config"])
+        return run, section.no_effect_warnings(run["deepspeed_config"])
 
     @classmethod
     def prepare_process(cls, cfg):
         import os
 
-        from lavis_ds.runners.deepspeed_ops import ensure_built, ops_for
+        from lavis_ds.runners.deepspeed.ops import ensure_built, ops_for
 
         # Before the process group: initialising it loads the shared-memory op on a CPU machine.
         ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=os.environ.get("LOCAL_RANK", "0") == "0")
@@ -73,7 +73,9 @@ class DeepSpeedRunner(RunnerBase):
         # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
         # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision
         # (check_checkpoint has refused the changes that cannot convert).
-        self.universal = self.elastic or self._layout_changed()
+        tag_dir = self.resume_from[0] / self.resume_from[1] if self.resume_from and self.resume_from[1] else None
+        self.source = self.foreign_writer(tag_dir) if tag_dir else None  # another engine's checkpoint to continue
+        self.universal = self.elastic or self.source is not None or self._layout_changed()
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
@@ -105,7 +107,7 @@ class DeepSpeedRunner(RunnerBase):
         if self.resume_from is None or self.resume_from[1] is None:
             return False
         tag_dir = self.resume_from[0] / self.resume_from[1]
-        saved, now = _saved_layout(tag_dir), self.layout
+        saved, now = ds_ckpt.saved_layout(tag_dir), self.layout
         changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if saved[key] != now[key]]
         if changed and self.rank == 0:
             print(f"resuming through DeepSpeed's universal checkpoint: {' and '.join(changed)}", flush=True)
@@ -175,16 +177,14 @@ class DeepSpeedRunner(RunnerBase):
                                     exclude_frozen_parameters=True)
 
     def check_checkpoint(self, tag_dir, same_world):
-        writer = ckpt.written_by(ckpt.read_marker(tag_dir))  # whole, or DamagedCheckpoint
-        if writer != "runner_deepspeed":
-            raise ckpt.CheckpointError(
-                f"{tag_dir} was written by {writer}; runner_deepspeed cannot resume it yet (runner_fsdp resumes "
-                f"DeepSpeed checkpoints, not the other way round): resume with run.runner: {writer}, or start "
-                f"afresh (--options run.resume=false, or another run.output_dir)")
+        source = self.foreign_writer(tag_dir)
+        if source is not None:
+            self.check_takeover(tag_dir, source)
+            return
         stage = self.layout["zero_stage"]
-        files = ckpt.files_of_rank(tag_dir, self.rank, same_world)
+        files = ds_ckpt.files_of_rank(tag_dir, self.rank, same_world)
         # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.
-        ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
+        ds_ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
         states = ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
         saved, now = layout_of(states.get("ds_config") or {}), self.layout
         # Stages 1-3 and fp32/bf16 convert through the universal checkpoint (wrap); ZeRO-0 keeps no
@@ -197,43 +197,108 @@ class DeepSpeedRunner(RunnerBase):
                 f"1-3 and between fp32 and bf16 only; resume with the settings it was saved with "
                 f"(run.deepspeed_config.zero_optimization.stage={saved['zero_stage']}, {saved['precision']}), or "
                 f"start afresh (--options run.resume=false, or another run.output_dir)")
-        problems = ckpt.trainable_problems(tag_dir, ckpt.saved_trainable(states), self.model)
+        problems = ckpt.trainable_problems(tag_dir, ds_ckpt.saved_trainable(states), self.model)
         if problems:
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
 
     def load_checkpoint(self, load_dir: Path, tag):
-        if self.universal:
-            load_dir = ckpt.universal_copy(Path(load_dir) / tag, self.checkpoint_dir / "universal", self.rank)
+        tag_dir, scratch = Path(load_dir) / tag, self.checkpoint_dir / "universal"
+        if self.source is not None:  # another engine's: its per-parameter state, written as a universal copy
+            handover = self.source.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
+            load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank,
+                                              write=functools.partial(self._write_handover, handover))
+        elif self.universal:
+            load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank)
+        hyper = self._hyper_parameters()
         # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
         if self.universal:
+            # ZeRO-3's universal load gives every param group the first group's hyper-parameters (DeepSpeed
+            # 0.19.8): biases and norms would be weight-decayed, lr_scales lost. They are the run's own.
+            for group, own in zip(self.engine.optimizer.param_groups, hyper):
+                group.update(own)
             # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
             torch_dist.barrier()
             if self.rank == 0:
-                ckpt.remove_universal_copy(Path(load_dir) / tag)
+                ds_ckpt.remove_universal_copy(Path(load_dir) / tag)
         replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
+        if self.source is not None:
+            self.report_takeover(tag_dir, ckpt.written_by(ckpt.read_marker(tag_dir)))
         return client_state
+
+    def _write_handover(self, handover: ckpt.Handover, folder: Path) -> None:
+        """Another engine's checkpoint as DeepSpeed's universal checkpoint (rank 0)."""
+        model_states = {
+            # What DeepSpeed's own save records and its load reads back (a universal load takes no weights from it).
+            "param_shapes": self.engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
+            "dp_world_size": handover.client_state["lavis_ds"].get("world_size", self.world_size),
+            "global_steps": handover.step, "global_samples": handover.step * self.global_batch, "skipped_steps": 0}
+        # This engine's own hyper-parameters: a universal load sets them from the file.
+        ds_ckpt.write_universal(folder, handover, model_states, self._hyper_parameters())
+
+    def _hyper_parameters(self) -> list[dict]:
+        """Each optimizer param group's settings (lr, weight decay, lr_scale, betas, ...) without its tensors."""
+        return [{key: value for key, value in group.items() if key != "params"}
+                for group in self.engine.optimizer.param_groups]
+
+    # ------------------------------------------------ continued by another engine
+    def takeover_problem(self):
+        stage, precision = self.layout["zero_stage"], self.layout["precision"]
+        if stage == 0:
+            return ("with ZeRO stage 0 cannot continue it (stage 0 loads no per-parameter optimizer states); use "
+                    "run.deepspeed_config.zero_optimization.stage 1, 2 or 3")
+        if precision == "fp16":
+            return ("in fp16 cannot continue it exactly (fp16's loss scaler has no state in another engine's "
+                    "checkpoint); use run.precision fp32 or bf16")
+        return None
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir):
+        return ds_ckpt.read_trained_weights(tag_dir)
+
+    @classmethod
+    def handover_shapes(cls, tag_dir, rank):
+        """Carries over: fp32 masters and Adam moments of ZeRO 1-3 in fp32 or bf16. ZeRO-0 keeps no per-parameter
+        moments; fp16's loss-scaler state has no counterpart in another engine."""
+        states = ckpt.load_file(ds_ckpt.model_states_file(tag_dir), mmap=True)
+        layout = layout_of(states.get("ds_config") or {})
+        stage = layout["zero_stage"]
+        if stage == 0 or layout["precision"] == "fp16":
+            why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
+                   "fp16 (its loss-scaler state has no counterpart in another engine)")
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was saved by runner_deepspeed with {why}; another engine continues DeepSpeed checkpoints "
+                f"of ZeRO stages 1-3 in fp32 or bf16. Resume with run.runner: runner_deepspeed, or start afresh "
+                f"(--options run.resume=false)")
+        if rank == 0:  # rank 0 converts every partition
+            ds_ckpt.check_files(ds_ckpt.files_of_rank(tag_dir, 0, same_world=False), stage)
+        return ds_ckpt.saved_trainable(states)
+
+    @classmethod
+    def read_handover(cls, tag_dir, scratch, rank, needed=True):
+        """Every trainable parameter's fp32 master and Adam moments, whole, from DeepSpeed's universal checkpoint
+        form (made by rank 0, removed once every rank has read it)."""
+        universal = ds_ckpt.universal_copy(tag_dir, scratch, rank) / tag_dir.name
+        handover = None
+        if needed:
+            folder = universal / "zero"
+            states = {name: {key: torch.load(folder / name / f"{key}.pt", map_location="cpu", weights_only=False)
+                             ["param"] for key in ("fp32", "exp_avg", "exp_avg_sq")}
+                      for name in ds_ckpt.saved_trainable(ckpt.load_file(ds_ckpt.model_states_file(tag_dir), mmap=True))}
+            step = torch.load(folder / next(iter(states)) / "step.pt", weights_only=False)
+            handover = ckpt.Handover(states, int(step), ckpt.load_file(ds_ckpt.model_states_file(tag_dir)))
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        if rank == 0:
+            ds_ckpt.remove_universal_copy(universal)
+        return handover
 
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
 registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
-
-
-def _saved_layout(tag_dir: Path) -> dict:
-    """The ZeRO stage and precision a checkpoint was saved with, from the DeepSpeed config it recorded."""
-    states = ckpt.load_file(ckpt.model_states_file(tag_dir), mmap=True)  # the pickle only, not the tensors
-    return layout_of(states.get("ds_config") or {})
-
-
-def layout_of(ds_config) -> dict:
-    """How a DeepSpeed checkpoint is cut: its ZeRO stage and training precision (from a dict or DictConfig)."""
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    bf16 = (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False)
-    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
-    return {"zero_stage": int(stage), "precision": "bf16" if bf16 else "fp16" if fp16 else "fp32"}
 
 
 def _without_frozen(module_state_dict, model, *args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:

@@ -5,7 +5,7 @@ time a run needs them: minutes on a small machine, with nothing printed, so it l
 hang. The ops a run needs are built before the process group starts, with a line saying what
 and how long, into the environment's own folder (``lavis_ds.common.extensions``).
 
-    python -m lavis_ds.runners.deepspeed_ops          # build them all now (e.g. right after install)
+    python -m lavis_ds.runners.deepspeed.ops          # build them all now (e.g. right after install)
 """
 from __future__ import annotations
 

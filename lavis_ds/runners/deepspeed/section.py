@@ -21,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from lavis_ds.common.run_config import training_settings
+
 WHERE = "run.deepspeed_config"
 AUTO = "auto"
 
@@ -297,3 +299,57 @@ def _valid_keys(model: type) -> list[str]:
             continue
         keys.append(field.alias or name)
     return keys
+
+
+def deepspeed_problems(ds: dict, run: dict | None = None) -> list[str]:
+    """Checks of the pass-through DeepSpeed section that DeepSpeed itself reports badly, and its agreement
+    with the run keys that set the same thing (``run`` given)."""
+    path = "run.deepspeed_config"
+    errors = []
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        errors.append(f"{path}.zero_optimization.stage: {stage!r} is not a ZeRO stage; valid: 0, 1, 2, 3")
+    if "scheduler" in ds:
+        errors.append(f"{path}.scheduler: lavis_ds steps the learning rate itself (run.lr_sched, run.init_lr, ...); "
+                      "remove this section (a section whose params are all \"auto\" is dropped for you)")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        value = ds.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            errors.append(f"{path}.{key}: expected a positive integer, got {value!r}")
+    clip = ds.get("gradient_clipping")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        errors.append(f"{path}.gradient_clipping: expected a number >= 0 (0: no clipping), got {clip!r}")
+    params = (ds.get("optimizer") or {}).get("params") or {} if isinstance(ds.get("optimizer"), dict) else {}
+    # The schedule writes run.init_lr (x lr_scales) into every group, and weight decay lives in the param
+    # groups: a different value here would be silently overwritten.
+    for key, run_key in (("lr", "init_lr"), ("weight_decay", "weight_decay")):
+        if run is not None and isinstance(params, dict) and key in params and params[key] != run.get(run_key):
+            errors.append(f"{path}.optimizer.params.{key}={params[key]!r} and run.{run_key}={run.get(run_key)!r} "
+                          f"disagree; lavis_ds sets the optimizer's {key} from run.{run_key}: drop one or make them equal")
+    return errors
+
+
+def build_deepspeed_config(run: dict, world_size: int) -> dict:
+    """The JSON handed to deepspeed.initialize: the user's section, completed."""
+    ds = copy.deepcopy(dict(run.get("deepspeed_config") or {}))
+    if "bfloat16" in ds:  # DeepSpeed's older spelling
+        ds["bf16"] = {**ds.pop("bfloat16"), **(ds.get("bf16") or {})}
+    settings = training_settings(run, world_size)
+    ds.update(train_micro_batch_size_per_gpu=settings.micro_batch, gradient_accumulation_steps=settings.accum,
+              train_batch_size=settings.global_batch)
+    if settings.grad_norm_clip or "gradient_clipping" in ds:
+        ds["gradient_clipping"] = settings.grad_norm_clip
+    for key in ("bf16", "fp16"):
+        if settings.precision == key or key in ds:
+            ds[key] = {**(ds.get(key) or {}), "enabled": settings.precision == key}
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    params = optimizer.setdefault("params", {})
+    # The scheduler overwrites lr before the first step; weight decay lives in the param groups.
+    params.setdefault("lr", run["init_lr"])
+    params.setdefault("weight_decay", run["weight_decay"])
+    ds.setdefault("steps_per_print", 10**9)  # our logger reports; DeepSpeed's own would duplicate it
+    ds.setdefault("wall_clock_breakdown", False)
+    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    if offload != "none":
+        ds.setdefault("zero_force_ds_cpu_optimizer", True)
+    return ds
