@@ -24,7 +24,7 @@ from pathlib import Path
 
 # What every training process imports, imported once by the server.
 PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train", "lavis_ds",
-           "lavis_ds.runners.deepspeed_runner", "lavis_ds.runners.fsdp_runner",
+           "lavis_ds.runners.deepspeed.runner", "lavis_ds.runners.fsdp_runner",
            "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "forked"]
 FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
 
