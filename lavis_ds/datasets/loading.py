@@ -11,15 +11,20 @@ would take longer than many training runs).
 By default the first bad records raise :class:`BadRecordsError`. A loader built
 with ``skip`` leaves the records of those kinds out and reports them in
 :attr:`LoadedRecords.skipped`, so the caller can log how many and which.
+
+A file's good records are kept packed (:mod:`lavis_ds.datasets.record_store`), never
+as a list of objects, and a file is parsed once per :class:`ParsedFiles`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterable, Sequence
 
+from lavis_ds.datasets.record_store import RecordStore, RecordStoreWriter
 from lavis_ds.datasets.records import BadRecord, InstructionRecord
 
 # A format: the file's parsed JSON and its path in, records (or the reason each is bad) out.
@@ -88,7 +93,7 @@ def describe_bad(bad: Sequence[BadRecord]) -> list[str]:
 
 @dataclass
 class LoadedRecords:
-    records: list[InstructionRecord]
+    records: RecordStore
     skipped: list[BadRecord] = field(default_factory=list)
 
     def skip_summary(self) -> str:
@@ -104,6 +109,44 @@ class LoadedRecords:
                 "\n".join(describe_bad(self.skipped)[1:]))
 
 
+def format_key(parse: ParseFile) -> Hashable:
+    """Equal for two parsers that read a file the same way (builders bind their options into a new
+    ``functools.partial`` per loader, and partials compare by identity)."""
+    if isinstance(parse, functools.partial):
+        return format_key(parse.func), repr(parse.args), repr(sorted(parse.keywords.items()))
+    return parse
+
+
+class ParsedFiles:
+    """What each annotation file parsed to, shared by the loaders of one process.
+
+    The config check and the build hand one of these to their builders, so every file is
+    parsed once per process and what the check found is what the build trains on. An
+    entry is keyed by how the file was read (format and its options, image root, whether
+    image files were checked) and by the file as it is on disk (path, size, modification
+    time): a file rewritten in between is parsed again. Image folders are listed once too.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[Hashable, tuple[RecordStore, list[BadRecord]]] = {}
+        self._image_indexes: dict[Path, ImageFolderIndex] = {}
+
+    def image_index(self, root: Path) -> ImageFolderIndex:
+        return self._image_indexes.setdefault(root, ImageFolderIndex(root))
+
+    def get(self, how: Hashable, path: Path,
+            parse: Callable[[], tuple[RecordStore, list[BadRecord]]]) -> tuple[RecordStore, list[BadRecord]]:
+        """The entry of ``path`` read ``how``; ``parse()`` makes it if there is none for the file as it is now."""
+        try:
+            stat = path.stat()
+        except OSError:
+            return parse()  # raises the reader's error naming the file
+        key = (how, path.resolve(), stat.st_size, stat.st_mtime_ns)
+        if key not in self._files:
+            self._files[key] = parse()
+        return self._files[key]
+
+
 class RecordLoader:
     """Reads annotation files with one format's parser and applies one skip policy.
 
@@ -111,30 +154,29 @@ class RecordLoader:
         parse: the format (see :data:`ParseFile`).
         skip: kinds of bad record to leave out instead of raising (:data:`ALL_KINDS` for all).
         check_images: check that every record's image file exists (needs an image root).
-
-    Files are parsed once per loader: a builder's ``check()`` and ``build()`` share the work.
+        parsed_files: where parsed files are kept; share one between loaders (a builder's check and
+            build, the config check and the build of a run) so that each file is parsed once.
+            Default: this loader's own.
     """
 
-    def __init__(self, parse: ParseFile, *, skip: Collection[str] = (), check_images: bool = True):
+    def __init__(self, parse: ParseFile, *, skip: Collection[str] = (), check_images: bool = True,
+                 parsed_files: ParsedFiles | None = None):
         unknown = set(skip) - ALL_KINDS
         if unknown:
             raise ValueError(f"unknown kind(s) of bad record {sorted(unknown)}; known: {sorted(ALL_KINDS)}")
         self.parse, self.skip, self.check_images = parse, frozenset(skip), check_images
-        self._files: dict[tuple[Path, Path | None], tuple[list[InstructionRecord], list[BadRecord]]] = {}
-        self._image_indexes: dict[Path, ImageFolderIndex] = {}  # splits and files share an image root's listings
+        self.parsed_files = ParsedFiles() if parsed_files is None else parsed_files
 
-    def read(self, path: Path, image_root: Path | None) -> tuple[list[InstructionRecord], list[BadRecord]]:
+    def read(self, path: Path, image_root: Path | None) -> tuple[RecordStore, list[BadRecord]]:
         """Every good record of one file and every bad one; file-level problems raise ``ValueError``."""
-        key = (Path(path), image_root)
-        if key not in self._files:
-            self._files[key] = self._read(*key)
-        return self._files[key]
+        path = Path(path)
+        check = self.check_images and image_root is not None
+        how = (format_key(self.parse), image_root if check else None)
+        return self.parsed_files.get(how, path, lambda: self._read(path, image_root if check else None))
 
-    def _read(self, path: Path, image_root: Path | None) -> tuple[list[InstructionRecord], list[BadRecord]]:
-        images = None
-        if self.check_images and image_root is not None:
-            images = self._image_indexes.setdefault(image_root, ImageFolderIndex(image_root))
-        records, bad = [], []
+    def _read(self, path: Path, image_root: Path | None) -> tuple[RecordStore, list[BadRecord]]:
+        images = None if image_root is None else self.parsed_files.image_index(image_root)
+        records, bad = RecordStoreWriter(), []
         for item in self.parse(read_json(path), path):
             if isinstance(item, BadRecord):
                 bad.append(item)
@@ -143,18 +185,19 @@ class RecordLoader:
                                                    f"(image root {image_root})", BadRecord.MISSING_IMAGE))
             else:
                 records.append(item)
-        return records, bad
+        return records.finish(), bad
 
     def load(self, paths: Sequence[Path], image_root: Path | None) -> LoadedRecords:
         """The records of ``paths`` in order; raises :class:`BadRecordsError` unless the bad ones may be skipped."""
         records, skipped, fatal = [], [], []
         for path in paths:
             good, bad = self.read(path, image_root)
-            records += good
+            records.append(good)
             for b in bad:
                 (skipped if b.kind in self.skip else fatal).append(b)
         if fatal:
             raise BadRecordsError(fatal)
+        records = RecordStore.concat(records)
         if not records:
             names = ", ".join(str(p) for p in paths)
             raise ValueError(f"{names}: no usable record" + (f" (all {len(skipped)} were skipped as bad)"
