@@ -122,8 +122,8 @@ def test_a_missing_image_at_access_still_names_the_file_and_the_record(tmp_path)
     path = _json(tmp_path / "llava.json", _llava(9))
     dataset = InstructionDataset(path, root, Blip2ImageEvalProcessor(image_size=16), loader=RecordLoader(parse_llava_file))
     os.remove(root / "coco/3.png")
-    with pytest.raises(MissingImageError, match=rf"llava\.json: record 3 \(id 'r3', image 'coco/3\.png'\): image file "
-                                                 rf".*coco/3\.png not found"):
+    with pytest.raises(MissingImageError, match=r"llava\.json: record 3 \(id 'r3', image 'coco/3\.png'\): image file "
+                                                 r".*coco/3\.png not found"):
         dataset[3]
 
 
