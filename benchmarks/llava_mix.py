@@ -11,8 +11,8 @@ parts group several questions about one image), the short-answer prompt of the V
 long answers for LLaVA's detail and reasoning parts, and ShareGPT's text-only
 conversations (no ``image`` key). Texts are random words; a record is about 1 KB of JSON.
 
-Images: every image path of the file exists, as a hard link to one of four tiny JPEGs
-(16x16, 600 bytes): the folders hold as many names as the real mix's folders hold images
+Images: every image path of the file exists, as a hard link to a tiny JPEG (16x16, 600
+bytes; one file per 50,000 names, as ext4 allows 65,000 links to a file): the folders hold as many names as the real mix's folders hold images
 (scaled with ``--records``), at no disk cost. Only loading and indexing are realistic here,
 not image decoding (``benchmarks/loader_throughput.py`` measures that on real-size images).
 """
@@ -99,15 +99,19 @@ def _record(rng: random.Random, corpus: str, part: Part, number: int, image_numb
     return record
 
 
-def _tiny_jpegs(folder: Path) -> list[Path]:
-    from PIL import Image
+LINKS_PER_FILE = 50_000  # ext4 allows 65,000 hard links to one file
 
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for k, colour in enumerate(((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))):
-        paths.append(folder / f"tiny_{k}.jpg")
-        Image.new("RGB", (16, 16), colour).save(paths[-1], quality=90)
-    return paths
+
+def _tiny_jpeg(folder: Path, k: int) -> Path:
+    """The ``k``-th tiny JPEG (16x16, one of four colours), written on first use."""
+    path = folder / f"tiny_{k}.jpg"
+    if not path.exists():
+        from PIL import Image
+
+        folder.mkdir(parents=True, exist_ok=True)
+        colour = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))[k % 4]
+        Image.new("RGB", (16, 16), colour).save(path, quality=90)
+    return path
 
 
 def write_llava_mix(out: Path, records: int = REAL_RECORDS, seed: int = 0) -> tuple[Path, Path]:
@@ -125,8 +129,8 @@ def write_llava_mix(out: Path, records: int = REAL_RECORDS, seed: int = 0) -> tu
     plan = [(part, n) for part, count in zip(PARTS, counts) for n in range(count)]
     rng.shuffle(plan)  # the real file is a shuffled mix too
 
-    sources = _tiny_jpegs(out / "tiny_jpegs")
     linked: dict[str, set[int]] = {}
+    links = 0
     images.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     with annotation.open("w", encoding="utf-8") as f:
@@ -141,7 +145,8 @@ def write_llava_mix(out: Path, records: int = REAL_RECORDS, seed: int = 0) -> tu
                     target = images / record["image"]
                     target.parent.mkdir(parents=True, exist_ok=True)
                     if not target.exists():
-                        os.link(sources[image_number % len(sources)], target)
+                        os.link(_tiny_jpeg(out / "tiny_jpegs", links // LINKS_PER_FILE), target)
+                    links += 1
             f.write(("," if i else "") + json.dumps(record, ensure_ascii=False) + "\n")
         f.write("]\n")
     done.write_text(json.dumps(spec))
