@@ -119,7 +119,7 @@ def write_llava_mix(out: Path, records: int = REAL_RECORDS, seed: int = 0) -> tu
     out = Path(out)
     annotation, images, done = out / "llava_mix.json", out / "images", out / "DONE"
     spec = {"records": records, "seed": seed, "version": 1}
-    if done.is_file() and json.loads(done.read_text()) == spec:
+    if done.is_file() and json.loads(done.read_text())["spec"] == spec:
         return annotation, images
     rng = random.Random(seed)
     corpus = _corpus(rng)
@@ -149,11 +149,11 @@ def write_llava_mix(out: Path, records: int = REAL_RECORDS, seed: int = 0) -> tu
                     links += 1
             f.write(("," if i else "") + json.dumps(record, ensure_ascii=False) + "\n")
         f.write("]\n")
-    done.write_text(json.dumps(spec))
+    done.write_text(json.dumps({"spec": spec, "summary": _summary(annotation)}))
     return annotation, images
 
 
-def describe(annotation: Path) -> str:
+def _summary(annotation: Path) -> str:
     """Counts that show the file has the mix's shapes."""
     raw = json.loads(annotation.read_text(encoding="utf-8"))
     pairs = [len(r["conversations"]) // 2 for r in raw]
@@ -165,6 +165,11 @@ def describe(annotation: Path) -> str:
     return (f"{annotation}: {len(raw)} records, {size / 2**20:.0f} MiB ({size / len(raw):.0f} bytes/record), "
             f"{min(pairs)}-{max(pairs)} question/answer pairs (mean {sum(pairs) / len(pairs):.1f}); "
             + ", ".join(f"{k} {v}" for k, v in sorted(folders.items())))
+
+
+def describe(annotation: Path) -> str:
+    """The summary written beside the file when it was generated."""
+    return json.loads((annotation.parent / "DONE").read_text())["summary"]
 
 
 if __name__ == "__main__":

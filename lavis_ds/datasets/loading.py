@@ -208,7 +208,8 @@ class RecordLoader:
         with collector_paused():
             for item in self.parse(read_json(path), path):
                 if isinstance(item, BadRecord):
-                    bad.append(item)
+                    # Without its traceback: the parser's frames in it hold the whole parsed file (GBs for mix665k).
+                    bad.append(item.with_traceback(None))
                 elif images is not None and not images.exists(item.image):
                     bad.append(BadRecord(item.where(), f"image file {image_root / item.image} not found "
                                                        f"(image root {image_root})", BadRecord.MISSING_IMAGE))
