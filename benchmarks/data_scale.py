@@ -86,11 +86,11 @@ def lookups(cfg_path: Path, workers: int, batch: int) -> dict:
         parsed = {"parsed_files": ParsedFiles()}
     except ImportError:
         parsed = {}
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     cfg = load_config(cfg_path, world_size=1, **parsed)
-    checked = time.perf_counter()
+    checked, checked_cpu = time.perf_counter(), time.process_time()
     dataset = build_datasets(cfg.datasets, *parsed.values())["llava"]["train"]
-    built = time.perf_counter()
+    built, built_cpu = time.perf_counter(), time.process_time()
     parsed.clear()  # as train.py: only the datasets keep what was parsed
 
     class RecordLookups(Dataset):
@@ -104,7 +104,8 @@ def lookups(cfg_path: Path, workers: int, batch: int) -> dict:
             return len(record.image) + sum(len(t) for t in record.instructions) + sum(len(t) for t in record.outputs)
 
     result = {"lavis_ds": lavis_ds.__file__, "records": len(dataset), "check_s": checked - start,
-              "build_s": built - checked, "main_after_build": memory(os.getpid())}
+              "build_s": built - checked, "check_cpu_s": checked_cpu - start_cpu, "build_cpu_s": built_cpu - checked_cpu,
+              "main_after_build": memory(os.getpid())}
     loader = DataLoader(RecordLookups(), batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True,
                         collate_fn=sum, generator=torch.Generator().manual_seed(0))
     batches = iter(loader)
@@ -143,8 +144,8 @@ def startup(tree: Path, cfg_path: Path, out: Path) -> dict:
     _, _, usage = os.wait4(proc.pid, 0)
     proc.returncode = -9
     proc.stderr.close()
-    return {"first_step_s": first_step, "peak_rss": usage.ru_maxrss / 1024, "at_first_step": at_step,
-            "workers_at_first_step": workers}
+    return {"first_step_s": first_step, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss": usage.ru_maxrss / 1024,
+            "at_first_step": at_step, "workers_at_first_step": workers, "load": os.getloadavg()[0]}
 
 
 def _env(tree: Path) -> dict:
@@ -191,16 +192,18 @@ def _growth(first: list[dict], last: list[dict], key: str) -> list[float]:
 
 
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
-    print(f"\n{args.records} records, {args.workers} DataLoader workers; memory in MiB")
+    print(f"\n{args.records} records, {args.workers} DataLoader workers, {os.cpu_count()} cores; memory in MiB")
     for name, r in results.items():
         s, m = r["startup"], r["lookups"]
         uss = _growth(m["workers_first_batch"], m["workers_after_epoch"], "uss")
         rss = _growth(m["workers_first_batch"], m["workers_after_epoch"], "rss")
         print(f"\n[{name}] {m['lavis_ds']}")
-        print(f"  train.py launch -> first optimizer step: {s['first_step_s']:.1f} s; main process peak RSS "
-              f"{s['peak_rss']:.0f}, at the first step {_mem(s['at_first_step'])}")
-        print(f"  config check {m['check_s']:.1f} s + dataset build {m['build_s']:.1f} s "
-              f"({m['records']} records); main process after the build: {_mem(m['main_after_build'])}")
+        print(f"  train.py launch -> first optimizer step: {s['first_step_s']:.1f} s ({s['cpu_s']:.1f} CPU s in the "
+              f"main process; load average {s['load']:.1f}); main process peak RSS {s['peak_rss']:.0f}, at the first "
+              f"step {_mem(s['at_first_step'])}")
+        print(f"  config check {m['check_s']:.1f} s ({m['check_cpu_s']:.1f} CPU s) + dataset build {m['build_s']:.1f} s "
+              f"({m['build_cpu_s']:.1f} CPU s), {m['records']} records; main process after the build: "
+              f"{_mem(m['main_after_build'])}")
         print(f"  epoch of lookups ({m['epoch_s']:.1f} s): per worker after the first batch / after the epoch:")
         for k, (a, b) in enumerate(zip(m["workers_first_batch"], m["workers_after_epoch"])):
             print(f"    worker {k}: {_mem(a)}  ->  {_mem(b)}")
@@ -210,7 +213,8 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
         new, old = results["new"], results["old"]
         grow = {k: max(_growth(v["lookups"]["workers_first_batch"], v["lookups"]["workers_after_epoch"], "uss"))
                 for k, v in results.items()}
-        print(f"\nold/new: start-up {old['startup']['first_step_s'] / new['startup']['first_step_s']:.2f}x, "
+        print(f"\nold/new: start-up {old['startup']['first_step_s'] / new['startup']['first_step_s']:.2f}x "
+              f"(CPU {old['startup']['cpu_s'] / new['startup']['cpu_s']:.2f}x), "
               f"check+build {(old['lookups']['check_s'] + old['lookups']['build_s']) / (new['lookups']['check_s'] + new['lookups']['build_s']):.2f}x, "
               f"main-process USS after build "
               f"{old['lookups']['main_after_build']['uss'] / new['lookups']['main_after_build']['uss']:.2f}x, "
