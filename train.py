@@ -63,9 +63,13 @@ def train(args: argparse.Namespace) -> int:
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
     from lavis_ds.runners import faults
+    from lavis_ds.datasets.loading import ParsedFiles
     from lavis_ds.runners.shared_folder import not_shared_error
 
-    cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]))
+    # The annotation files the config check parses are the ones the build uses: each is parsed once.
+    parsed_files = ParsedFiles()
+    cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]),
+                      parsed_files=parsed_files)
     runner_class = registry.get_runner_class(cfg.run.runner)
     runner_class.prepare_process(cfg)
     runner_class.init_process_group()
@@ -77,7 +81,8 @@ def train(args: argparse.Namespace) -> int:
             error = e
     faults.agree(0, error)  # every rank stops if rank 0 could not create the output folder
     faults.agree(0, not_shared_error(Path(cfg.run.output_dir)))  # checkpoints need one folder every node sees
-    runner = build_runner(cfg)
+    runner = build_runner(cfg, parsed_files)
+    del parsed_files  # the datasets hold what they use; the rest (files of unused splits) can go
     if dist.is_main_process():
         # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
         runner.module.save_run_files(cfg.run.output_dir)

@@ -5,6 +5,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lavis_ds.common.registry import registry
+from lavis_ds.datasets.loading import ParsedFiles
 
 
 def build_model(model_cfg: DictConfig, seed: int = 42) -> torch.nn.Module:
@@ -14,13 +15,13 @@ def build_model(model_cfg: DictConfig, seed: int = 42) -> torch.nn.Module:
     return cls.from_config(OmegaConf.to_container(model_cfg, resolve=True))
 
 
-def build_datasets(datasets_cfg: DictConfig) -> dict[str, dict]:
-    """``{dataset name: {split: Dataset}}``."""
-    return {name: registry.get_builder_class(section.get("builder", name))(section).build()
+def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = None) -> dict[str, dict]:
+    """``{dataset name: {split: Dataset}}``; ``parsed_files``: what ``load_config`` parsed (nothing is parsed twice)."""
+    return {name: registry.get_builder_class(section.get("builder", name))(section, parsed_files=parsed_files).build()
             for name, section in datasets_cfg.items()}
 
 
-def build_runner(cfg: DictConfig):
+def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
     model = build_model(cfg.model, cfg.run.seed)
-    datasets = build_datasets(cfg.datasets)
+    datasets = build_datasets(cfg.datasets, parsed_files)
     return registry.get_runner_class(cfg.run.runner)(cfg, model, datasets)

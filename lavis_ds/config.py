@@ -31,6 +31,7 @@ from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.run_config import DEEPSPEED_TWINS, RunConfig, training_settings
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
+from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
@@ -43,12 +44,13 @@ TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
 
 
 def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_size: int = 1,
-                check_files: bool = True) -> DictConfig:
+                check_files: bool = True, parsed_files: ParsedFiles | None = None) -> DictConfig:
     """Read, merge and validate a run config. Raises `ConfigError` listing every problem.
 
     Data that a builder generates on first use (the demo) is prepared after the
     structure is valid and before file paths are checked. ``check_files=False``
     checks the structure only (for YAMLs whose weights live on another machine).
+    ``parsed_files`` keeps the annotation files the check parsed, for the build to use.
     """
     source = str(cfg_path)
     user = _read_yaml(cfg_path, source)
@@ -81,13 +83,13 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
             for line in notes + runner_notes:
                 logger.warning("%s", line)
     if check_files:  # files too, for every section whose structure is sound: all problems in one round
-        errors += _file_problems(cfg, errors)
+        errors += _file_problems(cfg, errors, parsed_files)
     if errors:
         raise ConfigError(errors, source)
     return cfg
 
 
-def _file_problems(cfg: DictConfig, structural: list[str]) -> list[str]:
+def _file_problems(cfg: DictConfig, structural: list[str], parsed_files: ParsedFiles | None) -> list[str]:
     """Missing or bad data and model files. Sections with structural problems are skipped (their
     builder could not be trusted to read them); data a builder generates is prepared first."""
     problems = []
@@ -97,7 +99,7 @@ def _file_problems(cfg: DictConfig, structural: list[str]) -> list[str]:
                                                    for p in structural):
             continue
         try:
-            builder = reg.builders.get(builder_name)(section)
+            builder = reg.builders.get(builder_name)(section, parsed_files=parsed_files)
             builder.prepare()
             problems += builder.check()
         except (OSError, ValueError) as e:

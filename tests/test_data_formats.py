@@ -9,6 +9,8 @@ import logging
 import math
 import pickle
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -38,7 +40,7 @@ from lavis_ds.datasets.records import BadRecord
 from lavis_ds.datasets.samplers import StepBatchSampler
 from lavis_ds.models.prompt import insert_image_placeholders
 from lavis_ds.processors import Blip2ImageEvalProcessor
-from run_utils import metrics, run_train, tiny_config, write_yaml
+from run_utils import REPO, command, env, metrics, tiny_config, write_yaml
 
 EVAL_16 = {"train": {"name": "blip2_image_eval", "image_size": 16}, "eval": {"name": "blip2_image_eval", "image_size": 16}}
 
@@ -523,7 +525,16 @@ def test_two_mixed_datasets_train_on_one_process(tmp_path):
         "builder": "coco_caption", "sample_ratio": 3, "prompt": CAPTION_PROMPT,
         "build_info": {"annotations": {"train": {"storage": str(coco)}}, "images": {"storage": str(storage / "images")}},
         "vis_processor": {"train": {"name": "blip2_image_train", "image_size": 64}, "eval": {"image_size": 64}}}
-    proc = run_train(write_yaml(tmp_path / "mix.yaml", cfg), nproc=0)
+    # Launched through an audit hook that logs every file opened under tmp_path: the config check and the
+    # build must share what they parsed, so each annotation file is opened (and parsed) once.
+    opened = tmp_path / "opened.log"
+    cmd = [sys.executable, str(REPO / "tests" / "open_counter.py"), str(opened), str(tmp_path),
+           *command(write_yaml(tmp_path / "mix.yaml", cfg), nproc=0)[1:]]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reads = Counter(opened.read_text().split())
+    annotation_files = [coco] + [storage / "annotations" / f"{split}.json" for split in ("train", "val", "test")]
+    assert {str(f): reads[str(f)] for f in annotation_files} == {str(f): 1 for f in annotation_files}
 
     total = 128 + len(captions)
     shares = apportion(total, {"demo_shapes": 1, "captions": 3})

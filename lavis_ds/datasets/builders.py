@@ -43,7 +43,7 @@ from lavis_ds.datasets.coco_caption import parse_coco_caption_file
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.instruction import InstructionDataset, parse_instruction_file
 from lavis_ds.datasets.llava import parse_llava_file
-from lavis_ds.datasets.loading import BadRecordsError, ParseFile, RecordLoader, describe_bad
+from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
 from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, SectionOptions
 from lavis_ds.processors.base import BaseProcessor
 
@@ -103,13 +103,17 @@ class BaseDatasetBuilder:
     DATA_TYPES: ClassVar[tuple[str, ...]] = ("images",)
     dataset_cls: ClassVar[type[InstructionDataset]] = InstructionDataset
 
-    def __init__(self, cfg: DictConfig | Mapping[str, Any] | None = None, *, section_name: str | None = None) -> None:
+    def __init__(self, cfg: DictConfig | Mapping[str, Any] | None = None, *, section_name: str | None = None,
+                 parsed_files: ParsedFiles | None = None) -> None:
         """
         Args:
             cfg: the ``datasets.<name>`` section; this builder's default YAML is merged under it.
             section_name: the ``<name>`` key, for error messages (default: the key ``cfg`` has in
                 its parent config, else the builder's registered name).
+            parsed_files: annotation files already parsed in this process (the config check's, handed
+                to the build); default: this builder's own, shared by its ``check()`` and ``build()``.
         """
+        self.parsed_files = ParsedFiles() if parsed_files is None else parsed_files
         if section_name is None and isinstance(cfg, DictConfig) and cfg._get_parent() is not None:
             # A node taken from `cfg.datasets` knows its key; messages then name the user's section.
             section_name = str(cfg._key())
@@ -179,7 +183,7 @@ class BaseDatasetBuilder:
     @functools.cached_property
     def loader(self) -> RecordLoader:
         """Reads this section's files once for ``check()`` and ``build()``, with its skip policy."""
-        return RecordLoader(self.parse_file(), skip=self.options().skipped_kinds())
+        return RecordLoader(self.parse_file(), skip=self.options().skipped_kinds(), parsed_files=self.parsed_files)
 
     def loader_for(self, split: str) -> RecordLoader:
         """The loader of one split. Default: one for all; formats whose evaluation samples keep several
@@ -374,7 +378,7 @@ class CocoCaptionBuilder(BaseDatasetBuilder):
     def eval_loader(self) -> RecordLoader:
         """Evaluation splits: one sample per image, all its captions as references (CIDEr needs them together)."""
         parse = functools.partial(parse_coco_caption_file, prompt=self.options().prompt, group_references=True)
-        return RecordLoader(parse, skip=self.options().skipped_kinds())
+        return RecordLoader(parse, skip=self.options().skipped_kinds(), parsed_files=self.parsed_files)
 
     def loader_for(self, split: str) -> RecordLoader:
         return self.loader if _stage(split) == "train" else self.eval_loader

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from lavis_ds.common.errors import InputError
 from lavis_ds.datasets.loading import RecordLoader
+from lavis_ds.datasets.record_store import RecordStore
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, record_where
 
 __all__ = ["IMAGE_PLACEHOLDER", "InstructionRecord", "InstructionDataset", "UnreadableImageError",
@@ -139,7 +140,8 @@ class InstructionDataset(Dataset):
         self.text_processor = text_processor
         loader = loader or RecordLoader(parse_instruction_file)
         loaded = loader.load([Path(p) for p in annotation_paths], self.image_root)
-        self.records: list[InstructionRecord] = loaded.records
+        # Packed, decoded per access: DataLoader workers share it instead of copying it (see record_store).
+        self.records: RecordStore = loaded.records
         self.skipped: list[BadRecord] = loaded.skipped  # left out at load time (skip policy of `loader`)
         self.skip_summary = loaded.skip_summary()
         self.replace_unreadable_images = replace_unreadable_images

@@ -201,7 +201,8 @@ class VqaBuilder(BaseDatasetBuilder):
     @functools.cached_property
     def eval_loader(self) -> RecordLoader:
         """Evaluation splits: every human answer of a question on its one sample (vqa_accuracy needs all ten)."""
-        return RecordLoader(self._parser(group=True), skip=self.options().skipped_kinds())
+        return RecordLoader(self._parser(group=True), skip=self.options().skipped_kinds(),
+                            parsed_files=self.parsed_files)
 
     def loader_for(self, split: str) -> RecordLoader:
         return self.loader if _stage(split) == "train" else self.eval_loader
