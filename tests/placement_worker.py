@@ -1,15 +1,18 @@
 """Run under torchrun by test_partitioned_build.py: build a run's model the way train.py does, in the place its
 runner asks for, and report what each process holds.
 
-    torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> [runner ...]
+    torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> runner [runner ...]
 
-For each runner named (default: the YAML's), on every process: how many elements of the LLM's own weights
-(no LoRA adapters, no token rows) this process holds right after the build - materialised in full, as its
-ZeRO-3 partition, or on the meta device - then the same after the engine wrapped the model, and the loss of
-one fixed batch through the engine. Process 0 writes ``{runner: [report of rank 0, report of rank 1, ...]}``.
+For each runner named, the model is built twice: in the place the runner asks for (``model_placement``) and
+whole, as before. For each build, on every process: how many elements of the LLM's own weights (no LoRA
+adapters, no token rows) this process holds right after the build - materialised in full, as its ZeRO-3
+partition, or on the meta device - and after the engine wrapped the model; and the loss of one fixed batch
+before and after one optimizer step on it. Process 0 writes
+``{"<runner>/<partitioned|whole>": [report of rank 0, report of rank 1, ...]}``.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -54,38 +57,49 @@ def fixed_batch() -> dict:
             "output": [["A cat sitting on a mat."], ["A dog runs on the grass."]]}
 
 
-def report_for(cfg) -> dict:
+def report_for(cfg, partitioned: bool) -> dict:
+    """Build (in the runner's placement, or whole), wrap, and take one optimizer step on the fixed batch."""
+    import contextlib
+    import gc
+
     from lavis_ds.build import build_datasets, build_model
     from lavis_ds.common.registry import registry
 
     runner_class = registry.get_runner_class(cfg.run.runner)
-    model = build_model(cfg.model, cfg.run.seed, runner_class.model_placement(cfg))
+    placement = runner_class.model_placement(cfg) if partitioned else contextlib.nullcontext()
+    model = build_model(cfg.model, cfg.run.seed, placement)
     built = held(base_llm_params(model))
     runner = runner_class(cfg, model, build_datasets(cfg.datasets))
     wrapped = held(base_llm_params(runner.module))
+    runner.module.train()
+    torch.manual_seed(0)  # LoRA dropout draws alike in both builds
+    losses = [float(runner.forward_backward([fixed_batch()])[0])]
+    runner.optimizer_step()
     runner.module.eval()
     with torch.no_grad():
-        loss = float(runner.forward(fixed_batch())["loss"])
-    return {"built": built, "wrapped": wrapped, "loss": loss}
+        losses.append(float(runner.forward(fixed_batch())["loss"]))
+    del runner, model
+    gc.collect()
+    return {"built": built, "wrapped": wrapped, "losses": losses}
 
 
 def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
-    import lavis_ds  # noqa: F401  (fills the registries)
+    importlib.import_module("lavis_ds")  # fills the registries
     from lavis_ds.common.registry import registry
     from lavis_ds.config import load_config
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = load_config(cfg_path, world_size=world)
     reports = {}
-    for name in runners or [cfg.run.runner]:
+    for name in runners:
         cfg = load_config(cfg_path, [f"run.runner={name}"], world_size=world)
         runner_class = registry.get_runner_class(name)
         runner_class.prepare_process(cfg)
-        runner_class.init_process_group()
-        mine = report_for(cfg)
-        gathered = [None] * torch_dist.get_world_size()
-        torch_dist.all_gather_object(gathered, mine)
-        reports[name] = gathered
+        runner_class.init_process_group()  # once: a started process group is kept
+        for partitioned in (True, False):
+            mine = report_for(cfg, partitioned)
+            everyone = [None] * torch_dist.get_world_size()
+            torch_dist.all_gather_object(everyone, mine)
+            reports[f"{name}/{'partitioned' if partitioned else 'whole'}"] = everyone
     if torch_dist.get_rank() == 0:
         with open(report_path, "w") as f:
             json.dump(reports, f)
