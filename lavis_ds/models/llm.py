@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lavis_ds.common import dist
 from lavis_ds.models.llm_placement import (builds_empty, copy_into_partitioned, current_placement, empty_weights, gathered,
-                                           partition_like_the_rest)
+                                           is_partitioned, partition_like_the_rest)
 
 logger = logging.getLogger(__name__)
 
@@ -301,11 +301,14 @@ def check_lora_targets(llm: nn.Module, targets: list[str]) -> None:
 def add_lora(llm: PreTrainedModel, r: int, alpha: int, dropout: float, targets: list[str]) -> nn.Module:
     """Wrap ``llm`` in a peft LoRA model on ``targets`` (checked first); peft freezes everything else.
 
-    Call it on a whole, unpartitioned model: lavis_ds builds the model before
-    ``deepspeed.initialize`` partitions it (no ``zero.Init``), which is why LoRA works
-    under ZeRO-3 here. Models built inside ``zero.Init`` (transformers'
-    ``from_pretrained`` with a live ``HfDeepSpeedConfig``) hand peft empty,
-    partitioned weights instead - the ZeRO-3 + LoRA failures users report.
+    Under ZeRO-3 ``llm`` is partitioned (built inside ``zero.Init``): peft reads only the
+    layers' sizes (``in_features``/``out_features``, kept by a partitioned ``nn.Linear``)
+    and creates the adapters whole, in the base weights' dtype; ``deepspeed.initialize``
+    partitions them with the rest. What users report failing with ZeRO-3 + peft is not done
+    here: ``modules_to_save`` (a deepcopy of partitioned modules), merging partitioned
+    weights (``merge_llm`` refuses them), initialisations that read the base weights
+    (PiSSA, ...). With meta base weights (FSDP, processes other than 0) the adapters are
+    moved to meta too and receive process 0's values with the rest.
     """
     from peft import LoraConfig, get_peft_model  # only LoRA runs need peft
 
@@ -328,7 +331,7 @@ def merge_llm(llm: nn.Module) -> PreTrainedModel:
     Changes ``llm`` in place (the weights are shared); the result is what
     ``save_pretrained`` writes and ``from_pretrained`` reads back.
     """
-    if any(hasattr(p, "ds_id") for p in llm.parameters()):
+    if is_partitioned(list(llm.parameters())):
         raise RuntimeError("merge the LLM of a model outside the DeepSpeed engine: these parameters are "
                            "partitioned by ZeRO-3. Build the model from the run's config.yaml and load the "
                            "checkpoint's trainable weights into it (deepspeed.utils.zero_to_fp32), then merge.")

@@ -275,12 +275,14 @@ def _cast_unpartitioned(model: torch.nn.Module, precision: str) -> None:
     to have built all of them in its dtype), so the ViT, Q-Former, projection, LoRA adapters and token
     rows built beside a partitioned LLM would stay fp32 in a bf16 engine.
     """
+    from lavis_ds.models.llm_placement import is_partitioned
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     params = list(model.parameters())
-    if dtype is None or not any(hasattr(p, "ds_id") for p in params):
+    if dtype is None or not is_partitioned(params):
         return
     for param in params:
-        if not hasattr(param, "ds_id") and param.is_floating_point() and param.dtype != dtype:
+        if not is_partitioned([param]) and param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
 
 
