@@ -2,11 +2,11 @@
 (ZeRO-3: zero.Init; FSDP2: meta device on processes other than 0) against built whole on every process,
 measured side by side in one run; and the same on paper for Qwen2.5-7B and -72B, 8 processes per node.
 
-    python benchmarks/build_memory.py [--nproc 2] [--hidden 1024] [--layers 12] [--workdir DIR]
+    python benchmarks/build_memory.py [--nproc 2] [--hidden 1536] [--layers 16] [--workdir DIR]
     python benchmarks/build_memory.py --on-paper [--nproc 8]
 
-Measured. A scaled-down Qwen2 LLM (default: hidden 1024, 12 layers, MLP 2816, vocabulary 32,000, untied:
-~200M parameters, 0.4 GB in bf16) is written with `save_pretrained` in bf16, next to a ChatML tokenizer;
+Measured. A scaled-down Qwen2 LLM (default: hidden 1536, 16 layers, MLP 4224, vocabulary 32,000, untied:
+~0.5B parameters, 1.0 GB in bf16) is written with `save_pretrained` in bf16, next to a ChatML tokenizer;
 the model is our real tiny BLIP2-Qwen with that folder as `llm_model` (the LLM is >95% of its weights),
 every part frozen but the projection (the MiniGPT4Qwen recipe), bf16 engine. For each runner
 (runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the runner's `model_placement`, or whole as
@@ -15,8 +15,10 @@ does: start the process group, build the model, build the runner (the engine sha
 processes receive their shards there). Each process samples its resident set size (psutil, every 2 ms, in
 a thread) from just before the build to the end of the runner's construction, and reports, above its RSS
 just before the build (imports and process group already paid):
-  peak   the highest RSS while building and sharding: what the process must have room for;
-  after  its RSS once the engine holds the model: what it keeps.
+  peak while building   the highest RSS while the model is built (and, ZeRO-3, loaded);
+  peak until sharded    the highest RSS from the build to the engine holding the model (FSDP's processes
+                        receive their shards there): what the process must have room for;
+  after                 its RSS once the engine holds the model.
 RSS counts every resident page, including file pages mapped while reading safetensors; the figures are
 MB (10^6 bytes), the LLM's size in the folder is printed above the table, and `whole / partitioned`
 is the ratio of the two builds' peaks for the same process.
@@ -98,8 +100,10 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
     torch_dist.barrier()
     placement = runner_class.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
     with PeakRSS() as rss:
-        runner = runner_class(cfg, build_model(cfg.model, cfg.run.seed, placement), datasets)
-    mine = {"peak": rss.peak - rss.before, "after": rss.after - rss.before,
+        with PeakRSS() as building:
+            model = build_model(cfg.model, cfg.run.seed, placement)
+        runner = runner_class(cfg, model, datasets)
+    mine = {"built": building.peak - rss.before, "peak": rss.peak - rss.before, "after": rss.after - rss.before,
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     everyone = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(everyone, mine)
@@ -120,7 +124,7 @@ def write_run(workdir: Path, hidden: int, layers: int, vocab: int) -> tuple[Path
     llm_dir = workdir / "llm"
     if not (llm_dir / "config.json").is_file():
         train_chatml_tokenizer(["You are a helpful assistant.", "What is in the image?"], llm_dir, vocab_size=300)
-        config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,  # Qwen's ratio
                              num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                              tie_word_embeddings=False)
         torch.manual_seed(0)
@@ -154,14 +158,15 @@ def measure(cfg_path: Path, nproc: int, workdir: Path) -> dict:
 def measured_table(results: dict, weights: int, nproc: int) -> str:
     lines = [f"LLM weights in the folder: {weights / MB:.0f} MB (bf16); {nproc} processes. MB above each "
              "process's RSS just before the build.", "",
-             "| runner | process | whole: peak | whole: after | partitioned: peak | partitioned: after | "
-             "whole / partitioned (peak) |", "|---|---|---|---|---|---|---|"]
+             "| runner | process | build | peak while building | peak until sharded | after | "
+             "whole / partitioned (peak until sharded) |", "|---|---|---|---|---|---|---|"]
     for runner in ("runner_deepspeed", "runner_fsdp"):
         for rank in range(nproc):
             whole, part = results[(runner, "whole")][rank], results[(runner, "partitioned")][rank]
-            lines.append(f"| {runner} | {rank} | {whole['peak'] / MB:.0f} | {whole['after'] / MB:.0f} | "
-                         f"{part['peak'] / MB:.0f} | {part['after'] / MB:.0f} | "
-                         f"{whole['peak'] / max(part['peak'], 1):.2f} |")
+            for build, r in (("whole", whole), ("partitioned", part)):
+                ratio = f"{whole['peak'] / max(part['peak'], 1):.2f}" if build == "partitioned" else ""
+                lines.append(f"| {runner} | {rank} | {build} | {r['built'] / MB:.0f} | {r['peak'] / MB:.0f} | "
+                             f"{r['after'] / MB:.0f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -222,8 +227,8 @@ def on_paper(nproc: int) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=None, help="processes (measured: 2; on paper: 8)")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the LLM folder and reports here")
     parser.add_argument("--on-paper", action="store_true")

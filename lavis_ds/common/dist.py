@@ -57,3 +57,9 @@ def barrier() -> None:
     # A barrier in a single process is pointless, and some backends refuse it before init.
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def full_shape(param) -> tuple[int, ...]:
+    """A parameter's shape as the model defines it, also when DeepSpeed ZeRO-3 partitioned it (the tensor is
+    then empty outside a gather and ``ds_shape`` keeps the shape)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
