@@ -1,6 +1,8 @@
 """From a validated config to live objects: model, datasets, runner."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -8,11 +10,14 @@ from lavis_ds.common.registry import registry
 from lavis_ds.datasets.loading import ParsedFiles
 
 
-def build_model(model_cfg: DictConfig, seed: int = 42) -> torch.nn.Module:
+def build_model(model_cfg: DictConfig, seed: int = 42,
+                placement: contextlib.AbstractContextManager | None = None) -> torch.nn.Module:
+    """The model of ``model_cfg``; inside ``placement`` (a runner's ``model_placement``) if given."""
     # Every rank initialises from the same seed, so random weights agree before DeepSpeed starts.
     torch.manual_seed(seed)
     cls = registry.get_model_class(model_cfg.arch)
-    return cls.from_config(OmegaConf.to_container(model_cfg, resolve=True))
+    with placement or contextlib.nullcontext():
+        return cls.from_config(OmegaConf.to_container(model_cfg, resolve=True))
 
 
 def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = None) -> dict[str, dict]:
@@ -22,6 +27,8 @@ def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = 
 
 
 def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
-    model = build_model(cfg.model, cfg.run.seed)
+    runner_class = registry.get_runner_class(cfg.run.runner)
+    # The runner that will shard the model says where its LLM is built (e.g. partitioned from the start).
+    model = build_model(cfg.model, cfg.run.seed, runner_class.model_placement(cfg))
     datasets = build_datasets(cfg.datasets, parsed_files)
-    return registry.get_runner_class(cfg.run.runner)(cfg, model, datasets)
+    return runner_class(cfg, model, datasets)

@@ -191,8 +191,8 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Pat
     llm = model.merge_lora()
     llm.save_pretrained(out / MERGED_LLM_DIR)
     model.llm_tokenizer.save_pretrained(out / MERGED_LLM_DIR)  # with the tokens the model added: HF-ready
-    # llm_proj is built after the LLM: the seed reproduces it only after the same random LLM init,
-    # and the merged LLM is loaded instead, so it goes into the file even when it was frozen.
+    # The model rebuilt from this export loads the merged LLM instead of building the random one: llm_proj
+    # goes into the file even when it was frozen, so that it never depends on how the LLM gets built.
     kept = {name: t for name, t in weights.items() if not name.startswith(LLM_PREFIX)}
     kept |= {name: p.detach().float() for name, p in model.named_parameters()
              if name.startswith("llm_proj.") and name not in kept}

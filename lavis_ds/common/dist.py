@@ -74,3 +74,9 @@ def exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def full_shape(param) -> tuple[int, ...]:
+    """A parameter's shape as the model defines it, also when DeepSpeed ZeRO-3 partitioned it (the tensor is
+    then empty outside a gather and ``ds_shape`` keeps the shape)."""
+    return tuple(getattr(param, "ds_shape", param.shape))

@@ -8,7 +8,6 @@ checkpoints keep their keys; the Q-Former is Hugging Face's (``qformer``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -21,8 +20,9 @@ from transformers import Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwe
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
-from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, fit_embeddings, merge_llm,
+from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
+from lavis_ds.models.llm_placement import gathered
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
 
@@ -165,7 +165,6 @@ class Blip2Qwen(BaseModel):
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
         self.llm_tokenizer, added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token)
         self.llm_model = self._build_llm(llm_model, llm_config, llm_precision)
-        fit_embeddings(self.llm_model, self.llm_tokenizer)
         if llm_grad_checkpoint:
             # Non-reentrant: gradients reach the projection through the LLM's inputs even when every
             # LLM weight is frozen, and dropout replays the same mask in the recomputation.
@@ -247,15 +246,17 @@ class Blip2Qwen(BaseModel):
         load_blip2(self, path, vit_loaded=self.vit_pretrained is not None)
 
     def _build_llm(self, path: str | None, config: dict[str, Any] | None, precision: str) -> nn.Module:
-        if path is not None:
-            if config:
-                logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
-            dtype = "auto" if precision == "auto" else DTYPES[precision]
-            return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype)
-        config = dict(config or {})
-        config.setdefault("vocab_size", num_token_ids(self.llm_tokenizer))
-        llm = Qwen2ForCausalLM(Qwen2Config(**config))
-        return llm if precision == "auto" else llm.to(DTYPES[precision])
+        """The LLM with a row for every token id, placed as the runner building this model asks (whole,
+        ZeRO-3 partitioned or empty until FSDP sends its shards: ``lavis_ds.models.llm_placement``)."""
+        if path is not None and config:
+            logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
+        qwen_config = None
+        if path is None:
+            config = dict(config or {})
+            config.setdefault("vocab_size", num_token_ids(self.llm_tokenizer))
+            qwen_config = Qwen2Config(**config)
+        dtype = None if precision == "auto" else DTYPES[precision]
+        return build_llm(path, qwen_config, dtype, self.llm_tokenizer)
 
     def _apply_freezing(self, freeze_vit: bool, unfreeze_pos_embed: bool, freeze_qformer: bool,
                         freeze_queries: bool, freeze_proj: bool, freeze_llm: bool, get_lora: bool) -> None:
@@ -360,7 +361,9 @@ class Blip2Qwen(BaseModel):
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         input_ids, attention_mask = input_ids.to(image.device), attention_mask.to(image.device)
 
-        with _gathered_if_zero3([self.query_tokens]):
+        # query_tokens belong to the root module, whose forward hook gathers them in training; generate does
+        # not go through forward, so under ZeRO-3 they are gathered here.
+        with gathered([self.query_tokens]):
             image_embeds = self.encode_image(image)
         inputs_embeds = self._embed(input_ids, image_embeds)
         # A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either.
@@ -384,19 +387,6 @@ class Blip2Qwen(BaseModel):
 
     def _embedding_dtype(self) -> torch.dtype:
         return self.llm_model.get_input_embeddings().weight.dtype
-
-
-def _gathered_if_zero3(params: list[nn.Parameter]):
-    """Gather ZeRO-3 partitioned parameters used outside of their module's ``forward``.
-
-    ``query_tokens`` belongs to the root module, whose forward hook gathers it in
-    training; ``generate`` does not go through ``forward``, so it gathers them here.
-    """
-    if not any(hasattr(p, "ds_id") for p in params):  # not partitioned by ZeRO-3
-        return contextlib.nullcontext()
-    import deepspeed  # only reached inside a DeepSpeed ZeRO-3 run
-
-    return deepspeed.zero.GatheredParameters(params)
 
 
 # MiniGPT4Qwen's name for the same architecture (Coobiw/MPP-LLaVA: `arch: minigpt4qwen`).

@@ -31,7 +31,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+
+from lavis_ds.common import dist
+from lavis_ds.models.llm_placement import (builds_empty, copy_into_partitioned, current_placement, empty_weights, gathered,
+                                           is_partitioned, partition_like_the_rest)
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +91,89 @@ def fit_embeddings(llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
 
     New rows are the mean of the old rows: deterministic, unlike transformers'
     default (mean plus random noise), so a model rebuilt from its YAML has the same rows.
+    Under ZeRO-3 transformers resizes into whole matrices, partitioned again here.
     """
     old = llm.get_input_embeddings().num_embeddings
     needed = num_token_ids(tokenizer)
     if needed <= old:
         return False
     llm.resize_token_embeddings(needed, mean_resizing=False)
-    with torch.no_grad():
-        for matrix in {id(m.weight): m.weight for m in (llm.get_input_embeddings(), llm.get_output_embeddings())
-                       if m is not None}.values():  # once if input and output are tied
+    matrices = list({id(m.weight): m.weight for m in (llm.get_input_embeddings(), llm.get_output_embeddings())
+                     if m is not None}.values())  # once if input and output are tied
+    with gathered(matrices, modifier_rank=0), torch.no_grad():
+        for matrix in matrices:
             matrix[old:] = matrix[:old].mean(dim=0, keepdim=True)
+    partition_like_the_rest(llm, matrices)
     logger.info("LLM embeddings resized from %d to %d rows", old, needed)
     return True
+
+
+def build_llm(path: str | Path | None, config: Qwen2Config | None, dtype: torch.dtype | None,
+              tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The Qwen2 LLM with a row for every token id, where the surrounding ``llm_placement`` puts it.
+
+    ``path``: a Hugging Face folder to load; else a random initialisation of ``config``.
+    ``dtype``: None keeps the folder's dtype (fp32 for a random initialisation). Under ZeRO-3
+    the parameters take the DeepSpeed engine's dtype instead (``zero.Init`` casts them).
+    Built with the random number generator forked (see ``lavis_ds.models.llm_placement``).
+    """
+    placement = current_placement()
+    if placement == "rank0":  # process 0 and the others must agree on the dtype without reading the weights
+        dtype = llm_dtype(path, config, dtype)
+    with torch.random.fork_rng(devices=[]):
+        if placement == "zero3":
+            llm = _partitioned_llm(path, config, dtype)
+        elif builds_empty():
+            with empty_weights():  # resizing builds new matrices: on meta too
+                llm = _empty_llm(path, config, dtype)
+                fit_embeddings(llm, tokenizer)
+            return llm
+        else:
+            llm = _whole_llm(path, config, dtype)
+        fit_embeddings(llm, tokenizer)
+    return llm
+
+
+def _whole_llm(path, config, dtype) -> PreTrainedModel:
+    if path is not None:
+        return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    llm = Qwen2ForCausalLM(config)
+    return llm if dtype is None else llm.to(dtype)
+
+
+def _partitioned_llm(path, config, dtype) -> PreTrainedModel:
+    """Built under zero.Init by transformers (an HfDeepSpeedConfig is alive). Loading: process 0 reads the
+    files, every process keeps its partition of each module as it is loaded (transformers reads only the
+    headers elsewhere). A random initialisation is process 0's whole one, copied in module by module, so
+    that the weights are those of a whole build with the same seed (zero.Init initialises otherwise)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        raise RuntimeError("llm_placement('zero3') needs a ZeRO-3 HfDeepSpeedConfig alive while the model is built")
+    if path is not None:
+        return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    whole = _whole_llm(None, config, dtype) if dist.rank() == 0 else None
+    llm = Qwen2ForCausalLM._from_config(config, dtype=dtype)
+    copy_into_partitioned(llm, whole)
+    return llm
+
+
+def _empty_llm(path, config, dtype) -> PreTrainedModel:
+    """The LLM's structure on the meta device: the folder's config.json is the only file read."""
+    if path is not None:
+        config = Qwen2Config.from_pretrained(path)
+    return Qwen2ForCausalLM._from_config(config, dtype=dtype)
+
+
+def llm_dtype(path, config: Qwen2Config | None, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a ``rank0`` placement builds the LLM in on every process: ``dtype``, else the folder's
+    config.json ``dtype`` (fp32 if it names none, and for a random initialisation)."""
+    if dtype is not None:
+        return dtype
+    if path is None:
+        return torch.float32
+    named = (config or Qwen2Config.from_pretrained(path)).dtype
+    return getattr(torch, named) if isinstance(named, str) else (named or torch.float32)
 
 
 # ----------------------------------------------------------------------------- trainable token rows
@@ -116,7 +191,7 @@ class TokenRowsEmbedding(nn.Module):
         # Not saved: the ids follow from the tokenizer, which the run's output_dir holds.
         self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
         # fp32 like peft's adapters: the engine casts it with the rest in bf16/fp16 runs.
-        self.rows = nn.Parameter(base.weight.detach()[self.token_ids].float().clone())
+        self.rows = nn.Parameter(_rows_of(base.weight, self.token_ids))
 
     # What transformers and lavis_ds read from an input embedding.
     @property
@@ -152,7 +227,7 @@ class TokenRowsHead(nn.Module):
             raise ValueError("TokenRowsHead supports output layers without bias (as Qwen2's lm_head)")
         self.base = base
         self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
-        self.rows = rows if rows is not None else nn.Parameter(base.weight.detach()[self.token_ids].float().clone())
+        self.rows = rows if rows is not None else nn.Parameter(_rows_of(base.weight, self.token_ids))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -162,6 +237,12 @@ class TokenRowsHead(nn.Module):
         logits = self.base(hidden)
         new = F.linear(hidden, self.rows.to(hidden.dtype)).to(logits.dtype)
         return logits.index_copy(-1, self.token_ids, new)
+
+
+def _rows_of(matrix: nn.Parameter, token_ids: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of the rows ``token_ids`` of ``matrix`` (gathered first if ZeRO-3 partitioned it)."""
+    with gathered([matrix]):
+        return matrix.detach()[token_ids].float().clone()
 
 
 def train_token_rows(llm: PreTrainedModel, token_ids: list[int]) -> None:
@@ -220,11 +301,14 @@ def check_lora_targets(llm: nn.Module, targets: list[str]) -> None:
 def add_lora(llm: PreTrainedModel, r: int, alpha: int, dropout: float, targets: list[str]) -> nn.Module:
     """Wrap ``llm`` in a peft LoRA model on ``targets`` (checked first); peft freezes everything else.
 
-    Call it on a whole, unpartitioned model: lavis_ds builds the model before
-    ``deepspeed.initialize`` partitions it (no ``zero.Init``), which is why LoRA works
-    under ZeRO-3 here. Models built inside ``zero.Init`` (transformers'
-    ``from_pretrained`` with a live ``HfDeepSpeedConfig``) hand peft empty,
-    partitioned weights instead - the ZeRO-3 + LoRA failures users report.
+    Under ZeRO-3 ``llm`` is partitioned (built inside ``zero.Init``): peft reads only the
+    layers' sizes (``in_features``/``out_features``, kept by a partitioned ``nn.Linear``)
+    and creates the adapters whole, in the base weights' dtype; ``deepspeed.initialize``
+    partitions them with the rest. What users report failing with ZeRO-3 + peft is not done
+    here: ``modules_to_save`` (a deepcopy of partitioned modules), merging partitioned
+    weights (``merge_llm`` refuses them), initialisations that read the base weights
+    (PiSSA, ...). With meta base weights (FSDP, processes other than 0) the adapters are
+    moved to meta too and receive process 0's values with the rest.
     """
     from peft import LoraConfig, get_peft_model  # only LoRA runs need peft
 
@@ -247,7 +331,7 @@ def merge_llm(llm: nn.Module) -> PreTrainedModel:
     Changes ``llm`` in place (the weights are shared); the result is what
     ``save_pretrained`` writes and ``from_pretrained`` reads back.
     """
-    if any(hasattr(p, "ds_id") for p in llm.parameters()):
+    if is_partitioned(list(llm.parameters())):
         raise RuntimeError("merge the LLM of a model outside the DeepSpeed engine: these parameters are "
                            "partitioned by ZeRO-3. Build the model from the run's config.yaml and load the "
                            "checkpoint's trainable weights into it (deepspeed.utils.zero_to_fp32), then merge.")

@@ -34,7 +34,7 @@ def build_param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[st
         if prefix is not None:
             used.add(prefix)
         scale = float(lr_scales[prefix]) if prefix is not None else 1.0
-        decay = not _no_decay(name, param.ndim)
+        decay = not _no_decay(name, len(dist.full_shape(param)))  # ZeRO-3 keeps 1-d partitions of any shape
         group = groups.setdefault((decay, scale), {
             "params": [], "names": [], "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale})
         group["params"].append(param)

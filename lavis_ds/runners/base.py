@@ -9,6 +9,7 @@ failed loads, non-finite losses) - is here, once.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import math
 import signal
@@ -226,6 +227,13 @@ class RunnerBase:
     @classmethod
     def prepare_process(cls, cfg: DictConfig) -> None:
         """Once per process, before the process group starts (e.g. compile the engine's ops). Default: nothing."""
+
+    @classmethod
+    def model_placement(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
+        """The context the model is built in (after the process group starts): where the LLM's weights go
+        while it is built, e.g. partitioned from the start (``lavis_ds.models.llm_placement``). Default:
+        whole, on every process."""
+        return contextlib.nullcontext()
 
     @classmethod
     def init_process_group(cls) -> None:

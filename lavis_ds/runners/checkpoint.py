@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lavis_ds.common import dist
 from lavis_ds.common.errors import InputError
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
@@ -215,7 +216,7 @@ def trainable_problems(tag_dir: Path, saved: dict[str, tuple], model: torch.nn.M
     not match". Both are changes of freeze_* / get_lora / lr settings between runs.
     """
     every_name = dict(model.named_parameters(remove_duplicate=False))  # tied aliases are names too
-    trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    trainable = {name: dist.full_shape(p) for name, p in model.named_parameters() if p.requires_grad}
     trainable_aliases = {name for name, p in every_name.items() if p.requires_grad}
     problems = []
     new = [name for name in trainable if name not in saved]

@@ -9,6 +9,7 @@ by N processes loads on M (DCP reshards).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -76,11 +77,23 @@ class FSDPRunner(RunnerBase):
     def settings(self) -> TrainingSettings:
         return training_settings(OmegaConf.to_container(self.run, resolve=True), self.world_size)
 
+    @classmethod
+    def model_placement(cls, cfg):
+        """On several processes, process 0 alone builds and loads the LLM; the others build it on the meta
+        device and receive their shards in ``wrap``."""
+        from lavis_ds.common import dist
+        from lavis_ds.models.llm_placement import llm_placement
+
+        return llm_placement("rank0") if dist.world_size() > 1 else contextlib.nullcontext()
+
     def wrap(self, model, param_groups):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         self.dtype = DTYPES[self.settings.precision]
-        model.to(self.device)  # fully_shard shards what is on the device (a no-op on CPU)
+        from_rank0 = self._built_on_rank0(model)
+        if not from_rank0:
+            model.to(self.device)  # fully_shard shards what is on the device (a no-op on CPU)
+        # else fully_shard moves what is real to the device itself and leaves the meta parameters for the load
         low_precision = self.dtype != torch.float32
         if low_precision and self.options.precision_mode == "low":
             model.to(self.dtype)
@@ -101,13 +114,39 @@ class FSDPRunner(RunnerBase):
         # fully_shard swaps every parameter for a sharded one: remember the groups by name.
         names = {id(p): name for name, p in model.named_parameters()}
         group_names = [[names[id(p)] for p in group["params"]] for group in param_groups]
+        # Process 0's whole model, in the dtypes just set; the tensors are shared, not copied.
+        whole = model.state_dict() if from_rank0 and self.rank == 0 else {}
         for block in model.repeated_blocks():
             fully_shard(block, **shard)
         fully_shard(model, **shard)
+        if from_rank0:
+            self._load_from_rank0(model, whole)
+            del whole  # process 0 holds its shards only from here on
         sharded = dict(model.named_parameters())
         groups = [{**group, "params": [sharded[name] for name in names]} for group, names in zip(param_groups, group_names)]
         return torch.optim.AdamW(groups, lr=self.run.init_lr,
                                  **_adam_settings(OmegaConf.to_container(self.run, resolve=True)))
+
+    def _built_on_rank0(self, model) -> bool:
+        """Whether some process built parameters on the meta device (``model_placement``): then every process
+        receives its shards from process 0. Agreed by all processes, as the load is collective."""
+        import torch.distributed as torch_dist
+
+        empty = torch.tensor([float(any(p.is_meta for p in model.parameters()))])
+        if torch_dist.is_initialized() and self.world_size > 1:
+            torch_dist.all_reduce(empty)
+        return bool(empty.item())
+
+    def _load_from_rank0(self, model, whole: dict) -> None:
+        """Every parameter and buffer from process 0's whole model, each process keeping its shard (torch
+        broadcasts them one at a time); the meta parameters become real ones here."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        meta = [name for name, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise RuntimeError(f"runner_fsdp: {len(meta)} parameters received no weights from process 0, e.g. "
+                               f"{', '.join(meta[:3])}")
 
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_fsdp", "format": "torch.distributed.checkpoint",

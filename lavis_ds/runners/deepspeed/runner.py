@@ -60,6 +60,19 @@ class DeepSpeedRunner(RunnerBase):
         if not torch_dist.is_initialized():  # DeepSpeed's own start: on CPU it also loads its shared-memory op
             deepspeed.init_distributed(verbose=False)
 
+    @classmethod
+    def model_placement(cls, cfg):
+        """ZeRO-3 builds the LLM partitioned from the start (transformers' zero.Init integration); other
+        stages hold whole parameters anyway, so the model is built whole."""
+        from omegaconf import OmegaConf
+
+        from lavis_ds.common import dist
+
+        ds_config = build_deepspeed_config(OmegaConf.to_container(cfg.run, resolve=True), dist.world_size())
+        if layout_of(ds_config)["zero_stage"] != 3:
+            return contextlib.nullcontext()
+        return _zero3_construction(ds_config)
+
     def wrap(self, model, param_groups):
         # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
         # exported model for inference (lavis_ds.export) must not need DeepSpeed.
@@ -78,6 +91,7 @@ class DeepSpeedRunner(RunnerBase):
         self.universal = self.elastic or self.source is not None or self._layout_changed()
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        _cast_unpartitioned(model, layout_of(ds_config)["precision"])
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                                             config=ds_config)
         self.zero_stage = self.engine.zero_optimization_stage()
@@ -299,6 +313,42 @@ class DeepSpeedRunner(RunnerBase):
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
 registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
+
+
+@contextlib.contextmanager
+def _zero3_construction(ds_config: dict):
+    """While the model is built: transformers sees this ZeRO-3 config (its ``HfDeepSpeedConfig`` lives only
+    as long as this block) and the LLM is placed partitioned (``lavis_ds.models.llm_placement``)."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from lavis_ds.models.llm_placement import llm_placement
+
+    hf_config = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference to it
+    try:
+        with llm_placement("zero3"):
+            yield
+    finally:
+        unset_hf_deepspeed_config()  # later from_pretrained calls (export, inference) build whole again
+        del hf_config
+
+
+def _cast_unpartitioned(model: torch.nn.Module, precision: str) -> None:
+    """Cast what zero.Init did not build to the bf16/fp16 engine's dtype, as DeepSpeed casts a whole model.
+
+    DeepSpeed casts no parameter of a model that has some ZeRO-3 partitioned ones (it expects zero.Init
+    to have built all of them in its dtype), so the ViT, Q-Former, projection, LoRA adapters and token
+    rows built beside a partitioned LLM would stay fp32 in a bf16 engine.
+    """
+    from lavis_ds.models.llm_placement import is_partitioned
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    params = list(model.parameters())
+    if dtype is None or not is_partitioned(params):
+        return
+    for param in params:
+        if not is_partitioned([param]) and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _without_frozen(module_state_dict, model, *args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:

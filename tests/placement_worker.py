@@ -1,0 +1,109 @@
+"""Run under torchrun by test_partitioned_build.py: build a run's model the way train.py does, in the place its
+runner asks for, and report what each process holds.
+
+    torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> runner [runner ...]
+
+For each runner named, the model is built twice: in the place the runner asks for (``model_placement``) and
+whole, as before. For each build, on every process: how many elements of the LLM's own weights (no LoRA
+adapters, no token rows) this process holds right after the build - materialised in full, as its ZeRO-3
+partition, or on the meta device - and after the engine wrapped the model; and the loss of one fixed batch
+before and after one optimizer step on it. Process 0 writes
+``{"<runner>/<partitioned|whole>": [report of rank 0, report of rank 1, ...]}``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as torch_dist
+
+LLM_PREFIX = "llm_model."
+
+
+def base_llm_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The LLM's own weights: what a from_pretrained folder holds (adapters and token rows are not)."""
+    return {name: p for name, p in model.named_parameters()
+            if name.startswith(LLM_PREFIX) and "lora_" not in name and not name.endswith(".rows")}
+
+
+def held(params: dict[str, torch.nn.Parameter]) -> dict:
+    """Elements of ``params`` this process holds, by kind, and how many elements the weights have in all."""
+    out = {"total": 0, "full": 0, "partition": 0, "meta": 0, "shard": 0, "unpartitioned": []}
+    for name, p in params.items():
+        if hasattr(p, "ds_id"):  # ZeRO-3: `p.data` is empty outside a gather, `ds_tensor` is this rank's piece
+            out["total"] += p.ds_numel
+            out["partition"] += p.ds_tensor.numel()
+            out["full"] += p.data.numel()
+        elif hasattr(p, "to_local"):  # FSDP2 DTensor
+            out["total"] += p.numel()
+            out["shard"] += p.to_local().numel()
+        elif p.is_meta:
+            out["total"] += p.numel()
+            out["meta"] += p.numel()
+        else:
+            out["total"] += p.numel()
+            out["full"] += p.numel()
+            out["unpartitioned"].append(name)
+    out["unpartitioned"] = out["unpartitioned"][:5]
+    return out
+
+
+def fixed_batch() -> dict:
+    return {"image": torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)),
+            "instruction": [["<Img><ImageHere></Img> What is in the image?"], ["Describe the picture in detail."]],
+            "output": [["A cat sitting on a mat."], ["A dog runs on the grass."]]}
+
+
+def report_for(cfg, partitioned: bool) -> dict:
+    """Build (in the runner's placement, or whole), wrap, and take one optimizer step on the fixed batch."""
+    import contextlib
+    import gc
+
+    from lavis_ds.build import build_datasets, build_model
+    from lavis_ds.common.registry import registry
+
+    runner_class = registry.get_runner_class(cfg.run.runner)
+    placement = runner_class.model_placement(cfg) if partitioned else contextlib.nullcontext()
+    model = build_model(cfg.model, cfg.run.seed, placement)
+    built = held(base_llm_params(model))
+    runner = runner_class(cfg, model, build_datasets(cfg.datasets))
+    wrapped = held(base_llm_params(runner.module))
+    runner.module.train()
+    torch.manual_seed(0)  # LoRA dropout draws alike in both builds
+    losses = [float(runner.forward_backward([fixed_batch()])[0])]
+    runner.optimizer_step()
+    runner.module.eval()
+    with torch.no_grad():
+        losses.append(float(runner.forward(fixed_batch())["loss"]))
+    del runner, model
+    gc.collect()
+    return {"built": built, "wrapped": wrapped, "losses": losses}
+
+
+def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
+    importlib.import_module("lavis_ds")  # fills the registries
+    from lavis_ds.common.registry import registry
+    from lavis_ds.config import load_config
+
+    world = int(os.environ["WORLD_SIZE"])
+    reports = {}
+    for name in runners:
+        cfg = load_config(cfg_path, [f"run.runner={name}"], world_size=world)
+        runner_class = registry.get_runner_class(name)
+        runner_class.prepare_process(cfg)
+        runner_class.init_process_group()  # once: a started process group is kept
+        for partitioned in (True, False):
+            mine = report_for(cfg, partitioned)
+            everyone = [None] * torch_dist.get_world_size()
+            torch_dist.all_gather_object(everyone, mine)
+            reports[f"{name}/{'partitioned' if partitioned else 'whole'}"] = everyone
+    if torch_dist.get_rank() == 0:
+        with open(report_path, "w") as f:
+            json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
