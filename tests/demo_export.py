@@ -12,7 +12,7 @@ from pathlib import Path
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import run_train, tiny_config, write_yaml
 
-# Enough steps (3 epochs x 16 optimizer steps) for answers of several words that depend on the image
+# Enough steps (6 epochs x 16 optimizer steps) for answers of several words that depend on the image and the question
 # (the demo's "a red circle" format); ~40 s on 2 cores.
 SPEC = DemoShapesSpec(num_train=256, num_val=16, num_test=16)
 CAPTION_PROMPT = "Describe the image in a few words."
@@ -37,7 +37,7 @@ def train_and_export(root: Path) -> DemoExport:
     from lavis_ds.export import export_checkpoint
 
     storage = ensure_demo_shapes(root / "demo_shapes", SPEC)
-    cfg = tiny_config(root / "run", storage, stage=2, micro=8, max_epoch=3, warmup_steps=4)
+    cfg = tiny_config(root / "run", storage, stage=2, micro=8, max_epoch=6, warmup_steps=4)
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=SPEC.num_train, num_val=SPEC.num_val,
                                                        num_test=SPEC.num_test)
     run_train(write_yaml(root / "demo.yaml", cfg), nproc=2, launcher="launch")  # torchrun, as the README says

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lavis_ds.common.extensions import configure_build_environment
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import env, run_train, tiny_config, train_steps, write_yaml
+from run_utils import run_train, tiny_config, train_steps, write_yaml
 
 STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x 2 processes
 
@@ -113,19 +113,14 @@ def test_zero3_deprecation_warnings_show_once_per_process(tmp_path, demo_storage
     assert len(train_steps(out)) == STEPS_PER_EPOCH
 
 
-def test_one_extensions_folder_and_one_ninja_per_environment(tmp_path):
+def test_one_extensions_folder_and_one_ninja_per_environment(tmp_path, monkeypatch):
     """Whatever the PATH (venv activated or not), the environment's own folder and ninja are used."""
-    script = ("import os, shutil; from lavis_ds.common.extensions import configure_build_environment; "
-              "folder = configure_build_environment(); print(folder); print(shutil.which('ninja'))")
-    clean = {k: v for k, v in env().items() if k != "TORCH_EXTENSIONS_DIR"}
-    clean["PATH"] = "/usr/local/bin:/usr/bin:/bin"  # not activated: a system ninja may come first
-    out = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True, text=True, check=True)
-    folder, ninja = out.stdout.split()
-    assert Path(folder) == Path(sys.prefix) / "torch_extensions"
     import ninja as ninja_package
 
-    assert Path(ninja).parent == Path(ninja_package.BIN_DIR)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("PATH", "/usr/local/bin:/usr/bin:/bin")  # not activated: a system ninja may come first
+    assert configure_build_environment() == Path(sys.prefix) / "torch_extensions"
+    assert Path(shutil.which("ninja")).parent == Path(ninja_package.BIN_DIR)
     # A folder the user chose is kept.
-    mine = dict(clean, TORCH_EXTENSIONS_DIR=str(tmp_path / "mine"))
-    out = subprocess.run([sys.executable, "-c", script], env=mine, capture_output=True, text=True, check=True)
-    assert out.stdout.split()[0] == str(tmp_path / "mine")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert configure_build_environment() == tmp_path / "mine"

@@ -15,7 +15,7 @@ import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import (EPOCHS, REPO, STEPS_PER_EPOCH, command, comparable, complete_steps, env, noisy_config,
-                       run_train, tiny_config, tracebacks, train_steps, write_yaml)
+                       output_of, run_train, start, tiny_config, tracebacks, train_steps, write_yaml)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,10 @@ def test_sigterm_under_torchrun_saves_and_the_same_command_continues_bit_for_bit
         cfg["run"]["save_freq_steps"] = 0  # epoch ends only: the checkpoint mid-epoch is the one SIGTERM saves
         configs[name] = write_yaml(tmp_path / f"{name}.yaml", cfg)
     total = STEPS_PER_EPOCH * EPOCHS
-    with open(tmp_path / "reference.log", "w") as log:  # beside the preempted run: one wall-clock wait
-        reference = subprocess.Popen(command(configs["reference"]), cwd=REPO, env=env(), stdout=log, stderr=log)
-        stopped = signal_after_step(command(configs["preempted"]), out, tmp_path / "preempted.log",
-                                    STEPS_PER_EPOCH + 2, signal.SIGTERM)
-        assert reference.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+    reference = start(configs["reference"])  # beside the preempted run (torchrun's): one wall-clock wait
+    stopped = signal_after_step(command(configs["preempted"]), out, tmp_path / "preempted.log",
+                                STEPS_PER_EPOCH + 2, signal.SIGTERM)
+    assert reference.wait(timeout=600) == 0, output_of(reference)[-4000:]
 
     found = re.search(r"lavis_ds: stopped by SIGTERM after optimizer step (\d+): saved (\S+); run the same command "
                       r"to continue from there", stopped.stdout)

@@ -63,6 +63,6 @@ def test_user_module_registers_a_model_that_trains_through_train_py(tmp_path):
 def test_unimportable_module_is_a_config_error(tmp_path):
     cfg = write_yaml(tmp_path / "bad.yaml", {"imports": ["no_such_pkg.model"], "model": {"arch": "x"},
                                               "datasets": {}, "run": {"output_dir": str(tmp_path)}})
-    proc = run_train(cfg, nproc=0, cwd=tmp_path, check=False, launcher="launch")
+    proc = run_train(cfg, nproc=0, cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert "imports[0]: cannot import 'no_such_pkg.model': ModuleNotFoundError" in proc.stderr
