@@ -90,7 +90,7 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     ``info`` has the run ``config`` (DictConfig), ``runner``, ``zero_stage`` (DeepSpeed's; None under FSDP),
     ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
     """
-    writer = ckpt.written_by(ckpt.read_marker(tag_dir))
+    writer = ckpt.writer_of(tag_dir)
     if writer not in runner_registry:
         raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
                           f"(known: {', '.join(runner_registry)})")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -75,13 +74,15 @@ class Job:
     """The processes of one launch; quacks like the ``subprocess.Popen`` the tests use."""
 
     def __init__(self, argv: list[str], nproc: int, env: dict, cwd: Path, logs: Path):
+        from run_utils import free_port  # run_utils imports this module
+
         ctx = _server()
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout_file, self.stderr_file = logs / "stdout.txt", logs / "stderr.txt"
         for f in (self.stdout_file, self.stderr_file):
             f.write_text("")
         ranks = max(1, nproc)
-        launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
+        launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
                     "LOCAL_WORLD_SIZE": str(ranks)} if nproc else {}
         self.processes = []
         for rank in range(ranks):
@@ -124,32 +125,12 @@ class Job:
 
     def kill(self) -> None:
         """SIGKILL every process of the job and their DataLoader workers at once, as a preemption would."""
-        import psutil
+        from run_utils import kill_tree
 
-        tree = []
-        for p in self.processes:
-            try:
-                root = psutil.Process(p.pid)
-                tree += root.children(recursive=True) + [root]
-            except psutil.NoSuchProcess:
-                pass
-        for sig in (signal.SIGSTOP, signal.SIGKILL):  # freeze all first: none runs on after another died
-            for process in tree:
-                try:
-                    process.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-        psutil.wait_procs(tree, timeout=30)
+        kill_tree(*self.pids)
         for p in self.processes:
             p.join()
 
     def output(self) -> tuple[str, str]:
         return self.stdout_file.read_text(errors="replace"), self.stderr_file.read_text(errors="replace")
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

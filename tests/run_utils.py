@@ -209,17 +209,22 @@ def train_steps(output_dir: Path) -> list[dict]:
     return [m for m in metrics(output_dir) if "split" not in m]
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process under it at once, as a preemption would.
+def kill_tree(*pids: int) -> None:
+    """SIGKILL launchers (or a forked job's processes) and every process under them at once, as a preemption would.
 
     torchrun starts each worker in its own session, so killing the launcher's
     process group would leave the workers running.
     """
     import psutil  # a DeepSpeed dependency
 
-    root = psutil.Process(pid)
-    tree = root.children(recursive=True) + [root]
-    for sig in (signal.SIGSTOP, signal.SIGKILL):  # freeze all first: none runs on after its parent died
+    tree = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            tree += root.children(recursive=True) + [root]
+        except psutil.NoSuchProcess:  # a process of the job that had ended already
+            pass
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # freeze all first: none runs on after another died
         for process in tree:
             try:
                 process.send_signal(sig)

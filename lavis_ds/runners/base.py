@@ -296,8 +296,9 @@ class RunnerBase:
     def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
         """The trained state of ``tag_dir`` (which this runner wrote) for another runner. Collective: every rank
         calls it; ``needed``: whether this rank uses the result (None may come back if not); ``scratch``: a
-        folder for temporary files, removed again."""
-        raise NotImplementedError
+        folder for temporary files, removed again. A runner that overrides ``handover_shapes`` overrides this too."""
+        raise NotImplementedError(f"{cls.__name__} hands its checkpoints over (handover_shapes) but does not "
+                                  "read them out: define read_handover")
 
     def takeover_problem(self) -> str | None:
         """Why this run cannot continue another engine's checkpoint exactly (None: it can). Default: it cannot."""
@@ -311,7 +312,7 @@ class RunnerBase:
 
     def foreign_writer(self, tag_dir: Path) -> type[RunnerBase] | None:
         """The runner class that wrote ``tag_dir`` if it is another engine's (None: this runner's own)."""
-        writer = ckpt.written_by(ckpt.read_marker(tag_dir))  # whole, or DamagedCheckpoint
+        writer = ckpt.writer_of(tag_dir)  # whole, or DamagedCheckpoint
         if writer not in runner_registry:
             raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
                                        f"(known: {', '.join(runner_registry)}); list its module under `imports:`")
@@ -321,7 +322,7 @@ class RunnerBase:
     def check_takeover(self, tag_dir: Path, source: type[RunnerBase]) -> None:
         """A CheckpointError unless ``tag_dir``, written by ``source``, continues here exactly: the writer's
         side (its engine layout), this run's side, and the trained parameters."""
-        writer = ckpt.written_by(ckpt.read_marker(tag_dir))
+        writer = ckpt.writer_of(tag_dir)
         problem = self.takeover_problem()
         if problem:
             raise ckpt.CheckpointError(
@@ -332,10 +333,10 @@ class RunnerBase:
         if problems:
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
 
-    def report_takeover(self, tag_dir: Path, source_name: str) -> None:
+    def report_takeover(self, tag_dir: Path) -> None:
         if self.rank == 0:
-            print(f"resumed {source_name}'s checkpoint {tag_dir} under {self.name} (fp32 weights and AdamW moments "
-                  f"carried over parameter by parameter)", flush=True)
+            print(f"resumed {ckpt.writer_of(tag_dir)}'s checkpoint {tag_dir} under {self.name} (fp32 weights and "
+                  f"AdamW moments carried over parameter by parameter)", flush=True)
 
     def trainable_names(self) -> list[str]:
         return [name for name, p in self.module.named_parameters() if p.requires_grad]

@@ -84,9 +84,10 @@ def read_marker(tag_dir: Path) -> dict:
     return info
 
 
-def written_by(info: dict) -> str:
-    """The runner a completion marker names (markers older than the field were written by runner_deepspeed)."""
-    return info.get("runner", "runner_deepspeed")
+def writer_of(tag_dir: Path) -> str:
+    """The runner a checkpoint's completion marker names (markers older than the field were written by
+    runner_deepspeed); DamagedCheckpoint if the marker is unreadable."""
+    return read_marker(tag_dir).get("runner", "runner_deepspeed")
 
 
 def load_file(path: Path, mmap: bool = False) -> dict:

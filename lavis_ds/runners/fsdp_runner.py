@@ -249,7 +249,7 @@ class FSDPRunner(RunnerBase):
                        options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
         if torch_dist.is_initialized():
             torch_dist.barrier()
-        self.report_takeover(tag_dir, ckpt.written_by(ckpt.read_marker(tag_dir)))
+        self.report_takeover(tag_dir)
         return handover.client_state
 
     def check_checkpoint(self, tag_dir, same_world):

@@ -240,7 +240,7 @@ class DeepSpeedRunner(RunnerBase):
                 ds_ckpt.remove_universal_copy(Path(load_dir) / tag)
         replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
         if self.source is not None:
-            self.report_takeover(tag_dir, ckpt.written_by(ckpt.read_marker(tag_dir)))
+            self.report_takeover(tag_dir)
         return client_state
 
     def _write_handover(self, handover: ckpt.Handover, folder: Path) -> None:
