@@ -3,9 +3,10 @@
 Order of precedence, lowest first: the model's default YAML for its `model_type`,
 the dataset builder's default YAML, the `RunConfig` defaults, the user's YAML,
 the `--options key=value` overrides. LAVIS / MiniGPT4Qwen keys are translated
-first (`lavis_compat`), a DeepSpeed section given as a JSON file is read and its
-"auto" values filled (`runners/deepspeed/section.py`: every runner reads the DeepSpeed words of the
-engine-neutral settings). The merged config is checked as a
+first (`lavis_compat`), and each runner's options section is read by its runner (e.g. a
+DeepSpeed JSON file named by its path). What a runner's section says about the engine-neutral
+run keys (batch, precision, clipping, AdamW's betas/eps: its "twins") is mapped onto those keys
+whichever runner the run chose, so switching `run.runner` keeps them. The merged config is checked as a
 whole and every problem is reported in one `ConfigError`, each with its key path:
 an unknown name (arch, model_type, builder, runner) is reported with the rest,
 which is checked against the closest known name.
@@ -28,14 +29,14 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import dist, lavis_compat
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import ConfigError
-from lavis_ds.common.run_config import DEEPSPEED_TWINS, RunConfig, training_settings
+from lavis_ds.common.run_config import NEUTRAL_KEYS, RunConfig, Twin, resolve_twins, training_settings
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
-from lavis_ds.runners.deepspeed import section as deepspeed_section
+from lavis_ds.runners import DEFAULT_RUNNER
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,14 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
         cfg = _expand_home(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(errors + [f"interpolation: {e}"], source) from None
-    cfg, more_notes = _resolve_deepspeed_autos(cfg)
-    notes += more_notes
-    validate(cfg, errors, world_size)
+    neutral = validate(cfg, errors, world_size)
     if not errors:
-        # The engine completes its section as it will use it (DeepSpeed: autos filled, batch layout); config.yaml
-        # records that.
-        run, runner_notes = reg.runners.get(cfg.run.runner).complete_config(OmegaConf.to_container(cfg.run),
-                                                                          world_size)
+        # The neutral keys as resolved with their twins; then the engine completes its section as it will use it
+        # (DeepSpeed: autos filled, batch layout). config.yaml records both.
+        runner = reg.runners.get(cfg.run.runner)
+        run, runner_notes = runner.complete_config({**OmegaConf.to_container(cfg.run), **neutral}, world_size)
         cfg.run = OmegaConf.create(run)
+        runner_notes += _foreign_options_notes(run, runner)
         if dist.is_main_process():  # every rank loads the config; one says what it did
             for line in notes + runner_notes:
                 logger.warning("%s", line)
@@ -135,26 +135,58 @@ def _read_yaml(path: str | os.PathLike, source: str) -> DictConfig:
 
 
 def _translate(user: DictConfig, errors: list[str]) -> tuple[DictConfig, list[str]]:
-    """Read a DeepSpeed JSON file named by run.deepspeed_config, then map the LAVIS keys (they may fill it)."""
+    """Let each runner read its options section (e.g. a DeepSpeed JSON file's path), then map the LAVIS keys."""
     plain = OmegaConf.to_container(user, resolve=False)
     run = plain.get("run")
-    if isinstance(run, dict) and "deepspeed_config" in run:
-        section, problems = deepspeed_section.read_section(run["deepspeed_config"])
-        errors.extend(problems)
-        if section is not None:
-            run["deepspeed_config"] = section
-    problems, notes = lavis_compat.translate(plain)
+    if isinstance(run, dict):
+        for runner in _runners().values():
+            if runner.OPTIONS_KEY in run:
+                section, problems = runner.read_options(run[runner.OPTIONS_KEY])
+                errors.extend(problems)
+                if section is not None:
+                    run[runner.OPTIONS_KEY] = section
+    twins, _ = option_twins(run) if isinstance(run, dict) else ([], [])  # their problems: reported by validate
+    problems, notes = lavis_compat.translate(plain, twins)
     errors.extend(problems)
     return OmegaConf.create(plain), notes
 
 
-def _resolve_deepspeed_autos(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
-    ds = cfg.run.get("deepspeed_config")
-    if not isinstance(ds, DictConfig):
-        return cfg, []
-    resolved, notes = deepspeed_section.resolve_auto(OmegaConf.to_container(ds), OmegaConf.to_container(cfg.run))
-    cfg.run.deepspeed_config = resolved
-    return cfg, notes
+def _runners() -> dict[str, type]:
+    """Every registered runner class once, by its name (a user's subclass may share its parent's options section)."""
+    names = {}
+    for name in reg.runners:
+        names.setdefault(reg.runners.get(name), name)
+    return {name: cls for cls, name in names.items()}
+
+
+def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
+    """What the runners' options sections of ``run`` say about the neutral run keys, and problems with it."""
+    twins, problems, seen = [], [], set()
+    for runner in _runners().values():
+        key = runner.OPTIONS_KEY
+        if key is None or key in seen or not isinstance(run.get(key), dict):
+            continue
+        seen.add(key)
+        more_twins, more_problems = runner.option_twins(run[key])
+        twins += more_twins
+        problems += more_problems
+    return twins, problems
+
+
+def _foreign_options_notes(run: dict, chosen: type) -> list[str]:
+    """Another runner's options section in this run: what of it this runner uses (its twins of the run keys)."""
+    notes = []
+    for name, runner in _runners().items():
+        key = runner.OPTIONS_KEY
+        if key is None or key == chosen.OPTIONS_KEY or not isinstance(run.get(key), dict) or not run[key]:
+            continue
+        used = {twin.path.split(".")[2] for twin in runner.option_twins(run[key])[0]}
+        unused = sorted(k for k in run[key] if k not in used)
+        if unused:
+            notes.append(f"run.{key} is {name}'s section; {reg.runners.canonical(run['runner'])} reads only what it "
+                         f"says about the run keys (batch, clipping, precision, AdamW's betas/eps); not used: "
+                         f"{', '.join(unused)}")
+    return notes
 
 
 def model_class(arch: object) -> type | None:
@@ -211,7 +243,8 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
         defaults = builder_class(builder_name).default_config()
         datasets[name] = merge_section_defaults(defaults, section)
 
-    run_defaults = {k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"}
+    run_defaults = {**{k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"},
+                    "runner": DEFAULT_RUNNER}
     return OmegaConf.create({
         **({"imports": user.imports} if "imports" in user else {}),
         "model": OmegaConf.merge(model_defaults, model),
@@ -239,8 +272,9 @@ def _lookup_error(registry: reg.Registry, name: str) -> str:
     return ""
 
 
-def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
-    """Append every problem of a merged config to ``errors`` (unknown names are reported by `_merge_defaults`)."""
+def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
+    """Append every problem of a merged config to ``errors`` (unknown names are reported by `_merge_defaults`);
+    return the neutral run keys resolved with their twins (``run_config.NEUTRAL_KEYS``)."""
     plain = OmegaConf.to_container(cfg, resolve=True)
 
     model = plain["model"]
@@ -262,7 +296,12 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         _check_dataset(name, section, errors)
 
     run = plain["run"]
-    check_section(run, fields_of(RunConfig), "run", errors)
+    check_section(run, fields_of(RunConfig), "run", errors,
+                  extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY})
+    betas = run.get("adam_betas")
+    if isinstance(betas, list) and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1
+                                                                for b in betas)):
+        errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {betas!r}")
     training = {name: section for name, section in plain["datasets"].items()
                 if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
@@ -271,18 +310,12 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
-    # Batch layout, clipping, precision: resolved from the neutral keys and their DeepSpeed twins, once their
-    # values passed the range checks (a micro-batch of 0 is reported once, as run.batch_size_train's).
-    settings_ok = not any(e.startswith(tuple(f"run.{key}" for key in (*DEEPSPEED_TWINS, "precision"))) for e in errors)
-    try:
-        training_settings(run, world_size)
-    except (ValueError, TypeError) as e:
-        errors.append(str(e))
-        settings_ok = False
+    neutral = _neutral_settings(run, errors, world_size)
     runner = run.get("runner")
     close = runner if runner in reg.runners else reg.runners.closest(str(runner))
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
-        errors.extend(reg.runners.get(close).config_problems(run, world_size, settings_ok))
+        errors.extend(reg.runners.get(close).config_problems({**run, **(neutral or {})}, world_size,
+                                                             neutral is not None))
     # Split names are known only for datasets that list annotation files (generated ones have their own).
     annotations = [(section.get("build_info") or {}).get("annotations") for section in plain["datasets"].values()
                    if isinstance(section, dict)]
@@ -297,6 +330,25 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> None:
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")
     elif isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
         errors.append(f"run.resume: checkpoint folder {resume!r} does not exist")
+    return neutral or {}
+
+
+def _neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | None:
+    """Batch layout, clipping, precision and AdamW's betas/eps from the run keys and their twins in the runners'
+    sections, once their values passed the type and range checks (a micro-batch of 0 is reported once, as
+    run.batch_size_train's); None if they cannot be resolved."""
+    twins, problems = option_twins(run)
+    errors.extend(problems)
+    written = tuple(f"run.{key}" for key in NEUTRAL_KEYS) + tuple(twin.path for twin in twins)
+    if problems or any(e.startswith(written) for e in errors):
+        return None
+    try:
+        resolved, spelled = resolve_twins(run, twins)
+        training_settings(resolved, world_size, spelled)
+    except ValueError as e:
+        errors.append(str(e))
+        return None
+    return {key: resolved[key] for key in NEUTRAL_KEYS}
 
 
 def _check_dataset(name: str, section: dict, errors: list[str]) -> None:

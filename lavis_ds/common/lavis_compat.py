@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lavis_ds.common.run_config import precision_switches
+from lavis_ds.common.run_config import Twin
 
 # run.<LAVIS key> -> run.<path of the lavis_ds key with the same meaning>
 MAPPED_RUN_KEYS = {
@@ -79,8 +79,9 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
            "float32": "fp32", "fp32": "fp32", "float": "fp32"}
 
 
-def translate(cfg: dict) -> tuple[list[str], list[str]]:
-    """Rewrite LAVIS keys of ``cfg`` (the user's YAML as plain dicts) in place.
+def translate(cfg: dict, twins: list[Twin] = ()) -> tuple[list[str], list[str]]:
+    """Rewrite LAVIS keys of ``cfg`` (the user's YAML as plain dicts) in place. ``twins``: what the runners'
+    sections say about the neutral run keys (a LAVIS precision must agree with them).
 
     Returns ``(problems, notes)``: problems name the key and what to use instead;
     notes list what was ignored and what was mapped, for one log line.
@@ -110,7 +111,7 @@ def translate(cfg: dict) -> tuple[list[str], list[str]]:
             if key in run:
                 run.pop(key)
                 problems.append(f"run.{key}: not supported; {instead}")
-        _map_precision(model, run, problems, mapped)
+        _map_precision(model, run, twins, problems, mapped)
         for key, target in MAPPED_RUN_KEYS.items():
             if key not in run:
                 continue
@@ -150,7 +151,8 @@ def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: 
     return True
 
 
-def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: list[str]) -> None:
+def _map_precision(model: dict | None, run: dict, twins: list[Twin], problems: list[str],
+                   mapped: list[str]) -> None:
     """``model.autocast_dtype`` (the dtype MiniGPT4Qwen's forward ran in) or else ``run.amp`` (LAVIS: fp16
     autocast with a GradScaler) -> run.precision."""
     dtype = model.pop("autocast_dtype", None) if model is not None else None
@@ -169,9 +171,9 @@ def _map_precision(model: dict | None, run: dict, problems: list[str], mapped: l
         precision, source = ("fp16" if amp else "fp32"), f"run.amp={amp!r}"
     else:
         return
-    for path, (key, enabled) in precision_switches(run).items():
-        if enabled != (precision == key):
-            problems.append(f"{source} means {precision} but {path} is {enabled!r}; they disagree, give one")
+    for twin in (t for t in twins if t.key == "precision"):  # a runner's section saying it in its words
+        if not twin.agrees(precision):
+            problems.append(f"{source} means {precision} but {twin.path} is {twin.written!r}; they disagree, give one")
             return
     present = run.get("precision")
     if present is not None and present != precision:

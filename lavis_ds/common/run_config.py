@@ -1,11 +1,13 @@
 """The `run:` section: its keys, their defaults, and the training settings every engine reads.
 
-Micro-batch, accumulation, global batch, clipping and precision are engine-neutral `run` keys. A
-DeepSpeed section may set the same things in DeepSpeed's words (YAMLs written for DeepSpeed keep
-working under every runner); a value given both ways must agree.
+Micro-batch, accumulation, global batch, clipping, precision and AdamW's betas/eps are engine-neutral
+`run` keys. A runner's own options section may set the same things in its engine's words (a YAML
+written for DeepSpeed keeps working under every runner): each runner names those twins, the config
+loader maps them onto the run keys, and a value given both ways must agree.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -21,7 +23,7 @@ class RunConfig:
     """Schema of `run:`. Field names are the YAML keys; see README "Config keys"."""
 
     output_dir: str
-    runner: str = "runner_deepspeed"
+    runner: str | None = None  # a registered runner; unset: the default engine (lavis_ds.runners.DEFAULT_RUNNER)
     lr_sched: str = "linear_warmup_cosine_lr"
     init_lr: Annotated[float, NonNegative] = 1e-4
     min_lr: Annotated[float, NonNegative] = 0.0
@@ -39,7 +41,9 @@ class RunConfig:
     accum_grad_iters: Annotated[int | None, AtLeastOne] = None
     global_batch_size: Annotated[int | None, AtLeastOne] = None  # samples per optimizer step (DeepSpeed: train_batch_size)
     grad_norm_clip: Annotated[float | None, NonNegative] = None  # max global gradient norm; 0 or unset: no clipping
-    precision: Literal["fp32", "bf16", "fp16", None] = None  # training precision; unset: the DeepSpeed section's, or fp32
+    precision: Literal["fp32", "bf16", "fp16", None] = None  # training precision; unset: a twin's, or fp32
+    adam_betas: tuple[float, float] | None = None  # AdamW's (beta1, beta2); unset: (0.9, 0.999)
+    adam_eps: Annotated[float | None, Positive] = None  # AdamW's eps; unset: 1e-8
     batch_size_eval: Annotated[int, AtLeastOne] = 8
     num_workers: Annotated[int, NonNegative] = 0
     seed: Annotated[int, NonNegative] = 42  # numpy takes seeds in [0, 2**32)
@@ -61,9 +65,7 @@ class RunConfig:
     best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
-    # runner_deepspeed's options: the DeepSpeed JSON, inline or as the path of a .json file (deepspeed_section)
-    deepspeed_config: dict[str, Any] | str = field(default_factory=dict)
-    fsdp: dict[str, Any] | bool = field(default_factory=dict)  # runner_fsdp's options (FSDPOptions)
+    # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -80,81 +82,73 @@ class TrainingSettings:
     precision: str  # one of PRECISIONS
 
 
-# run key -> the DeepSpeed key that says the same thing
-DEEPSPEED_TWINS = {
-    "batch_size_train": "train_micro_batch_size_per_gpu",
-    "accum_grad_iters": "gradient_accumulation_steps",
-    "global_batch_size": "train_batch_size",
-    "grad_norm_clip": "gradient_clipping",
-}
+NEUTRAL_KEYS = ("batch_size_train", "accum_grad_iters", "global_batch_size", "grad_norm_clip", "precision",
+                "adam_betas", "adam_eps")
 
 
-def training_settings(run: dict, world_size: int) -> TrainingSettings:
-    """The run's training settings from its neutral keys and DeepSpeed section; ValueError naming a disagreement."""
-    ds = run.get("deepspeed_config") if isinstance(run.get("deepspeed_config"), dict) else {}
-    value = {}
-    for key, twin in DEEPSPEED_TWINS.items():
-        mine, theirs = run.get(key), ds.get(twin)
-        if mine is not None and theirs is not None and mine != theirs:
-            raise ValueError(f"run.{key}={mine!r} and run.deepspeed_config.{twin}={theirs!r} disagree; they are the "
-                             f"same setting, give one")
-        value[key] = mine if mine is not None else theirs
-    micro, accum, given = value["batch_size_train"], value["accum_grad_iters"], value["global_batch_size"]
+@dataclass(frozen=True)
+class Twin:
+    """A neutral run key's setting written in a runner's own options section, e.g. ``run.batch_size_train`` as
+    ``run.deepspeed_config.train_micro_batch_size_per_gpu``. Runners name theirs (``RunnerBase.option_twins``);
+    the config loader maps them onto the run key, whichever runner the run chose."""
+
+    key: str  # the run key
+    path: str  # where the user wrote it, e.g. run.deepspeed_config.bf16.enabled
+    written: Any  # what the user wrote there
+    value: Any  # the run key's value it means
+    negated: bool = False  # it says the run key is *not* ``value`` (a precision switched off)
+
+    def agrees(self, value: Any) -> bool:
+        return (value == self.value) != self.negated
+
+
+def resolve_twins(run: dict, twins: list[Twin]) -> tuple[dict, dict[str, str]]:
+    """``run`` with every unset neutral key taken from a twin, and where each value so taken was written;
+    ValueError naming two settings that disagree."""
+    run, taken = dict(run), {}
+    for key in NEUTRAL_KEYS:
+        for twin in (t for t in twins if t.key == key):
+            mine = run.get(key)
+            if mine is not None and not twin.agrees(mine):
+                where = f"{taken[key].path}={taken[key].written!r}" if key in taken else f"run.{key}={mine!r}"
+                raise ValueError(f"{where} and {twin.path}={twin.written!r} disagree; they are the same setting, "
+                                 f"give one")
+            if mine is None and not twin.negated:
+                run[key], taken[key] = twin.value, twin
+    return run, {key: twin.path for key, twin in taken.items()}
+
+
+def training_settings(run: dict, world_size: int, spelled: dict[str, str] | None = None) -> TrainingSettings:
+    """The run's training settings from its neutral keys; ValueError naming a disagreement. ``spelled``: where
+    a value was written if not as its run key (``resolve_twins``), for the messages."""
+    named = functools.partial(_named, spelled=spelled or {})
+    micro, accum, given = run.get("batch_size_train"), run.get("accum_grad_iters"), run.get("global_batch_size")
     if micro is None:
-        raise ValueError("run.batch_size_train (the micro-batch per process) is required "
-                         "(or run.deepspeed_config.train_micro_batch_size_per_gpu)")
+        raise ValueError("run.batch_size_train (the micro-batch per process) is required")
     if accum is None and given is not None:  # as DeepSpeed does: the global batch fixes the accumulation
-        micro, accum, total = elastic_batch_sizes(micro, given, world_size, _named("global_batch_size", run, full=True))
+        micro, accum, total = elastic_batch_sizes(micro, given, world_size, named("global_batch_size", full=True))
     else:
         accum = 1 if accum is None else accum
         total = micro * accum * world_size
         if given is not None and given != total:
             raise ValueError(
-                f"{_named('global_batch_size', run, full=True)}={given} but {_named('batch_size_train', run)}={micro} x "
-                f"{_named('accum_grad_iters', run)}={accum} x world size {world_size} = {total}; "
+                f"{named('global_batch_size', full=True)}={given} but {named('batch_size_train')}={micro} x "
+                f"{named('accum_grad_iters')}={accum} x world size {world_size} = {total}; "
                 "make them agree or drop the global batch size")
-    return TrainingSettings(micro, accum, total, float(value["grad_norm_clip"] or 0.0),
-                            _precision(run.get("precision"), ds))
+    return TrainingSettings(micro, accum, total, float(run.get("grad_norm_clip") or 0.0),
+                            run.get("precision") or "fp32")
 
 
 def with_batch_layout(run: dict, micro: int, accum: int, global_batch: int) -> dict:
     """A copy of ``run`` whose batch keys say this layout (the runner's: an elastic resume changes the accumulation)."""
-    ds = {k: v for k, v in (run.get("deepspeed_config") or {}).items() if k not in DEEPSPEED_TWINS.values()
-          or k == "gradient_clipping"}
-    return {**run, "deepspeed_config": ds, "batch_size_train": micro, "accum_grad_iters": accum,
-            "global_batch_size": global_batch}
+    return {**run, "batch_size_train": micro, "accum_grad_iters": accum, "global_batch_size": global_batch}
 
 
-def _named(key: str, run: dict, full: bool = False) -> str:
-    """The key the user wrote for a setting: the run key, or else its DeepSpeed twin (if given); ``full``: its path."""
-    ds = run.get("deepspeed_config") if isinstance(run.get("deepspeed_config"), dict) else {}
-    if run.get(key) is None and ds.get(DEEPSPEED_TWINS[key]) is not None:
-        return ("run.deepspeed_config." if full else "") + DEEPSPEED_TWINS[key]
+def _named(key: str, spelled: dict[str, str], full: bool = False) -> str:
+    """The key the user wrote for a setting: its twin's path if the value came from one, else the run key."""
+    if key in spelled:
+        return spelled[key] if full else spelled[key].rpartition(".")[2]
     return ("run." if full else "") + key
-
-
-def precision_switches(run: dict) -> dict[str, tuple[str, bool]]:
-    """The precision switches the run's DeepSpeed section sets: their key path -> (precision, on or off)."""
-    ds = run.get("deepspeed_config") if isinstance(run.get("deepspeed_config"), dict) else {}
-    return {f"run.deepspeed_config.{key}.enabled": (key, ds[key]["enabled"]) for key in ("bf16", "fp16")
-            if isinstance(ds.get(key), dict) and isinstance(ds[key].get("enabled"), bool)}
-
-
-def _precision(precision: str | None, ds: dict) -> str:
-    enabled = [key for key in ("bf16", "fp16") if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True]
-    if "bf16" not in enabled and isinstance(ds.get("bfloat16"), dict) and ds["bfloat16"].get("enabled") is True:
-        enabled.append("bf16")  # DeepSpeed's older spelling
-    if len(enabled) > 1:
-        raise ValueError("run.deepspeed_config: bf16.enabled and fp16.enabled are both true; pick one")
-    theirs = enabled[0] if enabled else None
-    if precision is not None and theirs is not None and precision != theirs:
-        raise ValueError(f"run.precision={precision!r} and run.deepspeed_config.{theirs}.enabled=true disagree; "
-                         "they are the same setting, give one")
-    explicit_off = [key for key in ("bf16", "fp16") if isinstance(ds.get(key), dict) and ds[key].get("enabled") is False]
-    if precision in explicit_off:
-        raise ValueError(f"run.precision={precision!r} and run.deepspeed_config.{precision}.enabled=false disagree; "
-                         "they are the same setting, give one")
-    return precision or theirs or "fp32"
 
 
 def batch_sizes(run: dict, world_size: int) -> tuple[int, int, int]:

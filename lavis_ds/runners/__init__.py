@@ -3,4 +3,6 @@ from lavis_ds.runners.base import RunnerBase
 from lavis_ds.runners.deepspeed import DeepSpeedRunner
 from lavis_ds.runners.fsdp_runner import FSDPRunner
 
-__all__ = ["RunnerBase", "DeepSpeedRunner", "FSDPRunner"]
+DEFAULT_RUNNER = "runner_deepspeed"  # the engine of a run that names none (run.runner)
+
+__all__ = ["RunnerBase", "DeepSpeedRunner", "FSDPRunner", "DEFAULT_RUNNER"]

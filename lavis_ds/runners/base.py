@@ -15,6 +15,7 @@ import math
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -25,7 +26,7 @@ from lavis_ds.common import dist
 from lavis_ds.common.errors import ConfigError, LavisDsError, report
 from lavis_ds.common.registry import registry
 from lavis_ds.common.registry import runners as runner_registry
-from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
+from lavis_ds.common.run_config import Twin, batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
 from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
@@ -213,10 +214,30 @@ class RunnerBase:
             getattr(hook, event)(self, *args, **kwargs)
 
     # ------------------------------------------------- what subclasses provide
+    OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
+
+    @classmethod
+    def read_options(cls, value: Any) -> tuple[dict | None, list[str]]:
+        """This runner's options section as the YAML gives it, as a mapping (None if unusable), and problems.
+        Read for every run that has the section, whichever runner it chose. Default: a mapping, or nothing."""
+        if value is None:
+            return {}, []
+        if isinstance(value, dict):
+            return value, []
+        return None, [f"run.{cls.OPTIONS_KEY}: expected a mapping of {cls.__name__}'s options, got {value!r}"]
+
+    @classmethod
+    def option_twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
+        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) that this runner's options section sets
+        in its engine's own words, and problems with those values. The config loader maps them onto the run
+        keys whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ...
+        Default: none."""
+        return [], []
+
     @classmethod
     def config_problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
-        """Problems of this engine's own options section of ``run`` (plain dict; ``settings_ok``: the neutral
-        training settings resolved). Default: none."""
+        """Problems of this engine's own options section of ``run`` (plain dict, its neutral keys resolved;
+        ``settings_ok``: they are valid). Default: none."""
         return []
 
     @classmethod

@@ -21,15 +21,13 @@ from omegaconf import OmegaConf
 
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
-from lavis_ds.common.run_config import DEEPSPEED_TWINS, TrainingSettings, training_settings
+from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.base import RunnerBase
 
 CLIENT_STATE = "client_state.pt"  # the loop's state (step, scheduler, config); rank 0 writes it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Keys of run.deepspeed_config that this runner reads (as the neutral run keys they stand for).
-READ_FROM_DEEPSPEED = {*DEEPSPEED_TWINS.values(), "bf16", "fp16", "bfloat16", "optimizer"}
 
 
 @dataclass
@@ -48,25 +46,24 @@ class FSDPOptions:
 class FSDPRunner(RunnerBase):
     """Runs the loop on ``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
+    OPTIONS_KEY = "fsdp"
+
+    @classmethod
+    def read_options(cls, value):
+        if isinstance(value, bool):  # LAVIS's switch, not options: lavis_compat drops false and refuses true
+            return value, []
+        return super().read_options(value)
+
     @classmethod
     def config_problems(cls, run, world_size, settings_ok):
         options, problems = run.get("fsdp") or {}, []
         if not isinstance(options, dict):
-            return [f"run.fsdp: expected a mapping of runner_fsdp options ({', '.join(fields_of(FSDPOptions))}), "
-                    f"got {options!r}"]
+            return []  # reported when the section was read
         check_section(options, fields_of(FSDPOptions), "run.fsdp", problems, require=False)
         if settings_ok and training_settings(run, world_size).precision == "fp16":
             problems.append("run.precision: fp16 is not supported by runner_fsdp (fp16 needs a loss scaler, which "
-                            "only runner_deepspeed has here); use bf16, or run.runner: runner_deepspeed")
+                            "runner_fsdp does not have); use bf16, or the DeepSpeed runner")
         return problems
-
-    @classmethod
-    def complete_config(cls, run, world_size):
-        ds = run.get("deepspeed_config") or {}
-        unused = sorted(key for key in ds if key not in READ_FROM_DEEPSPEED)
-        notes = [f"run.deepspeed_config: runner_fsdp reads its batch, clipping, precision and AdamW settings only; "
-                 f"not used: {', '.join(unused)}"] if unused else []
-        return run, notes
 
     @functools.cached_property
     def options(self) -> FSDPOptions:
@@ -124,8 +121,9 @@ class FSDPRunner(RunnerBase):
             del whole  # process 0 holds its shards only from here on
         sharded = dict(model.named_parameters())
         groups = [{**group, "params": [sharded[name] for name in names]} for group, names in zip(param_groups, group_names)]
-        return torch.optim.AdamW(groups, lr=self.run.init_lr,
-                                 **_adam_settings(OmegaConf.to_container(self.run, resolve=True)))
+        betas, eps = self.run.get("adam_betas"), self.run.get("adam_eps")
+        return torch.optim.AdamW(groups, lr=self.run.init_lr, **({"betas": tuple(betas)} if betas else {}),
+                                 **({"eps": eps} if eps is not None else {}))
 
     def _built_on_rank0(self, model) -> bool:
         """Whether some process built parameters on the meta device (``model_placement``): then every process
@@ -317,13 +315,6 @@ class FSDPRunner(RunnerBase):
         return ckpt.Handover(states, max(steps, default=0), ckpt.load_file(tag_dir / CLIENT_STATE))
 
 
-def _adam_settings(run: dict) -> dict:
-    """betas and eps of a DeepSpeed Adam/AdamW section, so that a run switched to this engine steps alike."""
-    optimizer = (run.get("deepspeed_config") or {}).get("optimizer") or {}
-    params = optimizer.get("params") or {}
-    return {key: tuple(params[key]) if key == "betas" else params[key] for key in ("betas", "eps") if key in params}
-
-
 def _read_index(tag_dir: Path):
     """The DCP index (``.metadata``) of a checkpoint; DamagedCheckpoint if it, or a file it lists, is missing,
     unreadable or shorter than the index says."""
@@ -373,5 +364,5 @@ def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return weights, ckpt.load_file(tag_dir / CLIENT_STATE)
 
 
-# A short name, as `runner_deepspeed` has `deepspeed_runner`.
+# A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
 registry.register_runner_alias("fsdp_runner", "runner_fsdp")

@@ -24,22 +24,33 @@ from lavis_ds.runners.deepspeed.section import build_deepspeed_config
 class DeepSpeedRunner(RunnerBase):
     """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
+    OPTIONS_KEY = "deepspeed_config"  # the DeepSpeed JSON, inline or as the path of a .json file
+
+    @classmethod
+    def read_options(cls, value):
+        return section.read_section(value)
+
+    @classmethod
+    def option_twins(cls, options):
+        return section.option_twins(options)
+
     @classmethod
     def config_problems(cls, run, world_size, settings_ok):
-        ds = run.get("deepspeed_config") or {}
-        if not isinstance(ds, dict):
+        if not isinstance(run.get("deepspeed_config") or {}, dict):
             return []  # reported when the file was read
+        ds, _ = section.resolve_auto(run.get("deepspeed_config") or {}, run)
         problems = section.deepspeed_problems(ds, run)
         if not problems and settings_ok:  # DeepSpeed's own models would repeat them less clearly
             # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
-            problems += section.schema_problems(build_deepspeed_config(run, world_size))
+            problems += section.schema_problems(build_deepspeed_config({**run, "deepspeed_config": ds}, world_size))
         return problems
 
     @classmethod
     def complete_config(cls, run, world_size):
-        # What DeepSpeed will be handed (autos filled, batch layout and precision completed).
-        run = {**run, "deepspeed_config": build_deepspeed_config(run, world_size)}
-        return run, section.no_effect_warnings(run["deepspeed_config"])
+        # What DeepSpeed will be handed ("auto" values filled, batch layout and precision completed).
+        ds, notes = section.resolve_auto(run.get("deepspeed_config") or {}, run)
+        run = {**run, "deepspeed_config": build_deepspeed_config({**run, "deepspeed_config": ds}, world_size)}
+        return run, notes + section.no_effect_warnings(run["deepspeed_config"])
 
     @classmethod
     def prepare_process(cls, cfg):

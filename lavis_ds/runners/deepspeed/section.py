@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from lavis_ds.common.run_config import training_settings
+from lavis_ds.common.run_config import Twin, training_settings
 
 WHERE = "run.deepspeed_config"
 AUTO = "auto"
@@ -42,6 +42,45 @@ AUTO_COMPUTED = {
     ("bf16", "enabled"): "run.precision",
     ("fp16", "enabled"): "run.precision",
 }
+
+
+# run key -> the DeepSpeed key that says the same thing (a YAML written for DeepSpeed keeps its batch,
+# clipping, precision and AdamW settings under every runner: RunnerBase.option_twins)
+TWIN_KEYS = {
+    "batch_size_train": "train_micro_batch_size_per_gpu",
+    "accum_grad_iters": "gradient_accumulation_steps",
+    "global_batch_size": "train_batch_size",
+    "grad_norm_clip": "gradient_clipping",
+}
+PRECISION_SWITCHES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}  # section -> run.precision (bfloat16: older)
+
+
+def option_twins(ds: dict) -> tuple[list[Twin], list[str]]:
+    """What the section says about the neutral run keys (its "auto" values say nothing: the run fills them)."""
+    twins, problems = [], []
+    for key, ds_key in TWIN_KEYS.items():
+        value = ds.get(ds_key)
+        if value is None or value == AUTO:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "grad_norm_clip" and not (number and value >= 0):
+            problems.append(f"{WHERE}.{ds_key}: expected a number >= 0 (0: no clipping), got {value!r}")
+        elif key != "grad_norm_clip" and not (number and isinstance(value, int) and value >= 1):
+            problems.append(f"{WHERE}.{ds_key}: expected a positive integer, got {value!r}")
+        else:
+            twins.append(Twin(key, f"{WHERE}.{ds_key}", value, value))
+    for name, precision in PRECISION_SWITCHES.items():
+        enabled = ds[name].get("enabled") if isinstance(ds.get(name), dict) else None
+        if isinstance(enabled, bool):  # off says only "not this precision"
+            twins.append(Twin("precision", f"{WHERE}.{name}.enabled", enabled, precision, negated=not enabled))
+    optimizer = ds.get("optimizer") if isinstance(ds.get("optimizer"), dict) else {}
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    betas, eps = params.get("betas"), params.get("eps")
+    if betas is not None and betas != AUTO:
+        twins.append(Twin("adam_betas", f"{WHERE}.optimizer.params.betas", betas, list(betas)))
+    if eps is not None and eps != AUTO:
+        twins.append(Twin("adam_eps", f"{WHERE}.optimizer.params.eps", eps, eps))
+    return twins, problems
 
 
 def read_section(value: Any) -> tuple[dict | None, list[str]]:
@@ -312,13 +351,7 @@ def deepspeed_problems(ds: dict, run: dict | None = None) -> list[str]:
     if "scheduler" in ds:
         errors.append(f"{path}.scheduler: lavis_ds steps the learning rate itself (run.lr_sched, run.init_lr, ...); "
                       "remove this section (a section whose params are all \"auto\" is dropped for you)")
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        value = ds.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            errors.append(f"{path}.{key}: expected a positive integer, got {value!r}")
-    clip = ds.get("gradient_clipping")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
-        errors.append(f"{path}.gradient_clipping: expected a number >= 0 (0: no clipping), got {clip!r}")
+    # The values of the run keys' twins are checked with them (option_twins), whichever runner runs.
     params = (ds.get("optimizer") or {}).get("params") or {} if isinstance(ds.get("optimizer"), dict) else {}
     # The schedule writes run.init_lr (x lr_scales) into every group, and weight decay lives in the param
     # groups: a different value here would be silently overwritten.
@@ -334,7 +367,7 @@ def build_deepspeed_config(run: dict, world_size: int) -> dict:
     ds = copy.deepcopy(dict(run.get("deepspeed_config") or {}))
     if "bfloat16" in ds:  # DeepSpeed's older spelling
         ds["bf16"] = {**ds.pop("bfloat16"), **(ds.get("bf16") or {})}
-    settings = training_settings(run, world_size)
+    settings = training_settings(run, world_size)  # the run keys, which the loader resolved with their twins
     ds.update(train_micro_batch_size_per_gpu=settings.micro_batch, gradient_accumulation_steps=settings.accum,
               train_batch_size=settings.global_batch)
     if settings.grad_norm_clip or "gradient_clipping" in ds:
@@ -347,6 +380,9 @@ def build_deepspeed_config(run: dict, world_size: int) -> dict:
     # The scheduler overwrites lr before the first step; weight decay lives in the param groups.
     params.setdefault("lr", run["init_lr"])
     params.setdefault("weight_decay", run["weight_decay"])
+    for key, run_key in (("betas", "adam_betas"), ("eps", "adam_eps")):
+        if run.get(run_key) is not None:
+            params[key] = run[run_key]
     ds.setdefault("steps_per_print", 10**9)  # our logger reports; DeepSpeed's own would duplicate it
     ds.setdefault("wall_clock_breakdown", False)
     offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
