@@ -22,7 +22,6 @@ from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
 from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_placement import gathered
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
 
@@ -247,7 +246,7 @@ class Blip2Qwen(BaseModel):
 
     def _build_llm(self, path: str | None, config: dict[str, Any] | None, precision: str) -> nn.Module:
         """The LLM with a row for every token id, placed as the runner building this model asks (whole,
-        ZeRO-3 partitioned or empty until FSDP sends its shards: ``lavis_ds.models.llm_placement``)."""
+        partitioned from the start, or empty until process 0 sends its shards: ``lavis_ds.models.llm_placement``)."""
         if path is not None and config:
             logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
         qwen_config = None
@@ -289,8 +288,8 @@ class Blip2Qwen(BaseModel):
         it next to ``self.llm_tokenizer.save_pretrained`` and ``from_pretrained`` reads
         both back. Without LoRA or token rows it returns the LLM unchanged.
 
-        Call it on a model outside the DeepSpeed engine whose trained weights are loaded
-        (under ZeRO-3 the engine's parameters are partitioned, and it refuses them).
+        Call it on a model outside the training engine whose trained weights are loaded
+        (an engine's partitioned parameters are refused).
         """
         self.llm_model = merge_llm(self.llm_model)
         return self.llm_model
@@ -361,10 +360,9 @@ class Blip2Qwen(BaseModel):
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         input_ids, attention_mask = input_ids.to(image.device), attention_mask.to(image.device)
 
-        # query_tokens belong to the root module, whose forward hook gathers them in training; generate does
-        # not go through forward, so under ZeRO-3 they are gathered here.
-        with gathered([self.query_tokens]):
-            image_embeds = self.encode_image(image)
+        # query_tokens belong to this root module: an engine that shards them gathers them for generate
+        # (which is not forward) itself.
+        image_embeds = self.encode_image(image)
         inputs_embeds = self._embed(input_ids, image_embeds)
         # A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either.
         eos = list(dict.fromkeys(t for t in (self.im_end_id, self.llm_tokenizer.eos_token_id) if t is not None))

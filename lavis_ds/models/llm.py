@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,8 +35,7 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from lavis_ds.common import dist
-from lavis_ds.models.llm_placement import (builds_empty, copy_into_partitioned, current_placement, empty_weights, gathered,
-                                           is_partitioned, partition_like_the_rest)
+from lavis_ds.models.llm_placement import current_placement, empty_weights, holds_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def fit_embeddings(llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
 
     New rows are the mean of the old rows: deterministic, unlike transformers'
     default (mean plus random noise), so a model rebuilt from its YAML has the same rows.
-    Under ZeRO-3 transformers resizes into whole matrices, partitioned again here.
+    An engine that built the LLM partitioned gets the whole matrices transformers resizes into back in pieces.
     """
     old = llm.get_input_embeddings().num_embeddings
     needed = num_token_ids(tokenizer)
@@ -100,10 +100,11 @@ def fit_embeddings(llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
     llm.resize_token_embeddings(needed, mean_resizing=False)
     matrices = list({id(m.weight): m.weight for m in (llm.get_input_embeddings(), llm.get_output_embeddings())
                      if m is not None}.values())  # once if input and output are tied
-    with gathered(matrices, modifier_rank=0), torch.no_grad():
+    placement = current_placement()
+    with placement.gathered(matrices, modifier_rank=0), torch.no_grad():
         for matrix in matrices:
             matrix[old:] = matrix[:old].mean(dim=0, keepdim=True)
-    partition_like_the_rest(llm, matrices)
+    placement.partition_like_the_rest(llm, matrices)
     logger.info("LLM embeddings resized from %d to %d rows", old, needed)
     return True
 
@@ -113,67 +114,48 @@ def build_llm(path: str | Path | None, config: Qwen2Config | None, dtype: torch.
     """The Qwen2 LLM with a row for every token id, where the surrounding ``llm_placement`` puts it.
 
     ``path``: a Hugging Face folder to load; else a random initialisation of ``config``.
-    ``dtype``: None keeps the folder's dtype (fp32 for a random initialisation). Under ZeRO-3
-    the parameters take the DeepSpeed engine's dtype instead (``zero.Init`` casts them).
-    Built with the random number generator forked (see ``lavis_ds.models.llm_placement``).
+    ``dtype``: None keeps the folder's dtype (fp32 for a random initialisation); an engine that builds
+    it partitioned may cast it to its own. Built with the random number generator forked (see
+    ``lavis_ds.models.llm_placement``).
     """
     placement = current_placement()
-    if placement == "rank0":  # process 0 and the others must agree on the dtype without reading the weights
-        dtype = llm_dtype(path, config, dtype)
-    with torch.random.fork_rng(devices=[]):
-        if placement == "zero3":
-            llm = _partitioned_llm(path, config, dtype)
-        elif builds_empty():
-            with empty_weights():  # resizing builds new matrices: on meta too
-                llm = _empty_llm(path, config, dtype)
-                fit_embeddings(llm, tokenizer)
-            return llm
-        else:
-            llm = _whole_llm(path, config, dtype)
+    with torch.random.fork_rng(devices=[]), placement.building():  # resizing builds new matrices: placed too
+        llm = placement.build(Recipe(path, config, dtype))
         fit_embeddings(llm, tokenizer)
     return llm
 
 
-def _whole_llm(path, config, dtype) -> PreTrainedModel:
-    if path is not None:
-        return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-    llm = Qwen2ForCausalLM(config)
-    return llm if dtype is None else llm.to(dtype)
+@dataclass(frozen=True)
+class Recipe:
+    """The Qwen2 LLM a model asks for, and the ways a placement can make it (``llm_placement.LLMRecipe``)."""
 
+    path: str | Path | None  # a Hugging Face folder, or None: a random initialisation of ``config``
+    config: Qwen2Config | None
+    dtype: torch.dtype | None  # None: the folder's (fp32 for a random initialisation)
 
-def _partitioned_llm(path, config, dtype) -> PreTrainedModel:
-    """Built under zero.Init by transformers (an HfDeepSpeedConfig is alive). Loading: process 0 reads the
-    files, every process keeps its partition of each module as it is loaded (transformers reads only the
-    headers elsewhere). A random initialisation is process 0's whole one, copied in module by module, so
-    that the weights are those of a whole build with the same seed (zero.Init initialises otherwise)."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
+    def whole(self) -> PreTrainedModel:
+        if self.path is not None:
+            return Qwen2ForCausalLM.from_pretrained(self.path, dtype=self.dtype or "auto")
+        llm = Qwen2ForCausalLM(self.config)
+        return llm if self.dtype is None else llm.to(self.dtype)
 
-    if not is_deepspeed_zero3_enabled():
-        raise RuntimeError("llm_placement('zero3') needs a ZeRO-3 HfDeepSpeedConfig alive while the model is built")
-    if path is not None:
-        return Qwen2ForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-    whole = _whole_llm(None, config, dtype) if dist.rank() == 0 else None
-    llm = Qwen2ForCausalLM._from_config(config, dtype=dtype)
-    copy_into_partitioned(llm, whole)
-    return llm
+    def from_config(self) -> PreTrainedModel:
+        config = self.config if self.path is None else Qwen2Config.from_pretrained(self.path)
+        return Qwen2ForCausalLM._from_config(config, dtype=self.dtype)
 
+    def empty(self) -> PreTrainedModel:
+        with empty_weights():
+            return self.from_config()
 
-def _empty_llm(path, config, dtype) -> PreTrainedModel:
-    """The LLM's structure on the meta device: the folder's config.json is the only file read."""
-    if path is not None:
-        config = Qwen2Config.from_pretrained(path)
-    return Qwen2ForCausalLM._from_config(config, dtype=dtype)
-
-
-def llm_dtype(path, config: Qwen2Config | None, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype a ``rank0`` placement builds the LLM in on every process: ``dtype``, else the folder's
-    config.json ``dtype`` (fp32 if it names none, and for a random initialisation)."""
-    if dtype is not None:
-        return dtype
-    if path is None:
-        return torch.float32
-    named = (config or Qwen2Config.from_pretrained(path)).dtype
-    return getattr(torch, named) if isinstance(named, str) else (named or torch.float32)
+    def with_file_dtype(self) -> Recipe:
+        """The same LLM in ``dtype``, else the folder's config.json ``dtype`` (fp32 if it names none, and for a
+        random initialisation): every process knows it without reading the weights."""
+        if self.dtype is not None:
+            return self
+        if self.path is None:
+            return replace(self, dtype=torch.float32)
+        named = (self.config or Qwen2Config.from_pretrained(self.path)).dtype
+        return replace(self, dtype=getattr(torch, named) if isinstance(named, str) else (named or torch.float32))
 
 
 # ----------------------------------------------------------------------------- trainable token rows
@@ -240,8 +222,8 @@ class TokenRowsHead(nn.Module):
 
 
 def _rows_of(matrix: nn.Parameter, token_ids: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of the rows ``token_ids`` of ``matrix`` (gathered first if ZeRO-3 partitioned it)."""
-    with gathered([matrix]):
+    """An fp32 copy of the rows ``token_ids`` of ``matrix`` (gathered first if the build partitioned it)."""
+    with current_placement().gathered([matrix]):
         return matrix.detach()[token_ids].float().clone()
 
 
@@ -303,8 +285,8 @@ def add_lora(llm: PreTrainedModel, r: int, alpha: int, dropout: float, targets: 
 
     Under ZeRO-3 ``llm`` is partitioned (built inside ``zero.Init``): peft reads only the
     layers' sizes (``in_features``/``out_features``, kept by a partitioned ``nn.Linear``)
-    and creates the adapters whole, in the base weights' dtype; ``deepspeed.initialize``
-    partitions them with the rest. What users report failing with ZeRO-3 + peft is not done
+    and creates the adapters whole, in the base weights' dtype; the engine partitions them
+    with the rest when it wraps the model. What users report failing with ZeRO-3 + peft is not done
     here: ``modules_to_save`` (a deepcopy of partitioned modules), merging partitioned
     weights (``merge_llm`` refuses them), initialisations that read the base weights
     (PiSSA, ...). With meta base weights (FSDP, processes other than 0) the adapters are
@@ -331,10 +313,10 @@ def merge_llm(llm: nn.Module) -> PreTrainedModel:
     Changes ``llm`` in place (the weights are shared); the result is what
     ``save_pretrained`` writes and ``from_pretrained`` reads back.
     """
-    if is_partitioned(list(llm.parameters())):
-        raise RuntimeError("merge the LLM of a model outside the DeepSpeed engine: these parameters are "
-                           "partitioned by ZeRO-3. Build the model from the run's config.yaml and load the "
-                           "checkpoint's trainable weights into it (deepspeed.utils.zero_to_fp32), then merge.")
+    if holds_pieces(list(llm.parameters())):
+        raise RuntimeError("merge the LLM of a model outside the training engine: some of these parameters hold "
+                           "only this process's piece. Build the model from the run's config.yaml and load the "
+                           "checkpoint's trained weights into it (lavis_ds.export does), then merge.")
     from peft import PeftModel
 
     if isinstance(llm, PeftModel):

@@ -2,47 +2,93 @@
 
 A 72B LLM in bf16 is 145 GB; eight processes of a node each building it whole before the
 engine partitions it would need over 1 TB of host memory. So the runner that will shard
-the LLM says, while the model is built, how this process builds it:
+the LLM hands the build an ``LLMPlacement`` (``RunnerBase.model_placement``), which says how
+this process builds it and how the build reaches weights the engine holds in pieces:
 
-- ``whole`` (default: one process, ZeRO 0-2, export, inference): every process builds and
-  loads all of it.
-- ``zero3`` (``runner_deepspeed`` at ZeRO stage 3, with transformers' ``HfDeepSpeedConfig``
-  alive): built partitioned from the start. transformers builds it under
-  ``deepspeed.zero.Init`` and loads it module by module; process 0 alone reads the weight
-  files (the others read only their headers) and every process keeps its partition.
-- ``rank0`` (``runner_fsdp`` on several processes): process 0 builds and loads it whole; the
-  others build it on the meta device (no memory, no file read) and receive their shards from
-  process 0 once FSDP has sharded the model.
+- ``LLMPlacement`` (default: one process, export, inference, engines that shard later):
+  every process builds and loads all of it.
+- ``Rank0Placement`` (``runner_fsdp`` on several processes): process 0 builds and loads it
+  whole; the others build it on the meta device (no memory, no file read) and receive their
+  shards from process 0 once FSDP has sharded the model.
+- an engine's own placement, defined beside its runner (the DeepSpeed runner's ZeRO-3 one builds
+  the LLM partitioned from the start and gathers pieces when the build writes rows into them).
 
 The LLM is built with the random number generator forked: however a placement draws random
-numbers (zero.Init initialises weights that loading then overwrites, meta tensors draw
-nothing), the parts built after it (projection, LoRA adapters) get the same initial weights
-in every placement, so a partitioned build trains exactly as a whole one.
+numbers (a partitioned build initialises weights that loading then overwrites, meta tensors
+draw nothing), the parts built after it (projection, LoRA adapters) get the same initial
+weights in every placement, so a partitioned build trains exactly as a whole one.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Literal
+from typing import Protocol
 
-import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from lavis_ds.common import dist
 
-Placement = Literal["whole", "zero3", "rank0"]
-PLACEMENTS: tuple[Placement, ...] = ("whole", "zero3", "rank0")
+
+class LLMRecipe(Protocol):
+    """The LLM a model asks for (``lavis_ds.models.llm.Recipe``): the ways a placement can make it."""
+
+    def whole(self) -> PreTrainedModel:
+        """Built and loaded whole in this process."""
+
+    def from_config(self) -> PreTrainedModel:
+        """Built by transformers from its config alone, through ``_from_config`` (where engines hook in)."""
+
+    def empty(self) -> PreTrainedModel:
+        """Its structure on the meta device (only config.json is read)."""
+
+    def with_file_dtype(self) -> LLMRecipe:
+        """The same, in one dtype every process knows without reading the weights."""
+
+
+class LLMPlacement:
+    """Every process builds and loads the whole LLM."""
+
+    def building(self) -> contextlib.AbstractContextManager:
+        """The context the LLM is built and resized in."""
+        return contextlib.nullcontext()
+
+    def build(self, recipe: LLMRecipe) -> PreTrainedModel:
+        return recipe.whole()
+
+    def gathered(self, params: list[nn.Parameter], modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
+        """A context in which ``params`` are whole in every process; with ``modifier_rank=0``, what process 0
+        writes into them is what every process keeps. Whole parameters: nothing to do."""
+        return contextlib.nullcontext()
+
+    def partition_like_the_rest(self, model: nn.Module, params: list[nn.Parameter]) -> None:
+        """Hand ``params``, which the build made whole (resized embeddings), to the engine's pieces as the rest
+        of ``model`` is. Whole parameters: nothing to do."""
+
+
+class Rank0Placement(LLMPlacement):
+    """Process 0 builds and loads the LLM whole; the others build it on the meta device, to receive their
+    shards from process 0 once the engine sharded the model."""
+
+    def building(self):
+        return empty_weights() if dist.rank() != 0 else contextlib.nullcontext()
+
+    def build(self, recipe):
+        recipe = recipe.with_file_dtype()  # process 0 and the others agree on it without reading the weights
+        return recipe.whole() if dist.rank() == 0 else recipe.empty()
+
 
 # Set only inside `llm_placement(...)` and reset when it ends: a run's build, not the process, owns it.
-_PLACEMENT: contextvars.ContextVar[Placement] = contextvars.ContextVar("lavis_ds_llm_placement", default="whole")
+_PLACEMENT: contextvars.ContextVar[LLMPlacement] = contextvars.ContextVar("lavis_ds_llm_placement",
+                                                                          default=LLMPlacement())
 
 
 @contextlib.contextmanager
-def llm_placement(placement: Placement) -> Iterator[None]:
+def llm_placement(placement: LLMPlacement) -> Iterator[None]:
     """Build LLMs with ``placement`` inside this block (see the module docstring)."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"LLM placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if not isinstance(placement, LLMPlacement):
+        raise TypeError(f"an LLM placement must be an LLMPlacement, got {placement!r}")
     token = _PLACEMENT.set(placement)
     try:
         yield
@@ -50,44 +96,9 @@ def llm_placement(placement: Placement) -> Iterator[None]:
         _PLACEMENT.reset(token)
 
 
-def current_placement() -> Placement:
-    """The placement of the ``llm_placement`` block this code runs in (``whole`` outside any)."""
+def current_placement() -> LLMPlacement:
+    """The placement of the ``llm_placement`` block this code runs in (whole outside any)."""
     return _PLACEMENT.get()
-
-
-def builds_empty() -> bool:
-    """Whether this process builds the LLM on the meta device, to receive its shards later (``rank0``)."""
-    return current_placement() == "rank0" and dist.rank() != 0
-
-
-def is_partitioned(params: list[nn.Parameter]) -> bool:
-    """Whether any of ``params`` is partitioned by DeepSpeed ZeRO-3 (holds only its shard)."""
-    return any(hasattr(p, "ds_id") for p in params)
-
-
-def gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
-    """A context in which ZeRO-3 partitioned ``params`` are whole; a no-op for ordinary parameters.
-
-    With ``modifier_rank=0`` what process 0 writes into them is what every process keeps.
-    """
-    if not is_partitioned(params):
-        return contextlib.nullcontext()
-    import deepspeed  # only reached for ZeRO-3 parameters
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
-
-
-def partition_like_the_rest(model: nn.Module, params: list[nn.Parameter]) -> None:
-    """Partition the whole ``params`` of a model whose other parameters ZeRO-3 partitioned, as they are.
-
-    transformers resizes embeddings under ZeRO-3 into whole new matrices (DeepSpeed would partition
-    them only in ``deepspeed.initialize``): without this every process would keep them whole until then.
-    Process 0's values are what every process keeps. Every process must call it.
-    """
-    zero_param = next((p for p in model.parameters() if hasattr(p, "ds_id")), None)
-    whole = [p for p in params if not hasattr(p, "ds_id")]
-    if zero_param is not None and whole:
-        zero_param.convert_to_zero_parameters(param_list=whole)  # the zero.Init that built the rest
 
 
 def empty_weights():
@@ -98,18 +109,9 @@ def empty_weights():
     return init_empty_weights(include_buffers=False)
 
 
-def copy_into_partitioned(target: nn.Module, source: nn.Module | None) -> None:
-    """Copy ``source`` (whole, on process 0 only; None elsewhere) into the ZeRO-3 partitioned ``target``.
+def holds_pieces(params: list[nn.Parameter]) -> bool:
+    """Whether some of ``params`` hold only this process's piece of the weight (an engine's partition or
+    shard): empty outside the engine's gather, or a sharded DTensor."""
+    from torch.distributed.tensor import DTensor
 
-    One module at a time is gathered, written by process 0 and partitioned again, so no
-    other process ever holds more than one module whole. Every process must call it.
-    """
-    source_modules = dict(source.named_modules()) if source is not None else {}
-    for name, module in target.named_modules():
-        params = list(module.parameters(recurse=False))
-        if not params:
-            continue
-        with gathered(params, modifier_rank=0), torch.no_grad():
-            if source is not None:
-                for param_name, param in module.named_parameters(recurse=False):
-                    param.copy_(getattr(source_modules[name], param_name))
+    return any(p.numel() == 0 or isinstance(p, DTensor) for p in params)

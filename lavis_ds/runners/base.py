@@ -215,6 +215,9 @@ class RunnerBase:
 
     # ------------------------------------------------- what subclasses provide
     OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
+    # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
+    # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.
+    CHECKPOINT_FILES: tuple[str, ...] = ()
 
     @classmethod
     def read_options(cls, value: Any) -> tuple[dict | None, list[str]]:

@@ -21,6 +21,7 @@ import torch
 
 from lavis_ds.common import dist
 from lavis_ds.common.errors import InputError
+from lavis_ds.common.registry import runners as runner_registry
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
 DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
@@ -85,9 +86,24 @@ def read_marker(tag_dir: Path) -> dict:
 
 
 def writer_of(tag_dir: Path) -> str:
-    """The runner a checkpoint's completion marker names (markers older than the field were written by
-    runner_deepspeed); DamagedCheckpoint if the marker is unreadable."""
-    return read_marker(tag_dir).get("runner", "runner_deepspeed")
+    """The runner a checkpoint's completion marker names (a marker older than that field: the runner whose
+    files the folder holds); DamagedCheckpoint if the marker is unreadable or names none."""
+    marker = read_marker(tag_dir)
+    if "runner" in marker:
+        return marker["runner"]
+    writers = _writers_by_files(Path(tag_dir))
+    if not writers:
+        raise DamagedCheckpoint(f"{tag_dir}: its completion marker names no runner and the folder holds no "
+                                f"registered runner's checkpoint files")
+    return writers[0]
+
+
+def _writers_by_files(folder: Path) -> list[str]:
+    """The registered runners whose checkpoint files (``RunnerBase.CHECKPOINT_FILES``) ``folder`` holds, the
+    most basic class first (a user's subclass writes its parent's files)."""
+    classes = {runner_registry.get(name): name for name in runner_registry}
+    found = [cls for cls in classes if any(any(folder.glob(pattern)) for pattern in cls.CHECKPOINT_FILES)]
+    return [classes[cls] for cls in sorted(found, key=lambda cls: len(cls.__mro__))]
 
 
 def load_file(path: Path, mmap: bool = False) -> dict:
@@ -202,9 +218,8 @@ def set_aside(tag_dir: Path) -> Path:
 
 
 def looks_like_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds an engine's checkpoint files (DeepSpeed's model states or a DCP index),
-    complete or not."""
-    return any(Path(folder).glob("*model_states.pt")) or (Path(folder) / ".metadata").is_file()
+    """Whether ``folder`` holds a registered engine's checkpoint files, complete or not."""
+    return bool(_writers_by_files(Path(folder)))
 
 
 def trainable_problems(tag_dir: Path, saved: dict[str, tuple], model: torch.nn.Module) -> list[str]:

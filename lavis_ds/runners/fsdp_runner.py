@@ -47,6 +47,7 @@ class FSDPRunner(RunnerBase):
     """Runs the loop on ``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
     OPTIONS_KEY = "fsdp"
+    CHECKPOINT_FILES = (".metadata",)  # the DCP index
 
     @classmethod
     def read_options(cls, value):
@@ -79,9 +80,9 @@ class FSDPRunner(RunnerBase):
         """On several processes, process 0 alone builds and loads the LLM; the others build it on the meta
         device and receive their shards in ``wrap``."""
         from lavis_ds.common import dist
-        from lavis_ds.models.llm_placement import llm_placement
+        from lavis_ds.models.llm_placement import Rank0Placement, llm_placement
 
-        return llm_placement("rank0") if dist.world_size() > 1 else contextlib.nullcontext()
+        return llm_placement(Rank0Placement()) if dist.world_size() > 1 else contextlib.nullcontext()
 
     def wrap(self, model, param_groups):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

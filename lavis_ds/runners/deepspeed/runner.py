@@ -17,6 +17,7 @@ from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
 from lavis_ds.runners.deepspeed import section
 from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
 from lavis_ds.runners.deepspeed.checkpoint import layout_of
+from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
 
 
@@ -25,6 +26,7 @@ class DeepSpeedRunner(RunnerBase):
     """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
     OPTIONS_KEY = "deepspeed_config"  # the DeepSpeed JSON, inline or as the path of a .json file
+    CHECKPOINT_FILES = ("*model_states.pt",)
 
     @classmethod
     def read_options(cls, value):
@@ -82,7 +84,7 @@ class DeepSpeedRunner(RunnerBase):
         ds_config = build_deepspeed_config(OmegaConf.to_container(cfg.run, resolve=True), dist.world_size())
         if layout_of(ds_config)["zero_stage"] != 3:
             return contextlib.nullcontext()
-        return _zero3_construction(ds_config)
+        return zero3_construction(ds_config)
 
     def wrap(self, model, param_groups):
         # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
@@ -194,7 +196,7 @@ class DeepSpeedRunner(RunnerBase):
     def generate(self, batch, **kwargs):
         # Under ZeRO-3 every rank must join every forward until all are done.
         synced = self.zero_stage == 3 and self.world_size > 1
-        with self._autocast():
+        with self._autocast(), gathered_root(self.engine.module):
             return self.engine.module.generate(self._to_engine(batch), synced_gpus=synced, **kwargs)
 
     def save_checkpoint(self, tag, client_state):
@@ -326,24 +328,6 @@ class DeepSpeedRunner(RunnerBase):
 registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
 
 
-@contextlib.contextmanager
-def _zero3_construction(ds_config: dict):
-    """While the model is built: transformers sees this ZeRO-3 config (its ``HfDeepSpeedConfig`` lives only
-    as long as this block) and the LLM is placed partitioned (``lavis_ds.models.llm_placement``)."""
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from lavis_ds.models.llm_placement import llm_placement
-
-    hf_config = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference to it
-    try:
-        with llm_placement("zero3"):
-            yield
-    finally:
-        unset_hf_deepspeed_config()  # later from_pretrained calls (export, inference) build whole again
-        del hf_config
-
-
 def _cast_unpartitioned(model: torch.nn.Module, precision: str) -> None:
     """Cast what zero.Init did not build to the bf16/fp16 engine's dtype, as DeepSpeed casts a whole model.
 
@@ -351,8 +335,6 @@ def _cast_unpartitioned(model: torch.nn.Module, precision: str) -> None:
     to have built all of them in its dtype), so the ViT, Q-Former, projection, LoRA adapters and token
     rows built beside a partitioned LLM would stay fp32 in a bf16 engine.
     """
-    from lavis_ds.models.llm_placement import is_partitioned
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     params = list(model.parameters())
     if dtype is None or not is_partitioned(params):
