@@ -344,11 +344,13 @@ def _neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | N
         return None
     try:
         resolved, spelled = resolve_twins(run, twins)
-        training_settings(resolved, world_size, spelled)
+        settings = training_settings(resolved, world_size, spelled)
     except ValueError as e:
         errors.append(str(e))
         return None
-    return {key: resolved[key] for key in NEUTRAL_KEYS}
+    return {**{key: resolved[key] for key in NEUTRAL_KEYS}, "batch_size_train": settings.micro_batch,
+            "accum_grad_iters": settings.accum, "global_batch_size": settings.global_batch,
+            "precision": settings.precision}  # grad_norm_clip stays unset if it was: no clipping either way
 
 
 def _check_dataset(name: str, section: dict, errors: list[str]) -> None:

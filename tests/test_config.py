@@ -145,3 +145,48 @@ def test_replacing_a_default_processor_drops_its_default_arguments(instruction_d
     section = {"build_info": {"storage": str(tmp_path / "unused")},
                "vis_processor": {"train": {"name": "blip2_image_eval", "image_size": 32}}}
     assert DemoShapesBuilder(section).cfg["vis_processor"]["train"] == {"name": "blip2_image_eval", "image_size": 32}
+
+
+def test_a_deepspeed_yaml_switched_to_fsdp_keeps_its_batch_precision_and_adam_settings(instruction_data,
+                                                                                     tiny_tokenizer_dir, caplog):
+    """Switching run.runner and nothing else: the DeepSpeed section's words for the neutral run keys become
+    those keys (config.yaml records them), and what runner_fsdp does not read of it is named."""
+    tmp_path, ann = instruction_data
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{
+        "run.runner": "runner_fsdp",
+        "run.deepspeed_config.gradient_accumulation_steps": 4, "run.deepspeed_config.gradient_clipping": 0.5,
+        "run.deepspeed_config.bf16": {"enabled": True},
+        "run.deepspeed_config.optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.95], "eps": 1e-6}}})
+    with caplog.at_level("WARNING"):
+        cfg = load_config(path, world_size=2)
+    run = cfg.run
+    assert (run.batch_size_train, run.accum_grad_iters, run.global_batch_size) == (1, 4, 8)
+    assert (run.grad_norm_clip, run.precision, list(run.adam_betas), run.adam_eps) == (0.5, "bf16", [0.8, 0.95], 1e-6)
+    assert "not used: zero_optimization" in caplog.text  # the only key that says nothing about the run keys
+
+    same_under_deepspeed = load_config(path, ["run.runner=runner_deepspeed"], world_size=2).run
+    assert {key: same_under_deepspeed[key] for key in ("batch_size_train", "accum_grad_iters", "global_batch_size",
+                                                       "grad_norm_clip", "precision", "adam_eps")} == \
+        {key: run[key] for key in ("batch_size_train", "accum_grad_iters", "global_batch_size", "grad_norm_clip",
+                                   "precision", "adam_eps")}
+    ds = same_under_deepspeed.deepspeed_config
+    assert list(ds.optimizer.params.betas) == [0.8, 0.95] and ds.bf16.enabled is True
+
+
+@pytest.mark.parametrize("edits, message", [
+    ({"run.adam_betas": [0.9, 0.999], "run.deepspeed_config.optimizer": {"params": {"betas": [0.8, 0.95]}}},
+     r"run\.adam_betas=\[0\.9, 0\.999\] and run\.deepspeed_config\.optimizer\.params\.betas=\[0\.8, 0\.95\] disagree"),
+    ({"run.deepspeed_config.bf16": {"enabled": True}, "run.deepspeed_config.fp16": {"enabled": True}},
+     r"run\.deepspeed_config\.bf16\.enabled=True and run\.deepspeed_config\.fp16\.enabled=True disagree"),
+    ({"run.precision": "bf16", "run.deepspeed_config.bf16": {"enabled": False}},
+     r"run\.precision='bf16' and run\.deepspeed_config\.bf16\.enabled=False disagree"),
+    ({"run.adam_betas": [0.9]}, r"run\.adam_betas: expected two numbers in \[0, 1\)"),
+    ({"run.deepspeed_config.gradient_accumulation_steps": "four"},
+     r"run\.deepspeed_config\.gradient_accumulation_steps: expected a positive integer, got 'four'"),
+])
+@pytest.mark.parametrize("runner", ["runner_deepspeed", "runner_fsdp"])
+def test_a_neutral_key_and_its_twin_that_disagree_are_named_under_every_runner(instruction_data, tiny_tokenizer_dir,
+                                                                             edits, message, runner):
+    tmp_path, ann = instruction_data
+    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.runner": runner, **edits}))
+    assert any(re.search(message, p) for p in problems), problems

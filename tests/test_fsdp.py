@@ -128,8 +128,8 @@ def test_fsdp_checkpoint_is_a_lean_dcp_folder_with_the_protocol(fp32_runs):
     files = {p.name for p in tag_dir.iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "client_state.pt", "rng_state_rank0.pt",
             "rng_state_rank1.pt", "lavis_ds_complete.json"} <= files
-    assert "run.deepspeed_config: runner_fsdp reads its batch, clipping, precision and AdamW settings only; " \
-           "not used: zero_optimization" in proc.stderr + proc.stdout
+    assert "run.deepspeed_config is runner_deepspeed's section; runner_fsdp reads only what it says about the run " \
+           "keys (batch, clipping, precision, AdamW's betas/eps); not used: zero_optimization" in proc.stderr + proc.stdout
 
 
 def test_export_reads_an_fsdp_checkpoint_as_it_reads_a_deepspeed_one(fp32_runs, tmp_path):

@@ -201,3 +201,28 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, dem
     assert proc.returncode != 0
     assert "a global batch of 8 cannot be split into micro-batches of 8 on 2 processes" in proc.stderr
     assert "process counts that keep it: 1" in proc.stderr
+
+
+@pytest.mark.parametrize("engine_file, writer", [("mp_rank_00_model_states.pt", "runner_deepspeed"),
+                                                 (".metadata", "runner_fsdp")])
+def test_a_checkpoint_is_known_by_its_runner_files_when_its_marker_names_no_runner(tmp_path, engine_file, writer):
+    """Markers written before they named their runner: the folder's files say which engine wrote it."""
+    from lavis_ds.runners import checkpoint as ckpt
+
+    tag_dir = tmp_path / "step_4"
+    tag_dir.mkdir()
+    assert not ckpt.looks_like_checkpoint(tag_dir)
+    (tag_dir / engine_file).write_bytes(b"")
+    assert ckpt.looks_like_checkpoint(tag_dir)
+    ckpt.mark_complete(tag_dir, {"global_step": 4, "epoch": 0, "world_size": 1, "global_batch": 4})
+    assert ckpt.writer_of(tag_dir) == writer
+    ckpt.mark_complete(tag_dir, {"global_step": 4, "runner": "my_runner"})
+    assert ckpt.writer_of(tag_dir) == "my_runner"  # the marker's word wins
+
+
+def test_a_marker_naming_no_runner_beside_no_engine_files_is_damaged(tmp_path):
+    from lavis_ds.runners import checkpoint as ckpt
+
+    ckpt.mark_complete(tmp_path, {"global_step": 4})
+    with pytest.raises(ckpt.DamagedCheckpoint, match="names no runner and the folder holds no registered runner's"):
+        ckpt.writer_of(tmp_path)

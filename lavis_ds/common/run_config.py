@@ -88,12 +88,12 @@ NEUTRAL_KEYS = ("batch_size_train", "accum_grad_iters", "global_batch_size", "gr
 
 @dataclass(frozen=True)
 class Twin:
-    """A neutral run key's setting written in a runner's own options section, e.g. ``run.batch_size_train`` as
-    ``run.deepspeed_config.train_micro_batch_size_per_gpu``. Runners name theirs (``RunnerBase.option_twins``);
-    the config loader maps them onto the run key, whichever runner the run chose."""
+    """A neutral run key's setting written in a runner's own options section in its engine's words (the
+    DeepSpeed JSON's micro-batch key for ``run.batch_size_train``). Runners name theirs
+    (``RunnerBase.option_twins``); the config loader maps them onto the run key, whichever runner runs."""
 
     key: str  # the run key
-    path: str  # where the user wrote it, e.g. run.deepspeed_config.bf16.enabled
+    path: str  # where the user wrote it: run.<options section>.<key path>
     written: Any  # what the user wrote there
     value: Any  # the run key's value it means
     negated: bool = False  # it says the run key is *not* ``value`` (a precision switched off)
