@@ -8,7 +8,10 @@ mixed-precision policy, torch AdamW, `set_requires_gradient_sync` for accumulati
 
 Both loops get the same model (the tiny BLIP2-Qwen of the demo YAML, built twice from
 the same seed), the same DeepSpeed config (`build_deepspeed_config` of that YAML, with
-the ZeRO stage and dtype set from the command line) and the same micro-batches. The
+the ZeRO stage and dtype set from the command line), the same optimizer groups (the
+runner's: no weight decay on biases and norms; `--raw-groups one` gives the raw loop a
+single group instead, which is other math and, under ZeRO, fewer flat buffers) and the
+same micro-batches. The
 micro-batches are read once from the runner's DataLoader before anything is timed and
 reused by both loops in the same order, so data loading is excluded from both.
 
@@ -59,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--distinct", type=int, default=20,
                         help="optimizer steps' worth of micro-batches to read up front and cycle through")
     parser.add_argument("--options", nargs="+", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--raw-groups", default="same", choices=("same", "one"),
+                        help="the raw loop's optimizer groups: the runner's decay/no-decay groups (same math), or one "
+                             "group of every trainable parameter")
     args = parser.parse_args(argv)
     if args.steps % args.block:
         parser.error(f"--steps {args.steps} is not a multiple of --block {args.block}")
@@ -85,7 +91,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     return runner
 
 
-def build_raw_fsdp_step(cfg) -> Callable[[list[dict]], None]:
+def build_raw_fsdp_step(cfg, args) -> Callable[[list[dict]], None]:
     """FSDP2 by hand: a second model from the same seed, the same units and policy, torch AdamW."""
     import torch
     from omegaconf import OmegaConf
@@ -103,7 +109,7 @@ def build_raw_fsdp_step(cfg) -> Callable[[list[dict]], None]:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.run.init_lr, weight_decay=cfg.run.weight_decay)
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg, args.raw_groups), lr=cfg.run.init_lr)
     model.train()
 
     def raw_step(micro_batches: list[dict]) -> None:
@@ -121,7 +127,7 @@ def build_raw_fsdp_step(cfg) -> Callable[[list[dict]], None]:
     return raw_step
 
 
-def build_raw_step(cfg) -> Callable[[list[dict]], None]:
+def build_raw_step(cfg, args) -> Callable[[list[dict]], None]:
     """What a user writes by hand: a second model from the same seed, the same DeepSpeed JSON."""
     import deepspeed
     import torch
@@ -133,7 +139,7 @@ def build_raw_step(cfg) -> Callable[[list[dict]], None]:
     ds_config = build_deepspeed_config(OmegaConf.to_container(cfg.run, resolve=True), dist.world_size())
     model = build_model(cfg.model, cfg.run.seed)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+                                      model_parameters=_param_groups(model, cfg, args.raw_groups))
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     engine.train()
 
@@ -146,6 +152,16 @@ def build_raw_step(cfg) -> Callable[[list[dict]], None]:
             engine.step()
 
     return raw_step
+
+
+def _param_groups(model, cfg, kind: str) -> list[dict]:
+    """The raw loop's optimizer groups: the runner's own (``same``: no weight decay on biases, norms and 1-d
+    parameters, lr_scales), or all trainable parameters in one decayed group (``one``: the least a loop does)."""
+    from lavis_ds.optim import build_param_groups
+
+    if kind == "same":
+        return build_param_groups(model, cfg.run.weight_decay, dict(cfg.run.lr_scales))
+    return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": cfg.run.weight_decay}]
 
 
 def interleave(loops: dict[str, Callable], steps: list[list[dict]], warmup: int, block: int,
@@ -194,7 +210,7 @@ def main(argv=None) -> int:
     steps = [[next(loader) for _ in range(runner.accum)] for _ in range(min(args.distinct, runner.steps_per_epoch))]
 
     raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
-    loops = {"runner": runner.run_step, "raw": raw(runner.cfg)}
+    loops = {"runner": runner.run_step, "raw": raw(runner.cfg, args)}
     per_step, block_means = interleave({name: loops[name] for name in LOOPS}, steps, args.warmup, args.block,
                                        args.steps // args.block)
     runner.close()  # not call_hooks("after_train"): that would also run the test generation
