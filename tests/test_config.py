@@ -181,6 +181,10 @@ def test_a_deepspeed_yaml_switched_to_fsdp_keeps_its_batch_precision_and_adam_se
     ({"run.precision": "bf16", "run.deepspeed_config.bf16": {"enabled": False}},
      r"run\.precision='bf16' and run\.deepspeed_config\.bf16\.enabled=False disagree"),
     ({"run.adam_betas": [0.9]}, r"run\.adam_betas: expected two numbers in \[0, 1\)"),
+    ({"run.deepspeed_config.optimizer": {"params": {"betas": 0.9}}},
+     r"run\.deepspeed_config\.optimizer\.params\.betas: expected two numbers in \[0, 1\) \(beta1, beta2\), got 0\.9"),
+    ({"run.deepspeed_config.optimizer": {"params": {"eps": "tiny"}}},
+     r"run\.deepspeed_config\.optimizer\.params\.eps: expected a number > 0, got 'tiny'"),
     ({"run.deepspeed_config.gradient_accumulation_steps": "four"},
      r"run\.deepspeed_config\.gradient_accumulation_steps: expected a positive integer, got 'four'"),
 ])

@@ -62,7 +62,7 @@ def option_twins(ds: dict) -> tuple[list[Twin], list[str]]:
         value = ds.get(ds_key)
         if value is None or value == AUTO:
             continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        number = _is_number(value)
         if key == "grad_norm_clip" and not (number and value >= 0):
             problems.append(f"{WHERE}.{ds_key}: expected a number >= 0 (0: no clipping), got {value!r}")
         elif key != "grad_norm_clip" and not (number and isinstance(value, int) and value >= 1):
@@ -77,10 +77,21 @@ def option_twins(ds: dict) -> tuple[list[Twin], list[str]]:
     params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
     betas, eps = params.get("betas"), params.get("eps")
     if betas is not None and betas != AUTO:
-        twins.append(Twin("adam_betas", f"{WHERE}.optimizer.params.betas", betas, list(betas)))
+        if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas):
+            twins.append(Twin("adam_betas", f"{WHERE}.optimizer.params.betas", betas, list(betas)))
+        else:
+            problems.append(f"{WHERE}.optimizer.params.betas: expected two numbers in [0, 1) (beta1, beta2), "
+                            f"got {betas!r}")
     if eps is not None and eps != AUTO:
-        twins.append(Twin("adam_eps", f"{WHERE}.optimizer.params.eps", eps, eps))
+        if _is_number(eps) and eps > 0:
+            twins.append(Twin("adam_eps", f"{WHERE}.optimizer.params.eps", eps, eps))
+        else:
+            problems.append(f"{WHERE}.optimizer.params.eps: expected a number > 0, got {eps!r}")
     return twins, problems
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_section(value: Any) -> tuple[dict | None, list[str]]:
