@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import dist, lavis_compat
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import ConfigError
-from lavis_ds.common.run_config import NEUTRAL_KEYS, RunConfig, Twin, resolve_twins, training_settings
+from lavis_ds.common.run_config import NEUTRAL_KEYS, RunConfig, Twin, resolve_twins, training_settings, valid_betas
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.loading import ParsedFiles
@@ -298,10 +298,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     run = plain["run"]
     check_section(run, fields_of(RunConfig), "run", errors,
                   extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY})
-    betas = run.get("adam_betas")
-    if isinstance(betas, list) and (len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1
-                                                                for b in betas)):
-        errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {betas!r}")
+    if run.get("adam_betas") is not None and not valid_betas(run["adam_betas"]):
+        errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {run['adam_betas']!r}")
     training = {name: section for name, section in plain["datasets"].items()
                 if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))

@@ -102,6 +102,12 @@ class Twin:
         return (value == self.value) != self.negated
 
 
+def valid_betas(value: Any) -> bool:
+    """Whether ``value`` is AdamW's (beta1, beta2): two numbers in [0, 1)."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)
+
+
 def resolve_twins(run: dict, twins: list[Twin]) -> tuple[dict, dict[str, str]]:
     """``run`` with every unset neutral key taken from a twin, and where each value so taken was written;
     ValueError naming two settings that disagree."""

@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from lavis_ds.common.run_config import Twin, training_settings
+from lavis_ds.common.run_config import Twin, training_settings, valid_betas
 
 WHERE = "run.deepspeed_config"
 AUTO = "auto"
@@ -77,7 +77,7 @@ def option_twins(ds: dict) -> tuple[list[Twin], list[str]]:
     params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
     betas, eps = params.get("betas"), params.get("eps")
     if betas is not None and betas != AUTO:
-        if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas):
+        if valid_betas(betas):
             twins.append(Twin("adam_betas", f"{WHERE}.optimizer.params.betas", betas, list(betas)))
         else:
             problems.append(f"{WHERE}.optimizer.params.betas: expected two numbers in [0, 1) (beta1, beta2), "
