@@ -231,25 +231,35 @@ class FSDPRunner(RunnerBase):
         return ckpt.load_file(tag_dir / CLIENT_STATE)
 
     def _take_over(self, source: type[RunnerBase], tag_dir: Path) -> dict:
-        """Continue another engine's run: its fp32 weights and Adam moments, parameter by parameter (every rank
-        reads them whole and keeps its shard)."""
+        """Continue another engine's run: its fp32 weights and Adam moments, parameter by parameter. Process 0
+        reads them whole; every other process receives its shards from it, one tensor at a time."""
         import torch.distributed as torch_dist
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_state_dict)
+                                                             set_model_state_dict, set_optimizer_state_dict)
 
-        handover = source.read_handover(tag_dir, self.checkpoint_dir / "universal", self.rank)
-        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # by parameter name
-        names = [name for group in groups for name in group["params"]]
-        weights = {name: handover.states[name]["fp32"] for name in names}
-        moments = {name: {"step": torch.tensor(float(handover.step)), "exp_avg": handover.states[name]["exp_avg"],
-                          "exp_avg_sq": handover.states[name]["exp_avg_sq"]} for name in names}
-        set_state_dict(self.model, self.optimizer, model_state_dict=weights,
-                       optim_state_dict={"state": moments, "param_groups": groups},
-                       options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
-        if torch_dist.is_initialized():
-            torch_dist.barrier()
+        several = torch_dist.is_initialized() and self.world_size > 1
+        handover = source.read_handover(tag_dir, self.checkpoint_dir / "universal", self.rank,
+                                        needed=self.rank == 0 or not several)
+        weights, optim = {}, {}
+        if handover is not None:
+            groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # by parameter name
+            names = [name for group in groups for name in group["params"]]
+            weights = {name: handover.states[name]["fp32"] for name in names}
+            optim = {"state": {name: {"step": torch.tensor(float(handover.step)),
+                                      "exp_avg": handover.states[name]["exp_avg"],
+                                      "exp_avg_sq": handover.states[name]["exp_avg_sq"]} for name in names},
+                     "param_groups": groups}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=several, ignore_frozen_params=True,
+                                   strict=False)
+        # One call each: set_state_dict skips the model on a process whose model dict is empty (torch 2.14), so
+        # the processes' broadcasts would not pair up.
+        set_model_state_dict(self.model, weights, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
+        client_state = [handover.client_state if handover is not None else None]
+        if several:
+            torch_dist.broadcast_object_list(client_state, src=0)
         self.report_takeover(tag_dir)
-        return handover.client_state
+        return client_state[0]
 
     def check_checkpoint(self, tag_dir, same_world):
         source = self.foreign_writer(tag_dir)
