@@ -171,21 +171,27 @@ def run_train(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = (), cwd
     ``"launch"`` runs the user's command (``torchrun ...`` or ``python train.py``), for the tests about it.
     """
     if launcher == "fork":
-        job = forked.Job(train_args(cfg_path, options), nproc, env(), cwd or REPO, _logs_for(cfg_path))
-        try:
-            code = job.wait(timeout)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            raise
-        stdout, stderr = job.output()
-        proc = subprocess.CompletedProcess(["train.py(forked)", f"x{max(1, nproc)}", *train_args(cfg_path, options)],
-                                           code, stdout, stderr)
+        proc = run_forked(forked.TRAIN, train_args(cfg_path, options), _logs_for(cfg_path), nproc, cwd, timeout)
     else:
         proc = subprocess.run(command(cfg_path, nproc, options), cwd=cwd or REPO, env=env(), capture_output=True,
                               text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_forked(target: str, argv: list[str], logs: Path, nproc: int = 0, cwd: Path | None = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """``target``'s ``main(argv)`` (``module:function``) in ``nproc`` processes forked from the suite's server (0: one,
+    without launcher variables), as its script runs it; ``logs``: a new folder for the output."""
+    job = forked.Job(argv, nproc, env(), cwd or REPO, logs, target)
+    try:
+        code = job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
+    stdout, stderr = job.output()
+    return subprocess.CompletedProcess([f"{target}(forked)", f"x{max(1, nproc)}", *argv], code, stdout, stderr)
 
 
 def _logs_for(cfg_path: Path) -> Path:
