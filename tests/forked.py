@@ -81,9 +81,14 @@ def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr
 
 
 class Job:
-    """The processes of one launch; quacks like the ``subprocess.Popen`` the tests use."""
+    """The processes of one launch; quacks like the ``subprocess.Popen`` the tests use.
 
-    def __init__(self, argv: list[str], nproc: int, env: dict, cwd: Path, logs: Path, target: str = TRAIN):
+    ``nodes``: the ``nproc`` processes as that many nodes would run them (``torchrun --nnodes=<nodes>
+    --nproc_per_node=<nproc / nodes>`` on each): LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the node) per node.
+    """
+
+    def __init__(self, argv: list[str], nproc: int, env: dict, cwd: Path, logs: Path, target: str = TRAIN,
+                 nodes: int = 1):
         from run_utils import free_port  # run_utils imports this module
 
         ctx = _server()
@@ -92,11 +97,14 @@ class Job:
         for f in (self.stdout_file, self.stderr_file):
             f.write_text("")
         ranks = max(1, nproc)
+        assert ranks % nodes == 0 and (nproc or nodes == 1), (nproc, nodes)
+        per_node = ranks // nodes
         launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
-                    "LOCAL_WORLD_SIZE": str(ranks)} if nproc else {}
+                    "LOCAL_WORLD_SIZE": str(per_node)} if nproc else {}
         self.processes = []
         for rank in range(ranks):
-            rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc else {}))
+            rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node),
+                                                 "GROUP_RANK": str(rank // per_node)} if nproc else {}))
             p = ctx.Process(target=_main, args=(target, argv, rank_env, str(cwd), str(self.stdout_file),
                                                 str(self.stderr_file)))
             p.start()

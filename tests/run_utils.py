@@ -62,10 +62,12 @@ def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -
     return cfg
 
 
-def start(cfg_path: Path, nproc: int = 2, launcher: str = "fork"):
-    """A training job left running (``launcher`` as for ``run_train``); ``output_of`` reads a forked job's output."""
+def start(cfg_path: Path, nproc: int = 2, launcher: str = "fork", nodes: int = 1):
+    """A training job left running (``launcher`` as for ``run_train``; a forked one on ``nodes`` simulated nodes,
+    see ``forked.Job``); ``output_of`` reads a forked job's output."""
     if launcher == "fork":
-        return forked.Job(train_args(cfg_path), nproc, env(), REPO, _logs_for(cfg_path))
+        return forked.Job(train_args(cfg_path), nproc, env(), REPO, _logs_for(cfg_path), nodes=nodes)
+    assert nodes == 1, "a launched job on several nodes: see test_multinode.two_nodes"
     return subprocess.Popen(command(cfg_path, nproc), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
