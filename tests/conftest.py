@@ -49,7 +49,7 @@ def tiny_model_config(tiny_tokenizer_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def demo_export(tmp_path_factory):
-    """The tiny demo model trained briefly (torchrun, 2 processes) and exported, once per session."""
+    """The tiny demo model trained briefly (2 processes) and exported, once per session."""
     from demo_export import train_and_export
 
     return train_and_export(tmp_path_factory.mktemp("demo_export"))
