@@ -31,6 +31,7 @@ PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train",
            "lavis_ds.generate", "forked"]
 TRAIN = "train:main"  # the default target: train.py's main()
 FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
+STILL_RUNNING = "forked.Job"  # begins the line a job's stderr gets when it had to stop them
 
 _context = None
 
@@ -127,8 +128,12 @@ class Job:
             if any(c not in (None, 0) for c in codes) and None in codes:
                 self._first_failure = self._first_failure or time.time()
                 if time.time() - self._first_failure > FAILED_PEERS_GRACE:
+                    alive = [rank for rank, c in enumerate(codes) if c is None]
                     self.kill()
                     codes = [p.exitcode for p in self.processes]
+                    with open(self.stderr_file, "a") as f:  # as torchrun reports what it stopped
+                        f.write(f"\n{STILL_RUNNING}: rank(s) {alive} still running {FAILED_PEERS_GRACE} s after another "
+                                f"process of the job failed (exit codes {codes}): killed\n")
             if None not in codes:
                 self.returncode = next((c for c in codes if c != 0), 0)
         return self.returncode

@@ -23,6 +23,7 @@ from typing import Callable
 import pytest
 import torch
 
+from forked import STILL_RUNNING
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.samplers import StepBatchSampler
 from run_utils import output_of, run_forked, run_train, start, tiny_config, tracebacks, train_steps, write_yaml
@@ -453,6 +454,7 @@ def test_one_clear_answer(outcomes, name):
     else:
         assert proc.returncode == case.exit_code, context
     assert not tracebacks(output), context
+    assert STILL_RUNNING not in proc.stderr, context  # each forked process ended by itself, none had to be stopped
     for pattern in case.says:
         assert re.search(pattern, output), f"{pattern!r} not in the output of {context}"
     if case.exit_code:  # the answer is given once, whatever the number of processes
