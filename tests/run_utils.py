@@ -196,6 +196,18 @@ def run_forked(target: str, argv: list[str], logs: Path, nproc: int = 0, cwd: Pa
     return subprocess.CompletedProcess([f"{target}(forked)", f"x{max(1, nproc)}", *argv], code, stdout, stderr)
 
 
+def run_together(*commands: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Independent commands started at once, as ``subprocess.run(cmd, capture_output=True, text=True)`` each: a
+    launch is mostly one process importing torch & co on one core, so two of them take one wall-clock wait."""
+    running = [subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for cmd in commands]
+    done = []
+    for cmd, proc in zip(commands, running):
+        stdout, stderr = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+    return done
+
+
 def _logs_for(cfg_path: Path) -> Path:
     """A fresh log folder beside the YAML (one per launch: a rerun of the same YAML keeps the first one's)."""
     for i in range(1000):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.export import ExportError, export_checkpoint, find_checkpoint, load_exported
 from lavis_ds.runners.checkpoint import COMPLETE_MARKER
-from run_utils import REPO, env, metrics, run_train, tiny_config, write_yaml
+from run_utils import REPO, env, metrics, run_together, run_train, tiny_config, write_yaml
 
 DEMO = DemoShapesSpec(num_train=32, num_val=16, num_test=8)
 NPROC, BATCH_SIZE_EVAL = 2, 8
@@ -349,11 +349,10 @@ def test_strict_accounting_names_missing_unknown_and_misshapen_keys(exported, tm
 
 
 def test_export_command_line(trained, tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "export.py"), str(trained("zero3_fp32")), "--out",
-                           str(tmp_path / "cli")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc, missing = run_together(  # two independent commands, started together
+        [sys.executable, str(REPO / "export.py"), str(trained("zero3_fp32")), "--out", str(tmp_path / "cli")],
+        [sys.executable, str(REPO / "export.py"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "cli2")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step_4 (step 4, ZeRO-3, fp32) ->" in proc.stdout
     assert {p.name for p in (tmp_path / "cli").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer"}
-    proc = subprocess.run([sys.executable, str(REPO / "export.py"), str(tmp_path / "nowhere"), "--out",
-                           str(tmp_path / "cli2")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "lavis_ds: " in proc.stderr and "nowhere does not exist" in proc.stderr
+    assert missing.returncode == 2 and "lavis_ds: " in missing.stderr and "nowhere does not exist" in missing.stderr
