@@ -50,6 +50,14 @@ def _server():
     return _context
 
 
+def start_server() -> None:
+    """Start the server now: it imports PRELOAD in the background (~6 s of one core) until the first job needs it."""
+    from multiprocessing import forkserver
+
+    _server()
+    forkserver.ensure_running()
+
+
 def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
     """One process of a job: a fresh environment, ``target``'s main(argv) (``module:function``), the scripts' exit."""
     for fd, path in ((1, stdout), (2, stderr)):
