@@ -10,6 +10,16 @@ from lavis_ds.common.extensions import configure_build_environment
 # In-process tests and the train.py processes they start compile DeepSpeed's ops into one folder.
 configure_build_environment()
 
+
+def pytest_sessionstart(session):
+    """The whole suite: the server that forks its training processes (tests/forked.py) imports torch & co while
+    pytest collects the tests, on the other core, instead of when the first process is needed."""
+    tests = Path(__file__).parent
+    if all(Path(arg).resolve() in (tests, tests.parent) for arg in session.config.args):
+        import forked
+
+        forked.start_server()
+
 # Words the tests' prompts use, so the toy BPE has merges for them (any text still encodes: byte-level).
 TINY_CORPUS = [
     "<Img><ImageHere></Img> What is in the image?",
@@ -49,7 +59,7 @@ def tiny_model_config(tiny_tokenizer_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def demo_export(tmp_path_factory):
-    """The tiny demo model trained briefly (torchrun, 2 processes) and exported, once per session."""
+    """The tiny demo model trained briefly (2 processes) and exported, once per session."""
     from demo_export import train_and_export
 
     return train_and_export(tmp_path_factory.mktemp("demo_export"))

@@ -1,8 +1,10 @@
 """A trained tiny demo model, exported: what the inference tests (batch, terminal, browser) talk to.
 
-Trained once per test session (conftest.py's ``demo_export`` fixture) through the real
-path a user takes: ``train.py`` under torchrun on generated demo_shapes data, then
-``export.py``'s ``export_checkpoint``.
+Trained once per test session (conftest.py's ``demo_export`` fixture) through the path a
+user takes: ``train.py`` on 2 processes on generated demo_shapes data (forked from the suite's
+server, tests/forked.py: the same weights as under torchrun, bit for bit; torchrun itself is
+tested in test_train.py, test_preemption.py, test_multinode.py), then ``export.py``'s
+``export_checkpoint``.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import run_train, tiny_config, write_yaml
 
 # Enough steps (6 epochs x 16 optimizer steps) for answers of several words that depend on the image and the question
-# (the demo's "a red circle" format); ~40 s on 2 cores.
+# (the demo's "a red circle" format).
 SPEC = DemoShapesSpec(num_train=256, num_val=16, num_test=16)
 CAPTION_PROMPT = "Describe the image in a few words."
 
@@ -40,5 +42,5 @@ def train_and_export(root: Path) -> DemoExport:
     cfg = tiny_config(root / "run", storage, stage=2, micro=8, max_epoch=6, warmup_steps=4)
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=SPEC.num_train, num_val=SPEC.num_val,
                                                        num_test=SPEC.num_test)
-    run_train(write_yaml(root / "demo.yaml", cfg), nproc=2, launcher="launch")  # torchrun, as the README says
+    run_train(write_yaml(root / "demo.yaml", cfg), nproc=2)
     return DemoExport(export_checkpoint(root / "run", root / "export"), storage)

@@ -6,12 +6,15 @@ need processes which train, save, fail or get killed fork them from multiprocess
 forkserver, which did those imports once. Each one is still a real process running
 ``train.py``'s ``main()`` with the variables a launcher sets (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), its own gloo process group and its own DataLoader workers, and it
-ends through ``train.py``'s own exit. What only the launchers do (torchrun's agent, its signal
-forwarding and failure report, ``python train.py`` starting from nothing) is tested through the
-real launchers by the tests that are about them (``run_utils.command``).
+ends through ``train.py``'s own exit. Other command lines whose script is ``exit_now(main())``
+(``export.py``, ``python -m lavis_ds.generate``, ``tests/placement_worker.py``) are forked the
+same way: ``target`` names the ``main`` to run. What only the launchers do (torchrun's agent,
+its signal forwarding and failure report, ``python train.py`` starting from nothing) is tested
+through the real launchers by the tests that are about them (``run_utils.command``).
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import subprocess
@@ -24,8 +27,11 @@ from pathlib import Path
 # What every training process imports, imported once by the server.
 PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train", "lavis_ds",
            "lavis_ds.runners.deepspeed.runner", "lavis_ds.runners.fsdp_runner",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "forked"]
+           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.export",
+           "lavis_ds.generate", "forked"]
+TRAIN = "train:main"  # the default target: train.py's main()
 FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
+STILL_RUNNING = "forked.Job"  # begins the line a job's stderr gets when it had to stop them
 
 _context = None
 
@@ -44,24 +50,37 @@ def _server():
     return _context
 
 
-def _train_main(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
-    """One process of a job: a fresh environment, train.py's main(), train.py's exit."""
+def start_server() -> None:
+    """Start the server now: it imports PRELOAD in the background (~6 s of one core) until the first job needs it."""
+    from multiprocessing import forkserver
+
+    _server()
+    forkserver.ensure_running()
+
+
+def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+    """One process of a job: a fresh environment, ``target``'s main(argv) (``module:function``), the scripts' exit."""
     for fd, path in ((1, stdout), (2, stderr)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(target, fd)
-        os.close(target)
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(out, fd)
+        os.close(out)
     os.setsid()  # as start_new_session: a signal to the test's group does not reach it
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # A process the forkserver starts inherits its start method: DataLoader workers (and any other child) would
+    # come from a new forkserver of this process, which imports PRELOAD again (~15 s), instead of being forked
+    # as in a launched train.py. Back to the interpreter's default.
+    multiprocessing.set_start_method(None, force=True)
     import torch
-    import train
     from lavis_ds.common.dist import exit_now
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    sys.argv = ["train.py", *argv]
+    module, function = target.split(":")
+    main = getattr(importlib.import_module(module), function)
+    sys.argv = [f"{module.replace('.', '/')}.py", *argv]
     try:
-        code = train.main(argv)
+        code = main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # what Python does with an uncaught exception
@@ -71,9 +90,14 @@ def _train_main(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) 
 
 
 class Job:
-    """The processes of one launch; quacks like the ``subprocess.Popen`` the tests use."""
+    """The processes of one launch; quacks like the ``subprocess.Popen`` the tests use.
 
-    def __init__(self, argv: list[str], nproc: int, env: dict, cwd: Path, logs: Path):
+    ``nodes``: the ``nproc`` processes as that many nodes would run them (``torchrun --nnodes=<nodes>
+    --nproc_per_node=<nproc / nodes>`` on each): LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the node) per node.
+    """
+
+    def __init__(self, argv: list[str], nproc: int, env: dict, cwd: Path, logs: Path, target: str = TRAIN,
+                 nodes: int = 1):
         from run_utils import free_port  # run_utils imports this module
 
         ctx = _server()
@@ -82,15 +106,19 @@ class Job:
         for f in (self.stdout_file, self.stderr_file):
             f.write_text("")
         ranks = max(1, nproc)
+        assert ranks % nodes == 0 and (nproc or nodes == 1), (nproc, nodes)
+        per_node = ranks // nodes
         launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
-                    "LOCAL_WORLD_SIZE": str(ranks)} if nproc else {}
+                    "LOCAL_WORLD_SIZE": str(per_node)} if nproc else {}
         self.processes = []
         for rank in range(ranks):
-            rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc else {}))
-            p = ctx.Process(target=_train_main, args=(argv, rank_env, str(cwd), str(self.stdout_file),
-                                                      str(self.stderr_file)))
+            rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node),
+                                                 "GROUP_RANK": str(rank // per_node)} if nproc else {}))
+            p = ctx.Process(target=_main, args=(target, argv, rank_env, str(cwd), str(self.stdout_file),
+                                                str(self.stderr_file)))
             p.start()
             self.processes.append(p)
+        self.target = target
         self.returncode: int | None = None
         self._first_failure: float | None = None
 
@@ -108,8 +136,12 @@ class Job:
             if any(c not in (None, 0) for c in codes) and None in codes:
                 self._first_failure = self._first_failure or time.time()
                 if time.time() - self._first_failure > FAILED_PEERS_GRACE:
+                    alive = [rank for rank, c in enumerate(codes) if c is None]
                     self.kill()
                     codes = [p.exitcode for p in self.processes]
+                    with open(self.stderr_file, "a") as f:  # as torchrun reports what it stopped
+                        f.write(f"\n{STILL_RUNNING}: rank(s) {alive} still running {FAILED_PEERS_GRACE} s after another "
+                                f"process of the job failed (exit codes {codes}): killed\n")
             if None not in codes:
                 self.returncode = next((c for c in codes if c != 0), 0)
         return self.returncode
@@ -119,7 +151,7 @@ class Job:
         while self.poll() is None:
             left = None if deadline is None else deadline - time.time()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"train.py x{len(self.processes)}", timeout)
+                raise subprocess.TimeoutExpired(f"{self.target} x{len(self.processes)}", timeout)
             wait_for([p.sentinel for p in self.processes if p.exitcode is None], timeout=min(left or 1.0, 1.0))
         return self.returncode
 

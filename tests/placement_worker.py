@@ -1,5 +1,5 @@
-"""Run under torchrun by test_partitioned_build.py: build a run's model the way train.py does, in the place its
-runner asks for, and report what each process holds.
+"""Run on 2 processes by test_partitioned_build.py (forked: ``cli``): build a run's model the way train.py does, in
+the place its runner asks for, and report what each process holds.
 
     torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> runner [runner ...]
 
@@ -105,5 +105,11 @@ def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
             json.dump(reports, f)
 
 
+def cli(argv: list[str]) -> int:
+    """The command line above: ``<run.yaml> <report.json> runner [runner ...]``."""
+    main(argv[0], argv[1], argv[2:])
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    sys.exit(cli(sys.argv[1:]))

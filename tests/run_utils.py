@@ -62,10 +62,12 @@ def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -
     return cfg
 
 
-def start(cfg_path: Path, nproc: int = 2, launcher: str = "fork"):
-    """A training job left running (``launcher`` as for ``run_train``); ``output_of`` reads a forked job's output."""
+def start(cfg_path: Path, nproc: int = 2, launcher: str = "fork", nodes: int = 1):
+    """A training job left running (``launcher`` as for ``run_train``; a forked one on ``nodes`` simulated nodes,
+    see ``forked.Job``); ``output_of`` reads a forked job's output."""
     if launcher == "fork":
-        return forked.Job(train_args(cfg_path), nproc, env(), REPO, _logs_for(cfg_path))
+        return forked.Job(train_args(cfg_path), nproc, env(), REPO, _logs_for(cfg_path), nodes=nodes)
+    assert nodes == 1, "a launched job on several nodes: see test_multinode.two_nodes"
     return subprocess.Popen(command(cfg_path, nproc), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -171,21 +173,39 @@ def run_train(cfg_path: Path, nproc: int = 2, options: tuple[str, ...] = (), cwd
     ``"launch"`` runs the user's command (``torchrun ...`` or ``python train.py``), for the tests about it.
     """
     if launcher == "fork":
-        job = forked.Job(train_args(cfg_path, options), nproc, env(), cwd or REPO, _logs_for(cfg_path))
-        try:
-            code = job.wait(timeout)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            raise
-        stdout, stderr = job.output()
-        proc = subprocess.CompletedProcess(["train.py(forked)", f"x{max(1, nproc)}", *train_args(cfg_path, options)],
-                                           code, stdout, stderr)
+        proc = run_forked(forked.TRAIN, train_args(cfg_path, options), _logs_for(cfg_path), nproc, cwd, timeout)
     else:
         proc = subprocess.run(command(cfg_path, nproc, options), cwd=cwd or REPO, env=env(), capture_output=True,
                               text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_forked(target: str, argv: list[str], logs: Path, nproc: int = 0, cwd: Path | None = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """``target``'s ``main(argv)`` (``module:function``) in ``nproc`` processes forked from the suite's server (0: one,
+    without launcher variables), as its script runs it; ``logs``: a new folder for the output."""
+    job = forked.Job(argv, nproc, env(), cwd or REPO, logs, target)
+    try:
+        code = job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
+    stdout, stderr = job.output()
+    return subprocess.CompletedProcess([f"{target}(forked)", f"x{max(1, nproc)}", *argv], code, stdout, stderr)
+
+
+def run_together(*commands: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Independent commands started at once, as ``subprocess.run(cmd, capture_output=True, text=True)`` each: a
+    launch is mostly one process importing torch & co on one core, so two of them take one wall-clock wait."""
+    running = [subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for cmd in commands]
+    done = []
+    for cmd, proc in zip(commands, running):
+        stdout, stderr = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+    return done
 
 
 def _logs_for(cfg_path: Path) -> Path:

@@ -329,9 +329,12 @@ def test_a_corrupt_image_gives_an_error_naming_the_image_and_the_record(corrupt_
                                                    r"file .*garbage\.png: UnidentifiedImageError"):
         train[3]
     # From a DataLoader worker, the message reaching the main process still names image and record.
-    loader = DataLoader(train, batch_size=1, num_workers=1, collate_fn=train.collater)
+    batches = iter(DataLoader(train, batch_size=1, num_workers=1, collate_fn=train.collater))
     with pytest.raises(UnreadableImageError, match=r"record 1 \(id 1, image 'truncated\.jpg'\): cannot read image"):
-        list(loader)
+        list(batches)
+    # Its worker stopped now, as the iterator's __del__ does: the traceback keeps the iterator until a later garbage
+    # collection, which frees its queues first and so waits 5 s for the worker (in whatever test runs then).
+    batches._shutdown_workers()
 
 
 def test_skip_mode_replaces_a_corrupt_image_by_the_next_readable_record_and_counts_it(corrupt_files, caplog):

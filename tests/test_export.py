@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.export import ExportError, export_checkpoint, find_checkpoint, load_exported
 from lavis_ds.runners.checkpoint import COMPLETE_MARKER
-from run_utils import REPO, env, metrics, run_train, tiny_config, write_yaml
+from run_utils import REPO, env, metrics, run_together, run_train, tiny_config, write_yaml
 
 DEMO = DemoShapesSpec(num_train=32, num_val=16, num_test=8)
 NPROC, BATCH_SIZE_EVAL = 2, 8
@@ -89,11 +89,12 @@ def _trained_results(output_dir: Path) -> tuple[list[str], float]:
     return [s["generated"] for s in sorted(test["samples"], key=lambda s: s["index"])], val["loss"]
 
 
-# Runs in a fresh interpreter and reports whether DeepSpeed got imported. It replays the runner's
-# evaluation batches (each rank's shard of the split, EvalBatchSampler) so that the numbers can be
+# Runs in a fresh interpreter that imports what loading and generating need, then forks one process per export
+# folder, which reports whether DeepSpeed got imported (by those imports or by its own work). It replays the
+# runner's evaluation batches (each rank's shard of the split, EvalBatchSampler) so that the numbers can be
 # compared exactly: the CLI generates the test split, the loaded model computes the validation loss.
 WITHOUT_DEEPSPEED = r"""
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys, traceback
 from pathlib import Path
 import torch
 from lavis_ds.datasets.instruction import InstructionDataset
@@ -101,57 +102,99 @@ from lavis_ds.datasets.samplers import EvalBatchSampler
 from lavis_ds.export import load_exported
 from lavis_ds.generate import as_trained, eval_processors, main
 
-folder, storage, new_tokens, world_size, batch_size = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:])
+storage, new_tokens, world_size, batch_size, folders = Path(sys.argv[1]), *map(int, sys.argv[2:5]), sys.argv[5:]
 
 def rank_batches(num_samples):
     for rank in range(world_size):
         sampler = EvalBatchSampler(num_samples, batch_size, world_size, rank)
         yield [indices for i, indices in enumerate(sampler) if not sampler.is_padding(i)]
 
-records = json.loads((storage / "annotations" / "test.json").read_text())
-generated = [None] * len(records)
-for batches in rank_batches(len(records)):
-    for indices in batches:
-        prompts = {records[i]["instruction"] for i in indices}
-        assert len(prompts) == 1, prompts  # the demo asks every test image the same
-        stdout = io.StringIO()
-        with contextlib.redirect_stdout(stdout):
-            code = main(["--model", folder, "--prompt", prompts.pop(), "--max-new-tokens", str(new_tokens),
-                         "--min-new-tokens", str(new_tokens), "--json", "--image",
-                         *[str(storage / "images" / records[i]["image"]) for i in indices]])
-        assert code == 0
-        for i, line in zip(indices, json.loads(stdout.getvalue()), strict=True):
-            generated[i] = line["generated"]
+def check(folder):
+    records = json.loads((storage / "annotations" / "test.json").read_text())
+    generated = [None] * len(records)
+    for batches in rank_batches(len(records)):
+        for indices in batches:
+            prompts = {records[i]["instruction"] for i in indices}
+            assert len(prompts) == 1, prompts  # the demo asks every test image the same
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                code = main(["--model", folder, "--prompt", prompts.pop(), "--max-new-tokens", str(new_tokens),
+                             "--min-new-tokens", str(new_tokens), "--json", "--image",
+                             *[str(storage / "images" / records[i]["image"]) for i in indices]])
+            assert code == 0
+            for i, line in zip(indices, json.loads(stdout.getvalue()), strict=True):
+                generated[i] = line["generated"]
 
-model = load_exported(folder)
-vis, text = eval_processors(folder)
-val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
-totals = torch.zeros(2, dtype=torch.float64)
-for batches in rank_batches(len(val)):  # RunnerBase.evaluate_loss: per-rank sums, then all_reduce
-    rank_totals = torch.zeros(2, dtype=torch.float64)
-    for indices in batches:
-        batch, context = as_trained(model, val.collater([val[i] for i in indices]))
-        with torch.no_grad(), context:
-            out = model(batch)
-        rank_totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])], dtype=torch.float64)
-    totals += rank_totals
-print(json.dumps({"generated": generated, "val_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-                  "deepspeed_modules": sorted(m for m in sys.modules if m.split(".")[0] == "deepspeed")}))
+    model = load_exported(folder)
+    vis, text = eval_processors(folder)
+    val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
+    totals = torch.zeros(2, dtype=torch.float64)
+    for batches in rank_batches(len(val)):  # RunnerBase.evaluate_loss: per-rank sums, then all_reduce
+        rank_totals = torch.zeros(2, dtype=torch.float64)
+        for indices in batches:
+            batch, context = as_trained(model, val.collater([val[i] for i in indices]))
+            with torch.no_grad(), context:
+                out = model(batch)
+            rank_totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])], dtype=torch.float64)
+        totals += rank_totals
+    return {"generated": generated, "val_loss": (totals[0] / totals[1].clamp(min=1)).item(),
+            "deepspeed_modules": sorted(m for m in sys.modules if m.split(".")[0] == "deepspeed")}
+
+for folder in folders:  # each in a process of its own: what one export imports, the next does not inherit
+    sys.stdout.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            answer = json.dumps(check(folder))
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        with os.fdopen(write, "w") as pipe:
+            pipe.write(answer)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(json.dumps({"folder": folder, "exit": code, "result": json.loads(answer) if code == 0 else None}))
 """
 
 
-def _run_without_deepspeed(folder: Path, storage: Path) -> dict:
-    args = [str(folder), str(storage), str(NEW_TOKENS), str(NPROC), str(BATCH_SIZE_EVAL)]
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_DEEPSPEED, *args], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def without_deepspeed(request, exported, demo_storage):
+    """``without_deepspeed(name)`` -> what a process without DeepSpeed generated and computed from run ``name``'s
+    export. On first use, every run the session tests that way is exported and checked in one fresh interpreter
+    (one process forked per export): one Python start-up instead of one per run."""
+    test = test_export_loads_without_deepspeed_and_generates_what_training_generated
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "function", None) is test]
+    done = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            todo = [n for n in names if n not in done] if name in names else [name]
+            folders = [str(exported(n)) for n in todo]
+            args = [str(demo_storage), str(NEW_TOKENS), str(NPROC), str(BATCH_SIZE_EVAL), *folders]
+            proc = subprocess.run([sys.executable, "-c", WITHOUT_DEEPSPEED, *args], cwd=REPO, env=env(),
+                                  capture_output=True, text=True, timeout=300 * len(todo))
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"folder"')]
+            assert [line["folder"] for line in lines] == folders, proc.stdout[-2000:] + proc.stderr[-4000:]
+            for n, line in zip(todo, lines):
+                assert line["exit"] == 0, f"{n}: exit {line['exit']}\n{proc.stderr[-4000:]}"
+                done[n] = line["result"]
+        return done[name]
+
+    return get
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_export_loads_without_deepspeed_and_generates_what_training_generated(name, trained, exported, demo_storage):
+def test_export_loads_without_deepspeed_and_generates_what_training_generated(name, trained, without_deepspeed):
     expected_texts, expected_val_loss = _trained_results(trained(name))
-    result = _run_without_deepspeed(exported(name), demo_storage)
+    result = without_deepspeed(name)
     assert result["deepspeed_modules"] == [], "loading or generating imported DeepSpeed"
     assert result["generated"] == expected_texts
     # Exact: the same weights in the same dtype on the same batches. Every trained weight and the
@@ -306,11 +349,10 @@ def test_strict_accounting_names_missing_unknown_and_misshapen_keys(exported, tm
 
 
 def test_export_command_line(trained, tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "export.py"), str(trained("zero3_fp32")), "--out",
-                           str(tmp_path / "cli")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc, missing = run_together(  # two independent commands, started together
+        [sys.executable, str(REPO / "export.py"), str(trained("zero3_fp32")), "--out", str(tmp_path / "cli")],
+        [sys.executable, str(REPO / "export.py"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "cli2")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step_4 (step 4, ZeRO-3, fp32) ->" in proc.stdout
     assert {p.name for p in (tmp_path / "cli").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer"}
-    proc = subprocess.run([sys.executable, str(REPO / "export.py"), str(tmp_path / "nowhere"), "--out",
-                           str(tmp_path / "cli2")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "lavis_ds: " in proc.stderr and "nowhere does not exist" in proc.stderr
+    assert missing.returncode == 2 and "lavis_ds: " in missing.stderr and "nowhere does not exist" in missing.stderr

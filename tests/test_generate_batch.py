@@ -19,7 +19,7 @@ from PIL import Image
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER
 from lavis_ds.export import load_exported
 from lavis_ds.generate import eval_processors, generate, main, share_path
-from run_utils import REPO, env, free_port
+from run_utils import REPO, env, free_port, run_forked
 
 MAX_NEW_TOKENS = 8
 
@@ -58,12 +58,15 @@ def answer_one(model, demo_export):
 
 @pytest.fixture(scope="module")
 def full_run(demo_export, tmp_path_factory):
-    """The demo's test split through the command line, one process: (its output file, the lines)."""
+    """The demo's test split through the command line, one process: (its output file, the lines).
+
+    ``python -m lavis_ds.generate``'s main() in a process forked from the suite's server (tests/forked.py); the
+    command itself is launched, under torchrun, by test_torchrun_shards_merge_into_the_same_file."""
     out = tmp_path_factory.mktemp("full") / "preds.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "lavis_ds.generate", "--model", str(demo_export.folder),
-                           "--data", str(demo_export.test_annotations), "--images", str(demo_export.storage / "images"),
-                           "--out", str(out), "--batch-size", "5", "--max-new-tokens", str(MAX_NEW_TOKENS)],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_forked("lavis_ds.generate:main", [
+        "--model", str(demo_export.folder), "--data", str(demo_export.test_annotations),
+        "--images", str(demo_export.storage / "images"), "--out", str(out), "--batch-size", "5",
+        "--max-new-tokens", str(MAX_NEW_TOKENS)], out.parent / "generate.logs", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "16 sample(s); 0 already" in proc.stderr and "wrote 16 answer(s)" in proc.stderr
     return out, [json.loads(line) for line in out.read_text().splitlines()]

@@ -34,10 +34,17 @@ class Crash(Exception):
     pass
 
 
-def test_the_loop_runs_in_process_on_an_engine_of_a_few_lines(tmp_path, demo_storage):
-    runner = _runner(tmp_path, demo_storage, "plain")
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory, demo_storage):
+    """One uninterrupted run: (its runner, its output_dir); also the crash tests' reference."""
+    root = tmp_path_factory.mktemp("loop")
+    runner = _runner(root, demo_storage, "plain")
     runner.train()
-    out = tmp_path / "plain"
+    return runner, root / "plain"
+
+
+def test_the_loop_runs_in_process_on_an_engine_of_a_few_lines(plain_run):
+    runner, out = plain_run
     steps = train_steps(out)
     assert [m["step"] for m in steps] == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
     assert steps[-1]["loss"] < steps[0]["loss"]
@@ -51,10 +58,8 @@ def test_the_loop_runs_in_process_on_an_engine_of_a_few_lines(tmp_path, demo_sto
 
 
 @pytest.mark.parametrize("crash_after", [4, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
-def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, demo_storage, crash_after):
-    reference = _runner(tmp_path, demo_storage, "reference")
-    reference.train()
-
+def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, demo_storage, plain_run, crash_after):
+    _, reference_out = plain_run  # the same run uninterrupted
     crashing = _runner(tmp_path, demo_storage, "crashed")
     step = crashing.run_step
 
@@ -70,4 +75,4 @@ def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, dem
     assert not (tmp_path / "crashed" / "finished.json").exists()
 
     _runner(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
-    assert comparable(train_steps(tmp_path / "crashed")) == comparable(train_steps(tmp_path / "reference"))
+    assert comparable(train_steps(tmp_path / "crashed")) == comparable(train_steps(reference_out))

@@ -1,6 +1,6 @@
 """Two nodes, simulated on this machine: two `torchrun --nnodes=2 --nproc_per_node=1` launches meeting at a c10d
 rendezvous on 127.0.0.1. They train, get killed together, resume bit for bit; the checkpoint also resumes on
-one node."""
+one node. (The uninterrupted runs they are compared with are forked, tests/forked.py.)"""
 from __future__ import annotations
 
 import random
@@ -14,7 +14,7 @@ import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, TRAIN, comparable, env, free_port, kill_after_step,
-                       kill_tree, noisy_config, run_train, tracebacks, train_steps, write_yaml)
+                       kill_tree, noisy_config, output_of, run_train, start, tracebacks, train_steps, write_yaml)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +49,17 @@ def test_two_nodes_killed_together_resume_bit_for_bit_and_on_one_node(tmp_path, 
             for name, out in runs.items()}
 
     kill_step = random.randint(SAVE_EVERY + 1, total - 2)
-    # The reference job runs beside the one that gets killed: two jobs, one wall-clock wait.
-    with open(tmp_path / "reference.log", "w") as reference_log, open(tmp_path / "killed.log", "w") as log:
-        reference_job = two_nodes(cfgs["reference"], reference_log)
+    # The reference job runs beside the one that gets killed: two jobs, one wall-clock wait. It is the same job
+    # uninterrupted, its two processes forked from the suite's server with the variables torchrun gives them on two
+    # nodes (tests/forked.py): the launches under test are the killed job's and its rerun's.
+    reference_job = start(cfgs["reference"], nproc=2, nodes=2)
+    with open(tmp_path / "killed.log", "w") as log:
         nodes = two_nodes(cfgs["killed"], log)
         kill_after_step(nodes[0], runs["killed"], kill_step)
         kill_tree(nodes[1].pid)  # the whole job goes down, as when its nodes are preempted
         nodes[1].wait()
         wait_all(two_nodes(cfgs["killed"], log), tmp_path / "killed.log")
-        wait_all(reference_job, tmp_path / "reference.log")
+    assert reference_job.wait(timeout=600) == 0, output_of(reference_job)[-4000:]
     reference = comparable(train_steps(runs["reference"]))
     assert len(reference) == total
     # Output is written once per job: rank 0 of node 0, not a rank 0 of each node.
@@ -67,9 +69,10 @@ def test_two_nodes_killed_together_resume_bit_for_bit_and_on_one_node(tmp_path, 
     assert "resumed from" in log_text, log_text[-3000:]
     assert comparable(train_steps(runs["killed"])) == reference, f"killed after step {kill_step}"
 
-    # The two-node job's epoch-1 checkpoint, continued by 2 processes on one node.
+    # The two-node job's epoch-1 checkpoint (written by the torchrun nodes, before or after the kill), continued by 2
+    # processes on one node.
     saved = f"checkpoints/step_{STEPS_PER_EPOCH}"
-    shutil.copytree(runs["reference"] / saved, runs["one_node"] / saved)
+    shutil.copytree(runs["killed"] / saved, runs["one_node"] / saved)
     proc = run_train(cfgs["one_node"])
     assert f"resumed from {runs['one_node'] / saved}" in proc.stdout
     continued = train_steps(runs["one_node"])
@@ -110,6 +113,7 @@ def test_the_deepspeed_launcher_without_ssh_runs_two_nodes_as_the_forked_job_doe
         cfg["run"]["max_epoch"] = 1
         cfgs[name] = write_yaml(tmp_path / f"{name}.yaml", cfg)
     port = free_port()
+    one_node = start(cfgs["one_node"])  # forked, beside the launched job: one wall-clock wait
     with open(tmp_path / "job.log", "w") as log:
         nodes = [subprocess.Popen(
             [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
@@ -117,7 +121,7 @@ def test_the_deepspeed_launcher_without_ssh_runs_two_nodes_as_the_forked_job_doe
              str(cfgs["two_nodes"])], cwd=REPO, env=env(), stdout=log, stderr=log, start_new_session=True)
             for node in (0, 1)]
         wait_all(nodes, tmp_path / "job.log")
-    run_train(cfgs["one_node"])
+    assert one_node.wait(timeout=600) == 0, output_of(one_node)[-4000:]
     two_nodes = comparable(train_steps(runs["two_nodes"]))
     assert len(two_nodes) == STEPS_PER_EPOCH  # one metrics line per step: rank 0 of the job writes it
     for mine, theirs in zip(two_nodes, comparable(train_steps(runs["one_node"]))):

@@ -1,7 +1,7 @@
 """One clear answer for every bad input beyond the config: data, checkpoints, runtime faults.
 
-Every case runs the real train.py / export.py in its own process on a copy of one shared
-run, and checks: the exit code (or the documented graceful outcome), no traceback from
+Every case runs the real train.py / export.py in its own process (forked from the suite's server,
+tests/forked.py, or through torchrun) on a copy of one shared run, and checks: the exit code (or the documented graceful outcome), no traceback from
 lavis_ds's processes, a message naming the file/key/record/step and what would be valid,
 and every checkpoint that was complete before still byte-identical. The cases start
 together (a few at a time): most of their wall time is Python starting up.
@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,9 +23,10 @@ from typing import Callable
 import pytest
 import torch
 
+from forked import STILL_RUNNING
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.samplers import StepBatchSampler
-from run_utils import REPO, env, run_train, tiny_config, tracebacks, train_steps, write_yaml
+from run_utils import output_of, run_forked, run_train, start, tiny_config, tracebacks, train_steps, write_yaml
 
 STEPS = 16  # 64 samples, micro-batch 4, one process
 SAVE_EVERY = 4  # the base run leaves step_4, step_8, step_12, step_16
@@ -48,7 +48,7 @@ def complete_checkpoints(out: Path) -> dict[str, dict[str, str]]:
 @dataclass
 class Case:
     name: str
-    setup: Callable[[Path], list[str] | TrainLaunch]  # prepares the case's folder; returns what to run
+    setup: Callable[[Path], TrainLaunch | ExportLaunch]  # prepares the case's folder; returns what to run
     exit_code: int
     says: list[str]  # regexes the output must match (the file/key/record/step and what is valid)
     untouched: Callable[[Path], list[str]] = lambda root: []  # checkpoint names that must stay byte-identical
@@ -76,10 +76,22 @@ def base_config(out: Path, storage: Path, **run) -> dict:
 
 
 @pytest.fixture(scope="module")
-def base_run(root, demo_storage) -> Path:
+def base_runs(root, demo_storage) -> dict[str, Path]:
+    """The runs the cases copy, side by side (each is one process on one thread: two cores, one wait):
+    ``base`` with four complete checkpoints, and ``frozen_vit``, the same with the ViT frozen."""
+    frozen = base_config(root / "frozen_vit", demo_storage, save_freq_steps=0)
+    frozen["model"]["freeze_vit"] = True
+    jobs = {name: start(write_yaml(root / f"{name}.yaml", cfg), nproc=0)
+            for name, cfg in (("base", base_config(root / "base", demo_storage)), ("frozen_vit", frozen))}
+    for name, job in jobs.items():
+        assert job.wait(timeout=600) == 0, f"{name}:\n{output_of(job)[-4000:]}"
+    return {name: root / name for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def base_run(base_runs) -> Path:
     """One single-process run with four complete checkpoints; every checkpoint case copies it."""
-    out = root / "base"
-    run_train(write_yaml(root / "base.yaml", base_config(out, demo_storage)), nproc=0)
+    out = base_runs["base"]
     assert sorted(complete_checkpoints(out)) == ["step_12", "step_16", "step_4", "step_8"]
     return out
 
@@ -160,14 +172,21 @@ def train_cmd(cfg: Path, nproc: int = 0, *options: str, launcher: str = "fork") 
     return TrainLaunch(cfg, nproc, options, launcher)
 
 
-def export_cmd(source: Path, out: Path) -> list[str]:
-    return [sys.executable, str(REPO / "export.py"), str(source), "--out", str(out)]
+@dataclass(frozen=True)
+class ExportLaunch:
+    """``python export.py <argv>``: its main() in a process forked from the suite's server (export.py's command line
+    itself, launched: tests/test_export.py)."""
+    argv: tuple[str, ...]
+
+
+def export_cmd(source: Path, out: Path) -> ExportLaunch:
+    return ExportLaunch((str(source), "--out", str(out)))
 
 
 # ---------------------------------------------------------------- the cases
 def cases(storage: Path, base: Path) -> list[Case]:
     def resume_case(damage: Callable[[Path], None], **run):
-        def setup(d: Path) -> list[str] | TrainLaunch:
+        def setup(d: Path) -> TrainLaunch | ExportLaunch:
             out, cfg = copy_run(base, d, storage, **run)
             damage(out / "checkpoints")
             return train_cmd(cfg)
@@ -187,7 +206,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
     older = good("step_4", "step_8", "step_12")
 
     def export_case(damage: Callable[[Path], None] | None = None, source: str = "out"):
-        def setup(d: Path) -> list[str] | TrainLaunch:
+        def setup(d: Path) -> TrainLaunch | ExportLaunch:
             out = d / "out"
             shutil.copytree(base, out)
             if damage:
@@ -198,7 +217,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
         return setup
 
     def data_case(mutate: Callable[[Path], dict], nproc: int = 0, **run):
-        def setup(d: Path) -> list[str] | TrainLaunch:
+        def setup(d: Path) -> TrainLaunch | ExportLaunch:
             images = d / "images"
             shutil.copytree(storage / "images", images)
             records = json.loads((storage / "annotations" / "train.json").read_text())[:64]
@@ -228,7 +247,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
         return mutate
 
     def nan_case(on_nonfinite: str, nproc: int, step: int, rank: int, save_freq_steps: int):
-        def setup(d: Path) -> list[str] | TrainLaunch:
+        def setup(d: Path) -> TrainLaunch | ExportLaunch:
             poisoned = sample_at(step, rank, nproc=nproc)
             cfg = nan_project(d, storage, d / "out", poisoned, nproc, save_freq_steps=save_freq_steps,
                               on_nonfinite=on_nonfinite)
@@ -260,7 +279,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
         assert "run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)" in proc.stderr
 
     def output_dir_case(make: Callable[[Path], Path]):
-        def setup(d: Path) -> list[str] | TrainLaunch:
+        def setup(d: Path) -> TrainLaunch | ExportLaunch:
             cfg = base_config(make(d), storage)
             return train_cmd(write_yaml(d / "run.yaml", cfg))
         return setup
@@ -369,7 +388,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
     ]
 
 
-def _grow_or_shrink(d: Path, base: Path, storage: Path, grow: bool) -> list[str]:
+def _grow_or_shrink(d: Path, base: Path, storage: Path, grow: bool) -> TrainLaunch:
     """The base run trained with the ViT frozen (grow) or everything trainable (shrink: freeze the LLM now)."""
     if grow:
         out = d / "out"
@@ -381,12 +400,8 @@ def _grow_or_shrink(d: Path, base: Path, storage: Path, grow: bool) -> list[str]
 
 
 @pytest.fixture(scope="module")
-def frozen_vit_run(root, demo_storage, base_run) -> Path:
-    out = root / "frozen_vit"
-    cfg = base_config(out, demo_storage, save_freq_steps=0)
-    cfg["model"]["freeze_vit"] = True
-    run_train(write_yaml(root / "frozen_vit.yaml", cfg), nproc=0)
-    return out
+def frozen_vit_run(base_runs) -> Path:
+    return base_runs["frozen_vit"]
 
 
 @pytest.fixture(scope="module")
@@ -409,8 +424,13 @@ def outcomes(request, root, demo_storage, base_run, frozen_vit_run) -> dict[str,
         case, case_dir, cmd = item
         if isinstance(cmd, TrainLaunch):
             return run_train(cmd.cfg, cmd.nproc, cmd.options, cwd=case_dir, check=False, launcher=cmd.launcher)
-        return subprocess.run(cmd, cwd=case_dir, env=env(), capture_output=True, text=True, timeout=600)
+        return run_forked("lavis_ds.export:main", list(cmd.argv), case_dir / "export.logs", cwd=case_dir)
 
+    def slow_first(item) -> int:  # a launcher, then several processes: started first, they do not end last
+        cmd = item[2]
+        return -(2 * (getattr(cmd, "launcher", "fork") == "launch") + (getattr(cmd, "nproc", 0) > 1))
+
+    prepared.sort(key=slow_first)  # stable: the cases' order otherwise
     with ThreadPoolExecutor(PARALLEL) as pool:
         procs = list(pool.map(run, prepared))
     return {case.name: (case, case_dir, proc) for (case, case_dir, _), proc in zip(prepared, procs)}
@@ -434,6 +454,7 @@ def test_one_clear_answer(outcomes, name):
     else:
         assert proc.returncode == case.exit_code, context
     assert not tracebacks(output), context
+    assert STILL_RUNNING not in proc.stderr, context  # each forked process ended by itself, none had to be stopped
     for pattern in case.says:
         assert re.search(pattern, output), f"{pattern!r} not in the output of {context}"
     if case.exit_code:  # the answer is given once, whatever the number of processes

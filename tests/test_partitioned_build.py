@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import REPO, comparable, env, free_port, metrics, run_train, tiny_config, train_steps, write_yaml
+from run_utils import comparable, metrics, run_forked, run_train, tiny_config, train_steps, write_yaml
 from test_llm import PLAIN_SPECIALS, qwen_folder
 
 NUM_TRAIN = 8  # micro-batch 2 x 2 processes: 2 optimizer steps
@@ -46,10 +44,9 @@ def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build
     root, folder, storage = setup
     cfg_path = write_yaml(root / "worker.yaml", _config(root / "worker_out", storage, folder))
     report_path = root / "report.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               str(REPO / "tests" / "placement_worker.py"), str(cfg_path), str(report_path), "runner_deepspeed",
-               "runner_fsdp"]
-    proc = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    # tests/placement_worker.py on 2 processes, forked from the suite's server (tests/forked.py) as for train.py.
+    proc = run_forked("placement_worker:cli", [str(cfg_path), str(report_path), "runner_deepspeed", "runner_fsdp"],
+                      root / "worker.logs", nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = json.loads(report_path.read_text())
 

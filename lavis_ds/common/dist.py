@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
+import signal
 import socket
 import sys
 
@@ -69,7 +71,17 @@ def exit_now(code: int) -> None:
     meets a still-joinable C++ thread occasionally aborts a run that had succeeded ("terminate
     called without an active exception"). Everything a run writes is closed by then; the atexit
     handlers (logging, multiprocessing children) still run, the streams are flushed.
+
+    Daemonic children still running (the DataLoader workers of a loop that stopped on an error) are
+    killed first: multiprocessing's exit handler would SIGTERM them, which they ignore
+    (runners.faults.ignore_stop_signals), then wait for them forever. (Without the DataLoader's
+    SIGCHLD handler, which would report their end as a worker failure.)
     """
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in workers:
+            child.kill()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
