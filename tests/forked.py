@@ -6,9 +6,9 @@ need processes which train, save, fail or get killed fork them from multiprocess
 forkserver, which did those imports once. Each one is still a real process running
 ``train.py``'s ``main()`` with the variables a launcher sets (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), its own gloo process group and its own DataLoader workers, and it
-ends through ``train.py``'s own exit. Other command lines whose script is ``exit_now(main())``
-(``export.py``, ``python -m lavis_ds.generate``, ``tests/placement_worker.py``) are forked the
-same way: ``target`` names the ``main`` to run. What only the launchers do (torchrun's agent,
+ends through ``train.py``'s own exit. Other command lines (``export.py``, ``python -m
+lavis_ds.generate``, ``tests/placement_worker.py``) are forked the same way: ``target`` names the
+``main(argv)`` to run, and the process ends as train.py's does. What only the launchers do (torchrun's agent,
 its signal forwarding and failure report, ``python train.py`` starting from nothing) is tested
 through the real launchers by the tests that are about them (``run_utils.command``).
 """
