@@ -153,10 +153,7 @@ def _translate(user: DictConfig, errors: list[str]) -> tuple[DictConfig, list[st
 
 def _runners() -> dict[str, type]:
     """Every registered runner class once, by its name (a user's subclass may share its parent's options section)."""
-    names = {}
-    for name in reg.runners:
-        names.setdefault(reg.runners.get(name), name)
-    return {name: cls for cls, name in names.items()}
+    return reg.runners.distinct()
 
 
 def option_twins(run: dict) -> tuple[list[Twin], list[str]]:

@@ -81,6 +81,13 @@ class Registry:
                 f"{', '.join(sorted(self._entries)) or '(none)'}{aliases}. To add your own, "
                 f"register it and list its module under `imports:` in the YAML.")
 
+    def distinct(self) -> dict[str, object]:
+        """``{name: entry}`` with every entry once, under the first name (in sorted order) it is registered as."""
+        first: dict[int, str] = {}
+        for name in self:
+            first.setdefault(id(self._entries[name]), name)
+        return {name: self._entries[name] for name in first.values()}
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries or name in self._aliases
 

@@ -101,9 +101,9 @@ def writer_of(tag_dir: Path) -> str:
 def _writers_by_files(folder: Path) -> list[str]:
     """The registered runners whose checkpoint files (``RunnerBase.CHECKPOINT_FILES``) ``folder`` holds, the
     most basic class first (a user's subclass writes its parent's files)."""
-    classes = {runner_registry.get(name): name for name in runner_registry}
-    found = [cls for cls in classes if any(any(folder.glob(pattern)) for pattern in cls.CHECKPOINT_FILES)]
-    return [classes[cls] for cls in sorted(found, key=lambda cls: len(cls.__mro__))]
+    found = [(name, cls) for name, cls in runner_registry.distinct().items()
+             if any(any(folder.glob(pattern)) for pattern in cls.CHECKPOINT_FILES)]
+    return [name for name, cls in sorted(found, key=lambda found: len(found[1].__mro__))]
 
 
 def load_file(path: Path, mmap: bool = False) -> dict:

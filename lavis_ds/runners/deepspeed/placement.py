@@ -34,11 +34,7 @@ class Zero3Placement(LLMPlacement):
         return llm
 
     def gathered(self, params, modifier_rank=None):
-        if not is_partitioned(params):
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+        return gathered(params, modifier_rank)
 
     def partition_like_the_rest(self, model, params):
         """transformers resizes embeddings under ZeRO-3 into whole new matrices (DeepSpeed would partition them
@@ -71,10 +67,20 @@ def is_partitioned(params: list[nn.Parameter]) -> bool:
     return any(hasattr(p, "ds_id") for p in params)
 
 
+def gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
+    """A context in which ZeRO-3 partitioned ``params`` are whole; with ``modifier_rank=0`` what process 0 writes
+    into them is what every process keeps. A no-op for whole parameters."""
+    if not is_partitioned(params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
 def gathered_root(module: nn.Module):
     """A context in which the module's own parameters (not its children's) are whole: generate() is not
     forward(), so ZeRO-3's hooks do not gather them (the query tokens of BLIP2-Qwen)."""
-    return Zero3Placement().gathered(list(module.parameters(recurse=False)))
+    return gathered(list(module.parameters(recurse=False)))
 
 
 def copy_into_partitioned(target: nn.Module, source: nn.Module | None) -> None:
@@ -84,7 +90,6 @@ def copy_into_partitioned(target: nn.Module, source: nn.Module | None) -> None:
     other process ever holds more than one module whole. Every process must call it.
     """
     source_modules = dict(source.named_modules()) if source is not None else {}
-    gathered = Zero3Placement().gathered
     for name, module in target.named_modules():
         params = list(module.parameters(recurse=False))
         if not params:
