@@ -50,6 +50,11 @@ def main(argv=None) -> int:
         report("interrupted: stopped at once, without finishing the step or saving")
         return 130
     except RuntimeError as e:
+        from lavis_ds.common.device import deterministic_error
+
+        if (named := deterministic_error(e)) is not None:
+            report(message_of(named))
+            return 2
         if not _lost_peer(e):
             raise
         report(f"rank {dist.rank()}: lost contact with another process, which failed or was killed "
@@ -60,6 +65,7 @@ def main(argv=None) -> int:
 def train(args: argparse.Namespace) -> int:
     import lavis_ds  # noqa: F401  (fills the registries)
     from lavis_ds.build import build_runner
+    from lavis_ds.common.device import check_one_gpu_per_process, configure_numerics
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
     from lavis_ds.runners import faults
@@ -70,9 +76,11 @@ def train(args: argparse.Namespace) -> int:
     parsed_files = ParsedFiles()
     cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]),
                       parsed_files=parsed_files)
+    configure_numerics(cfg.run.tf32, cfg.run.deterministic)  # before any kernel runs
     runner_class = registry.get_runner_class(cfg.run.runner)
     runner_class.prepare_process(cfg)
-    runner_class.init_process_group()
+    runner_class.init_process_group()  # binds this process's GPU first (common.device)
+    check_one_gpu_per_process()  # named here, before NCCL would stop at "Duplicate GPU detected"
     error = None
     if dist.is_main_process():
         try:

@@ -361,37 +361,34 @@ class _Share(torch.utils.data.Dataset):
 
 # ----------------------------------------------------------------------------- processes
 class Processes:
-    """This process's rank among ``torchrun``'s (a gloo group, for barriers and the failure vote), or alone."""
+    """This process's rank among ``torchrun``'s (barriers and the failure vote go through ``common.comm``), or
+    alone. Under a launcher each process binds its own GPU first, so ``--device cuda`` is that GPU."""
 
     def __init__(self) -> None:
+        from lavis_ds.common import comm
+        from lavis_ds.common.device import bind_local_device
+
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
         if self.world > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo")
+            bind_local_device()
+            comm.init_process_group()
 
     def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
+        from lavis_ds.common import comm
 
-            dist.barrier()
+        comm.barrier()
 
     def any_failed(self, failed: bool) -> bool:
         """Whether some process failed; every process must call it (so none waits for a dead one)."""
-        if self.world == 1:
-            return failed
-        import torch.distributed as dist
+        from lavis_ds.common import comm
 
-        flag = torch.tensor([int(failed)])
-        dist.all_reduce(flag)
-        return bool(flag.item())
+        return bool(comm.all_reduce(torch.tensor([int(failed)]), op="max").item())
 
     def close(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
+        from lavis_ds.common import comm
 
-            dist.destroy_process_group()
+        comm.destroy()
 
 
 def run_file(args: argparse.Namespace, processes: Processes) -> int:

@@ -32,17 +32,17 @@ def set_single_process_defaults() -> None:
 
 
 def init_distributed() -> None:
-    """Initialise torch.distributed from the launcher's variables (gloo on CPU, nccl on GPU).
+    """Initialise torch.distributed from the launcher's variables (gloo on CPU, nccl on GPU) and the control
+    group beside it (``comm``). The process's GPU is bound first (``device.bind_local_device``).
 
     An engine that needs its own start (DeepSpeed) does it in its runner's ``init_process_group``.
     """
-    import torch
+    from lavis_ds.common import comm
+    from lavis_ds.common.device import bind_local_device
 
     set_single_process_defaults()
-    if not dist.is_initialized():
-        if torch.cuda.is_available():  # one GPU per process, the launcher's local rank
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    bind_local_device()
+    comm.init_process_group()
 
 
 def rank() -> int:
@@ -55,12 +55,6 @@ def world_size() -> int:
 
 def is_main_process() -> bool:
     return rank() == 0
-
-
-def barrier() -> None:
-    # A barrier in a single process is pointless, and some backends refuse it before init.
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def exit_now(code: int) -> None:

@@ -65,6 +65,10 @@ class RunConfig:
     best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
+    # GPU numerics (common.device): TF32 matmuls on Ampere and later; deterministic kernels (a GPU run repeats
+    # bit for bit, so exact resumption holds there too, at some speed: docs/benchmarks.md)
+    tf32: bool = True
+    deterministic: bool = False
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 
 

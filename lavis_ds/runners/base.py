@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, DataLoader
 
-from lavis_ds.common import dist
+from lavis_ds.common import comm, dist
 from lavis_ds.common.errors import ConfigError, LavisDsError, report
 from lavis_ds.common.registry import registry
 from lavis_ds.common.registry import runners as runner_registry
@@ -156,9 +155,9 @@ class RunnerBase:
         applies the update: `run.on_nonfinite: stop` raises on all of them (the weights and
         checkpoints never see the diverged step), `skip` drops the update on all of them.
         """
-        totals = torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)])
-        if torch_dist.is_initialized() and self.world_size > 1:
-            torch_dist.all_reduce(totals)
+        # One all-reduce per optimizer step; ``losses`` stayed on the engine's device until here, so this
+        # copy to the host is the step's only synchronisation the loop itself makes.
+        totals = comm.all_reduce(torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]))
         if totals[1] == 0:
             return {"loss": totals[0].item() / (len(losses) * self.world_size)}
         where = self._describe_nonfinite(losses)
@@ -179,7 +178,7 @@ class RunnerBase:
         indices = self.sampler.step_indices(self.state.step_in_epoch)
         mine = [(m, float(loss), indices[m]) for m, loss in enumerate(losses.tolist()) if not math.isfinite(loss)]
         parts = []
-        for rank, bad in enumerate(faults.gather(mine)):
+        for rank, bad in enumerate(comm.all_gather_object(mine)):
             for m, value, samples in bad:
                 names = [name for i in samples[:4] if (name := _image_name(self.train_set.dataset, i))]
                 parts.append(f"rank {rank}, micro-batch {m + 1} of {self.accum}: {value} (training samples "
@@ -389,7 +388,7 @@ class RunnerBase:
                 "global_step": self.state.global_step, "epoch": self.state.epoch,
                 "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout()})
         self.call_hooks("after_save", tag_dir)  # scoring and pruning (BestCheckpoint)
-        dist.barrier()
+        comm.barrier()
         self.saved_step = self.state.global_step
         return tag_dir
 
@@ -407,7 +406,7 @@ class RunnerBase:
                 self.check_checkpoint(tag_dir, same_world=self._saved_world(tag_dir) == self.world_size)
             except ckpt.CheckpointError as e:
                 problem = (str(e), isinstance(e, ckpt.DamagedCheckpoint))
-            problems = [p for p in faults.gather(problem) if p is not None]
+            problems = [p for p in comm.all_gather_object(problem) if p is not None]
             if not problems:
                 return tag_dir.parent, tag_dir.name
             message, damaged = problems[0]
@@ -421,7 +420,7 @@ class RunnerBase:
                 kept = ckpt.set_aside(tag_dir)
                 report(f"{message}; the checkpoint is set aside as {kept} (not deleted) and the previous complete "
                        "checkpoint is used instead")
-            dist.barrier()
+            comm.barrier()
         if explicit or candidates:
             error = ckpt.CheckpointError(f"{what}: no readable complete checkpoint (the damaged ones were set aside); "
                                          "pass run.resume=false or a new run.output_dir to start over")
@@ -502,7 +501,7 @@ class RunnerBase:
             # A save the kill interrupted: its steps come again, and its folder must not hold stale files.
             for torn in ckpt.discard_incomplete(self.checkpoint_dir):
                 print(f"discarded the incomplete checkpoint {torn}", flush=True)
-        dist.barrier()
+        comm.barrier()
         client = self.load_checkpoint(load_dir, tag)["lavis_ds"]
         self.state = TrainState(**client["train_state"])
         self.saved_step = self.state.global_step
@@ -538,13 +537,12 @@ class RunnerBase:
     @torch.no_grad()
     def evaluate_loss(self, split: str) -> dict:
         """Token-weighted mean loss over a split, on all ranks."""
-        totals = torch.zeros(2, dtype=torch.float64)
+        sums = []  # kept on the engine's device: no host synchronisation per batch
         for _, _, batch, padding in self._eval_batches(split):
             out = self.forward(batch)
             if not padding:
-                totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])], dtype=torch.float64)
-        if torch_dist.is_initialized():
-            torch_dist.all_reduce(totals)
+                sums.append(torch.stack([out["loss_sum"].double(), out["num_tokens"].double()]))
+        totals = comm.all_reduce(torch.stack(sums).sum(0) if sums else torch.zeros(2, dtype=torch.float64))
         return {"loss": (totals[0] / totals[1].clamp(min=1)).item(), "num_tokens": int(totals[1])}
 
     @torch.no_grad()
@@ -566,10 +564,7 @@ class RunnerBase:
                 mine.append({"index": index, "dataset": sections[_part_of(dataset, index)[0]],
                              "image": _image_name(dataset, index), "prompt": instruction[-1],
                              "references": list(refs), "expected": refs[0], "generated": text})
-        gathered = [mine]
-        if torch_dist.is_initialized() and self.world_size > 1:
-            gathered = [None] * self.world_size
-            torch_dist.all_gather_object(gathered, mine)
+        gathered = comm.all_gather_object(mine)
         return sorted((r for part in gathered for r in part), key=lambda r: r["index"])
 
     def generate(self, batch: dict, **kwargs) -> list[str]:
@@ -586,8 +581,11 @@ class RunnerBase:
         first = dataset.dataset if isinstance(dataset, SeededDataset) else dataset
         first = first.datasets[0] if isinstance(first, ConcatDataset) else first
         # Workers leave SIGTERM/SIGINT to this process, which stops at a step boundary.
+        # Pinned host memory on CUDA: the batch's copy to the GPU (non_blocking, common.precision) can then
+        # overlap the step instead of waiting for a pageable-memory staging copy.
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=first.collater,
                           num_workers=self.run.num_workers, persistent_workers=False,
+                          pin_memory=torch.cuda.is_available(),
                           worker_init_fn=faults.ignore_stop_signals if self.run.num_workers else None)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import signal
 
 import torch
-import torch.distributed as torch_dist
 
+from lavis_ds.common import comm, dist
 from lavis_ds.common.errors import LavisDsError, message_of, report
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -84,9 +84,7 @@ def agree(stop: int, error: BaseException | None = None) -> int:
     Raises on every rank if any rank passes an ``error``: that rank its own, the
     others :class:`PeerFailed` with its message and exit code.
     """
-    flags = torch.tensor([stop, error is not None], dtype=torch.int64)
-    if _distributed():
-        torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
+    flags = comm.all_reduce(torch.tensor([stop, error is not None], dtype=torch.int64), op="max")
     if flags[1]:
         raise_together(error)
     return int(flags[0])
@@ -95,24 +93,9 @@ def agree(stop: int, error: BaseException | None = None) -> int:
 def raise_together(error: BaseException | None) -> None:
     """Collective: every rank raises; the lowest failing rank's error is the one reported."""
     mine = None if error is None else (message_of(error), getattr(error, "exit_code", 1))
-    gathered = [mine]
-    if _distributed():
-        gathered = [None] * torch_dist.get_world_size()
-        torch_dist.all_gather_object(gathered, mine)
+    gathered = comm.all_gather_object(mine)
     first = next(rank for rank, item in enumerate(gathered) if item is not None)
-    if error is not None and first == (torch_dist.get_rank() if _distributed() else 0):
+    if error is not None and first == dist.rank():
         raise error
     raise PeerFailed(first, *gathered[first])
 
-
-def gather(obj) -> list:
-    """``obj`` of every rank, in rank order (a list of one without a process group)."""
-    if not _distributed():
-        return [obj]
-    gathered = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def _distributed() -> bool:
-    return torch_dist.is_initialized() and torch_dist.get_world_size() > 1

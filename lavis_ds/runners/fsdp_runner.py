@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from omegaconf import OmegaConf
 
+from lavis_ds.common import comm
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import TrainingSettings, training_settings
@@ -126,14 +127,11 @@ class FSDPRunner(RunnerBase):
         return torch.optim.AdamW(groups, lr=self.run.init_lr, **({"betas": tuple(betas)} if betas else {}),
                                  **({"eps": eps} if eps is not None else {}))
 
-    def _built_on_rank0(self, model) -> bool:
+    @staticmethod
+    def _built_on_rank0(model) -> bool:
         """Whether some process built parameters on the meta device (``model_placement``): then every process
         receives its shards from process 0. Agreed by all processes, as the load is collective."""
-        import torch.distributed as torch_dist
-
-        empty = torch.tensor([float(any(p.is_meta for p in model.parameters()))])
-        if torch_dist.is_initialized() and self.world_size > 1:
-            torch_dist.all_reduce(empty)
+        empty = comm.all_reduce(torch.tensor([int(any(p.is_meta for p in model.parameters()))]), op="max")
         return bool(empty.item())
 
     def _load_from_rank0(self, model, whole: dict) -> None:
@@ -173,7 +171,7 @@ class FSDPRunner(RunnerBase):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             loss = self.forward(batch)["loss"]
             (loss / len(micro_batches)).backward()  # the mean over micro-batches, as DeepSpeed scales it
-            losses.append(loss.detach().double().cpu())
+            losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
         return torch.stack(losses)
 
     def optimizer_step(self, apply=True):
@@ -255,11 +253,9 @@ class FSDPRunner(RunnerBase):
         # the processes' broadcasts would not pair up.
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
-        client_state = [handover.client_state if handover is not None else None]
-        if several:
-            torch_dist.broadcast_object_list(client_state, src=0)
+        client_state = comm.broadcast_object(handover.client_state if handover is not None else None)
         self.report_takeover(tag_dir)
-        return client_state[0]
+        return client_state
 
     def check_checkpoint(self, tag_dir, same_world):
         source = self.foreign_writer(tag_dir)

@@ -13,10 +13,10 @@ import signal
 import time
 from pathlib import Path
 
-import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from lavis_ds.common import comm
 from lavis_ds.common.logger import MetricsWriter
 from lavis_ds.metrics import build_metric
 from lavis_ds.metrics.selection import TEST, VALID, higher_is_better, log_key, metric_names
@@ -269,5 +269,4 @@ class TestGeneration(Hook):
             if runner.rank == 0:
                 for s in samples:
                     tqdm.write(f"  {s['image']}: expected {s['expected']!r}, generated {s['generated']!r}")
-        if torch_dist.is_initialized():
-            torch_dist.barrier()
+        comm.barrier()

@@ -14,8 +14,7 @@ import secrets
 import socket
 from pathlib import Path
 
-import torch.distributed as torch_dist
-
+from lavis_ds.common import comm, dist
 from lavis_ds.common.errors import InputError
 
 PROBE = ".lavis_ds_shared_probe"
@@ -24,21 +23,19 @@ PROBE = ".lavis_ds_shared_probe"
 def not_shared_error(folder: Path) -> InputError | None:
     """Collective (every rank calls it after rank 0 created ``folder``): on rank 0, the error naming the ranks
     and hosts that do not see rank 0's files there; None when all do, and on the other ranks."""
-    if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
+    if dist.world_size() == 1:
         return None
-    rank = torch_dist.get_rank()
-    token = [secrets.token_hex(8) if rank == 0 else None]
-    torch_dist.broadcast_object_list(token, src=0)
+    rank = dist.rank()
+    token = comm.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
     probe = folder / PROBE
     if rank == 0:
-        probe.write_text(token[0])
-    torch_dist.barrier()
+        probe.write_text(token)
+    comm.barrier()
     try:
-        sees = probe.read_text() == token[0]
+        sees = probe.read_text() == token
     except OSError:
         sees = False
-    views = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(views, (sees, socket.gethostname(), os.environ.get("GROUP_RANK")))
+    views = comm.all_gather_object((sees, socket.gethostname(), os.environ.get("GROUP_RANK")))
     if rank != 0:
         return None
     probe.unlink(missing_ok=True)  # every rank has read it: the all_gather came after

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from lavis_ds.common import comm
 from lavis_ds.runners import checkpoint as ckpt
 
 
@@ -172,8 +173,6 @@ def universal_copy(tag_dir: Path, universal_root: Path, rank: int,
     deleted once loaded, so a copy can never be stale. Rank 0 converts into a scratch
     folder and renames it into place: a kill during conversion leaves no half-made copy.
     """
-    import torch.distributed as torch_dist
-
     target = Path(universal_root) / Path(tag_dir).name
     if rank == 0:
         if target.is_dir():  # left by a kill between this conversion and its load
@@ -183,8 +182,7 @@ def universal_copy(tag_dir: Path, universal_root: Path, rank: int,
         (write or functools.partial(_ds_to_universal, Path(tag_dir)))(scratch)
         _readable_by_every_stage(scratch)
         os.replace(scratch, target)
-    if torch_dist.is_initialized():
-        torch_dist.barrier()
+    comm.barrier()
     return target.parent
 
 

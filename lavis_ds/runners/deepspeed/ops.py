@@ -6,6 +6,12 @@ hang. The ops a run needs are built before the process group starts, with a line
 and how long, into the environment's own folder (``lavis_ds.common.extensions``).
 
     python -m lavis_ds.runners.deepspeed.ops          # build them all now (e.g. right after install)
+
+On a GPU machine DeepSpeed JIT-builds its CUDA ops (FusedAdam; DeepSpeedCPUAdam for offload) with the
+CUDA toolkit's compiler. Where none is installed (a pip-only environment: torch brings the CUDA
+runtime, not nvcc), FusedAdam's build would stop the run with ``CUDA_HOME does not exist``:
+:func:`adam_for_this_machine` steps torch's fused AdamW instead (the same AdamW math, one line
+says so), and :func:`gpu_problems` names what still needs the compiler (optimizer offload).
 """
 from __future__ import annotations
 
@@ -33,6 +39,50 @@ def ops_for(ds_config: dict) -> list[str]:
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
     return ["ShareMemCommBuilder", "CPUAdamBuilder" if offload else "FusedAdamBuilder"]
+
+
+def cuda_compiler() -> Path | None:
+    """nvcc where DeepSpeed's op builders look for it (``$CUDA_HOME/bin/nvcc``, as torch finds CUDA_HOME), or None."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
+    return nvcc if nvcc is not None and nvcc.is_file() else None
+
+
+def prebuilt(op_name: str) -> bool:
+    """Whether the installed DeepSpeed ships ``op_name`` compiled (``DS_BUILD_...=1 pip install deepspeed``)."""
+    from deepspeed.git_version_info import installed_ops
+
+    return bool(installed_ops.get(op_name))
+
+
+def _offloads_optimizer(ds_config: dict) -> bool:
+    zero = ds_config.get("zero_optimization") or {}
+    return (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+
+
+def adam_for_this_machine(ds_config: dict, on_gpu: bool) -> tuple[dict, str | None]:
+    """``ds_config`` with torch's fused AdamW in place of DeepSpeed's FusedAdam on a GPU machine that can neither
+    load a prebuilt FusedAdam nor compile one, and the line that says so (None: nothing changed)."""
+    optimizer = ds_config.get("optimizer") or {}
+    if (not on_gpu or _offloads_optimizer(ds_config) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw")
+            or prebuilt("fused_adam") or cuda_compiler() is not None or "torch_adam" in optimizer.get("params", {})):
+        return ds_config, None
+    params = {**optimizer.get("params", {}), "torch_adam": True, "fused": True}
+    note = ("lavis_ds: no CUDA compiler (nvcc under CUDA_HOME) to build DeepSpeed's FusedAdam: stepping torch's fused "
+            "AdamW instead (the same update); install the CUDA toolkit or a DeepSpeed built with DS_BUILD_FUSED_ADAM=1 "
+            "to use DeepSpeed's")
+    return {**ds_config, "optimizer": {**optimizer, "params": params}}, note
+
+
+def gpu_problems(ds_config: dict, on_gpu: bool) -> list[str]:
+    """What this DeepSpeed config cannot run on this GPU machine (empty on a CPU machine)."""
+    if on_gpu and _offloads_optimizer(ds_config) and not prebuilt("cpu_adam") and cuda_compiler() is None:
+        return ["run.deepspeed_config.zero_optimization.offload_optimizer: optimizer offload steps DeepSpeed's "
+                "CPU Adam, which is compiled against the CUDA toolkit on a GPU machine, and this machine has no CUDA "
+                "compiler (nvcc under CUDA_HOME). Install the CUDA toolkit (and set CUDA_HOME), or a DeepSpeed built "
+                "with DS_BUILD_CPU_ADAM=1, or train without offload_optimizer"]
+    return []
 
 
 def ensure_built(builder_names: list[str], announce: bool = True) -> None:
@@ -106,8 +156,30 @@ def remember_cpu_info(folder: Path) -> None:
     cpuinfo.get_cpu_info = get_cpu_info
 
 
+def build_gpu_ops() -> int:
+    """On a GPU machine: compile DeepSpeed's CUDA FusedAdam and its CPU Adam (offload) now, or say why not."""
+    from deepspeed.accelerator import get_accelerator
+
+    if cuda_compiler() is None:
+        print("lavis_ds: no CUDA compiler (nvcc under CUDA_HOME): runs step torch's fused AdamW instead of DeepSpeed's "
+              "FusedAdam; optimizer offload needs the CUDA toolkit or a DeepSpeed built with DS_BUILD_CPU_ADAM=1",
+              flush=True)
+        return 0
+    for name in ("FusedAdamBuilder", "CPUAdamBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        start = time.perf_counter()
+        print(f"lavis_ds: building DeepSpeed's '{builder.NAME}' with {cuda_compiler()}...", flush=True)
+        builder.load(verbose=False)
+        print(f"lavis_ds: '{builder.NAME}' ready in {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
 def main() -> int:
-    """Build every CPU op lavis_ds can use, so that no run waits for it later."""
+    """Build every op lavis_ds can use on this machine (CPU ops; CUDA ones on a GPU), so that no run waits later."""
+    import torch
+
+    if torch.cuda.is_available():
+        return build_gpu_ops()
     folder = configure_build_environment()
     print(f"lavis_ds: building DeepSpeed's CPU ops into {folder}", flush=True)
     ensure_built(list(OPS))

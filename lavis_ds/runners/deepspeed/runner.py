@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+
+from lavis_ds.common import comm
+from lavis_ds.common.errors import ConfigError
 
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
@@ -17,6 +21,7 @@ from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
 from lavis_ds.runners.deepspeed import section
 from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
 from lavis_ds.runners.deepspeed.checkpoint import layout_of
+from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
 from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
 
@@ -56,22 +61,28 @@ class DeepSpeedRunner(RunnerBase):
 
     @classmethod
     def prepare_process(cls, cfg):
-        import os
-
-        from lavis_ds.runners.deepspeed.ops import ensure_built, ops_for
+        from lavis_ds.runners.deepspeed.ops import ensure_built, gpu_problems, ops_for
 
         # Before the process group: initialising it loads the shared-memory op on a CPU machine.
         ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=os.environ.get("LOCAL_RANK", "0") == "0")
+        problems = gpu_problems(dict(cfg.run.deepspeed_config), on_gpu=torch.cuda.is_available())
+        if problems:
+            raise ConfigError(problems, "run.deepspeed_config")
 
     @classmethod
     def init_process_group(cls):
         import deepspeed
 
         from lavis_ds.common import dist
+        from lavis_ds.common.device import bind_local_device
 
         dist.set_single_process_defaults()
+        bind_local_device()  # before DeepSpeed allocates anything on a GPU
+        if os.environ.get(comm.STANDIN_ENV) == "1":
+            comm.init_process_group()  # the NCCL stand-in: DeepSpeed's start below finds the group made
         if not torch_dist.is_initialized():  # DeepSpeed's own start: on CPU it also loads its shared-memory op
             deepspeed.init_distributed(verbose=False)
+        comm.start()
 
     @classmethod
     def model_placement(cls, cfg):
@@ -104,6 +115,9 @@ class DeepSpeedRunner(RunnerBase):
         self.universal = self.elastic or self.source is not None or self._layout_changed()
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        ds_config, note = adam_for_this_machine(ds_config, on_gpu=torch.cuda.is_available())
+        if note and self.rank == 0:
+            print(note, flush=True)
         _cast_unpartitioned(model, layout_of(ds_config)["precision"])
         self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                                             config=ds_config)
@@ -165,7 +179,7 @@ class DeepSpeedRunner(RunnerBase):
             self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
-            losses.append(loss.detach().double().cpu())
+            losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
         return torch.stack(losses)
 
     def optimizer_step(self, apply=True):
@@ -248,7 +262,7 @@ class DeepSpeedRunner(RunnerBase):
             for group, own in zip(self.engine.optimizer.param_groups, hyper):
                 group.update(own)
             # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
-            torch_dist.barrier()
+            comm.barrier()
             if self.rank == 0:
                 ds_ckpt.remove_universal_copy(Path(load_dir) / tag)
         replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
@@ -317,8 +331,7 @@ class DeepSpeedRunner(RunnerBase):
                       for name in ds_ckpt.saved_trainable(ckpt.load_file(ds_ckpt.model_states_file(tag_dir), mmap=True))}
             step = torch.load(folder / next(iter(states)) / "step.pt", weights_only=False)
             handover = ckpt.Handover(states, int(step), ckpt.load_file(ds_ckpt.model_states_file(tag_dir)))
-        if torch_dist.is_initialized():
-            torch_dist.barrier()
+        comm.barrier()
         if rank == 0:
             ds_ckpt.remove_universal_copy(universal)
         return handover
