@@ -9,8 +9,8 @@ Measured. A scaled-down Qwen2 LLM (default: hidden 1536, 16 layers, MLP 4224, vo
 ~0.5B parameters, 1.0 GB in bf16) is written with `save_pretrained` in bf16, next to a ChatML tokenizer;
 the model is our real tiny BLIP2-Qwen with that folder as `llm_model` (the LLM is >95% of its weights),
 every part frozen but the projection (the MiniGPT4Qwen recipe), bf16 engine. For each runner
-(runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the runner's `model_placement`, or whole as
-lavis_ds built it before), `torchrun --nproc_per_node=<nproc>` starts fresh processes that do what train.py
+(runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the runner's `model_placement`, or whole on
+every process), `torchrun --nproc_per_node=<nproc>` starts fresh processes that do what train.py
 does: start the process group, build the model, build the runner (the engine shards the model; FSDP's
 processes receive their shards there). Each process samples its resident set size (psutil, every 2 ms, in
 a thread) from just before the build to the end of the runner's construction, and reports, above its RSS
@@ -210,11 +210,11 @@ def on_paper(nproc: int) -> str:
         rest = 2 * c["vit"] + 4 * c["bridge"]
         share = llm / nproc
         rows = [
-            ("runner_deepspeed", "whole (before)", llm + rest, llm + rest),
+            ("runner_deepspeed", "whole", llm + rest, llm + rest),
             # transformers 5.23 reads every shard file of the folder into one dict on process 0, then copies
             # module by module into the partitions; the others gather one module at a time.
             ("runner_deepspeed", "ZeRO-3 partitioned", llm + share + rest, share + largest + rest),
-            ("runner_fsdp", "whole (before)", llm + rest, llm + rest),
+            ("runner_fsdp", "whole", llm + rest, llm + rest),
             # process 0 keeps its whole model until every tensor is broadcast; the others receive one at a time.
             ("runner_fsdp", "meta on processes > 0", llm + share + rest, share + largest + rest),
         ]

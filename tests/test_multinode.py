@@ -102,7 +102,7 @@ def test_an_output_dir_that_one_node_cannot_see_is_named_before_anything_is_writ
 
 
 def test_the_deepspeed_launcher_without_ssh_runs_two_nodes_as_the_forked_job_does(tmp_path, demo_storage):
-    """`deepspeed --hostfile H --no_ssh --node_rank i` on each node (no ssh, no pdsh), as the README says: one
+    """`deepspeed --hostfile H --no_ssh --node_rank i` on each node (no ssh, no pdsh), as docs/multinode.md says: one
     job of two nodes, written once, taking the steps a 2-process job on one node takes."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")  # names only: without ssh nobody connects to them

@@ -20,7 +20,7 @@ AtLeastOne = Range(ge=1)
 
 @dataclass
 class RunConfig:
-    """Schema of `run:`. Field names are the YAML keys; see README "Config keys"."""
+    """Schema of `run:`. Field names are the YAML keys; see docs/config.md."""
 
     output_dir: str
     runner: str | None = None  # a registered runner; unset: the default engine (lavis_ds.runners.DEFAULT_RUNNER)
