@@ -10,8 +10,9 @@ ABOVE_COMMON = ("lavis_ds.models", "lavis_ds.datasets", "lavis_ds.runners", "lav
                 "lavis_ds.optim", "lavis_ds.config", "lavis_ds.build", "lavis_ds.export", "lavis_ds.generate",
                 "lavis_ds.chat", "lavis_ds.webui")
 # Where the word may stand: the engine's own package, the package that registers the runners and names the
-# default one, and the process-group set-up that also serves the `deepspeed` launcher.
-KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py"}
+# default one, and the process-group and GPU set-up that also serve the `deepspeed` launcher (its --local_rank,
+# and its name in the message for more processes than GPUs).
+KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py"}
 
 
 def imported_modules(path: Path) -> set[str]:
