@@ -27,7 +27,7 @@ class PlainRunner(RunnerBase):
     def forward_backward(self, micro_batches):
         losses = []
         for batch in micro_batches:
-            loss = self.forward(batch)["loss"]
+            loss = self.micro_batch_loss(self.forward(batch))
             (loss / len(micro_batches)).backward()
             losses.append(loss.detach().double())
         return torch.stack(losses)

@@ -68,6 +68,9 @@ class RunConfig:
     # GPU numerics (common.device): TF32 matmuls on Ampere and later; deterministic kernels (a GPU run repeats
     # bit for bit, so exact resumption holds there too, at some speed: docs/benchmarks.md)
     tf32: bool = True
+    # an optimizer step's loss: the summed token losses over the supervised tokens of the whole global batch (every
+    # micro-batch and rank; the same whatever the split), or LAVIS's mean of per-micro-batch means (old runs)
+    loss_reduction: Literal["tokens", "micro_batch"] = "tokens"
     deterministic: bool = False
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 

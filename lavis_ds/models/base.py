@@ -95,6 +95,17 @@ class BaseModel(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no loader for published weights, so it cannot load "
                                   f"{path!r}; set load_pretrained: false")
 
+    def prepare_batch(self, samples: dict[str, Any]) -> dict[str, Any]:
+        """``samples`` with what the loss needs computed on the host (e.g. the tokenized prompt), before the step
+        moves them to the device. Called by the runner on every training micro-batch. Default: as given."""
+        return samples
+
+    def supervised_tokens(self, samples: dict[str, Any]) -> int | None:
+        """How many tokens of the prepared micro-batch the loss is summed over (``run.loss_reduction: tokens``
+        divides the step's summed loss by these over every micro-batch and rank). None: this model cannot say,
+        and its steps average the micro-batches' mean losses instead. Default: None."""
+        return None
+
     def save_run_files(self, output_dir: str | Path) -> None:
         """Write what a run's outputs need besides checkpoints to be used later (e.g. a tokenizer).
 

@@ -310,20 +310,32 @@ class Blip2Qwen(BaseModel):
         projected = self.llm_proj(query_out.to(self.llm_proj.weight.dtype))
         return projected.to(self._embedding_dtype())
 
-    def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Mean cross-entropy over the supervised tokens of the micro-batch.
-
-        Returns:
-            ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (summed token losses,
-            detached) and ``num_tokens`` (supervised tokens), so that callers can
-            average exactly across micro-batches and ranks.
-        """
-        image = samples["image"]
+    def prepare_batch(self, samples: dict[str, Any]) -> dict[str, Any]:
+        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added."""
+        if "labels" in samples:
+            return samples
         examples = [self.prompt.training_example(ins, out)
                     for ins, out in zip(samples["instruction"], samples["output"], strict=True)]
         input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
         labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
-        input_ids, attention_mask, labels = (t.to(image.device) for t in (input_ids, attention_mask, labels))
+        return {**samples, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def supervised_tokens(self, samples: dict[str, Any]) -> int:
+        """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
+        return int((samples["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Mean cross-entropy over the supervised tokens of the micro-batch.
+
+        Returns:
+            ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (the summed token losses, also
+            differentiable: the runner divides it by the supervised tokens of the whole step under
+            ``run.loss_reduction: tokens``) and ``num_tokens`` (supervised tokens).
+        """
+        image = samples["image"]
+        samples = self.prepare_batch(samples)
+        input_ids, attention_mask, labels = (samples[k].to(image.device)
+                                             for k in ("input_ids", "attention_mask", "labels"))
 
         inputs_embeds = self._embed(input_ids, self.encode_image(image))
         logits = self.llm_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False).logits
@@ -335,7 +347,7 @@ class Blip2Qwen(BaseModel):
         num_tokens = supervised.sum()
         # A batch whose answers were all truncated away gives loss 0 (and zero gradients), not NaN.
         loss = token_losses / num_tokens.clamp(min=1)
-        return {"loss": loss, "loss_sum": token_losses.detach(), "num_tokens": num_tokens}
+        return {"loss": loss, "loss_sum": token_losses, "num_tokens": num_tokens}
 
     @torch.no_grad()
     def generate(self, samples: dict[str, Any], num_beams: int = 1, max_new_tokens: int = 30,

@@ -140,6 +140,7 @@ class RunnerBase:
         lr = self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
+        self.loss_weight = self.step_loss_weight(micro_batches)
         losses = self.forward_backward(micro_batches)  # gradients accumulated, not applied yet
         metrics = self.check_losses(losses)  # a non-finite loss stops the run here, or skips the update
         metrics.update(self.optimizer_step(apply="skipped" not in metrics))
@@ -147,6 +148,29 @@ class RunnerBase:
         self.state.global_step += 1
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr})
+
+    def step_loss_weight(self, micro_batches: list[dict]) -> float | None:
+        """``run.loss_reduction: tokens``: what each micro-batch's summed token loss is multiplied by (see
+        ``micro_batch_loss``), from one all-reduce of the step's supervised tokens over every rank. The batches
+        are prepared on the host here (the model tokenizes them), so counting needs no device sync.
+
+        Every engine averages its micro-batch losses over micro-batches and ranks, so a micro-batch's loss is
+        ``loss_sum * accum * world_size / tokens``: their mean is the step's summed loss over its tokens, the
+        same number and gradient however the global batch is split. None: the per-micro-batch mean instead."""
+        prepare, count = (getattr(self.model, name, None) for name in ("prepare_batch", "supervised_tokens"))
+        if self.run.loss_reduction != "tokens" or prepare is None or count is None:
+            return None
+        micro_batches[:] = [prepare(batch) for batch in micro_batches]
+        counts = [count(batch) for batch in micro_batches]
+        if None in counts:  # a model that cannot count its tokens: its own per-micro-batch mean
+            return None
+        tokens = int(comm.all_reduce(torch.tensor([sum(counts)], dtype=torch.int64))[0])
+        return len(micro_batches) * self.world_size / max(tokens, 1)
+
+    def micro_batch_loss(self, out: dict) -> torch.Tensor:
+        """The loss a runner backpropagates for one micro-batch (``forward``'s output), as engines average them."""
+        weight = getattr(self, "loss_weight", None)
+        return out["loss"] if weight is None else out["loss_sum"] * weight
 
     def check_losses(self, losses: torch.Tensor) -> dict:
         """The step's mean loss over every rank and micro-batch; a NaN/inf one is named and handled here.
@@ -541,7 +565,8 @@ class RunnerBase:
         for _, _, batch, padding in self._eval_batches(split):
             out = self.forward(batch)
             if not padding:
-                sums.append(torch.stack([out["loss_sum"].double(), out["num_tokens"].double()]))
+                loss_sum = torch.as_tensor(out["loss_sum"]).detach().double()
+                sums.append(torch.stack([loss_sum, torch.as_tensor(out["num_tokens"], device=loss_sum.device).double()]))
         totals = comm.all_reduce(torch.stack(sums).sum(0) if sums else torch.zeros(2, dtype=torch.float64))
         return {"loss": (totals[0] / totals[1].clamp(min=1)).item(), "num_tokens": int(totals[1])}
 

@@ -169,7 +169,7 @@ class FSDPRunner(RunnerBase):
         for i, batch in enumerate(micro_batches):
             # Gradients are reduce-scattered once per optimizer step, at its last micro-batch.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss = self.forward(batch)["loss"]
+            loss = self.micro_batch_loss(self.forward(batch))
             (loss / len(micro_batches)).backward()  # the mean over micro-batches, as DeepSpeed scales it
             losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
         return torch.stack(losses)

@@ -175,7 +175,7 @@ class DeepSpeedRunner(RunnerBase):
     def forward_backward(self, micro_batches):
         losses = []
         for i, batch in enumerate(micro_batches):
-            loss = self.forward(batch)["loss"]
+            loss = self.micro_batch_loss(self.forward(batch))
             self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
