@@ -320,6 +320,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
             if splits and split not in splits:
                 errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
     errors.extend(metric_problems(run, plain["datasets"]))
+    if cls is not None and close is not None:
+        errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")
@@ -416,3 +418,16 @@ def _missing_model_files(model: DictConfig) -> list[str]:
     keys = ["tokenizer", "llm_model", "vit_pretrained"] + (["pretrained"] if model.get("load_pretrained") else [])
     return [f"model.{key}: {model[key]!r} does not exist" for key in keys
             if model.get(key) and not Path(os.path.expanduser(model[key])).exists()]
+
+
+def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str]:
+    """What the model class lacks of the model contract (``models.base.CONTRACT``) for this run: training, the
+    generation its test splits and validation metrics need, and what the runner calls (``MODEL_NEEDS``)."""
+    from lavis_ds.models.base import missing
+
+    uses = {"train": "run.train_splits" if not run.get("evaluate") and run.get("train_splits") else None,
+            "generate": ("run.test_splits" if run.get("test_splits") else
+                         "run.val_metrics" if run.get("val_metrics") else None)}
+    uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.MODEL_NEEDS})
+    return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
+            f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]

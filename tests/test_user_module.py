@@ -66,3 +66,42 @@ def test_unimportable_module_is_a_config_error(tmp_path):
     proc = run_train(cfg, nproc=0, cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert "imports[0]: cannot import 'no_such_pkg.model': ModuleNotFoundError" in proc.stderr
+
+
+def _user_package(tmp_path):
+    pkg = tmp_path / "my_ext"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "colour_regressor.py").write_text(textwrap.dedent(USER_MODEL))
+    (pkg / "colour_regressor.yaml").write_text("model:\n  arch: user_colour_regressor\n  hidden: 16\n")
+    return pkg
+
+
+def test_what_a_user_model_lacks_for_the_run_is_named_at_load_time(tmp_path, monkeypatch):
+    """The model above trains; it cannot answer (no generate) nor be sharded block by block (no repeated_blocks):
+    a run that needs either is refused before anything is built, naming the method and the setting."""
+    from lavis_ds.config import ConfigError, load_config
+
+    _user_package(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    storage = tmp_path / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=16, num_val=8, num_test=8))
+    cfg = write_yaml(tmp_path / "user.yaml", {
+        "imports": ["my_ext.colour_regressor"], "model": {"arch": "user_colour_regressor"},
+        "datasets": {"demo_shapes": {"build_info": {"storage": str(storage), "num_train": 16, "num_val": 8,
+                                                   "num_test": 8}}},
+        "run": {"output_dir": str(tmp_path / "out"), "test_splits": ["test"], "runner": "runner_fsdp",
+                "batch_size_train": 4}})
+    try:
+        load_config(cfg)
+    except ConfigError as e:
+        problems = e.problems
+    else:
+        raise AssertionError("the config check let a model without generate() and repeated_blocks() through")
+    assert ("model.arch: user_colour_regressor (ColourRegressor) has no generate(samples, synced_gpus=False, "
+            "**generate_kwargs) -> list[str], which run.test_splits needs" in "\n".join(problems))
+    assert any("has no repeated_blocks() -> list[nn.Module], which run.runner: runner_fsdp needs" in p
+               for p in problems)
+    assert len(problems) == 2
+    load_config(cfg, ["run.test_splits=[]", "run.runner=runner_deepspeed"])  # what it has is enough for this run

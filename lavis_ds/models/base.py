@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -23,6 +24,40 @@ CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
 # Keys every `model:` section may hold besides the constructor's arguments.
 COMMON_KEYS = ("arch", "model_type", "load_pretrained", "pretrained")
+
+
+@dataclass(frozen=True)
+class Need:
+    """One thing the runners or apps call on a model: its name, how it is called, what it is for."""
+
+    name: str
+    call: str
+
+
+# The model contract: what a registered model must provide, by what a run or command uses. The config check
+# names what a model lacks for the chosen runner and splits (`missing`); docs/extending.md explains each.
+CONTRACT: dict[str, tuple[Need, ...]] = {
+    # every training or validation split: the loss, and what averages it exactly over micro-batches and ranks
+    "train": (Need("forward", "forward(samples) -> {'loss', 'loss_sum', 'num_tokens'}"),),
+    # test splits, generation metrics on validation splits, batch inference, chat
+    "generate": (Need("generate", "generate(samples, synced_gpus=False, **generate_kwargs) -> list[str]"),),
+    # runner_fsdp: the units it shards one by one (e.g. the ViT's and the LLM's transformer blocks)
+    "shard": (Need("repeated_blocks", "repeated_blocks() -> list[nn.Module]"),),
+    # export --merge-lora: the LLM as a plain Hugging Face model, and its tokenizer
+    "merge": (Need("merge_lora", "merge_lora() -> transformers.PreTrainedModel"),
+              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)")),
+}
+
+
+def missing(cls: type, uses: Iterable[str]) -> list[Need]:
+    """The contract's needs of ``uses`` (keys of CONTRACT) that model class ``cls`` does not provide."""
+    lacking = []
+    for use in uses:
+        for need in CONTRACT[use]:
+            own = getattr(cls, need.name, None)
+            if own is None or (need.name == "forward" and own is nn.Module.forward):
+                lacking.append(need)
+    return lacking
 
 
 class BaseModel(nn.Module):

@@ -237,6 +237,8 @@ class RunnerBase:
             getattr(hook, event)(self, *args, **kwargs)
 
     # ------------------------------------------------- what subclasses provide
+    # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
+    MODEL_NEEDS: tuple[str, ...] = ()
     OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
     # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
     # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.

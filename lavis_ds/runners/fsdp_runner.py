@@ -47,6 +47,7 @@ class FSDPOptions:
 class FSDPRunner(RunnerBase):
     """Runs the loop on ``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
+    MODEL_NEEDS = ("shard",)  # repeated_blocks(): the units fully_shard wraps one by one
     OPTIONS_KEY = "fsdp"
     CHECKPOINT_FILES = (".metadata",)  # the DCP index
 
