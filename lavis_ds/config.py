@@ -322,6 +322,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(metric_problems(run, plain["datasets"]))
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
+    errors.extend(packing_problems(run, model))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")
@@ -428,6 +429,21 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
     uses = {"train": "run.train_splits" if not run.get("evaluate") and run.get("train_splits") else None,
             "generate": ("run.test_splits" if run.get("test_splits") else
                          "run.val_metrics" if run.get("val_metrics") else None)}
+    uses["pack"] = "run.packing" if run.get("packing") else None
     uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.MODEL_NEEDS})
     return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]
+
+
+def packing_problems(run: dict, model: dict) -> list[str]:
+    """run.packing needs a row length that holds the longest sample the model makes (model.max_txt_len)."""
+    if not run.get("packing"):
+        return []
+    rows, longest = run.get("max_seq_len"), model.get("max_txt_len")
+    if rows is None:
+        return ["run.packing: set run.max_seq_len, the tokens of a packed row (at least model.max_txt_len"
+                + (f", {longest})" if isinstance(longest, int) else ")")]
+    if isinstance(rows, int) and isinstance(longest, int) and rows < longest:
+        return [f"run.max_seq_len={rows} is shorter than model.max_txt_len={longest}: a sample could not fit in a "
+                f"packed row; raise run.max_seq_len to at least {longest} or lower model.max_txt_len"]
+    return []

@@ -71,6 +71,10 @@ class RunConfig:
     # an optimizer step's loss: the summed token losses over the supervised tokens of the whole global batch (every
     # micro-batch and rank; the same whatever the split), or LAVIS's mean of per-micro-batch means (old runs)
     loss_reduction: Literal["tokens", "micro_batch"] = "tokens"
+    # padding-free packing: each micro-batch's samples laid end to end in rows of at most max_seq_len tokens, each
+    # sample attending only to itself (lavis_ds.models.packing); max_seq_len >= model.max_txt_len
+    packing: bool = False
+    max_seq_len: Annotated[int | None, AtLeastOne] = None
     deterministic: bool = False
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 

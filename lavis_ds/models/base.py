@@ -43,6 +43,8 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     "generate": (Need("generate", "generate(samples, synced_gpus=False, **generate_kwargs) -> list[str]"),),
     # runner_fsdp: the units it shards one by one (e.g. the ViT's and the LLM's transformer blocks)
     "shard": (Need("repeated_blocks", "repeated_blocks() -> list[nn.Module]"),),
+    # run.packing: prepare_batch(samples, pack_to=N) lays the samples end to end in rows (class attribute PACKS)
+    "pack": (Need("PACKS", "PACKS = True and prepare_batch(samples, pack_to=None) that packs"),),
     # export --merge-lora: the LLM as a plain Hugging Face model, and its tokenizer
     "merge": (Need("merge_lora", "merge_lora() -> transformers.PreTrainedModel"),
               Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)")),
@@ -55,7 +57,7 @@ def missing(cls: type, uses: Iterable[str]) -> list[Need]:
     for use in uses:
         for need in CONTRACT[use]:
             own = getattr(cls, need.name, None)
-            if own is None or (need.name == "forward" and own is nn.Module.forward):
+            if not own or (need.name == "forward" and own is nn.Module.forward):
                 lacking.append(need)
     return lacking
 

@@ -23,6 +23,7 @@ from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
 from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.pretrained import load_blip2
+from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
 
 logger = logging.getLogger(__name__)
@@ -310,12 +311,19 @@ class Blip2Qwen(BaseModel):
         projected = self.llm_proj(query_out.to(self.llm_proj.weight.dtype))
         return projected.to(self._embedding_dtype())
 
-    def prepare_batch(self, samples: dict[str, Any]) -> dict[str, Any]:
-        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added."""
+    PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+
+    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
+        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added.
+
+        ``pack_to``: lay the samples end to end in rows of at most that many tokens instead of padding each
+        (``position_ids`` and the packed ``order`` added; no attention mask, see ``models.packing``)."""
         if "labels" in samples:
             return samples
         examples = [self.prompt.training_example(ins, out)
                     for ins, out in zip(samples["instruction"], samples["output"], strict=True)]
+        if pack_to is not None:
+            return {**samples, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX)}
         input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
         labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
         return {**samples, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
@@ -334,11 +342,15 @@ class Blip2Qwen(BaseModel):
         """
         image = samples["image"]
         samples = self.prepare_batch(samples)
-        input_ids, attention_mask, labels = (samples[k].to(image.device)
-                                             for k in ("input_ids", "attention_mask", "labels"))
+        input_ids, labels = samples["input_ids"].to(image.device), samples["labels"].to(image.device)
+        if "position_ids" in samples:  # packed: the images in the order their samples were laid out
+            image = image[torch.as_tensor(samples["order"], device=image.device)]
+            layout = {"position_ids": samples["position_ids"].to(image.device)}
+        else:
+            layout = {"attention_mask": samples["attention_mask"].to(image.device)}
 
         inputs_embeds = self._embed(input_ids, self.encode_image(image))
-        logits = self.llm_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False).logits
+        logits = self.llm_model(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
         # Token t predicts token t+1. Only supervised positions are upcast to fp32 (a bf16
         # log-softmax over 150k classes is too coarse; an fp32 copy of every logit is too big).
         targets = labels[:, 1:]

@@ -140,6 +140,7 @@ class RunnerBase:
         lr = self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
+        self.prepare_micro_batches(micro_batches)
         self.loss_weight = self.step_loss_weight(micro_batches)
         losses = self.forward_backward(micro_batches)  # gradients accumulated, not applied yet
         metrics = self.check_losses(losses)  # a non-finite loss stops the run here, or skips the update
@@ -149,6 +150,14 @@ class RunnerBase:
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr})
 
+    def prepare_micro_batches(self, micro_batches: list[dict]) -> None:
+        """What the model does on the host before the step (``prepare_batch``: tokenizing; with ``run.packing``,
+        laying the samples end to end in rows of ``run.max_seq_len`` tokens), in place."""
+        prepare = getattr(self.model, "prepare_batch", None)
+        if prepare is not None:
+            packing = {"pack_to": self.run.max_seq_len} if self.run.packing else {}
+            micro_batches[:] = [prepare(batch, **packing) for batch in micro_batches]
+
     def step_loss_weight(self, micro_batches: list[dict]) -> float | None:
         """``run.loss_reduction: tokens``: what each micro-batch's summed token loss is multiplied by (see
         ``micro_batch_loss``), from one all-reduce of the step's supervised tokens over every rank. The batches
@@ -157,10 +166,9 @@ class RunnerBase:
         Every engine averages its micro-batch losses over micro-batches and ranks, so a micro-batch's loss is
         ``loss_sum * accum * world_size / tokens``: their mean is the step's summed loss over its tokens, the
         same number and gradient however the global batch is split. None: the per-micro-batch mean instead."""
-        prepare, count = (getattr(self.model, name, None) for name in ("prepare_batch", "supervised_tokens"))
-        if self.run.loss_reduction != "tokens" or prepare is None or count is None:
+        count = getattr(self.model, "supervised_tokens", None)
+        if self.run.loss_reduction != "tokens" or count is None or not hasattr(self.model, "prepare_batch"):
             return None
-        micro_batches[:] = [prepare(batch) for batch in micro_batches]
         counts = [count(batch) for batch in micro_batches]
         if None in counts:  # a model that cannot count its tokens: its own per-micro-batch mean
             return None

@@ -1,0 +1,65 @@
+"""Padding-free packing: a micro-batch's tokenized samples laid end to end in rows of at most ``max_len`` tokens.
+
+Padding every sample to the micro-batch's longest one wastes most of the compute on a real
+instruction mix (answers from one token to hundreds). Packed, a row holds several samples, and
+each sample still sees only itself:
+
+- ``position_ids`` restart at 0 for every sample. transformers (the masking utilities of 4.5x and
+  later) reads sample boundaries from them when no attention mask is given: SDPA and eager get a
+  block-diagonal causal mask, flash-attention 2 its variable-length kernel.
+- Labels are the samples' own. The token predicted across a boundary (the first token of the next
+  sample) is a prompt token, never supervised, so no loss crosses samples.
+- A row's unused tail is padding with positions restarting at 0: a "sample" of its own that no
+  real token attends to, and that is never supervised.
+
+The plan is a pure function of the samples (first-fit decreasing by length, ties by position), so
+a resumed step packs exactly as the original did. Rows list samples in plan order; ``order`` says
+which sample each is, so the images (filled into placeholders in row-major order) follow.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def plan_rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Sample indices per row: first-fit decreasing (longest first, ties in sample order), each row <= ``max_len``."""
+    too_long = [i for i, n in enumerate(lengths) if n > max_len]
+    if too_long:
+        raise ValueError(f"sample {too_long[0]} has {lengths[too_long[0]]} tokens, more than a packed row's "
+                         f"{max_len} (run.max_seq_len)")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(max_len)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
+
+
+def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, pad_id: int,
+         ignore_index: int) -> dict[str, torch.Tensor | list[int]]:
+    """``examples`` (input_ids, labels) packed: ``input_ids``, ``labels``, ``position_ids`` ``[rows, longest row]``
+    and ``order`` (the sample index of each packed sample, in row-major order)."""
+    rows = plan_rows([len(ids) for ids, _ in examples], max_len)
+    width = max(sum(len(examples[i][0]) for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), ignore_index, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            ids, labs = examples[i]
+            span = slice(start, start + len(ids))
+            input_ids[r, span] = torch.tensor(list(ids), dtype=torch.long)
+            labels[r, span] = torch.tensor(list(labs), dtype=torch.long)
+            positions[r, span] = torch.arange(len(ids))
+            start += len(ids)
+        positions[r, start:] = torch.arange(width - start)  # the tail: its own span, seen by no real token
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions,
+            "order": [i for row in rows for i in row]}

@@ -1,0 +1,105 @@
+"""Padding-free packing (run.packing): rows of whole samples, each sample attending only to itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lavis_ds.models import Blip2Qwen
+from lavis_ds.models.packing import pack, plan_rows
+
+QUESTIONS = ["What is in the image?", "Describe the picture in detail.", "What color is the ball?",
+             "How many animals are there?", "What is in the image?", "Describe the picture in detail."]
+ANSWERS = ["A cat.", "A dog runs on the grass next to a red ball. " * 3, "It is red.", "Two.",
+           "A cat sitting on a mat.", "Red."]
+
+
+def test_the_plan_fills_rows_longest_first_and_keeps_every_sample_once():
+    lengths = [5, 9, 3, 7, 2, 4]
+    rows = plan_rows(lengths, 10)
+    assert rows == [[1], [3, 2], [0, 5], [4]]
+    assert sorted(i for row in rows for i in row) == list(range(6))
+    assert all(sum(lengths[i] for i in row) <= 10 for row in rows)
+    assert plan_rows(lengths, 10) == rows  # a function of the samples only: a resumed step packs alike
+    with pytest.raises(ValueError, match=r"sample 1 has 9 tokens, more than a packed row's 8 \(run.max_seq_len\)"):
+        plan_rows(lengths, 8)
+
+
+def test_positions_restart_per_sample_and_the_tail_is_unsupervised():
+    examples = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [-100, 5]), ([6, 7, 8, 9], [-100, -100, 8, 9])]
+    packed = pack(examples, max_len=6, pad_id=0, ignore_index=-100)
+    assert packed["order"] == [2, 1, 0]
+    assert packed["input_ids"].tolist() == [[6, 7, 8, 9, 4, 5], [1, 2, 3, 0, 0, 0]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
+    assert packed["labels"].tolist() == [[-100, -100, 8, 9, -100, 5], [-100, 2, 3, -100, -100, -100]]
+
+
+def _batch(model_cfg) -> dict:
+    torch.manual_seed(0)
+    n = len(QUESTIONS)
+    return {"image": torch.randn(n, 3, model_cfg["image_size"], model_cfg["image_size"]),
+            "instruction": [[f"<Img><ImageHere></Img> {q}"] for q in QUESTIONS], "output": [[a] for a in ANSWERS]}
+
+
+def test_a_packed_batch_has_the_loss_and_gradients_of_the_same_samples_unpacked(tiny_model_config):
+    torch.manual_seed(0)
+    model = Blip2Qwen.from_config({**tiny_model_config, "freeze_llm": False}).eval()  # eval: no dropout
+    batch = _batch(tiny_model_config)
+    results = {}
+    for name, pack_to in (("padded", None), ("packed", 128)):
+        model.zero_grad(set_to_none=True)
+        prepared = model.prepare_batch(dict(batch), pack_to=pack_to)
+        out = model(prepared)
+        out["loss_sum"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = (prepared, out, grads)
+    (padded, out_a, grads_a), (packed, out_b, grads_b) = results["padded"], results["packed"]
+    assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # several samples share a row
+    assert packed["input_ids"].numel() < padded["input_ids"].numel()  # fewer positions: the padding is gone
+    assert int(out_a["num_tokens"]) == int(out_b["num_tokens"]) == model.supervised_tokens(packed)
+    assert torch.allclose(out_b["loss_sum"], out_a["loss_sum"], rtol=1e-5, atol=0)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    # Relative to the norms (sums over samples run in another order); a gradient that is zero in exact arithmetic
+    # (the Q-Former's key bias: softmax ignores it) is rounding noise on both sides, measured against the whole.
+    whole = torch.cat([g.flatten() for g in grads_a.values()])
+    assert (torch.cat([grads_b[n].flatten() for n in grads_a]) - whole).norm() <= 1e-5 * whole.norm()
+    for name, grad in grads_a.items():
+        assert (grads_b[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-7 * whole.norm(), name
+
+
+def test_without_positions_the_samples_of_a_row_would_see_each_other(tiny_model_config):
+    """The check above can fail: the same packed rows with one position sequence per row (one long sample)."""
+    torch.manual_seed(0)
+    model = Blip2Qwen.from_config(tiny_model_config).eval()
+    batch = _batch(tiny_model_config)
+    padded = model(model.prepare_batch(dict(batch)))
+    packed = model.prepare_batch(dict(batch), pack_to=128)
+    packed["position_ids"] = torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"]).clone()
+    leaked = model(packed)
+    assert not torch.allclose(leaked["loss_sum"], padded["loss_sum"], rtol=1e-3)
+
+
+def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_path):
+    """Same samples, same steps: the packed run's curve is the padded run's within 1e-5 (fp32, dropout off,
+    run.loss_reduction: tokens); and a packed run SIGKILLed anywhere continues bit for bit."""
+    import forked
+    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+    from run_utils import REPO, env, killed_run_continues_bit_for_bit, tiny_config, train_args, train_steps, write_yaml
+
+    storage = ensure_demo_shapes(tmp_path / "demo_shapes", DemoShapesSpec(num_train=64, num_val=16, num_test=8))
+    jobs = {}
+    for name, run in (("padded", {}), ("packed", {"packing": True, "max_seq_len": 256})):
+        cfg = tiny_config(tmp_path / name, storage, micro=8, **run)
+        cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=64, num_val=16, num_test=8)
+        cfg["model"].update(qformer={"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+        jobs[name] = forked.Job(train_args(write_yaml(tmp_path / f"{name}.yaml", cfg)), 0, env(), REPO,
+                                tmp_path / f"{name}_logs")
+    for name, job in jobs.items():
+        assert job.wait(300) == 0, job.output()[1][-3000:]
+    padded, packed = train_steps(tmp_path / "padded"), train_steps(tmp_path / "packed")
+    assert len(packed) == len(padded) == 8
+    for mine, theirs in zip(packed, padded):
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"], (mine, theirs)
+        assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= 1e-5 * theirs["grad_norm"], (mine, theirs)
+    (tmp_path / "kill").mkdir()
+    killed_run_continues_bit_for_bit(tmp_path / "kill", storage, stage=2, dtype="fp32", packing=True,
+                                     max_seq_len=256)
