@@ -79,7 +79,7 @@ def test_without_positions_the_samples_of_a_row_would_see_each_other(tiny_model_
 
 
 def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_path):
-    """Same samples, same steps: the packed run's curve is the padded run's within 1e-5 (fp32, dropout off,
+    """Same samples, same steps: the packed and the length-grouped runs' curves are the padded run's within 1e-5 (fp32, dropout off,
     run.loss_reduction: tokens); and a packed run SIGKILLed anywhere continues bit for bit."""
     import forked
     from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
@@ -87,7 +87,8 @@ def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_pat
 
     storage = ensure_demo_shapes(tmp_path / "demo_shapes", DemoShapesSpec(num_train=64, num_val=16, num_test=8))
     jobs = {}
-    for name, run in (("padded", {}), ("packed", {"packing": True, "max_seq_len": 256})):
+    for name, run in (("padded", {}), ("packed", {"packing": True, "max_seq_len": 256}),
+                      ("grouped", {"length_grouped": True})):
         cfg = tiny_config(tmp_path / name, storage, micro=8, **run)
         cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=64, num_val=16, num_test=8)
         cfg["model"].update(qformer={"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
@@ -95,9 +96,10 @@ def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_pat
                                 tmp_path / f"{name}_logs")
     for name, job in jobs.items():
         assert job.wait(300) == 0, job.output()[1][-3000:]
-    padded, packed = train_steps(tmp_path / "padded"), train_steps(tmp_path / "packed")
-    assert len(packed) == len(padded) == 8
-    for mine, theirs in zip(packed, padded):
+    padded = train_steps(tmp_path / "padded")
+    assert len(padded) == 8
+    for mine, theirs in [pair for name in ("packed", "grouped") for pair in zip(train_steps(tmp_path / name), padded,
+                                                                                  strict=True)]:
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"], (mine, theirs)
         assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= 1e-5 * theirs["grad_norm"], (mine, theirs)
     (tmp_path / "kill").mkdir()

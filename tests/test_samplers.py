@@ -51,3 +51,22 @@ def test_eval_sampler_covers_every_sample_once_with_equal_batch_counts(num):
     assert len({len(s) for s in samplers}) == 1
     real = [i for s in samplers for b, batch in enumerate(s) if not s.is_padding(b) for i in batch]
     assert sorted(real) == list(range(num))
+
+
+def test_length_grouping_keeps_each_steps_samples_and_groups_neighbours():
+    lengths = [(i * 37) % 23 - (5 if i % 7 == 0 else 0) for i in range(64)]  # some negative: text-only samples
+
+    def length_of(index, epoch):
+        return lengths[index]
+
+    world, micro, accum = 2, 4, 2
+    plain = [StepBatchSampler(64, micro, accum, world, r, seed=3) for r in range(world)]
+    grouped = [StepBatchSampler(64, micro, accum, world, r, seed=3, length_of=length_of) for r in range(world)]
+    for step in range(plain[0].steps_per_epoch):
+        mine = [g.step_indices(step) for g in grouped]
+        assert sorted(i for r in mine for mb in r for i in mb) == sorted(
+            i for p in plain for mb in p.step_indices(step) for i in mb)  # the same samples: the same loss
+        micro_batches = sorted((mb for r in mine for mb in r), key=lambda mb: lengths[mb[0]])
+        flat = [lengths[i] for mb in micro_batches for i in mb]
+        assert flat == sorted(flat)  # each micro-batch holds neighbours in length
+        assert mine == [g.step_indices(step) for g in grouped]  # a function of (seed, epoch, step)

@@ -74,6 +74,9 @@ class RunConfig:
     # padding-free packing: each micro-batch's samples laid end to end in rows of at most max_seq_len tokens, each
     # sample attending only to itself (lavis_ds.models.packing); max_seq_len >= model.max_txt_len
     packing: bool = False
+    # LLaVA's modality-length grouping, the light option: each step's samples sorted by length (text-only apart)
+    # into micro-batches of neighbours, so each pads less; the step's samples and loss are unchanged
+    length_grouped: bool = False
     max_seq_len: Annotated[int | None, AtLeastOne] = None
     deterministic: bool = False
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).

@@ -9,7 +9,7 @@ iterator there: nothing already consumed is loaded again.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -18,8 +18,10 @@ class StepBatchSampler:
     """Yields this rank's micro-batches (index lists), ``accum`` per optimizer step."""
 
     def __init__(self, num_samples: int, micro_batch: int, accum: int, world_size: int, rank: int,
-                 seed: int, shuffle: bool = True):
+                 seed: int, shuffle: bool = True, length_of: Callable[[int, int], int] | None = None):
         self.num_samples, self.micro_batch, self.accum = num_samples, micro_batch, accum
+        # run.length_grouped: (index, epoch) -> a length to sort each global batch by (datasets.lengths)
+        self.length_of = length_of
         self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
         self.global_batch = micro_batch * accum * world_size
         # The tail that does not fill a global batch is dropped: every optimizer step sees G samples.
@@ -47,10 +49,21 @@ class StepBatchSampler:
     def step_indices(self, step: int, perm: torch.Tensor | None = None) -> list[list[int]]:
         """This rank's micro-batches (sample indices) of optimizer step ``step`` of the current epoch."""
         perm = self.permutation(self.epoch) if perm is None else perm
+        if self.length_of is not None:
+            return self._grouped(perm[step * self.global_batch:(step + 1) * self.global_batch].tolist())
         per_rank = self.micro_batch * self.accum
         start = step * self.global_batch + self.rank * per_rank
         mine = perm[start:start + per_rank].tolist()
         return [mine[m * self.micro_batch:(m + 1) * self.micro_batch] for m in range(self.accum)]
+
+    def _grouped(self, global_batch: list[int]) -> list[list[int]]:
+        """Length grouping (LLaVA's modality-length grouping, within one optimizer step): the step's samples sorted
+        by length and cut into micro-batches of neighbours, dealt to the ranks in turn, so a micro-batch pads to
+        a length close to all of its samples and every rank gets short and long ones. The step's samples, and so
+        its loss under run.loss_reduction: tokens, are those of the ungrouped order."""
+        ordered = sorted(global_batch, key=lambda i: self.length_of(i, self.epoch))
+        chunks = [ordered[k * self.micro_batch:(k + 1) * self.micro_batch] for k in range(self.accum * self.world_size)]
+        return [chunks[m * self.world_size + self.rank] for m in range(self.accum)]
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.accum

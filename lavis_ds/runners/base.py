@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import json
 import math
 import signal
@@ -27,6 +28,7 @@ from lavis_ds.common.registry import registry
 from lavis_ds.common.registry import runners as runner_registry
 from lavis_ds.common.run_config import Twin, batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
+from lavis_ds.datasets.lengths import approximate_length
 from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
 from lavis_ds.optim import build_param_groups
@@ -64,8 +66,9 @@ class RunnerBase:
             # Augmentation is a function of (seed, epoch, sample index): a resumed epoch repeats it exactly.
             self.train_set = SeededDataset(mixed or self._concat(self.run.train_splits), self.run.seed)
         if self.train_set is not None:
+            length_of = functools.partial(approximate_length, self.train_set) if self.run.length_grouped else None
             self.sampler = StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size,
-                                            self.rank, seed=self.run.seed)
+                                            self.rank, seed=self.run.seed, length_of=length_of)
             self.steps_per_epoch = self.sampler.steps_per_epoch
             self.train_loader = self._loader(self.train_set, self.sampler)
         else:
