@@ -31,6 +31,7 @@ def test_positions_restart_per_sample_and_the_tail_is_unsupervised():
     assert packed["input_ids"].tolist() == [[6, 7, 8, 9, 4, 5], [1, 2, 3, 0, 0, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
     assert packed["labels"].tolist() == [[-100, -100, 8, 9, -100, 5], [-100, 2, 3, -100, -100, -100]]
+    assert packed["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
 
 
 def _batch(model_cfg) -> dict:
