@@ -344,20 +344,44 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
-        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`.")
+        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`; "
+        "with --format hf, with transformers' Blip2ForConditionalGeneration (docs/export-hf.md).")
     parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
                                        "output_dir (its newest complete checkpoint)")
     parser.add_argument("--out", required=True, help="export folder to create")
+    parser.add_argument("--format", choices=("lavis_ds", "hf"), default="lavis_ds",
+                        help="lavis_ds: trained weights + config for lavis_ds (default); hf: a Hugging Face "
+                             "Blip2ForConditionalGeneration folder with its processor, LoRA merged")
     parser.add_argument("--merge-lora", action="store_true",
-                        help="also write llm/: the LLM with LoRA (and trained token rows) merged, as a Hugging Face folder")
+                        help="also write llm/: the LLM with LoRA (and trained token rows) merged, as a Hugging Face "
+                             "folder (--format hf always merges)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     args = parser.parse_args(argv)
     try:
+        if args.format == "hf":
+            return _export_hf(args)
         out = export_checkpoint(args.source, args.out, merge_lora=args.merge_lora, overwrite=args.overwrite)
     except LavisDsError as e:  # ExportError, CheckpointError: the message names the path
         report(str(e))
         return e.exit_code
     export = read_export_config(out).export
-    engine = "FSDP2" if export.get("runner") == "runner_fsdp" else f"ZeRO-{export.zero_stage}"
-    print(f"exported {export.source} (step {export.global_step}, {engine}, {export.dtype}) -> {out}")
+    print(f"exported {export.source} (step {export.global_step}, {_engine(export)}, {export.dtype}) -> {out}")
     return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    import json
+
+    from lavis_ds.export_hf import MARKER_FILE, export_hf  # imports this module: imported when used
+
+    out = export_hf(args.source, args.out, overwrite=args.overwrite)
+    export = OmegaConf.create(json.loads((out / MARKER_FILE).read_text()))
+    print(f"exported {export.source} (step {export.global_step}, {_engine(export)}, {export.dtype}) -> {out} "
+          "(transformers Blip2ForConditionalGeneration)")
+    for note in export.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _engine(export: DictConfig) -> str:
+    return "FSDP2" if export.get("runner") == "runner_fsdp" else f"ZeRO-{export.zero_stage}"
