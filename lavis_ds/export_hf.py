@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lavis_ds.export import ExportError, find_checkpoint, load_trained_weights, read_checkpoint
+from lavis_ds.export import DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint
 from lavis_ds.export_hf_checks import EVAL_IMAGE_PROCESSOR, activation_name, check_expressible
 from lavis_ds.export_hf_processor import generation_config, save_processor, stop_token_ids
 
@@ -81,7 +81,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: 
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
     tmp.mkdir()
     try:
-        notes = write_hf_folder(model, tmp, image_cfg)
+        notes = write_hf_folder(model, tmp, image_cfg, info["dtype"])
         provenance = {"source": str(tag_dir.resolve()), "global_step": info["global_step"], "epoch": info["epoch"],
                       "runner": info["runner"], "zero_stage": info["zero_stage"], "dtype": info["dtype"],
                       "notes": notes}
@@ -132,12 +132,13 @@ def eval_image_processor(cfg: DictConfig) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the folder
-def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any]) -> list[str]:
+def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any], trained_dtype: str = "fp32") -> list[str]:
     """Write model, generation config, tokenizer and processor of a checked, merged ``model`` into ``out``.
 
+    ``trained_dtype``: the dtype training computed in (the checkpoint's ``fp32``/``bf16``/``fp16``).
     Returns notes: where the export computes differently from lavis_ds in ways that change no weight.
     """
-    dtype = export_dtype(model)
+    dtype = export_dtype(model, trained_dtype)
     hf_model = to_hf_model(model, dtype)
     hf_model.generation_config = generation_config(model)
     hf_model.save_pretrained(out)
@@ -145,9 +146,15 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any]) -> l
     return export_notes(model, dtype)
 
 
-def export_dtype(model: nn.Module) -> torch.dtype:
-    """One dtype for every tensor: from_pretrained loads a model in one (config.dtype), so a model that is
-    partly half precision (a frozen bf16 LLM beside an fp32 projection) is written in fp32, which holds both."""
+def export_dtype(model: nn.Module, trained_dtype: str) -> torch.dtype:
+    """The one dtype every tensor is written in (from_pretrained loads a model in one, config.dtype).
+
+    As ``load_exported(dtype="auto")``: a bf16/fp16 run's dtype, which its engine cast every parameter
+    to. Otherwise the model's dtype, or fp32 where its parts differ (a frozen bf16 LLM beside fp32
+    trained parts), which holds them all without rounding.
+    """
+    if trained_dtype in ("bf16", "fp16"):
+        return DTYPES[trained_dtype]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
@@ -241,17 +248,22 @@ def export_notes(model: nn.Module, dtype: torch.dtype) -> list[str]:
     vit_eps, ln_eps = model.visual_encoder.blocks[0].norm1.eps, model.ln_vision.eps
     if vit_eps != ln_eps:
         # Blip2VisionConfig has one layer_norm_eps for the blocks and post_layernorm; BLIP-2's ln_vision
-        # is torch's default 1e-5, EVA's blocks 1e-6. transformers' own BLIP-2 conversion makes the same choice.
+        # is torch's default 1e-5, EVA's blocks 1e-6. transformers' script that converted LAVIS's BLIP-2
+        # maps ln_vision onto post_layernorm the same way. Not refused: every BLIP-2 model has it.
         notes.append(f"ln_vision's LayerNorm eps {ln_eps:g} becomes post_layernorm with the ViT blocks' eps "
-                     f"{vit_eps:g} (Blip2VisionConfig has one layer_norm_eps): image features differ by about "
-                     f"{abs(ln_eps - vit_eps):g} / their variance, relative")
+                     f"{vit_eps:g} (Blip2VisionConfig has one layer_norm_eps): each image feature changes by a "
+                     f"factor sqrt((v + {ln_eps:g}) / (v + {vit_eps:g})), about {abs(ln_eps - vit_eps) / 2:g} / v "
+                     "relative, v being its token's feature variance")
     if dtype != torch.float32:
-        notes.append(f"written in {str(dtype).removeprefix('torch.')}: transformers keeps query_tokens and the "
-                     "Q-Former in fp32 (_keep_in_fp32_modules) and runs without autocast, where lavis_ds ran "
-                     "them in that dtype under autocast: texts may differ where two tokens are nearly tied")
-    dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
-    if len(dtypes) > 1:
-        notes.append(f"parameters in {', '.join(sorted(dtypes))} are written in fp32, the one dtype that holds "
-                     "them all (from_pretrained loads one dtype; pass dtype= to choose another)")
+        # transformers applies _keep_in_fp32_modules (query_tokens, qformer) to fp16 loads only.
+        kept = (", keeps query_tokens and the Q-Former in fp32 (_keep_in_fp32_modules)"
+                if dtype == torch.float16 else "")
+        notes.append(f"written in {str(dtype).removeprefix('torch.')}: lavis_ds generates under autocast, "
+                     f"transformers does not{kept}: texts may differ where two tokens are nearly tied")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes != {dtype}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        notes.append(f"parameters in {names} are written in {str(dtype).removeprefix('torch.')} "
+                     "(from_pretrained loads one dtype; pass dtype= to choose another)")
     return notes
 
