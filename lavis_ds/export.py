@@ -133,18 +133,10 @@ def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, mer
     weights, info = read_checkpoint(tag_dir)
     cfg = info["config"]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    tokenizer_source = model_cfg.get("tokenizer") or model_cfg.get("llm_model")
-    if not tokenizer_source or not Path(tokenizer_source).exists():
-        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {tokenizer_source!r}, "
-                          "which does not exist here: export where the run's tokenizer is")
+    tokenizer_source = run_tokenizer(model_cfg, tag_dir)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside `out`, then renamed: an export folder is whole or absent. mkdir, unlike
-    # mkdtemp, leaves the permissions to the umask.
-    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
-    tmp.mkdir()
-    try:
+    def write(tmp: Path) -> None:
+        nonlocal weights, model_cfg
         if merge_lora:
             weights, model_cfg = _merge_llm(weights, model_cfg, int(cfg.run.seed), tmp, tag_dir)
         else:
@@ -156,13 +148,38 @@ def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, mer
             model_cfg["tokenizer"] = TOKENIZER_DIR
         _save_weights(weights, tmp / WEIGHTS_FILE, tag_dir, info)
         _write_config(tmp / CONFIG_FILE, model_cfg, cfg, tag_dir, info, merge_lora)
+
+    write_whole(out, write)
+    return out
+
+
+def run_tokenizer(model_cfg: dict, tag_dir: Path) -> str:
+    """The run's tokenizer folder (``model.tokenizer``, else ``model.llm_model``): export rebuilds the model with it."""
+    source = model_cfg.get("tokenizer") or model_cfg.get("llm_model")
+    if not source or not Path(source).exists():
+        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {source!r}, "
+                          "which does not exist here: export where the run's tokenizer is")
+    return source
+
+
+def write_whole(out: Path, write) -> None:
+    """Call ``write(folder)`` on a folder beside ``out``, then rename it to ``out``: an export is whole or absent.
+
+    An existing ``out`` is replaced (the caller checked that it may be). mkdir, unlike mkdtemp, leaves the
+    permissions to the umask.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
+    tmp.mkdir()
+    try:
+        write(tmp)
         if out.exists():
-            shutil.rmtree(out)  # _check_out_dir allowed it: empty, or an earlier export with overwrite
+            shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:

@@ -24,10 +24,8 @@ written, every problem in one :class:`~lavis_ds.export.ExportError` (exit 2 from
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +33,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lavis_ds.export import DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint
+from lavis_ds.export import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
+                             run_tokenizer, write_whole)
 from lavis_ds.export_hf_checks import EVAL_IMAGE_PROCESSOR, activation_name, check_expressible
 from lavis_ds.export_hf_processor import generation_config, save_processor, stop_token_ids
-
-logger = logging.getLogger(__name__)
+from lavis_ds.models.llm_placement import empty_weights
+from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
 MARKER_FILE = "lavis_ds_export.json"
-HF_CONFIG_FILE = "config.json"
 # Ours -> Hugging Face, the inverse of pretrained.HF_RENAMES (a test checks that they agree). The q/v
 # biases are not renamed but fused into qkv.bias, see `vision_state_dict`.
 VISION_RENAMES = (
@@ -76,22 +74,15 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: 
     model = trained_model(cfg, weights, tag_dir)
     image_cfg = eval_image_processor(cfg)
     check_expressible(model, image_cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         notes = write_hf_folder(model, tmp, image_cfg, info["dtype"])
         provenance = {"source": str(tag_dir.resolve()), "global_step": info["global_step"], "epoch": info["epoch"],
                       "runner": info["runner"], "zero_stage": info["zero_stage"], "dtype": info["dtype"],
                       "notes": notes}
         (tmp / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)  # _check_out_dir allowed it: empty, or an earlier hf export with overwrite
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_whole(out, write)  # replaces `out` only if _check_out_dir allowed it
     return out
 
 
@@ -109,10 +100,7 @@ def trained_model(cfg: DictConfig, weights: dict[str, torch.Tensor], tag_dir: Pa
     """The run's model rebuilt from its config, with the checkpoint's trained weights, LoRA merged, in eval mode."""
     from lavis_ds.build import build_model
 
-    tokenizer = cfg.model.get("tokenizer") or cfg.model.get("llm_model")
-    if not tokenizer or not Path(tokenizer).exists():
-        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {tokenizer!r}, "
-                          "which does not exist here: export where the run's tokenizer is")
+    run_tokenizer(OmegaConf.to_container(cfg.model, resolve=True), tag_dir)
     model = build_model(cfg.model, int(cfg.run.seed))  # frozen parts come from where training read them
     load_trained_weights(model, weights, f"the trained weights of {tag_dir}")
     if not hasattr(model, "merge_lora"):
@@ -186,7 +174,9 @@ def to_hf_model(model: nn.Module, dtype: torch.dtype):
     """A Blip2ForConditionalGeneration holding ``model``'s weights (in ``dtype``), every key accounted for."""
     from transformers import Blip2ForConditionalGeneration
 
-    with torch.device("meta"):  # the weights come from `model`: no memory and no time for a random init
+    # Parameters on the meta device: they come from `model`, so no memory and no time for a random init.
+    # Buffers stay real: rotary tables are computed at construction and are in no state dict.
+    with empty_weights():
         hf_model = Blip2ForConditionalGeneration(blip2_config(model, dtype))
     state = {name: tensor.detach().to(dtype) for name, tensor in hf_state_dict(model).items()}
     expected = set(hf_model.state_dict())
@@ -220,8 +210,8 @@ def vision_state_dict(vit: nn.Module) -> dict[str, torch.Tensor]:
     for key, value in vit.state_dict().items():
         if re.search(r"\.attn\.[qkv]_bias$", key):
             continue
-        new = _rename(key, VISION_RENAMES)
-        if new is None:
+        new = _rename_key(key, VISION_RENAMES)
+        if new == key:
             raise RuntimeError(f"visual_encoder.{key}: no Blip2VisionModel name for it")  # checked layout: a bug
         state[new] = value
     for i, block in enumerate(vit.blocks):
@@ -231,14 +221,6 @@ def vision_state_dict(vit: nn.Module) -> dict[str, torch.Tensor]:
             bias = torch.cat((attn.q_bias, k_bias.to(attn.q_bias.dtype), attn.v_bias))
             state[f"encoder.layers.{i}.self_attn.qkv.bias"] = bias
     return state
-
-
-def _rename(key: str, renames) -> str | None:
-    for pattern, replacement in renames:
-        new, n = re.subn("^" + pattern, replacement, key, count=1)
-        if n:
-            return new
-    return None
 
 
 # ----------------------------------------------------------------------------- what differs without a weight

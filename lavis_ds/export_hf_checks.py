@@ -45,10 +45,11 @@ def vit_problems(vit: nn.Module) -> list[str]:
     problems = []
     if getattr(vit, "rope", None) is not None:
         problems.append("visual_encoder: rotary position embedding (rope); Blip2VisionModel adds absolute ones only")
-    if vit.pos_embed is None or vit.cls_token is None or vit.num_prefix_tokens != 1:
+    if vit.pos_embed is None or vit.cls_token is None or vit.num_prefix_tokens != 1 or vit.no_embed_class:
         problems.append(f"visual_encoder: {vit.num_prefix_tokens} prefix token(s), absolute position embedding "
-                        f"{'absent' if vit.pos_embed is None else 'present'}; Blip2VisionModel has one class token "
-                        "and an absolute position embedding")
+                        f"{'absent' if vit.pos_embed is None else 'present'}"
+                        f"{', none for the class token' if vit.no_embed_class else ''}; Blip2VisionModel has one "
+                        "class token and an absolute position embedding for every token")
     size, patch = vit.patch_embed.img_size, vit.patch_embed.patch_size
     if size[0] != size[1] or patch[0] != patch[1]:
         problems.append(f"visual_encoder: image {tuple(size)} / patch {tuple(patch)} are not square")
@@ -71,10 +72,14 @@ def vit_problems(vit: nn.Module) -> list[str]:
 def block_problems(where: str, block: nn.Module) -> list[str]:
     """One EVA block against Blip2EncoderLayer: pre-norm attention and GELU MLP, residuals without scaling."""
     from timm.layers import Mlp
+    from timm.models.eva import EvaBlock
 
     problems = []
+    if type(block) is not EvaBlock:  # EvaBlockPostNorm has the same submodules, applied in another order
+        problems.append(f"{where}: {type(block).__name__}; Blip2EncoderLayer is EvaBlock's pre-norm layout")
     if getattr(block, "gamma_1", None) is not None or getattr(block, "gamma_2", None) is not None:
-        problems.append(f"{where}: layer scale (gamma_1/gamma_2, init_values); Blip2EncoderLayer adds residuals unscaled")
+        problems.append(f"{where}: layer scale (gamma_1/gamma_2, init_values); Blip2EncoderLayer adds residuals "
+                        "unscaled")
     attn = block.attn
     if getattr(attn, "qkv", None) is None:
         problems.append(f"{where}.attn: separate q/k/v projections; Blip2Attention has one fused qkv")
@@ -109,14 +114,13 @@ def _norm_problems(where: str, norm: nn.Module) -> list[str]:
 
 def llm_problems(llm: nn.Module) -> list[str]:
     """Blip2Config's text_config builds the LLM with AutoModelForCausalLM: it must build this very class."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(getattr(llm, "config", None), "model_type", None)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return [f"llm_model: {type(llm).__name__} with config model_type {model_type!r}, which "
                 "AutoModelForCausalLM (what Blip2Config's text_config is built with) does not know"]
-    built = AutoModelForCausalLM._model_mapping[type(llm.config)]
+    built = MODEL_FOR_CAUSAL_LM_MAPPING[type(llm.config)]
     if built is not type(llm):
         return [f"llm_model: {type(llm).__name__}, but text_config model_type {model_type!r} builds {built.__name__}"]
     return []

@@ -20,10 +20,6 @@ from torch import nn
 
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
 
-# What lavis_ds.generate answers with when not told otherwise (GenerationSettings).
-DEFAULT_MAX_NEW_TOKENS = 30
-
-
 def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
 
@@ -103,7 +99,9 @@ def generation_config(model: nn.Module):
     """
     from transformers import GenerationConfig
 
-    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+    from lavis_ds.generate import GenerationSettings  # what lavis_ds.generate answers with when not told otherwise
+
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=GenerationSettings().max_new_tokens,
                             eos_token_id=stop_token_ids(model), pad_token_id=model.pad_id,
                             # The placeholder is never a word: generating it would feed its meaningless row back in.
                             suppress_tokens=[model.prompt.image_token_id])

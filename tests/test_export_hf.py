@@ -21,6 +21,7 @@ from lavis_ds.export import ExportError, load_exported, main
 from lavis_ds.export_hf import MARKER_FILE, export_hf, to_hf_model, write_hf_folder
 from lavis_ds.export_hf_checks import check_expressible
 from lavis_ds.models import Blip2Qwen
+from lavis_ds.models.prompt import pad_batch
 
 EVAL_IMAGES = {"name": "blip2_image_eval", "image_size": 64}
 CAPTION = "Describe the image in a few words."
@@ -125,7 +126,8 @@ def test_the_folder_holds_what_transformers_reads(demo_hf):
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "processor_config.json", "chat_template.jinja", MARKER_FILE} <= files
     config = json.loads((demo_hf / "config.json").read_text())
-    assert config["architectures"] == ["Blip2ForConditionalGeneration"] and config["text_config"]["model_type"] == "qwen2"
+    assert config["architectures"] == ["Blip2ForConditionalGeneration"]
+    assert config["text_config"]["model_type"] == "qwen2"
     assert config["num_query_tokens"] == 8 and config["vision_config"]["num_hidden_layers"] == 2
     tokenizer = json.loads((demo_hf / "tokenizer_config.json").read_text())
     assert tokenizer["image_token"] == "<|image_pad|>" and tokenizer["padding_side"] == "left"
@@ -169,14 +171,19 @@ def tiny_model(tiny_model_config):
     return Blip2Qwen.from_config(tiny_model_config).eval()
 
 
-def test_the_vision_tower_and_queries_are_lavis_ds_s_bit_for_bit_when_the_norm_eps_agree(tiny_model):
+def test_the_converted_model_is_lavis_ds_s_bit_for_bit_when_the_norm_eps_agree(tiny_model):
     vit, ln_vision = tiny_model.visual_encoder, tiny_model.ln_vision
     images = torch.randn(2, 3, 64, 64)
     ln_vision.eps = vit.blocks[0].norm1.eps  # Blip2VisionConfig has one eps (see test below for the default)
     hf = to_hf_model(tiny_model, torch.float32)
+    input_ids, attention_mask = pad_batch([tiny_model.prompt.generation_prompt(CAPTION)] * 2, 0, side="left")
     with torch.no_grad():
         assert torch.equal(hf.vision_model(images).last_hidden_state, ln_vision(vit(images)))
         assert torch.equal(hf.get_image_features(images).pooler_output, tiny_model.encode_image(images))
+        embeds = tiny_model._embed(input_ids, tiny_model.encode_image(images))
+        ours = tiny_model.llm_model(inputs_embeds=embeds, attention_mask=attention_mask).logits
+        theirs = hf(pixel_values=images, input_ids=input_ids, attention_mask=attention_mask).logits
+    assert torch.equal(theirs, ours)
 
 
 def test_ln_vision_eps_is_the_one_difference_and_is_reported(tiny_model, tmp_path):
@@ -250,7 +257,8 @@ def test_the_chat_template_writes_lavis_ds_s_prompt(tiny_model_config, tmp_path)
     from lavis_ds.export_hf_processor import save_processor
     from transformers import AutoTokenizer
 
-    system = 'Say "hi" {{ and }} {% raw %}\n\\n ünïcødé 😀'  # quotes, Jinja syntax, a newline, a backslash, non-ASCII
+    # Quotes, Jinja syntax, a newline, a backslash, non-ASCII: the template must carry them unchanged.
+    system = 'Say "hi" {{ and }} {% raw %}\n\\n ünïcødé 😀'
     model = Blip2Qwen.from_config(tiny_model_config | {"system_prompt": system})
     save_processor(model, EVAL_IMAGES, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
@@ -324,6 +332,13 @@ def _swiglu(model):
     return model
 
 
+def _post_norm(model):
+    from timm.models.eva import EvaBlockPostNorm
+
+    model.visual_encoder.blocks[1].__class__ = EvaBlockPostNorm
+    return model
+
+
 def _subclassed_llm(model):
     from transformers import Qwen2ForCausalLM
 
@@ -340,6 +355,7 @@ def _subclassed_llm(model):
     (_silu, r"visual_encoder\.blocks\.1\.mlp\.act: SiLU\(\); Blip2MLP's activations"),
     (_rms_norm, r"visual_encoder\.blocks\.0\.norm1: RmsNorm"),
     (_swiglu, r"visual_encoder\.blocks\.0\.mlp: SwiGLU; Blip2MLP is fc1 -> activation -> fc2"),
+    (_post_norm, r"visual_encoder\.blocks\.1: EvaBlockPostNorm; Blip2EncoderLayer is EvaBlock's pre-norm layout"),
     (_subclassed_llm, r"llm_model: PatchedQwen2, but text_config model_type 'qwen2' builds Qwen2ForCausalLM"),
 ])
 def test_what_blip2_cannot_express_is_refused(tiny_model, change, message):
