@@ -18,6 +18,9 @@ training had them (random init from ``seed``, or the files named by ``pretrained
 Export reads the checkpoints of every runner, each through the runner that wrote it
 (``read_trained_weights``: DeepSpeed's of every ZeRO stage and precision, FSDP's DCP folders).
 Loading an export needs no engine and no process group.
+
+``export.py ... --format hf`` writes a transformers ``Blip2ForConditionalGeneration`` folder instead
+(:mod:`lavis_ds.export_hf`, docs/export-hf.md).
 """
 from __future__ import annotations
 
