@@ -18,6 +18,9 @@ training had them (random init from ``seed``, or the files named by ``pretrained
 Export reads the checkpoints of every runner, each through the runner that wrote it
 (``read_trained_weights``: DeepSpeed's of every ZeRO stage and precision, FSDP's DCP folders).
 Loading an export needs no engine and no process group.
+
+``export.py ... --format hf`` writes a transformers ``Blip2ForConditionalGeneration`` folder instead
+(:mod:`lavis_ds.export_hf`, docs/export-hf.md).
 """
 from __future__ import annotations
 
@@ -133,18 +136,10 @@ def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, mer
     weights, info = read_checkpoint(tag_dir)
     cfg = info["config"]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    tokenizer_source = model_cfg.get("tokenizer") or model_cfg.get("llm_model")
-    if not tokenizer_source or not Path(tokenizer_source).exists():
-        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {tokenizer_source!r}, "
-                          "which does not exist here: export where the run's tokenizer is")
+    tokenizer_source = run_tokenizer(model_cfg, tag_dir)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside `out`, then renamed: an export folder is whole or absent. mkdir, unlike
-    # mkdtemp, leaves the permissions to the umask.
-    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
-    tmp.mkdir()
-    try:
+    def write(tmp: Path) -> None:
+        nonlocal weights, model_cfg
         if merge_lora:
             weights, model_cfg = _merge_llm(weights, model_cfg, int(cfg.run.seed), tmp, tag_dir)
         else:
@@ -156,13 +151,38 @@ def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, mer
             model_cfg["tokenizer"] = TOKENIZER_DIR
         _save_weights(weights, tmp / WEIGHTS_FILE, tag_dir, info)
         _write_config(tmp / CONFIG_FILE, model_cfg, cfg, tag_dir, info, merge_lora)
+
+    write_whole(out, write)
+    return out
+
+
+def run_tokenizer(model_cfg: dict, tag_dir: Path) -> str:
+    """The run's tokenizer folder (``model.tokenizer``, else ``model.llm_model``): export rebuilds the model with it."""
+    source = model_cfg.get("tokenizer") or model_cfg.get("llm_model")
+    if not source or not Path(source).exists():
+        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {source!r}, "
+                          "which does not exist here: export where the run's tokenizer is")
+    return source
+
+
+def write_whole(out: Path, write) -> None:
+    """Call ``write(folder)`` on a folder beside ``out``, then rename it to ``out``: an export is whole or absent.
+
+    An existing ``out`` is replaced (the caller checked that it may be). mkdir, unlike mkdtemp, leaves the
+    permissions to the umask.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
+    tmp.mkdir()
+    try:
+        write(tmp)
         if out.exists():
-            shutil.rmtree(out)  # _check_out_dir allowed it: empty, or an earlier export with overwrite
+            shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:
@@ -344,20 +364,44 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
-        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`.")
+        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`; "
+        "with --format hf, with transformers' Blip2ForConditionalGeneration (docs/export-hf.md).")
     parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
                                        "output_dir (its newest complete checkpoint)")
     parser.add_argument("--out", required=True, help="export folder to create")
+    parser.add_argument("--format", choices=("lavis_ds", "hf"), default="lavis_ds",
+                        help="lavis_ds: trained weights + config for lavis_ds (default); hf: a Hugging Face "
+                             "Blip2ForConditionalGeneration folder with its processor, LoRA merged")
     parser.add_argument("--merge-lora", action="store_true",
-                        help="also write llm/: the LLM with LoRA (and trained token rows) merged, as a Hugging Face folder")
+                        help="also write llm/: the LLM with LoRA (and trained token rows) merged, as a Hugging Face "
+                             "folder (--format hf always merges)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     args = parser.parse_args(argv)
     try:
+        if args.format == "hf":
+            return _export_hf(args)
         out = export_checkpoint(args.source, args.out, merge_lora=args.merge_lora, overwrite=args.overwrite)
     except LavisDsError as e:  # ExportError, CheckpointError: the message names the path
         report(str(e))
         return e.exit_code
     export = read_export_config(out).export
-    engine = "FSDP2" if export.get("runner") == "runner_fsdp" else f"ZeRO-{export.zero_stage}"
-    print(f"exported {export.source} (step {export.global_step}, {engine}, {export.dtype}) -> {out}")
+    print(f"exported {export.source} (step {export.global_step}, {_engine(export)}, {export.dtype}) -> {out}")
     return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    import json
+
+    from lavis_ds.export_hf import MARKER_FILE, export_hf  # imports this module: imported when used
+
+    out = export_hf(args.source, args.out, overwrite=args.overwrite)
+    export = OmegaConf.create(json.loads((out / MARKER_FILE).read_text()))
+    print(f"exported {export.source} (step {export.global_step}, {_engine(export)}, {export.dtype}) -> {out} "
+          "(transformers Blip2ForConditionalGeneration)")
+    for note in export.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _engine(export: DictConfig) -> str:
+    return "FSDP2" if export.get("runner") == "runner_fsdp" else f"ZeRO-{export.zero_stage}"
