@@ -101,6 +101,18 @@ class BaseModel(nn.Module):
         Called once per run on the main process, before training. Default: nothing.
         """
 
+    def training_tokens(self, samples: dict[str, Any]) -> dict[str, Any] | None:
+        """A training micro-batch's token tensors, made on the CPU: ``input_ids``, ``attention_mask`` and ``labels``
+        (``-100`` where no loss is taken). The training loop adds them to the micro-batch before the forward, which
+        should then use them instead of tokenizing again, and counts tokens from them (tokens/s, padding, MFU).
+        Default None: the model's batches have no tokens to count."""
+        return None
+
+    def flop_model(self) -> Any:
+        """What a training sample costs in FLOPs (a ``lavis_ds.models.flops.FlopModel``), for the logged MFU, or
+        None (default): the model does not say."""
+        return None
+
     def freeze_module(self, name: str) -> None:
         """Freeze submodule ``name`` (dotted path) and keep it in eval mode from now on.
 

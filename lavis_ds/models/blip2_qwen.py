@@ -20,6 +20,7 @@ from transformers import Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwe
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
+from lavis_ds.models.flops import FlopModel, flop_model
 from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.pretrained import load_blip2
@@ -27,6 +28,8 @@ from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
 
 logger = logging.getLogger(__name__)
 
+# What ``training_tokens`` makes, in the order ``forward`` reads it.
+TOKEN_KEYS = ("input_ids", "attention_mask", "labels")
 # The ViT presets by name; a Literal so that the config validator catches a misspelt `vit_model`.
 VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[valid-type]
 # ViT settings that have their own top-level key (MiniGPT4Qwen's names); `vit:` must not repeat them.
@@ -310,6 +313,20 @@ class Blip2Qwen(BaseModel):
         projected = self.llm_proj(query_out.to(self.llm_proj.weight.dtype))
         return projected.to(self._embedding_dtype())
 
+    def training_tokens(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The micro-batch's ChatML token tensors, right-padded, on the CPU: ``input_ids``, ``attention_mask``
+        (1: a token, 0: padding) and ``labels`` (``IGNORE_INDEX`` except the answers). ``forward`` uses them
+        when ``samples`` holds them already (the training loop adds them to count tokens), else makes them."""
+        examples = [self.prompt.training_example(ins, out)
+                    for ins, out in zip(samples["instruction"], samples["output"], strict=True)]
+        input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
+        labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def flop_model(self) -> FlopModel:
+        """Training FLOPs per sample by part, for the parameters that train now (``lavis_ds.models.flops``)."""
+        return flop_model(self)
+
     def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Mean cross-entropy over the supervised tokens of the micro-batch.
 
@@ -319,11 +336,9 @@ class Blip2Qwen(BaseModel):
             average exactly across micro-batches and ranks.
         """
         image = samples["image"]
-        examples = [self.prompt.training_example(ins, out)
-                    for ins, out in zip(samples["instruction"], samples["output"], strict=True)]
-        input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
-        labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
-        input_ids, attention_mask, labels = (t.to(image.device) for t in (input_ids, attention_mask, labels))
+        # The training loop tokenizes its micro-batches before the forward (for its token counts): not again here.
+        tokens = samples if all(key in samples for key in TOKEN_KEYS) else self.training_tokens(samples)
+        input_ids, attention_mask, labels = (tokens[key].to(image.device) for key in TOKEN_KEYS)
 
         inputs_embeds = self._embed(input_ids, self.encode_image(image))
         logits = self.llm_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False).logits
