@@ -65,6 +65,8 @@ class RunConfig:
     best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
+    # peak TFLOP/s of one device, the denominator of the logged MFU; unset: A100/H100/H200 bf16 from the device name
+    peak_tflops: Annotated[float | None, Positive] = None
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 
 
