@@ -65,6 +65,9 @@ def test_fp32_stages_match_stage0(tmp_path, demo_storage, stage0_fp32, stage):
     steps = _train(tmp_path, demo_storage, f"stage{stage}", stage=stage, accum=2, max_epoch=2)
     assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in stage0_fp32], rel=1e-4, abs=1e-5)
     assert [m["lr"] for m in steps] == [m["lr"] for m in stage0_fp32]
+    # The FLOP function reads ZeRO-3's partitioned model as the whole one: the same samples cost the same FLOPs.
+    assert [m["tflops_per_device"] / m["tokens_per_sec"] for m in steps] == pytest.approx(
+        [m["tflops_per_device"] / m["tokens_per_sec"] for m in stage0_fp32], rel=1e-9)
 
 
 def test_optimizer_offload_trains_and_resumes_bit_for_bit(tmp_path, demo_storage):

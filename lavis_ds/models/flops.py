@@ -99,7 +99,7 @@ def flop_model(model: nn.Module) -> FlopModel:
     features_grad = _vit(model.visual_encoder, vit) | _trains(model.ln_vision)
     image_tokens = _vit_tokens(model.visual_encoder)
     queries_grad = _qformer(model, image_tokens, features_grad, qformer)
-    image_grad = projector.linear(model.llm_proj, model.query_tokens.shape[1], queries_grad)
+    image_grad = projector.linear(model.llm_proj, _num_queries(model), queries_grad)
     linear, attention = _Tally(), _Tally()
     _llm(base_llm(model.llm_model), image_grad, linear, attention)
     return FlopModel(vit.flops(), qformer.flops(), projector.flops(), linear.flops(), attention.flops())
@@ -144,6 +144,11 @@ def _trains(module: nn.Module | None, recurse: bool = True) -> bool:
     return module is not None and any(p.requires_grad for p in module.parameters(recurse=recurse))
 
 
+def _num_queries(model: nn.Module) -> int:
+    # ZeRO-3 leaves a partitioned parameter empty and keeps its real shape in ``ds_shape``.
+    return getattr(model.query_tokens, "ds_shape", model.query_tokens.shape)[1]
+
+
 def _vit_tokens(vit: nn.Module) -> int:
     return vit.patch_embed.num_patches + vit.num_prefix_tokens
 
@@ -170,7 +175,7 @@ def _vit(vit: nn.Module, tally: _Tally) -> bool:
 def _qformer(model: nn.Module, image_tokens: int, features_grad: bool, tally: _Tally) -> bool:
     """The Q-Former (HF ``Blip2QFormerModel``, query path only: no text input) on one image; whether its output needs
     a gradient."""
-    qformer, queries = model.qformer, model.query_tokens.shape[1]
+    qformer, queries = model.qformer, _num_queries(model)
     x = model.query_tokens.requires_grad | _trains(qformer.layernorm)
     for layer in qformer.encoder.layer:
         x = _qformer_attention(layer.attention, queries, queries, x, x, tally)
