@@ -52,6 +52,9 @@ def test_fsdp_takes_the_steps_deepspeed_takes_in_fp32(fp32_runs, deepspeed):
         assert mine["lr"] == theirs["lr"]
         assert _relative(mine["loss"], theirs["loss"]) < 1e-5, (mine, theirs)
         assert _relative(mine["grad_norm"], theirs["grad_norm"]) < 1e-5, (mine, theirs)
+        # The FLOP function reads the sharded model (and the LLM process 1 built empty) as the whole one.
+        assert _relative(mine["tflops_per_device"] / mine["tokens_per_sec"],
+                         theirs["tflops_per_device"] / theirs["tokens_per_sec"]) < 1e-9, (mine, theirs)
     assert fsdp[-1]["loss"] < 0.8 * fsdp[0]["loss"]
 
 
@@ -84,7 +87,7 @@ def test_frozen_towers_lora_and_gradient_checkpointing_under_fsdp(tmp_path, demo
     from lavis_ds.build import build_model
     from lavis_ds.config import load_config
 
-    losses = {}
+    losses, flops_per_token = {}, {}
     for runner in ("runner_fsdp", "runner_deepspeed"):
         cfg = _config(tmp_path / runner, demo_storage, runner, dtype=dtype)
         cfg["model"].update(freeze_vit=True, freeze_llm=True, get_lora=True, use_grad_checkpoint=True,
@@ -92,9 +95,12 @@ def test_frozen_towers_lora_and_gradient_checkpointing_under_fsdp(tmp_path, demo
         path = write_yaml(tmp_path / f"{runner}.yaml", cfg)
         run_train(path)
         losses[runner] = [m["loss"] for m in train_steps(tmp_path / runner)]
+        flops_per_token[runner] = [m["tflops_per_device"] / m["tokens_per_sec"] for m in train_steps(tmp_path / runner)]
     tolerance = 1e-5 if dtype == "fp32" else 0.02  # bf16: see test_bf16_mixed_fsdp_stays_close_to_deepspeed_bf16
     assert all(_relative(a, b) < tolerance for a, b in zip(losses["runner_fsdp"], losses["runner_deepspeed"])), losses
     assert losses["runner_fsdp"][-1] < losses["runner_fsdp"][0]
+    # Frozen towers and LoRA adapters counted alike under both engines (the same samples: the same FLOPs).
+    assert flops_per_token["runner_fsdp"] == pytest.approx(flops_per_token["runner_deepspeed"], rel=1e-9)
 
     model = build_model(load_config(path, world_size=2).model, seed=7)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}

@@ -1,6 +1,7 @@
 """End to end: train.py on real DeepSpeed engines, 2 processes, the tiny BLIP2-Qwen."""
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.models import Blip2Qwen
 from lavis_ds.optim.lr_schedulers import LinearWarmupCosineLR
 from run_utils import REPO, env, free_port, metrics, run_train, tiny_config, train_steps, write_yaml
 
@@ -46,11 +48,26 @@ def test_stage0_fp32_trains(stage0_fp32):
     assert [m["step"] for m in stage0_fp32] == list(range(1, 17))
 
 
+def test_throughput_is_summed_over_both_processes(stage0_fp32, demo_storage):
+    """Each process counts its own tokens; a logged step's rates are over both (rank 0's alone: about half)."""
+    cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(demo_storage / "tokenizer")}
+    prompt = Blip2Qwen.from_config(cfg).prompt
+    records = json.loads((demo_storage / "annotations" / "train.json").read_text())
+    lengths = [len(prompt.training_example(r["instruction"], r["output"])[0]) for r in records]  # 52 to 75 tokens
+    for m in stage0_fp32:
+        assert min(lengths) <= m["tokens_per_sec"] / m["samples_per_sec"] <= max(lengths)  # the same seconds
+        assert 0 < m["supervised_tokens_per_sec"] < m["tokens_per_sec"] and 0 <= m["padding_share"] < 1
+        assert m["peak_memory_gib"] > 0 and m["tflops_per_device"] > 0 and "mfu" not in m  # a CPU: no peak known
+
+
 @pytest.mark.parametrize("stage", [3])  # the stage that partitions everything; 1 and 2 only cost suite time
 def test_fp32_stages_match_stage0(tmp_path, demo_storage, stage0_fp32, stage):
     steps = _train(tmp_path, demo_storage, f"stage{stage}", stage=stage, accum=2, max_epoch=2)
     assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in stage0_fp32], rel=1e-4, abs=1e-5)
     assert [m["lr"] for m in steps] == [m["lr"] for m in stage0_fp32]
+    # The FLOP function reads ZeRO-3's partitioned model as the whole one: the same samples cost the same FLOPs.
+    assert [m["tflops_per_device"] / m["tokens_per_sec"] for m in steps] == pytest.approx(
+        [m["tflops_per_device"] / m["tokens_per_sec"] for m in stage0_fp32], rel=1e-9)
 
 
 def test_optimizer_offload_trains_and_resumes_bit_for_bit(tmp_path, demo_storage):

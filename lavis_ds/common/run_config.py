@@ -79,6 +79,8 @@ class RunConfig:
     length_grouped: bool = False
     max_seq_len: Annotated[int | None, AtLeastOne] = None
     deterministic: bool = False
+    # peak TFLOP/s of one device, the denominator of the logged MFU; unset: A100/H100/H200 bf16 from the device name
+    peak_tflops: Annotated[float | None, Positive] = None
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 
 

@@ -149,6 +149,11 @@ class BaseModel(nn.Module):
         Called once per run on the main process, before training. Default: nothing.
         """
 
+    def flop_model(self) -> Any:
+        """What a training sample costs in FLOPs (a ``lavis_ds.models.flops.FlopModel``), for the logged MFU, or
+        None (default): the model does not say."""
+        return None
+
     def freeze_module(self, name: str) -> None:
         """Freeze submodule ``name`` (dotted path) and keep it in eval mode from now on.
 

@@ -20,6 +20,7 @@ from transformers import Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwe
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
+from lavis_ds.models.flops import FlopModel, flop_model
 from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.pretrained import load_blip2
@@ -331,6 +332,10 @@ class Blip2Qwen(BaseModel):
     def supervised_tokens(self, samples: dict[str, Any]) -> int:
         """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
         return int((samples["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def flop_model(self) -> FlopModel:
+        """Training FLOPs per sample by part, for the parameters that train now (``lavis_ds.models.flops``)."""
+        return flop_model(self)
 
     def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Mean cross-entropy over the supervised tokens of the micro-batch.

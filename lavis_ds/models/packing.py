@@ -45,8 +45,8 @@ def plan_rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
 def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, pad_id: int,
          ignore_index: int) -> dict[str, torch.Tensor | list[int]]:
     """``examples`` (input_ids, labels) packed: ``input_ids``, ``labels``, ``position_ids`` ``[rows, longest row]``,
-    ``attention_mask`` (1 where a token stands, 0 in the tails: for counting, the model passes positions instead)
-    and ``order`` (the sample index of each packed sample, in row-major order)."""
+    ``attention_mask`` (1 where a token stands, 0 in the tails: for counting, the model passes positions instead),
+    ``sample_lengths`` (for counting attention FLOPs) and ``order`` (the sample index of each packed sample, in row-major order)."""
     rows = plan_rows([len(ids) for ids, _ in examples], max_len)
     width = max(sum(len(examples[i][0]) for i in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -65,4 +65,5 @@ def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, 
     filled = torch.tensor([sum(len(examples[i][0]) for i in row) for row in rows])
     attention_mask = (torch.arange(width).unsqueeze(0) < filled.unsqueeze(1)).long()
     return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": attention_mask,
+            "sample_lengths": torch.tensor([len(ids) for ids, _ in examples]),
             "order": [i for row in rows for i in row]}

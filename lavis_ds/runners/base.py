@@ -33,7 +33,7 @@ from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners import faults
+from lavis_ds.runners import faults, throughput
 from lavis_ds.runners.hooks import build_hooks
 
 
@@ -145,13 +145,14 @@ class RunnerBase:
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
         self.prepare_micro_batches(micro_batches)
         self.loss_weight = self.step_loss_weight(micro_batches)
+        tokens = throughput.count_tokens(self.module, micro_batches)  # on the CPU, from the prepared batches
         losses = self.forward_backward(micro_batches)  # gradients accumulated, not applied yet
         metrics = self.check_losses(losses)  # a non-finite loss stops the run here, or skips the update
         metrics.update(self.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
         self.state.step_in_epoch += 1
-        self.call_hooks("after_step", {**metrics, "lr": lr})
+        self.call_hooks("after_step", {**metrics, "lr": lr, "tokens": tokens})
 
     def prepare_micro_batches(self, micro_batches: list[dict]) -> None:
         """What the model does on the host before the step (``prepare_batch``: tokenizing; with ``run.packing``,

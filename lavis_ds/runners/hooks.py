@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -21,6 +20,7 @@ from lavis_ds.common.logger import MetricsWriter
 from lavis_ds.metrics import build_metric
 from lavis_ds.metrics.selection import TEST, VALID, higher_is_better, log_key, metric_names
 from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.throughput import ThroughputMeter
 
 
 class Hook:
@@ -54,41 +54,46 @@ def build_hooks(runner) -> list[Hook]:
         BestCheckpoint(validation),
         # Generation-based test metrics once, at the very end.
         TestGeneration(logger),
+        # Last: training time restarts once a step's evaluations and saves are done, so they do not count in tokens/s.
+        TrainingClock(logger.meter),
     ]
 
 
 class MetricsLogger(Hook):
     """metrics.jsonl + TensorBoard on rank 0 every `run.log_freq` steps, and a progress bar with ETA.
 
-    Owns the writer and the bar: other hooks write their records through ``log``.
+    Each logged step carries its throughput since the last one (``runners.throughput``: tokens/s,
+    padding share, peak memory, MFU). Owns the writer and the bar: other hooks write their records
+    through ``log``.
     """
 
     def __init__(self) -> None:
         self.writer, self.bar = None, None
+        self.meter = ThroughputMeter()
 
     def before_train(self, runner) -> None:
-        if runner.rank != 0:
-            return
-        resumed = runner.state.global_step if runner.state.global_step else None
-        self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
-        self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
-                        dynamic_ncols=True, mininterval=1.0)
-        self.last_time, self.last_step = time.perf_counter(), runner.state.global_step
+        if runner.rank == 0:
+            resumed = runner.state.global_step if runner.state.global_step else None
+            self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
+            self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
+                            dynamic_ncols=True, mininterval=1.0)
+        self.meter.start(runner)
 
     def after_step(self, runner, metrics: dict) -> None:
-        if runner.rank != 0:
-            return
-        self.bar.update(1)
+        metrics = dict(metrics)
+        self.meter.step_done(metrics.pop("tokens", None))  # every rank: its own tokens
+        if runner.rank == 0:
+            self.bar.update(1)
         step = runner.state.global_step
         if step % runner.run.log_freq and step != runner.total_steps:
             return
-        now = time.perf_counter()
-        record = {"step": step, "epoch": runner.state.epoch, **metrics,
-                  "samples_per_sec": (step - self.last_step) * runner.global_batch / max(now - self.last_time, 1e-9)}
-        self.last_time, self.last_step = now, step
+        throughput = self.meter.report(runner)  # collective: every rank takes the same steps
+        if runner.rank != 0:
+            return
+        record = {"step": step, "epoch": runner.state.epoch, **metrics, **throughput}
         self.writer.write(record)
         if record["loss"] is not None:  # None: a skipped step (non-finite loss)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+            self.bar.set_postfix(_postfix(record))
 
     def log(self, runner, record: dict) -> None:
         """An evaluation record, at the current step: to metrics.jsonl and TensorBoard, and one line on screen."""
@@ -114,6 +119,29 @@ class MetricsLogger(Hook):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _postfix(record: dict) -> dict[str, str]:
+    """What the progress bar shows of a logged step."""
+    shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
+    if "tokens_per_sec" in record:
+        shown["tok/s"] = f"{record['tokens_per_sec']:,.0f}"
+    if "mfu" in record:
+        shown["mfu"] = f"{record['mfu']:.1%}"
+    return shown
+
+
+class TrainingClock(Hook):
+    """Restarts the throughput clock when a step's hooks (evaluation, checkpoints) are done, and after an epoch's."""
+
+    def __init__(self, meter: ThroughputMeter) -> None:
+        self.meter = meter
+
+    def after_step(self, runner, metrics: dict) -> None:
+        self.meter.mark()
+
+    def after_epoch(self, runner) -> None:
+        self.meter.mark()
 
 
 def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:

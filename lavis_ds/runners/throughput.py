@@ -1,0 +1,142 @@
+"""Throughput you can see: tokens/s, supervised tokens/s, padding share, peak memory and MFU at every logged step.
+
+Tokens are counted from each rank's CPU-side micro-batches before the forward (``count_tokens``, in
+the loop's ``run_step``): no GPU-to-host copy, no collective. ``ThroughputMeter`` adds them up between
+logged steps and sums them over the ranks only at a logged step, with one ``comm.all_gather_object``. Its clock
+counts training time only: the time from the end of a step's hooks to the next step's logger, so
+evaluation and checkpoint saving do not lower tokens/s and MFU. docs/throughput.md has the fields and
+the FLOP formula.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from lavis_ds.common import comm
+from lavis_ds.common.errors import report
+from lavis_ds.common.hardware import device_name, peak_bf16_tflops, peak_memory_bytes
+from lavis_ds.models.prompt import IGNORE_INDEX
+
+
+@dataclass
+class TokenCounts:
+    """Tokens of some micro-batches (one rank's, or every rank's once gathered)."""
+
+    samples: int = 0
+    positions: int = 0  # every position of the padded batches
+    tokens: int = 0  # positions holding a token (attention_mask 1)
+    supervised: int = 0  # tokens the loss is taken on
+    squared_tokens: int = 0  # sum of each sample's token count squared: attention FLOPs grow with it
+
+    def __add__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def count_tokens(model: torch.nn.Module, micro_batches: list[dict]) -> TokenCounts | None:
+    """This rank's token counts of one optimizer step's micro-batches, made on the CPU.
+
+    Counted from a micro-batch's ``attention_mask`` and ``labels``, which the model's ``prepare_batch`` adds on the
+    host before the step (the loop prepares every micro-batch first; one that is not prepared yet is prepared
+    here, in place, so that its forward does not tokenize again). None if the model's batches have no tokens.
+    """
+    prepare = getattr(model, "prepare_batch", None)
+    total = TokenCounts()
+    for batch in micro_batches:
+        if not ("attention_mask" in batch and "labels" in batch) and prepare is not None:
+            batch.update(prepare(batch))
+        if not ("attention_mask" in batch and "labels" in batch):
+            return None
+        total += _counts(batch)
+    return total
+
+
+def _counts(tokens: dict[str, torch.Tensor]) -> TokenCounts:
+    mask = tokens["attention_mask"]
+    # A packed row holds several samples, each attending only to itself: attention costs their own lengths squared.
+    lengths = torch.as_tensor(tokens["sample_lengths"]) if "sample_lengths" in tokens else mask.sum(dim=1)
+    # The loss reads the labels shifted by one (token t predicts t + 1): count the tokens it counts.
+    supervised = (tokens["labels"][:, 1:] != IGNORE_INDEX).sum()
+    return TokenCounts(samples=len(lengths), positions=mask.numel(), tokens=int(lengths.sum()),
+                       supervised=int(supervised), squared_tokens=int((lengths * lengths).sum()))
+
+
+def peak_tflops(run: Any) -> tuple[float | None, str | None]:
+    """The peak TFLOP/s per device that MFU divides by, and why there is none (a note for the log) if none.
+
+    ``run.peak_tflops`` if set; else the device's dense bf16 peak (``common.hardware``) for a bf16/fp16 run.
+    An fp32 run gets none by itself: its matmuls do not run at the bf16 rate.
+    """
+    if run.get("peak_tflops"):
+        return float(run.peak_tflops), None
+    name = device_name()
+    unset = "set run.peak_tflops (the device's peak TFLOP/s for this precision) to log it"
+    if name == "CPU":
+        return None, f"MFU is not logged: there is no peak FLOP/s table for CPUs; {unset}"
+    if run.get("precision") not in ("bf16", "fp16"):
+        return None, (f"MFU is not logged: this run computes in {run.get('precision')} and the table "
+                      f"holds bf16 peaks; {unset}")
+    peak = peak_bf16_tflops(name)
+    if peak is None:
+        return None, f"MFU is not logged: no peak FLOP/s is known for {name}; {unset}"
+    return peak, None
+
+
+class ThroughputMeter:
+    """Training time and token counts between logged steps, turned into rates at each logged step.
+
+    The logger calls ``step_done`` first thing after every step and ``report`` at logged steps; ``mark`` is
+    called once a step's hooks are done (hooks.TrainingClock, last in the hook list), so the time of
+    evaluations and saves is left out.
+    """
+
+    def start(self, runner) -> None:
+        """Before training: what the model costs per sample, the device's peak, a clean slate."""
+        flop_model = getattr(runner.module, "flop_model", None)
+        self.flops = flop_model() if flop_model is not None else None
+        self.peak_tflops, self.note = peak_tflops(runner.run)
+        self._reset()
+
+    def mark(self) -> None:
+        """The clock starts here (again): what follows until ``step_done`` is training."""
+        self.since = time.perf_counter()
+
+    def step_done(self, counts: TokenCounts | None) -> None:
+        """One optimizer step is done (its hooks are not): add its time and this rank's ``counts`` (None: none)."""
+        now = time.perf_counter()
+        self.seconds += now - self.since
+        self.since, self.steps = now, self.steps + 1
+        self.counts = None if counts is None or self.counts is None else self.counts + counts
+
+    def report(self, runner) -> dict[str, float]:
+        """Rates since the last report, over every rank. Collective: every rank calls it, at the same steps."""
+        if self.note and runner.rank == 0:  # once, with the first numbers (not in evaluate-only runs)
+            report(self.note)
+        self.note = None
+        gathered = comm.all_gather_object((self.counts, peak_memory_bytes()))
+        seconds = max(self.seconds, 1e-9)
+        record = {"samples_per_sec": self.steps * runner.global_batch / seconds,
+                  "peak_memory_gib": max(memory for _, memory in gathered) / 2**30}
+        if all(counts is not None for counts, _ in gathered):
+            record.update(self._rates(sum((counts for counts, _ in gathered), TokenCounts()), seconds,
+                                      runner.world_size))
+        self._reset()
+        return record
+
+    def _rates(self, total: TokenCounts, seconds: float, world_size: int) -> dict[str, float]:
+        rates = {"tokens_per_sec": total.tokens / seconds, "supervised_tokens_per_sec": total.supervised / seconds,
+                 "padding_share": 1 - total.tokens / max(total.positions, 1)}
+        if self.flops is not None:
+            # Model FLOPs of the tokens (padding excluded: compute spent on it is not useful work).
+            flops = self.flops.training_flops(total.samples, total.tokens, total.squared_tokens)
+            per_device = flops / seconds / world_size
+            rates["tflops_per_device"] = per_device / 1e12
+            if self.peak_tflops:
+                rates["mfu"] = per_device / (self.peak_tflops * 1e12)
+        return rates
+
+    def _reset(self) -> None:
+        self.seconds, self.steps, self.counts = 0.0, 0, TokenCounts()
+        self.mark()

@@ -1,0 +1,227 @@
+"""Throughput you can see: the FLOP function (by hand, and against torch's FlopCounterMode on the real tiny model),
+the peak FLOP/s table and run.peak_tflops, and the throughput fields of a real tiny run's metrics.jsonl."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import plain_runner  # noqa: F401  (registers runner_plain_test)
+from lavis_ds.build import build_runner
+from lavis_ds.common.errors import ConfigError
+from lavis_ds.common.hardware import peak_bf16_tflops
+from lavis_ds.config import load_config
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.models import Blip2Qwen
+from lavis_ds.models.flops import Flops
+from lavis_ds.runners import throughput
+from run_utils import tiny_config, train_steps, write_yaml
+
+# The MiniGPT4Qwen recipe: ViT, Q-Former, queries and LLM frozen; only the projection trains.
+MINIGPT4QWEN = {"freeze_vit": True, "freeze_qformer": True, "freeze_queries": True, "freeze_llm": True}
+RECIPES = {
+    "everything trains (the tiny preset)": {},
+    "MiniGPT4Qwen": MINIGPT4QWEN,
+    "LoRA": {**MINIGPT4QWEN, "get_lora": True},
+    "LoRA under a frozen projection": {**MINIGPT4QWEN, "get_lora": True, "freeze_proj": True},
+    "frozen ViT but its position embedding": {**MINIGPT4QWEN, "unfreeze_pos_embed": True},
+    "queries only": {**MINIGPT4QWEN, "freeze_queries": False, "freeze_proj": True},
+}
+
+
+def _batch() -> dict:
+    """Two samples of different lengths (so one is padded), one of them two turns long."""
+    return {"image": torch.randn(2, 3, 64, 64),
+            "instruction": [["<Img><ImageHere></Img> What is in the image?", "Describe the picture in detail."],
+                            ["What color is the ball?"]],
+            "output": [["A cat sitting on a mat.", "A dog runs on the grass next to a red ball."], ["It is red."]]}
+
+
+# ----------------------------------------------------------------------------- the FLOP function
+def test_the_tiny_preset_counted_by_hand(tiny_model_config):
+    """lavis_ds/configs/models/blip2_qwen/tiny.yaml (and eva_vit_g/tiny.yaml), matmul by matmul."""
+    model = Blip2Qwen.from_config(tiny_model_config)
+    vocab = model.llm_model.lm_head.out_features  # the tokenizer's size
+    # ViT: 64 px images in 16 px patches: 16 patches + CLS = 17 tokens, width 64, MLP 256, 2 blocks.
+    patches, tokens, width, mlp = 16, 17, 64, 256
+    patch_embed = 2 * patches * (3 * 16 * 16) * width
+    attention = 2 * (2 * tokens * tokens * width)  # Q Kᵀ and P V
+    vit_block = 2 * tokens * (3 * width * width + width * width + 2 * width * mlp) + attention  # qkv, proj, fc1, fc2
+    vit = patch_embed + 2 * vit_block
+    # Q-Former: 8 queries, width 64, FFN 128, 2 layers, cross-attention to the 17 image tokens in layer 0 only.
+    queries, hidden, ffn = 8, 64, 128
+    self_attention = 2 * queries * 4 * hidden * hidden + 2 * (2 * queries * queries * hidden)  # q, k, v, out
+    cross_attention = (2 * queries * 2 * hidden * hidden + 2 * tokens * 2 * width * hidden  # q, out | k, v
+                       + 2 * (2 * queries * tokens * hidden))
+    feed_forward = 2 * queries * 2 * hidden * ffn
+    qformer = 2 * (self_attention + feed_forward) + cross_attention
+    projector = 2 * queries * hidden * 64
+    # LLM: width 64, 4 query heads and 2 KV heads of 16 (q 64, k and v 32 wide), MLP 128, 2 layers, output head.
+    llm_weights = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 64 * vocab  # N, embeddings left out
+    llm_attention = 2 * (2 * 64 + 2 * 64)  # per T²: Q Kᵀ and P V over 4 heads x 16, 2 layers
+
+    flops = model.flop_model()
+    # Everything trains: every matmul 3x its forward, except the patch embedding (the image needs no gradient).
+    assert flops.vit == Flops(vit, 3 * vit - patch_embed)
+    assert flops.qformer == Flops(qformer, 3 * qformer)
+    assert flops.projector == Flops(projector, 3 * projector)
+    assert flops.llm_per_token == Flops(2 * llm_weights, 6 * llm_weights)  # 6N
+    assert flops.llm_attention == Flops(llm_attention, 3 * llm_attention)  # 12·L·H·Q per T²
+
+    recipe = Blip2Qwen.from_config({**tiny_model_config, **MINIGPT4QWEN}).flop_model()
+    # Nothing below the ViT and the Q-Former trains: forward only. The projection's input needs no gradient (its
+    # weight's does: 2x); the frozen LLM passes the gradient down to it (dX but no dW: 4N, not 6N); attention's
+    # two activation operands both need one (3x).
+    assert recipe == type(recipe)(Flops(vit, vit), Flops(qformer, qformer), Flops(projector, 2 * projector),
+                                  Flops(2 * llm_weights, 4 * llm_weights), Flops(llm_attention, 3 * llm_attention))
+    assert recipe.per_sample(10)["llm"] == Flops(10 * 2 * llm_weights + 100 * llm_attention,
+                                                  10 * 4 * llm_weights + 300 * llm_attention)
+
+
+def test_the_full_size_preset_on_the_meta_device(tiny_tokenizer_dir):
+    """qwen2.5_7b_instruct (the MiniGPT4Qwen recipe) from its YAML sizes: 4N + 12·L·H·Q·T per token for the frozen
+    LLM under the trained projection; EVA-ViT-G and BLIP-2's Q-Former forward only."""
+    cfg = {**Blip2Qwen.default_config("qwen2.5_7b_instruct"), "tokenizer": str(tiny_tokenizer_dir),
+           "load_pretrained": False}
+    with torch.device("meta"):
+        flops = Blip2Qwen.from_config(cfg).flop_model()
+    h, kv, mlp, layers, vocab = 3584, 4 * 128, 18944, 28, 152064
+    n = layers * (h * h + 2 * h * kv + h * h + 3 * h * mlp) + h * vocab  # 7.07e9: Qwen2.5-7B less its input embedding
+    assert flops.llm_per_token == Flops(2 * n, 4 * n)
+    assert flops.llm_attention == Flops(4 * layers * h, 12 * layers * h)  # 28 heads x 128 = the width
+    tokens, width, depth = 257, 1408, 39  # 224 px in 14 px patches + CLS; 6144 MLP units
+    vit = 2 * 256 * (3 * 14 * 14) * width + depth * (2 * tokens * (4 * width * width + 2 * width * 6144)
+                                                       + 4 * tokens * tokens * width)
+    assert flops.vit == Flops(vit, vit)
+    queries, hidden = 32, 768  # 12 layers, cross-attention in 6 of them, FFN 3072
+    qformer = (12 * (2 * queries * (4 * hidden * hidden + 2 * hidden * 3072) + 4 * queries * queries * hidden)
+               + 6 * (2 * queries * 2 * hidden * hidden + 2 * tokens * 2 * width * hidden
+                      + 4 * queries * tokens * hidden))
+    assert flops.qformer == Flops(qformer, qformer)
+    assert flops.projector == Flops(2 * queries * hidden * h, 4 * queries * hidden * h)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_flop_counter_measures_the_same_on_the_real_model(tiny_model_config, recipe):
+    """torch.utils.flop_counter counts matmuls only, as the formula does: they agree to float rounding. The one gap:
+    torch 2.14 has no FLOP formula for CPU's fused attention kernel and counts it as 0, so attention runs on the
+    math backend here, whose matmuls it counts."""
+    model = Blip2Qwen.from_config({**tiny_model_config, **RECIPES[recipe]})
+    batch = _batch()
+    padded_len = model.prepare_batch(batch)["input_ids"].shape[1]  # the counter sees the padding too
+    expected = model.flop_model().per_sample(padded_len)["total"] * 2
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as forward:
+            model(batch)
+        with FlopCounterMode(display=False) as training:
+            model(batch)["loss"].backward()
+    assert forward.get_total_flops() == pytest.approx(expected.forward, rel=1e-9)
+    assert training.get_total_flops() == pytest.approx(expected.training, rel=1e-9)
+
+
+def test_tokens_are_counted_on_the_cpu_and_the_forward_reuses_them(tiny_model_config):
+    model = Blip2Qwen.from_config(tiny_model_config)
+    batch, untouched = _batch(), _batch()
+    untouched["image"] = batch["image"]
+    counts = throughput.count_tokens(model, [batch])
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    assert batch["input_ids"].device.type == "cpu" and lengths[0] > lengths[1]
+    assert counts == throughput.TokenCounts(samples=2, positions=2 * lengths[0], tokens=sum(lengths),
+                                            supervised=int((batch["labels"] != -100).sum()),
+                                            squared_tokens=sum(n * n for n in lengths))
+    assert counts.supervised < counts.tokens < counts.positions
+    torch.manual_seed(0)
+    reused = model(batch)
+    torch.manual_seed(0)
+    assert torch.equal(reused["loss"], model(untouched)["loss"])
+    assert reused["num_tokens"] == counts.supervised
+
+
+# ----------------------------------------------------------------------------- peaks and run.peak_tflops
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
+    # Not in the table: no MFU rather than a guessed one.
+    ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None), ("NVIDIA GH200 480GB", None),
+    ("NVIDIA GeForce RTX 3090", None), ("CPU", None),
+])
+def test_the_peak_table_by_device_name(name, peak):
+    assert peak_bf16_tflops(name) == peak
+
+
+def test_the_peak_comes_from_run_peak_tflops_else_the_device():
+    assert throughput.peak_tflops(OmegaConf.create({"peak_tflops": 42.5, "precision": "fp32"})) == (42.5, None)
+    peak, note = throughput.peak_tflops(OmegaConf.create({"peak_tflops": None, "precision": "bf16"}))
+    assert peak is None and "MFU is not logged" in note and "run.peak_tflops" in note  # this machine: a CPU
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=16, num_val=8, num_test=8))
+    return storage
+
+
+def _config(out, demo_storage, **run) -> dict:
+    """The tiny model on 16 demo samples: 2 optimizer steps of micro-batches 4 x accumulation 2, in this process."""
+    cfg = tiny_config(out, demo_storage, accum=2, runner="runner_plain_test", **run)
+    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16, num_val=8, num_test=8)
+    return cfg
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, r"run\.peak_tflops: 0 is out of range; valid: > 0"),
+    ("fast", r"run\.peak_tflops: expected float \| null, got 'fast'"),
+])
+def test_a_bad_peak_tflops_is_a_config_error(tmp_path, demo_storage, value, message):
+    cfg = write_yaml(tmp_path / "run.yaml", _config(tmp_path / "out", demo_storage, peak_tflops=value))
+    with pytest.raises(ConfigError, match=message):
+        load_config(cfg)
+
+
+# ----------------------------------------------------------------------------- a real run's metrics.jsonl
+def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list[list[torch.Tensor]], object]:
+    """Train in-process; (the logged steps, each step's micro-batches' attention masks, the runner)."""
+    masks = []
+
+    def recording(model, micro_batches):
+        counts = count_tokens(model, micro_batches)
+        masks.append([batch["attention_mask"] for batch in micro_batches])
+        return counts
+
+    count_tokens = throughput.count_tokens
+    monkeypatch.setattr(throughput, "count_tokens", recording)
+    runner = build_runner(load_config(write_yaml(tmp_path / "run.yaml", _config(tmp_path / "out", demo_storage,
+                                                                                  **run))))
+    runner.train()
+    return train_steps(tmp_path / "out"), masks, runner
+
+
+def test_a_run_logs_tokens_padding_memory_and_no_mfu_on_a_cpu(tmp_path, demo_storage, monkeypatch, capsys):
+    steps, masks, _ = _train(tmp_path, demo_storage, monkeypatch)
+    assert len(steps) == 2 == len(masks)
+    for step, step_masks in zip(steps, masks):
+        tokens = sum(int(mask.sum()) for mask in step_masks)
+        positions = sum(mask.numel() for mask in step_masks)
+        assert step["tokens_per_sec"] > 0 and 0 < step["supervised_tokens_per_sec"] < step["tokens_per_sec"]
+        assert 0 <= step["padding_share"] < 1
+        assert step["padding_share"] == pytest.approx(1 - tokens / positions, rel=1e-12)
+        # Both rates divide by the same training time.
+        assert step["tokens_per_sec"] / step["samples_per_sec"] == pytest.approx(tokens / 8, rel=1e-9)
+        assert step["peak_memory_gib"] > 0.01  # the process's peak RSS on a CPU
+        assert step["tflops_per_device"] > 0 and "mfu" not in step
+    assert capsys.readouterr().err.count("MFU is not logged") == 1  # one note, not one per step
+
+
+def test_mfu_is_achieved_flops_over_run_peak_tflops(tmp_path, demo_storage, monkeypatch):
+    peak = 0.5  # TFLOP/s, made up for a CPU
+    steps, masks, runner = _train(tmp_path, demo_storage, monkeypatch, peak_tflops=peak)
+    flop_model = runner.module.flop_model()
+    for step, step_masks in zip(steps, masks):
+        lengths = [int(n) for mask in step_masks for n in mask.sum(dim=1)]
+        flops = sum(flop_model.per_sample(n)["total"].training for n in lengths)
+        seconds = sum(lengths) / step["tokens_per_sec"]  # the meter's training time of this step
+        assert step["mfu"] == pytest.approx(flops / seconds / (peak * 1e12), rel=1e-9)
+        assert step["mfu"] == pytest.approx(step["tflops_per_device"] / peak, rel=1e-12)
