@@ -25,6 +25,7 @@ from lavis_ds.datasets.records import IMAGE_PLACEHOLDER, BadRecord
 from lavis_ds.datasets.video import read_frames, uniform_indices
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.processors import Blip2ImageEvalProcessor, BlipCaptionProcessor
+from run_utils import metrics, output_of, start, tiny_config, train_steps, write_yaml
 
 IMG = IMAGE_PLACEHOLDER
 EVAL_64 = {"train": {"name": "blip2_image_eval", "image_size": 64}, "eval": {"name": "blip2_image_eval", "image_size": 64}}
@@ -308,3 +309,47 @@ def test_a_llava_section_trains_text_only_records_unless_skip_text_only(tmp_path
     assert [train[i]["num_images"] for i in range(3)] == [1, 0, 2]
     skipping = LlavaConversationBuilder({**section, "skip_text_only": True}).build()["train"]
     assert len(skipping) == 2 and [b.kind for b in skipping.skipped] == [BadRecord.TEXT_ONLY]
+
+
+# ---- a real run ---------------------------------------------------------------------------------------
+
+def _run_config(out: Path, data: Path, tokenizer: Path, runner: str) -> dict:
+    root = write_data(data / "media", video_frames=6)
+    llava = write_json(data / "llava_v1_5_mix665k.json",
+                       [MIX665K_TEXT_ONLY] * 6 + [MIX665K_SINGLE_IMAGE] * 3 + [LLAVA_MULTI_IMAGE] * 3)
+    mpp = write_json(data / "videochatgpt_instruction_100k.json", [MPP_VIDEO, MPP_MULTI_IMAGE] * 2)
+    train_64 = {"train": {"name": "blip2_image_train", "image_size": 64}, "eval": {"name": "blip2_image_eval",
+                                                                                  "image_size": 64}}
+
+    def section(builder, path, **build_info):
+        return {"builder": builder, "vis_processor": train_64, "build_info": {
+            "annotations": {"train": {"storage": str(path)}, "val": {"storage": str(path)}},
+            "images": {"storage": str(root)}, **build_info}}
+
+    cfg = tiny_config(out, data, stage=3, micro=1, max_epoch=1, runner=runner, valid_splits=["val"],
+                      val_metrics=["exact_match"], generate={"max_new_tokens": 4})
+    cfg["model"]["tokenizer"] = str(tokenizer)
+    cfg["datasets"] = {"mix665k": section("llava_conversation", llava),
+                       "videochatgpt": section("videochatgpt_100k", mpp, max_frames=4)}
+    return cfg
+
+
+def test_text_only_multi_image_and_video_records_train_in_one_run(tmp_path, tiny_tokenizer_dir):
+    """train.py on 2 processes, ZeRO-3 and FSDP2, one sample per micro-batch: ranks often hold a text-only
+    sample while the other holds images, and validation generates for every kind of record."""
+    jobs = {}
+    for runner in ("runner_deepspeed", "runner_fsdp"):
+        out = tmp_path / runner
+        cfg = write_yaml(tmp_path / f"{runner}.yaml", _run_config(out, tmp_path / "data", tiny_tokenizer_dir, runner))
+        jobs[runner] = (out, start(cfg, nproc=2))
+    for runner, (out, job) in jobs.items():
+        assert job.wait(timeout=600) == 0, output_of(job)[-4000:]
+        steps = train_steps(out)
+        assert [m["step"] for m in steps] == list(range(1, 9))  # 16 records, 1 per micro-batch, 2 processes
+        assert all(np.isfinite(m["loss"]) and m["loss"] > 0 for m in steps)
+        val = [m for m in metrics(out) if m.get("split") == "val"]
+        assert len(val) == 1 and val[0]["num_samples"] == 16
+        lines = [json.loads(line) for line in (out / "predictions" / "val_step8.jsonl").read_text().splitlines()]
+        assert {line["image"] for line in lines} == {None, MIX665K_SINGLE_IMAGE["image"],
+                                                     ", ".join(LLAVA_MULTI_IMAGE["image"]), MPP_VIDEO["video"]}
+        assert all(isinstance(line["generated"], str) for line in lines)
