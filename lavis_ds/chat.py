@@ -12,8 +12,7 @@ The conversation is the ChatML prompt the model was trained on
 the model's answer, then the new question. An image is shown once, in front of
 the question asked after it was loaded, as ``<Img><ImageHere></Img>`` (the
 training format of one image); several images give one such marker each, in the
-order they were loaded. Training samples have one image, so several images work
-as far as the model generalises. When a conversation no longer fits the LLM's
+order they were loaded (as several-image training records mark theirs). When a conversation no longer fits the LLM's
 context, its oldest turns are left out (their images move to the oldest turn
 kept). A question asked with no image loaded is a text-only turn. :class:`ChatSession`
 is what the terminal and the web page (:mod:`lavis_ds.webui`) share.
