@@ -23,7 +23,7 @@ from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
 from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.pretrained import load_blip2
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -332,24 +332,12 @@ class Blip2Qwen(BaseModel):
         blank = torch.zeros((1, 3, self.image_size, self.image_size), device=device)
         return self.encode_image(blank)
 
-    @staticmethod
-    def num_images(samples: dict[str, Any]) -> list[int]:
-        """Images per sample: ``num_images`` if the batch has it, else one each (batches made before 0..N images)."""
-        counts = samples.get("num_images")
-        counts = [1] * len(samples["instruction"]) if counts is None else [int(n) for n in counts]
-        image = samples.get("image")
-        total = 0 if image is None else image.shape[0]
-        if sum(counts) != total or len(counts) != len(samples["instruction"]):
-            raise ValueError(f"num_images {counts} adds up to {sum(counts)} images, but the batch holds {total} "
-                             f"(for {len(samples['instruction'])} sample(s))")
-        return counts
-
     def prepare_batch(self, samples: dict[str, Any]) -> dict[str, Any]:
         """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added."""
         if "labels" in samples:
             return samples
         examples = [self.prompt.training_example(ins, out, n) for ins, out, n in
-                    zip(samples["instruction"], samples["output"], self.num_images(samples), strict=True)]
+                    zip(samples["instruction"], samples["output"], image_counts(samples), strict=True)]
         input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
         labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
         return {**samples, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
@@ -403,7 +391,7 @@ class Blip2Qwen(BaseModel):
         """
         image = samples.get("image")
         answers = samples.get("output") or [()] * len(samples["instruction"])
-        num_images = self.num_images(samples)
+        num_images = image_counts(samples)
         prompts = [self.prompt.generation_prompt(ins, out, n)
                    for ins, out, n in zip(samples["instruction"], answers, num_images, strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
@@ -429,7 +417,7 @@ class Blip2Qwen(BaseModel):
         embeds = self.llm_model.get_input_embeddings()(input_ids)
         is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
         # masked_scatter fills positions in row-major order: sample by sample, left to right,
-        # and ChatPrompt guarantees exactly num_query_token placeholders per image (num_images
+        # and ChatPrompt guarantees exactly num_query_token placeholders per image (image_counts
         # checked that the batch holds each sample's images), so the flat images (in sample
         # order, each sample's in marker order) land in their runs; a sample without images has no run.
         return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))

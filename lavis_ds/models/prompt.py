@@ -10,7 +10,7 @@ inference exactly the tokens it was trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -166,3 +166,16 @@ def pad_batch(
         padded[row, span] = torch.tensor(list(seq), dtype=torch.long)
         mask[row, span] = 1
     return padded, mask
+
+
+def image_counts(samples: dict[str, Any]) -> list[int]:
+    """Images per sample of a batch: its ``num_images``, else one each (batches made before 0..N images);
+    ``ValueError`` unless they add up to the rows of its flat ``image`` tensor (none without one)."""
+    counts = samples.get("num_images")
+    counts = [1] * len(samples["instruction"]) if counts is None else [int(n) for n in counts]
+    image = samples.get("image")
+    total = 0 if image is None else image.shape[0]
+    if sum(counts) != total or len(counts) != len(samples["instruction"]):
+        raise ValueError(f"num_images {counts} adds up to {sum(counts)} images, but the batch holds {total} "
+                         f"(for {len(samples['instruction'])} sample(s))")
+    return counts
