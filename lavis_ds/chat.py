@@ -12,11 +12,10 @@ The conversation is the ChatML prompt the model was trained on
 the model's answer, then the new question. An image is shown once, in front of
 the question asked after it was loaded, as ``<Img><ImageHere></Img>`` (the
 training format of one image); several images give one such marker each, in the
-order they were loaded. Training samples have one image, so several images work
-as far as the model generalises. When a conversation no longer fits the LLM's
+order they were loaded (as several-image training records mark theirs). When a conversation no longer fits the LLM's
 context, its oldest turns are left out (their images move to the oldest turn
-kept). :class:`ChatSession` is what the terminal and the web page
-(:mod:`lavis_ds.webui`) share.
+kept). A question asked with no image loaded is a text-only turn. :class:`ChatSession`
+is what the terminal and the web page (:mod:`lavis_ds.webui`) share.
 """
 from __future__ import annotations
 
@@ -135,8 +134,8 @@ class ChatSession:
     def ask(self, question: str) -> Iterator[str]:
         """Answer ``question``: an iterator of the text as it is generated; the turn is kept when it ends.
 
-        Raises ``ValueError`` at once for a question that cannot be asked (no image
-        loaded, an image marker typed by hand, a conversation too long for the model);
+        Raises ``ValueError`` at once for a question that cannot be asked (an image
+        marker typed by hand, a conversation too long for the model);
         the iterator raises :class:`Interrupted` after :meth:`interrupt`.
         """
         question = question.strip()
@@ -145,8 +144,6 @@ class ChatSession:
         if IMAGE_HERE in question or "<Img>" in question:
             raise ValueError(f"{IMAGE_HERE!r} and <Img> are the image markers; load images with :img <path> "
                              "(or the upload box) instead of typing them")
-        if not self.images:
-            raise ValueError("no image loaded: load one first (:img <path>, or the upload box)")
         turns, pending = self._fitting_turns(question)
         self.stop = threading.Event()  # from here on, interrupt() stops this answer
         return self._answer(question, turns, pending, self.stop)
@@ -161,7 +158,8 @@ class ChatSession:
         instructions = [self._instruction(t.question, t.images) for t in turns]
         instructions.append(self._instruction(question, pending))
         shown = [i for t in turns for i in t.images] + pending
-        images = torch.stack([self.images[i].tensor for i in shown])
+        # No image yet: a text-only turn, an empty image batch (the model then runs no vision tower).
+        images = torch.stack([self.images[i].tensor for i in shown]) if shown else torch.zeros((0, 3, 1, 1))
         kwargs = self.settings.to_kwargs()
         kwargs["stopping_criteria"] = StoppingCriteriaList([_StopFlag(stop)])
         set_seed(self.seed)  # before every answer, as cli_demo.py does

@@ -82,8 +82,9 @@ def generate(model: nn.Module, images: torch.Tensor, prompts: Sequence[str | Seq
 
     A prompt is a string, or the turns of a conversation whose earlier answers are in
     ``answers``; the last turn is answered. ``num_images`` (default: one per sample)
-    says how many of ``images`` belong to each sample, in order; a sample with several
-    marks each with ``<ImageHere>``. Keyword arguments go to the model's ``generate``
+    says how many of ``images`` belong to each sample, in order (0: a text-only sample;
+    ``images`` may then be empty); each image's features go where its ``<ImageHere>``
+    stands (one image may go unmarked). Keyword arguments go to the model's ``generate``
     (``max_new_tokens``, ``num_beams``, ``do_sample``, ``streamer``, ...).
     """
     batch = {"image": images, "instruction": [[p] if isinstance(p, str) else list(p) for p in prompts]}
@@ -437,7 +438,8 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
                     raise OSError(batch["error"])
                 # Seeded by the batch's first sample: sampling gives the same text when the run is resumed.
                 set_seed(args.seed + batch["sample"][0])
-                texts = generate(model, batch["image"], batch["instruction"], batch["output"], **settings.to_kwargs())
+                texts = generate(model, batch["image"], batch["instruction"], batch["output"],
+                                 num_images=batch["num_images"], **settings.to_kwargs())
                 writer.writelines(json.dumps({**expected[index], "generated": text}, ensure_ascii=False) + "\n"
                                   for index, text in zip(batch["sample"], texts))
                 writer.flush()

@@ -41,7 +41,7 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
 
     def images_note(session: ChatSession | None) -> str:
         if session is None or not session.images:
-            return "No image yet: upload one, then ask about it."
+            return "No image yet: upload one to ask about it (questions without one are text-only)."
         waiting = len(session.pending)
         return (f"{len(session.images)} image(s) in this conversation"
                 + (f"; {waiting} will be shown to the model with your next question." if waiting else "."))

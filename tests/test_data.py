@@ -109,7 +109,7 @@ def test_single_and_multi_turn_records_load_and_collate(instruction_files):
     dataset = InstructionDataset([single, multi], root / "images", Blip2ImageEvalProcessor(image_size=16))
     assert len(dataset) == 2
     first = dataset[0]
-    assert first["image"].shape == (3, 16, 16)
+    assert first["image"].shape == (1, 3, 16, 16)
     assert first["instruction"] == [f"{IMAGE_PLACEHOLDER} What Is This?"] and first["output"] == ["A cat."]
     assert dataset[1]["instruction"] == [f"{IMAGE_PLACEHOLDER} First?", "Second?"]
 
@@ -187,8 +187,8 @@ def test_instruction_builder_uses_train_processors_for_train_and_eval_for_the_re
     assert builder.check() == []
     splits = builder.build()
     assert {k: len(v) for k, v in splits.items()} == {"train": 2, "val": 1}
-    assert splits["train"][0]["image"].shape == (3, 16, 16)
-    assert splits["val"][0]["image"].shape == (3, 12, 12)
+    assert splits["train"][0]["image"].shape == (1, 3, 16, 16)
+    assert splits["val"][0]["image"].shape == (1, 3, 12, 12)
 
 
 def test_builder_check_reports_every_problem_with_its_key_path(instruction_files, tmp_path):
@@ -248,7 +248,7 @@ def test_demo_builder_builds_and_its_tokenizer_loads(demo_dir):
     builder = DemoShapesBuilder({"build_info": {"storage": str(demo_dir), **vars(SMALL_DEMO)}})
     splits = builder.build()
     assert {k: len(v) for k, v in splits.items()} == {"train": 24, "val": 6, "test": 6}
-    assert splits["train"][0]["image"].shape == (3, 64, 64)  # the builder's default processors
+    assert splits["train"][0]["image"].shape == (1, 3, 64, 64)  # the builder's default processors
     tokenizer = AutoTokenizer.from_pretrained(builder.tokenizer_dir)
     ids = tokenizer("<|im_start|>user\nWhat shape is it?<|im_end|>")["input_ids"]
     assert tokenizer.decode(ids) == "<|im_start|>user\nWhat shape is it?<|im_end|>"

@@ -103,12 +103,12 @@ def test_llava_records_become_instruction_turns_with_the_image_placeholder(llava
     assert first["instruction"] == [f"{IMAGE_PLACEHOLDER} What are the colors of the bus in the image?",
                                     "What feature can be seen on the back of the bus?"]
     assert first["output"] == ["The bus is white and red.", "An advertisement."]
-    assert first["image"].shape == (3, 16, 16)
+    assert first["image"].shape == (1, 3, 16, 16)
     assert dataset[1]["instruction"] == [f"{IMAGE_PLACEHOLDER} Where is the cat?"]
     assert dataset[2]["instruction"] == [f"{IMAGE_PLACEHOLDER} Is the sky blue?"] and dataset[2]["output"] == ["Yes."]
     # The image really is the record's: green for record 1 (channel means differ from record 0's red).
-    assert dataset[1]["image"][1].mean() > dataset[1]["image"][0].mean()
-    assert dataset[0]["image"][0].mean() > dataset[0]["image"][1].mean()
+    assert dataset[1]["image"][0, 1].mean() > dataset[1]["image"][0, 0].mean()
+    assert dataset[0]["image"][0, 0].mean() > dataset[0]["image"][0, 1].mean()
     # Every converted sample is one the ChatML prompt accepts (exactly one image marker).
     for i in range(len(dataset)):
         turns = insert_image_placeholders(dataset[i]["instruction"], "<|image_pad|>", 4)
@@ -120,7 +120,7 @@ def test_llava_builder_builds_from_its_section(llava_files):
     builder = LlavaConversationBuilder(_section(path, root))
     assert builder.check() == []
     train = builder.build()["train"]
-    assert len(train) == 3 and train[0]["image"].shape == (3, 16, 16)
+    assert len(train) == 3 and train[0]["image"].shape == (1, 3, 16, 16)
     assert train.records[2].where() == f"{path}: record 2 (id 2354786, image 'gqa/images/2354786.jpg')"
 
 
@@ -139,14 +139,18 @@ LLAVA_BAD = [
     ({"id": "b", "image": "a.jpg", "conversations": [_human("<image>\nA?"), _gpt("  ")]},
      r"conversations\[1\] \('gpt'\) is empty"),
     ({"id": "b", "image": "a.jpg", "conversations": [_human("<image> A <image>?"), _gpt("a")]},
-     r"'<image>' appears more than once"),
+     r"'<image>' appears 2 time\(s\) \(in conversations\[0\]\) but the record has 1 image\(s\) in 'image': "
+     r"valid is one '<image>' per image"),
     ({"id": "b", "image": "a.jpg", "conversations": [_human("A?"), _gpt("<image> a")]},
      r"conversations\[1\] is a 'gpt' turn with '<image>'"),
-    ({"id": "b", "image": ["a.jpg", "a.jpg"], "conversations": [_human("A?"), _gpt("a")]},
-     r"'image' is a list of 2: one image per record"),
+    ({"id": "b", "image": ["a.jpg", "a.jpg"], "conversations": [_human("<image> A?"), _gpt("a")]},
+     r"'<image>' appears 1 time\(s\).*but the record has 2 image\(s\)"),
+    ({"id": "b", "conversations": [_human("<image> A?"), _gpt("a")]},
+     r"'<image>' appears 1 time\(s\).*but the record has no 'image' key \(a text-only record\)"),
+    ({"id": "b", "image": [], "conversations": [_human("A?"), _gpt("a")]},
+     r"'image' must be a non-empty string or a non-empty list"),
     ({"id": "b", "image": "not_there.jpg", "conversations": [_human("<image>\nA?"), _gpt("a")]},
      r"image file .*not_there\.jpg not found"),
-    ({"id": "b", "conversations": [_human("A?"), _gpt("a")]}, r"no 'image' key .*text-only.*skip_text_only: true"),
 ]
 
 
@@ -194,7 +198,7 @@ def test_karpathy_lists_train_one_sample_per_caption_and_evaluate_one_per_image(
     sample = splits["train"][0]
     assert sample["instruction"] == [f"{IMAGE_PLACEHOLDER} {DEFAULT_CAPTION_PROMPT}"]
     assert sample["output"] == ["A woman cutting a cake."]  # the default plain_text processor strips
-    assert sample["image"].shape == (3, 16, 16)
+    assert sample["image"].shape == (1, 3, 16, 16)
     # Evaluation keeps the references of an image together (scored against all of them; loss on the first).
     assert splits["val"][0]["output"] == ["A man on a bike."]
     assert splits["val"][0]["references"] == ["A man on a bike.", "A biker on a road."]
@@ -321,7 +325,7 @@ def corrupt_files(tmp_path):
 def test_a_corrupt_image_gives_an_error_naming_the_image_and_the_record(corrupt_files):
     root, ann = corrupt_files
     train = CocoCaptionBuilder(_section(ann, root)).build()["train"]  # existence is all the load checks
-    assert len(train) == 5 and train[0]["image"].shape == (3, 16, 16)
+    assert len(train) == 5 and train[0]["image"].shape == (1, 3, 16, 16)
     with pytest.raises(UnreadableImageError, match=r"coco\.json: record 1 \(id 1, image 'truncated\.jpg'\): "
                                                    r"cannot read image file .*truncated\.jpg: OSError"):
         train[1]

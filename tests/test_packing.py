@@ -106,3 +106,23 @@ def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_pat
     (tmp_path / "kill").mkdir()
     killed_run_continues_bit_for_bit(tmp_path / "kill", storage, stage=2, dtype="fp32", packing=True,
                                      max_seq_len=256)
+
+
+def test_packing_keeps_each_samples_images_with_it_for_none_one_or_several(tiny_model_config):
+    """Text-only, one-image and two-image samples in one micro-batch: packed, every image still lands in its own
+    sample's placeholders (the loss of each sample is unchanged, so the sums agree)."""
+    torch.manual_seed(0)
+    model = Blip2Qwen.from_config(tiny_model_config).eval()
+    counts = [0, 1, 2, 1, 0, 2]
+    instructions = [("" if n == 0 else "<Img>" + "<ImageHere>" * n + "</Img> ") + q for n, q in zip(counts, QUESTIONS)]
+    size = tiny_model_config["image_size"]
+    batch = {"image": torch.randn(sum(counts), 3, size, size), "num_images": counts,
+             "instruction": [[i] for i in instructions], "output": [[a] for a in ANSWERS]}
+    padded = model(model.prepare_batch(dict(batch)))
+    packed_batch = model.prepare_batch(dict(batch), pack_to=256)
+    assert packed_batch["order"] != list(range(6))  # reordered: the images must follow their samples
+    packed = model(packed_batch)
+    assert torch.allclose(packed["loss_sum"], padded["loss_sum"], rtol=1e-5, atol=0)
+    swapped = dict(batch, image=batch["image"].flip(0))  # the same images, each in another sample's place
+    assert not torch.allclose(model(model.prepare_batch(swapped, pack_to=256))["loss_sum"], padded["loss_sum"],
+                              rtol=1e-4)

@@ -48,9 +48,18 @@ def test_missing_image_marker_is_prepended_to_first_turn():
     assert turns == [DEFAULT_IMAGE_PREFIX.replace("<ImageHere>", IMG * 2) + "What is it?", "And now?"]
 
 
-def test_two_image_markers_are_an_error():
-    with pytest.raises(ValueError, match="one image per sample"):
+def test_a_marker_count_other_than_the_image_count_is_an_error():
+    with pytest.raises(ValueError, match=r"1 image\(s\) but 2 <ImageHere> marker\(s\).*each image needs its own marker"):
         insert_image_placeholders(["<ImageHere> a", "<ImageHere> b"], IMG, 2)
+    with pytest.raises(ValueError, match=r"0 image\(s\) but 1 <ImageHere> marker"):
+        insert_image_placeholders(["<ImageHere> a"], IMG, 2, num_images=0)
+
+
+def test_markers_of_several_images_and_of_none():
+    turns = insert_image_placeholders(["<Img><ImageHere></Img> a", "<Img><ImageHere><ImageHere></Img> b"], IMG, 2,
+                                      num_images=3)
+    assert turns == [f"<Img>{IMG * 2}</Img> a", f"<Img>{IMG * 4}</Img> b"]
+    assert insert_image_placeholders(["Hi", "How?"], IMG, 2, num_images=0) == ["Hi", "How?"]
 
 
 def test_segments_spell_chatml():

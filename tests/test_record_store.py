@@ -1,6 +1,8 @@
 """The packed record store and the parse-once hand-over between a config check and a build, in-process."""
 from __future__ import annotations
 
+import functools
+
 import gc
 import json
 import os
@@ -82,7 +84,8 @@ def test_bad_records_kept_for_the_log_do_not_keep_the_parsed_file_alive(tmp_path
     mix665k, whose 40k text-only records are kept to be counted): the loader keeps them without."""
     text_only = {"id": "t", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
     path = _json(tmp_path / "mix.json", _llava(3) + [text_only])
-    loaded = RecordLoader(parse_llava_file, skip={BadRecord.TEXT_ONLY}, check_images=False).load([path], None)
+    parse = functools.partial(parse_llava_file, skip_text_only=True)  # as the builder binds `skip_text_only: true`
+    loaded = RecordLoader(parse, skip={BadRecord.TEXT_ONLY}, check_images=False).load([path], None)
     assert len(loaded.records) == 3 and [b.kind for b in loaded.skipped] == [BadRecord.TEXT_ONLY]
     assert loaded.skipped[0].__traceback__ is None and "mix.json: record 3 (id 't')" in str(loaded.skipped[0])
 

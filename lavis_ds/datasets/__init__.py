@@ -9,6 +9,7 @@ from lavis_ds.datasets.builders import (
 )
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes, generate_demo_shapes
 from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER, InstructionDataset, InstructionRecord, UnreadableImageError
+from lavis_ds.datasets.video import UnreadableVideoError
 from lavis_ds.datasets.loading import BadRecordsError, RecordLoader
 from lavis_ds.datasets.mixing import MixedDataset, mix_train_splits
 from lavis_ds.datasets.options import CocoCaptionOptions, LlavaOptions, SectionOptions
@@ -35,6 +36,7 @@ __all__ = [
     "BadRecordsError",
     "RecordLoader",
     "UnreadableImageError",
+    "UnreadableVideoError",
     "MixedDataset",
     "mix_train_splits",
     "DemoShapesSpec",

@@ -10,9 +10,13 @@ Section layout (LAVIS):
             train: {storage: [a.json, b.json]}   # a path or a list of paths
             val: {storage: val.json}
           images: {storage: path/to/images/}
+          max_frames: 32                   # optional: frames sampled from each video record
         vis_processor: {train: {name: blip2_image_train}, eval: {name: blip2_image_eval}}
         text_processor: {train: {name: plain_text}, eval: {name: plain_text}}   # optional
 
+The folder that records' ``image`` and ``video`` paths are relative to is
+``build_info.<data_type>.storage`` (MPP-LLaVA's rule): ``images`` by default,
+``videos`` with ``data_type: videos``.
 The "train" split uses the ``train`` processors, every other split the ``eval`` ones.
 Relative paths are relative to the working directory; ``~`` is expanded.
 
@@ -41,8 +45,8 @@ from lavis_ds.common.registry import registry
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.datasets.coco_caption import parse_coco_caption_file
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from lavis_ds.datasets.instruction import InstructionDataset, parse_instruction_file
-from lavis_ds.datasets.llava import parse_llava_file
+from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES, InstructionDataset, parse_instruction_file
+from lavis_ds.datasets.llava import llava_parser
 from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
 from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, SectionOptions
 from lavis_ds.processors.base import BaseProcessor
@@ -98,9 +102,9 @@ class BaseDatasetBuilder:
     """
 
     OPTIONS: ClassVar[type[SectionOptions]] = SectionOptions
-    BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("annotations", "images")
+    BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("annotations", "images", "videos", "max_frames")
     ANNOTATION_SPLIT_KEYS: ClassVar[tuple[str, ...]] = ("storage",)
-    DATA_TYPES: ClassVar[tuple[str, ...]] = ("images",)
+    DATA_TYPES: ClassVar[tuple[str, ...]] = ("images", "videos")
     dataset_cls: ClassVar[type[InstructionDataset]] = InstructionDataset
 
     def __init__(self, cfg: DictConfig | Mapping[str, Any] | None = None, *, section_name: str | None = None,
@@ -229,19 +233,33 @@ class BaseDatasetBuilder:
         """Config key path that names ``split``'s annotation files (for messages)."""
         return f"{self.where}.build_info.annotations.{split}.storage"
 
+    def _data_type(self) -> str:
+        data_type = self.cfg.get("data_type", "images")
+        return data_type if data_type in self.DATA_TYPES else "images"
+
     def image_root(self, problems: list[str] | None = None) -> Path | None:
-        """Folder the records' image paths are relative to."""
-        images = self.build_info.get("images")
+        """Folder the records' image and video paths are relative to: ``build_info.<data_type>.storage``."""
+        images = self.build_info.get(self._data_type())
         storage = images.get("storage") if isinstance(images, dict) else None
         if not isinstance(storage, str) or not storage:
             if problems is not None:
-                problems.append(f"{self.image_root_key()}: required; the folder the records' `image` paths "
-                                f"are relative to, got {storage!r}")
+                problems.append(f"{self.image_root_key()}: required; the folder the records' `image` and `video` "
+                                f"paths are relative to, got {storage!r}")
             return None
         return _local_path(storage)
 
     def image_root_key(self) -> str:
-        return f"{self.where}.build_info.images.storage"
+        return f"{self.where}.build_info.{self._data_type()}.storage"
+
+    def max_frames(self, problems: list[str] | None = None) -> int:
+        """``build_info.max_frames``: frames sampled from each video record (MPP-LLaVA's key; default 32)."""
+        value = self.build_info.get("max_frames", DEFAULT_MAX_FRAMES)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if problems is not None:
+                problems.append(f"{self.where}.build_info.max_frames: expected a positive integer (frames sampled "
+                                f"uniformly from each video), got {value!r}")
+            return DEFAULT_MAX_FRAMES
+        return value
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -260,6 +278,7 @@ class BaseDatasetBuilder:
                 problems.append(f"{self.where}.build_info.{key}: unknown key; valid keys: "
                                 f"{', '.join(self.BUILD_INFO_KEYS)}")
         files = self.annotation_files(problems)
+        self.max_frames(problems)
         root = self.image_root(problems)
         if root is not None and not root.is_dir():
             problems.append(f"{self.image_root_key()}: image folder {root} does not exist")
@@ -338,6 +357,7 @@ class BaseDatasetBuilder:
                 text_processor=processors["text_processor"].get(_stage(split)),
                 loader=self.loader_for(split),
                 replace_unreadable_images=self.options().skip_bad_records,
+                max_frames=self.max_frames(),
             )
             if dataset.skip_summary and dist.is_main_process():  # every rank loads; one warning is enough
                 logger.warning("%s: %s", self.annotation_key(split), dataset.skip_summary)
@@ -361,7 +381,7 @@ class LlavaConversationBuilder(BaseDatasetBuilder):
     OPTIONS = LlavaOptions
 
     def parse_file(self) -> ParseFile:
-        return parse_llava_file
+        return llava_parser(self.options().skip_text_only)
 
 
 @registry.register_builder("coco_caption")
@@ -455,3 +475,6 @@ class DemoShapesBuilder(BaseDatasetBuilder):
 # its llava_instruction data is LLaVA converted to that format (`llava_minigpt4qwen_format.json`).
 registry.register_builder_alias("minigpt4_instruction", "minigpt4qwen_instruction")
 registry.register_builder_alias("llava_instruction", "minigpt4qwen_instruction")
+# MPP-LLaVA's video builder: the same instruction JSON with a `video` key per record, `build_info.max_frames`
+# (32) frames each; its default YAML keeps the videos under `build_info.images.storage` with data_type images.
+registry.register_builder_alias("videochatgpt_100k", "minigpt4qwen_instruction")

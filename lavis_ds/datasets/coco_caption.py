@@ -93,7 +93,7 @@ def _karpathy_record(raw: Any, source: Path, position: int, instruction: str) ->
         captions = [_caption(c, where, f"caption[{k}]") for k, c in enumerate(captions)]
     else:
         captions = [_caption(captions, where)]
-    return [InstructionRecord(image, (instruction,), (c,), source, position, record_id=record_id)
+    return [InstructionRecord((image,), (instruction,), (c,), source, position, record_id=record_id)
             for c in captions]
 
 
@@ -144,5 +144,5 @@ def _official_annotation(ann: Any, source: Path, position: int, instruction: str
     if not isinstance(ann["image_id"], (int, str)) or ann["image_id"] not in file_names:
         raise BadRecord(where, f"image_id {ann['image_id']!r} is not among the file's 'images'")
     caption = _caption(ann["caption"], where)
-    return InstructionRecord(file_names[ann["image_id"]], (instruction,), (caption,), source, position,
+    return InstructionRecord((file_names[ann["image_id"]],), (instruction,), (caption,), source, position,
                              record_id=record_id, list_name="annotations")

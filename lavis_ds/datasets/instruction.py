@@ -2,15 +2,26 @@
 
 Annotation file: a JSON list of records
 ``{"image": "x.jpg", "instruction": "<Img><ImageHere></Img> question", "output": "answer"}``;
-multi-turn records hold equal-length lists in ``instruction`` and ``output``.
-Records are loaded and checked by :mod:`lavis_ds.datasets.loading` (structure and
-image existence, at load time); whether an image decodes is found out when a
-sample is loaded, and reported with the image file and the record.
+multi-turn records hold equal-length lists in ``instruction`` and ``output``. ``image``
+may be a list (one ``<ImageHere>`` per image, in order: MPP-LLaVA's multi-image prompt is
+``<Img><ImageHere><ImageHere></Img> question``) or absent (a text-only record); a record
+may name a ``video`` instead (MPP-LLaVA's ``videochatgpt_100k`` records), whose one marker
+becomes one per sampled frame.
+Records are loaded and checked by :mod:`lavis_ds.datasets.loading` (structure, markers and
+file existence, at load time); whether an image or video decodes is found out when a
+sample is loaded, and reported with the file and the record.
+
+A sample's ``image`` is a FloatTensor ``[n, 3, H, W]`` (n = its images or frames, 0 for
+text-only) and ``num_images`` is n. The collater concatenates every sample's images into
+one flat ``[sum n, 3, H, W]`` tensor and keeps the counts as a list: the model runs its
+vision tower once on the flat tensor and scatters the outputs, in order, into the
+placeholders (see ``Blip2Qwen.forward``).
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -21,10 +32,12 @@ from torch.utils.data import Dataset
 from lavis_ds.common.errors import InputError
 from lavis_ds.datasets.loading import RecordLoader
 from lavis_ds.datasets.record_store import RecordStore
-from lavis_ds.datasets.records import IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, record_where
+from lavis_ds.datasets.records import (IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, count_markers,
+                                       record_where)
+from lavis_ds.datasets.video import UnreadableVideoError, read_frames
 
 __all__ = ["IMAGE_PLACEHOLDER", "InstructionRecord", "InstructionDataset", "UnreadableImageError",
-           "parse_record", "parse_instruction_file", "process_text"]
+           "UnreadableVideoError", "parse_record", "parse_instruction_file", "process_text", "expand_video_marker"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +46,10 @@ VisProcessor = Callable[[Image.Image], torch.Tensor]
 
 # A run of this many unreadable images in a row is not bad luck but a wrong image root.
 MAX_CONSECUTIVE_REPLACEMENTS = 50
+DEFAULT_MAX_FRAMES = 32  # MPP-LLaVA's videochatgpt_100k default (build_info.max_frames)
+MAX_NOTES = 5  # per process, for notes about data that is used as it is (short videos): a log, not a flood
+# An image marker group that text processors must not touch: <Img> with its markers, or a bare marker.
+_MARKERS = re.compile(r"<Img>(?:<ImageHere>)+</Img>|<ImageHere>")
 
 
 class UnreadableImageError(InputError, OSError):
@@ -61,25 +78,39 @@ def _turns(record: dict, key: str, where: str) -> tuple[str, ...]:
     raise BadRecord(where, f"{key!r} must be a string or a list of strings, got {type(value).__name__}: {value!r}")
 
 
+def _visuals(raw: dict, where: str) -> tuple[tuple[str, ...], str | None]:
+    """``(images, video)`` of a record: ``image`` a path or a list of paths, or ``video`` a path, or neither."""
+    if "image" in raw and "video" in raw:
+        raise BadRecord(where, "has both 'image' and 'video'; a record holds images or one video")
+    video = raw.get("video")
+    if "video" in raw and (not isinstance(video, str) or not video):
+        raise BadRecord(where, f"'video' must be a non-empty string (a path under the video root), got {video!r}")
+    image = raw.get("image", [])
+    images = [image] if isinstance(image, str) else image
+    if (not isinstance(images, list) or ("image" in raw and not images)
+            or not all(isinstance(i, str) and i for i in images)):
+        raise BadRecord(where, f"'image' must be a non-empty string or a non-empty list of them (paths under the "
+                               f"image root), got {image!r}")
+    return tuple(images), video
+
+
 def parse_record(raw: Any, source: Path, position: int) -> InstructionRecord:
     """Validate one MiniGPT4Qwen record; raise :class:`BadRecord` naming file, index and problem."""
     where = record_where(source, position)
     if not isinstance(raw, dict):
         raise BadRecord(where, f"expected an object with keys image, instruction, output; got {type(raw).__name__}")
-    missing = [key for key in ("image", "instruction", "output") if key not in raw]
+    missing = [key for key in ("instruction", "output") if key not in raw]
     if missing:
         raise BadRecord(where, f"missing key(s) {', '.join(map(repr, missing))} (record has {sorted(raw)})")
-    image = raw["image"]
-    if not isinstance(image, str) or not image:
-        raise BadRecord(where, f"'image' must be a non-empty string (a path under the image root), got {image!r}")
-    where = record_where(source, position, image=image)
+    images, video = _visuals(raw, where)
+    where = InstructionRecord(images, (), (), source, position, video=video).where()
     instructions = _turns(raw, "instruction", where)
     outputs = _turns(raw, "output", where)
     if isinstance(raw["instruction"], list) != isinstance(raw["output"], list) or len(instructions) != len(outputs):
         raise BadRecord(
             where, f"'instruction' and 'output' must both be strings or both lists of the same length "
                    f"(one output per turn); got {len(instructions)} instruction(s) and {len(outputs)} output(s)")
-    return InstructionRecord(image, instructions, outputs, source, position)
+    return InstructionRecord(images, instructions, outputs, source, position, video=video)
 
 
 def parse_instruction_file(raw: Any, source: Path) -> Iterator[InstructionRecord | BadRecord]:
@@ -94,31 +125,50 @@ def parse_instruction_file(raw: Any, source: Path) -> Iterator[InstructionRecord
 
 
 def process_text(text: str, text_processor: TextProcessor) -> str:
-    """Apply ``text_processor`` to the text around the image placeholder, keeping the placeholder intact."""
+    """Apply ``text_processor`` to the text around the image markers, keeping each marker group intact
+    (``<Img><ImageHere></Img>``, ``<Img><ImageHere><ImageHere></Img>``, a bare ``<ImageHere>``)."""
     pieces = []
-    for i, part in enumerate(text.split(IMAGE_PLACEHOLDER)):
+    markers = _MARKERS.findall(text)
+    for i, part in enumerate(_MARKERS.split(text)):
         if i:
-            pieces.append(IMAGE_PLACEHOLDER)
+            pieces.append(markers[i - 1])
         if part.strip():
             pieces.append(text_processor(part))
     return " ".join(pieces)
 
 
+def expand_video_marker(turns: list[str], num_frames: int) -> list[str]:
+    """A video record's turns with its one marker repeated per frame (MPP-LLaVA: ``<Img>`` + ``<ImageHere>``
+    x frames + ``</Img>``); without a marker the frames go in front of the first turn."""
+    frames = IMAGE_HERE * num_frames
+    if count_markers(turns) == 0:
+        return [f"<Img>{frames}</Img> {turns[0]}", *turns[1:]]
+    done = False
+    expanded = []
+    for turn in turns:
+        if not done and IMAGE_HERE in turn:
+            turn, done = turn.replace(IMAGE_HERE, frames, 1), True
+        expanded.append(turn)
+    return expanded
+
+
 class InstructionDataset(Dataset):
-    """Images + instruction/output turns, from annotation files of any supported format.
+    """Images (0..N per sample, or a video's frames) + instruction/output turns, from annotation files of any
+    supported format.
 
     Args:
         annotation_paths: one or more JSON annotation files, concatenated in order.
-        image_root: folder that the records' ``image`` paths are relative to.
-        vis_processor: PIL image -> FloatTensor [3, H, W].
+        image_root: folder that the records' ``image`` and ``video`` paths are relative to.
+        vis_processor: PIL image -> FloatTensor [3, H, W] (applied to every image and video frame).
         text_processor: applied to every instruction and output string (not to the
-            image placeholder); ``None`` keeps the text as written.
+            image markers); ``None`` keeps the text as written.
         loader: reads the files (format and bad-record policy); default: MiniGPT4Qwen
             instruction JSON, every bad record an error, image files checked to exist.
-        replace_unreadable_images: a sample whose image is missing or does not decode
-            is replaced by the next record whose image loads (deterministic), and the
-            replacement is logged and counted in :attr:`replaced_images`; otherwise
-            loading that sample raises an error naming the image file and the record.
+        replace_unreadable_images: a sample whose image or video is missing or does not
+            decode is replaced by the next record whose visual input loads (deterministic),
+            and the replacement is logged and counted in :attr:`replaced_images`; otherwise
+            loading that sample raises an error naming the file and the record.
+        max_frames: frames sampled uniformly from a video record (fewer if the video has fewer).
     """
 
     def __init__(
@@ -130,14 +180,18 @@ class InstructionDataset(Dataset):
         *,
         loader: RecordLoader | None = None,
         replace_unreadable_images: bool = False,
+        max_frames: int = DEFAULT_MAX_FRAMES,
     ) -> None:
         if isinstance(annotation_paths, (str, os.PathLike)):
             annotation_paths = [annotation_paths]
         if not annotation_paths:
             raise ValueError("InstructionDataset needs at least one annotation file")
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+            raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
         self.image_root = Path(image_root)
         self.vis_processor = vis_processor
         self.text_processor = text_processor
+        self.max_frames = max_frames
         loader = loader or RecordLoader(parse_instruction_file)
         loaded = loader.load([Path(p) for p in annotation_paths], self.image_root)
         # Packed, decoded per access: DataLoader workers share it instead of copying it (see record_store).
@@ -146,44 +200,55 @@ class InstructionDataset(Dataset):
         self.skip_summary = loaded.skip_summary()
         self.replace_unreadable_images = replace_unreadable_images
         self.replaced_images = 0  # per process: each DataLoader worker counts its own
+        self.short_videos = 0  # videos with fewer frames than max_frames, per process (all their frames are used)
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """The sample at ``index`` (``"index"`` is the record actually used, after any replacement)."""
-        index, image = self._image_or_replacement(index)
+        index, visuals = self._visuals_or_replacement(index)
         record = self.records[index]
+        instructions = [self._text(t) for t in record.instructions]
+        if record.video:  # after the text processor, which keeps marker groups as they are written
+            instructions = expand_video_marker(instructions, len(visuals))
         return {
-            "image": self.vis_processor(image),
-            "instruction": [self._text(t) for t in record.instructions],
+            "image": self._pixels(visuals),
+            "num_images": len(visuals),
+            "instruction": instructions,
             "output": [self._text(t) for t in record.outputs],
             # What evaluation scores the generated answer against (raw: metrics normalise for themselves).
             "references": list(record.references or record.outputs[-1:]),
             "index": index,
         }
 
-    def image_name(self, index: int) -> str:
-        """The record's image path as the annotation file gives it (for reports)."""
+    def image_name(self, index: int) -> str | None:
+        """The record's image (or video) path as the annotation file gives it, several joined by ", " (for reports)."""
         return self.records[index].image
 
     def _text(self, text: str) -> str:
         return text if self.text_processor is None else process_text(text, self.text_processor)
 
-    def _image_or_replacement(self, index: int) -> tuple[int, Image.Image]:
+    def _pixels(self, visuals: list[Image.Image]) -> torch.Tensor:
+        if visuals:
+            return torch.stack([self.vis_processor(v) for v in visuals])
+        size = getattr(self.vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater
+        return torch.zeros((0, 3, size, size))
+
+    def _visuals_or_replacement(self, index: int) -> tuple[int, list[Image.Image]]:
         if not self.replace_unreadable_images:
-            return index, self._load_image(self.records[index])
+            return index, self._load_visuals(self.records[index])
         first_error = None
         for step in range(min(MAX_CONSECUTIVE_REPLACEMENTS, len(self.records))):
             candidate = (index + step) % len(self.records)
             try:
-                image = self._load_image(self.records[candidate])
+                visuals = self._load_visuals(self.records[candidate])
             except OSError as e:
                 first_error = first_error or e
                 continue
             if step:
                 self._count_replacement(first_error, index, candidate)
-            return candidate, image
+            return candidate, visuals
         raise UnreadableImageError(f"{first_error}; the images of the next {MAX_CONSECUTIVE_REPLACEMENTS - 1} records are "
                       f"unreadable too, so no replacement was found: is the image root {self.image_root} right?")
 
@@ -194,10 +259,27 @@ class InstructionDataset(Dataset):
             logger.warning("%s; sample %d replaced by record %d (%d unreadable image(s) replaced so far "
                            "in this process)", error, index, replacement, n)
 
-    def _load_image(self, record: InstructionRecord) -> Image.Image:
-        path = self.image_root / record.image
+    def _load_visuals(self, record: InstructionRecord) -> list[Image.Image]:
+        """The record's images, or its video's sampled frames; [] for a text-only record."""
+        if record.video is None:
+            return [self._load_image(record, name) for name in record.images]
+        path = self._existing(record, record.video, "video")
+        frames = read_frames(path, self.max_frames, record.where())
+        if len(frames) < self.max_frames:
+            self.short_videos += 1
+            if self.short_videos <= MAX_NOTES:
+                logger.info("%s: the video has %d frame(s), fewer than max_frames=%d; all are used, one %s each",
+                            record.where(), len(frames), self.max_frames, IMAGE_HERE)
+        return frames
+
+    def _existing(self, record: InstructionRecord, name: str, kind: str) -> Path:
+        path = self.image_root / name
         if not path.is_file():
-            raise MissingImageError(f"{record.where()}: image file {path} not found (image root {self.image_root})")
+            raise MissingImageError(f"{record.where()}: {kind} file {path} not found (image root {self.image_root})")
+        return path
+
+    def _load_image(self, record: InstructionRecord, name: str) -> Image.Image:
+        path = self._existing(record, name, "image")
         try:
             with Image.open(path) as image:
                 return image.convert("RGB")
@@ -207,10 +289,14 @@ class InstructionDataset(Dataset):
 
     @staticmethod
     def collater(samples: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        """Stack images; keep turns as lists of lists (one inner list per sample)."""
+        """One flat ``image`` tensor of every sample's images in order, ``num_images`` per sample; turns as
+        lists of lists (one inner list per sample)."""
         samples = list(samples)
+        images = [s["image"] for s in samples if len(s["image"])]
         return {
-            "image": torch.stack([s["image"] for s in samples]),
+            # A micro-batch without any image keeps an empty tensor: the model's encoding rule decides what runs.
+            "image": torch.cat(images) if images else samples[0]["image"],
+            "num_images": [int(s["num_images"]) for s in samples],
             "instruction": [list(s["instruction"]) for s in samples],
             "output": [list(s["output"]) for s in samples],
             "references": [list(s["references"]) for s in samples],

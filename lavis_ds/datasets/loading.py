@@ -1,7 +1,8 @@
 """Load annotation files of any format into records, and decide what a bad record does.
 
 Every record is checked when its file is loaded - its structure by the format's
-parser, the existence of its image file here - so a bad record is reported on
+parser; here, for every format, that its ``<ImageHere>`` markers fit its images or
+video and that each image or video file exists - so a bad record is reported on
 the main process with its file and position before training starts, not inside
 a DataLoader worker hours later. Existence costs one directory listing per image
 folder; whether an image *decodes* is only known when it is opened, which the
@@ -210,8 +211,11 @@ class RecordLoader:
                 if isinstance(item, BadRecord):
                     # Without its traceback: the parser's frames in it hold the whole parsed file (GBs for mix665k).
                     bad.append(item.with_traceback(None))
-                elif images is not None and not images.exists(item.image):
-                    bad.append(BadRecord(item.where(), f"image file {image_root / item.image} not found "
+                elif (problem := item.marker_problem()) is not None:  # one rule for every format
+                    bad.append(BadRecord(item.where(), problem))
+                elif images is not None and (missing := [f for f in item.files if not images.exists(f)]):
+                    kind = "video" if missing[0] == item.video else "image"
+                    bad.append(BadRecord(item.where(), f"{kind} file {image_root / missing[0]} not found "
                                                        f"(image root {image_root})", BadRecord.MISSING_IMAGE))
                 else:
                     records.append(item)

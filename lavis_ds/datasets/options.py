@@ -49,7 +49,8 @@ class SectionOptions:
 
 @dataclass(frozen=True)
 class LlavaOptions(SectionOptions):
-    """Plus ``skip_text_only``: leave records without an image out (counted), instead of an error."""
+    """Plus ``skip_text_only``: leave records without an image out (counted and logged) instead of
+    training them as text-only samples (the default)."""
 
     skip_text_only: bool = False
 

@@ -67,10 +67,10 @@ class RecordStore(Sequence[InstructionRecord]):
         part = self._parts[p]
         local = index - (self._ends[p - 1] if p else 0)
         start, end = int(part.offsets[local]), int(part.offsets[local + 1])
-        source, position, image, instructions, outputs, record_id, list_name, references = \
+        source, position, images, instructions, outputs, record_id, list_name, references, video = \
             pickle.loads(memoryview(part.buffer)[start:end])
-        return InstructionRecord(image, instructions, outputs, part.sources[source], position,
-                                 record_id=record_id, list_name=list_name, references=references)
+        return InstructionRecord(images, instructions, outputs, part.sources[source], position,
+                                 record_id=record_id, list_name=list_name, references=references, video=video)
 
     def __iter__(self) -> Iterator[InstructionRecord]:
         return (self[i] for i in range(len(self)))
@@ -95,8 +95,9 @@ class RecordStoreWriter:
     def append(self, record: InstructionRecord) -> None:
         source = self._sources.setdefault(record.source, len(self._sources))
         self._buffer += pickle.dumps(
-            (source, record.position, record.image, tuple(record.instructions), tuple(record.outputs),
-             record.record_id, record.list_name, None if record.references is None else tuple(record.references)),
+            (source, record.position, tuple(record.images), tuple(record.instructions), tuple(record.outputs),
+             record.record_id, record.list_name, None if record.references is None else tuple(record.references),
+             record.video),
             protocol=pickle.HIGHEST_PROTOCOL)
         self._offsets.append(len(self._buffer))
 

@@ -1,13 +1,22 @@
 """The instruction record every annotation format is converted into, and the error for a bad one.
 
-A record is one training sample: an image path (relative to the image root) and
-instruction/output turns, plus where it came from so that any later problem can
-name the annotation file and the record.
+A record is one training sample: its visual input (0..N images, or one video whose
+sampled frames become the images), instruction/output turns, plus where it came from
+so that any later problem can name the annotation file and the record.
+
+Markers: each image has its own ``<ImageHere>`` in the instructions, in image order
+(MiniGPT4Qwen writes ``<Img><ImageHere></Img>`` per image; for several,
+MPP-LLaVA's ``cli_demo.py`` writes ``<Img><ImageHere><ImageHere></Img>``). A video has
+one marker, which becomes one marker per sampled frame when the frames are known
+(as MPP-LLaVA's ``video_instructions.py`` does). A record with exactly one image or
+video may leave its marker out (COCO-caption style data): the image then goes in
+front of the first question.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 # Where the model splices in the projected query embeddings; text processors
 # must never see it (blip_caption would lowercase it into something unrecognisable).
@@ -16,18 +25,26 @@ IMAGE_HERE = "<ImageHere>"  # the marker inside IMAGE_PLACEHOLDER that the promp
 
 
 def record_where(source: Path, position: int, *, list_name: str | None = None,
-                 record_id: str | int | None = None, image: str | None = None) -> str:
-    """``"<file>: record 3 (id 'x', image 'a.jpg')"``; ``list_name`` names a nested list (``annotations[3]``)."""
+                 record_id: str | int | None = None, image: str | None = None, visual: str | None = None) -> str:
+    """``"<file>: record 3 (id 'x', image 'a.jpg')"``; ``list_name`` names a nested list (``annotations[3]``).
+
+    ``image``: one image path; ``visual``: a label already made (:attr:`InstructionRecord.visual_label`).
+    """
     label = f"{list_name}[{position}]" if list_name else f"record {position}"
-    details = ([f"id {record_id!r}"] if record_id is not None else []) + ([f"image {image!r}"] if image else [])
+    visual = visual or (f"image {image!r}" if image else None)
+    details = ([f"id {record_id!r}"] if record_id is not None else []) + ([visual] if visual else [])
     return f"{source}: {label}" + (f" ({', '.join(details)})" if details else "")
+
+
+def count_markers(turns: Sequence[str]) -> int:
+    return sum(turn.count(IMAGE_HERE) for turn in turns)
 
 
 @dataclass(frozen=True, slots=True)  # slots: datasets hold hundreds of thousands of these
 class InstructionRecord:
     """One validated sample; turns are always tuples (length 1 for single turn)."""
 
-    image: str
+    images: tuple[str, ...]  # image paths under the image root, in marker order; () for text-only or video
     instructions: tuple[str, ...]
     outputs: tuple[str, ...]
     source: Path  # annotation file, for error messages
@@ -37,10 +54,44 @@ class InstructionRecord:
     # Every acceptable answer of the last turn, for evaluation (COCO's five captions, VQAv2's ten answers);
     # None: the last output is the only one. Evaluation keeps them together on one sample.
     references: tuple[str, ...] | None = None
+    video: str | None = None  # a video under the same root: its sampled frames are the record's images
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every visual file the record reads (to check that each exists)."""
+        return self.images + ((self.video,) if self.video else ())
+
+    @property
+    def image(self) -> str | None:
+        """The record's visual input as one string for reports and predictions: the image or video path,
+        several images joined by ``", "``; None for a text-only record."""
+        return ", ".join(self.files) or None
+
+    @property
+    def visual_label(self) -> str | None:
+        """How messages name the visual input: ``image 'a.jpg'``, ``images ['a.jpg', 'b.jpg']``, ``video 'v.mp4'``."""
+        if self.video:
+            return f"video {self.video!r}"
+        if len(self.images) > 1:
+            return f"images {list(self.images)}"
+        return f"image {self.images[0]!r}" if self.images else None
 
     def where(self) -> str:
         return record_where(self.source, self.position, list_name=self.list_name, record_id=self.record_id,
-                            image=self.image)
+                            visual=self.visual_label)
+
+    def marker_problem(self) -> str | None:
+        """Why the instructions' ``<ImageHere>`` markers do not fit the visual input, or None if they do."""
+        markers = count_markers(self.instructions)
+        if self.video and self.images:
+            return "has both images and a video; a record holds images or one video"
+        wanted = 1 if self.video else len(self.images)
+        if markers == wanted or (markers == 0 and wanted == 1):
+            return None
+        what = "a video (one marker, repeated per sampled frame)" if self.video else f"{wanted} image(s)"
+        return (f"{markers} {IMAGE_HERE} marker(s) in its instructions but {what}: valid is one {IMAGE_HERE} per "
+                f"image, in image order" + (" (or none, for one image: it then goes in front of the first question)"
+                                            if wanted == 1 else ""))
 
 
 class BadRecord(ValueError):

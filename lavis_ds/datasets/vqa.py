@@ -80,7 +80,7 @@ def _most_frequent(answers: tuple[str, ...]) -> str:
 
 def _record(image: str, question: str, answers: tuple[str, ...], best: str, prompt: str, group: bool,
             source: Path, position: int, record_id: Any, list_name: str | None = None) -> InstructionRecord:
-    return InstructionRecord(image, (vqa_instruction(prompt, question),), (best,), source, position,
+    return InstructionRecord((image,), (vqa_instruction(prompt, question),), (best,), source, position,
                              record_id=record_id, list_name=list_name, references=answers if group else None)
 
 

@@ -25,7 +25,7 @@ from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, 
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.packing import pack
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, pad_batch
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class Blip2Qwen(BaseModel):
         """
         super().__init__()
         self.llm_grad_checkpoint = llm_grad_checkpoint
+        self.image_size = image_size
         self.visual_encoder = self._build_vit(vit_model, vit, image_size, drop_path_rate,
                                               use_grad_checkpoint, vit_precision, vit_pretrained)
         self.vit_pretrained = vit_pretrained
@@ -312,17 +313,38 @@ class Blip2Qwen(BaseModel):
         projected = self.llm_proj(query_out.to(self.llm_proj.weight.dtype))
         return projected.to(self._embedding_dtype())
 
+    def image_embeds(self, image: torch.Tensor | None, dummy: bool) -> torch.Tensor:
+        """Projected queries of every image of a batch, ``[N, num_query_token, llm_hidden]`` (``image`` is the
+        flat ``[N, 3, H, W]`` of all samples' images in order; the vision tower runs once on it).
+
+        A batch with no image (text-only samples only) gives ``[0, ...]``, or with ``dummy`` the features of
+        one blank image, which the caller adds to its embeddings times zero (``forward``). Why run the towers
+        for nothing: ZeRO-3 and FSDP gather a module's parameters when it runs, as a collective, so every rank
+        must run the same modules in each forward or the ranks wait for each other forever; and the trainable
+        parts (projection, queries) then get a gradient - zero - on every rank, as the engines' gradient
+        reduction expects. Skipping the towers only where no rank has an image would need a collective per
+        micro-batch; the blank image costs one image's tower pass, only in image-free micro-batches.
+        """
+        if image is not None and image.shape[0]:
+            return self.encode_image(image)
+        device = self.llm_proj.weight.device if image is None else image.device
+        if not dummy:
+            shape = (0, self.query_tokens.shape[1], self.llm_proj.out_features)
+            return torch.zeros(shape, device=device, dtype=self._embedding_dtype())
+        blank = torch.zeros((1, 3, self.image_size, self.image_size), device=device)
+        return self.encode_image(blank)
+
     PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
 
     def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
         """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added.
 
         ``pack_to``: lay the samples end to end in rows of at most that many tokens instead of padding each
-        (``position_ids`` and the packed ``order`` added; no attention mask, see ``models.packing``)."""
+        (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``)."""
         if "labels" in samples:
             return samples
-        examples = [self.prompt.training_example(ins, out)
-                    for ins, out in zip(samples["instruction"], samples["output"], strict=True)]
+        examples = [self.prompt.training_example(ins, out, n) for ins, out, n in
+                    zip(samples["instruction"], samples["output"], image_counts(samples), strict=True)]
         if pack_to is not None:
             return {**samples, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX)}
         input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
@@ -345,16 +367,22 @@ class Blip2Qwen(BaseModel):
             differentiable: the runner divides it by the supervised tokens of the whole step under
             ``run.loss_reduction: tokens``) and ``num_tokens`` (supervised tokens).
         """
-        image = samples["image"]
         samples = self.prepare_batch(samples)
-        input_ids, labels = samples["input_ids"].to(image.device), samples["labels"].to(image.device)
-        if "position_ids" in samples:  # packed: the images in the order their samples were laid out
-            image = image[torch.as_tensor(samples["order"], device=image.device)]
-            layout = {"position_ids": samples["position_ids"].to(image.device)}
+        image = samples.get("image")
+        device = self.llm_proj.weight.device if image is None else image.device
+        input_ids, labels = samples["input_ids"].to(device), samples["labels"].to(device)
+        if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
+            image = None if image is None else image[_packed_image_order(samples).to(device)]
+            layout = {"position_ids": samples["position_ids"].to(device)}
         else:
-            layout = {"attention_mask": samples["attention_mask"].to(image.device)}
+            layout = {"attention_mask": samples["attention_mask"].to(device)}
 
-        inputs_embeds = self._embed(input_ids, self.encode_image(image))
+        image_embeds = self.image_embeds(image, dummy=True)
+        has_images = image is not None and image.shape[0] > 0
+        inputs_embeds = self._embed(input_ids, image_embeds if has_images else image_embeds[:0])
+        if not has_images:
+            # The dummy image's features times zero: in the graph, out of the numbers (see image_embeds).
+            inputs_embeds = inputs_embeds + image_embeds.sum() * 0
         logits = self.llm_model(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
         # Token t predicts token t+1. Only supervised positions are upcast to fp32 (a bf16
         # log-softmax over 150k classes is too coarse; an fp32 copy of every logit is too big).
@@ -371,28 +399,27 @@ class Blip2Qwen(BaseModel):
                  synced_gpus: bool = False, **generate_kwargs: Any) -> list[str]:
         """Answer the last instruction of each sample (greedy or beam search).
 
-        ``samples``: ``image``, ``instruction`` (turns per sample), optionally ``output``
-        (the answers of the earlier turns) and ``num_images`` (images per sample, default
-        1 each: ``image`` then holds every sample's images in order, and each image has its
-        ``<ImageHere>`` marker in the sample's turns). ``synced_gpus`` must be true under
+        ``samples``: ``image`` (every sample's images in order, ``[N, 3, H, W]``; may be
+        empty or left out for text-only samples), ``instruction`` (turns per sample),
+        optionally ``output`` (the answers of the earlier turns) and ``num_images`` (images
+        per sample, default 1 each; each image has its ``<ImageHere>`` marker in the
+        sample's turns, one image may go unmarked). ``synced_gpus`` must be true under
         ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
         Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
         """
-        image = samples["image"]
+        image = samples.get("image")
         answers = samples.get("output") or [()] * len(samples["instruction"])
-        num_images = samples.get("num_images") or [1] * len(samples["instruction"])
-        if sum(num_images) != image.shape[0]:
-            raise ValueError(f"num_images {list(num_images)} adds up to {sum(num_images)} images, "
-                             f"but the batch holds {image.shape[0]}")
+        num_images = image_counts(samples)
         prompts = [self.prompt.generation_prompt(ins, out, n)
                    for ins, out, n in zip(samples["instruction"], answers, num_images, strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
-        input_ids, attention_mask = input_ids.to(image.device), attention_mask.to(image.device)
+        device = self.llm_proj.weight.device if image is None else image.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
 
         # query_tokens belong to this root module: an engine that shards them gathers them for generate
-        # (which is not forward) itself.
-        image_embeds = self.encode_image(image)
-        inputs_embeds = self._embed(input_ids, image_embeds)
+        # (which is not forward) itself. Sharded ranks run the towers even without an image (image_embeds).
+        image_embeds = self.image_embeds(image, dummy=synced_gpus)
+        inputs_embeds = self._embed(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
         # A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either.
         eos = list(dict.fromkeys(t for t in (self.im_end_id, self.llm_tokenizer.eos_token_id) if t is not None))
         # The placeholder is never a word: generating it would feed its meaningless row back in.
@@ -408,12 +435,21 @@ class Blip2Qwen(BaseModel):
         embeds = self.llm_model.get_input_embeddings()(input_ids)
         is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
         # masked_scatter fills positions in row-major order: sample by sample, left to right,
-        # and ChatPrompt guarantees exactly num_query_token placeholders per image, so the
-        # images (in sample order, each sample's in marker order) land in their runs.
+        # and ChatPrompt guarantees exactly num_query_token placeholders per image (image_counts
+        # checked that the batch holds each sample's images), so the flat images (in sample
+        # order, each sample's in marker order) land in their runs; a sample without images has no run.
         return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))
 
     def _embedding_dtype(self) -> torch.dtype:
         return self.llm_model.get_input_embeddings().weight.dtype
+
+
+def _packed_image_order(samples: dict[str, Any]) -> torch.Tensor:
+    """Indices into the flat image tensor (each sample's images a block, in sample order) that list the images in
+    the packed order of their samples."""
+    counts = image_counts(samples)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return torch.tensor([starts[i] + k for i in samples["order"] for k in range(counts[i])], dtype=torch.long)
 
 
 # MiniGPT4Qwen's name for the same architecture (Coobiw/MPP-LLaVA: `arch: minigpt4qwen`).

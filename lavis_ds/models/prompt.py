@@ -1,4 +1,4 @@
-"""ChatML prompts with an image placeholder run, and their loss mask.
+"""ChatML prompts with a placeholder run per image (0..N per sample), and their loss mask.
 
 A training example is tokenized segment by segment, so the mask is exact by
 construction: every token of an assistant answer and its closing ``<|im_end|>``
@@ -10,7 +10,7 @@ inference exactly the tokens it was trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -31,23 +31,21 @@ def insert_image_placeholders(instructions: Turns, image_token: str, num_image_t
                               num_images: int = 1) -> list[str]:
     """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token``.
 
-    An instruction list without ``<ImageHere>`` gets ``<Img><ImageHere></Img> `` in
-    front of its first turn (COCO-caption style data has no marker). Training
-    samples have one image; generation may show several (a chat that loads more
-    images, as MiniGPT4Qwen's demos do), and then every image needs its marker,
-    in the order of the images.
+    Every image has its own marker, in the order of the images (a video's frames are
+    images here: the dataset repeats its marker per frame), so each image's features
+    land where its marker stands. A sample with no image has no marker. One image may
+    go unmarked: it is then put in front of the first turn as ``<Img><ImageHere></Img> ``
+    (COCO-caption style data has no marker).
     """
     turns = list(instructions)
     if not turns:
         raise ValueError("a sample needs at least one instruction turn")
     markers = sum(turn.count(IMAGE_HERE) for turn in turns)
-    if num_images == 1 and markers > 1:
-        raise ValueError(f"one image per sample: found {markers} {IMAGE_HERE} markers in {turns!r}")
     if markers == 0 and num_images == 1:
         turns[0] = DEFAULT_IMAGE_PREFIX + turns[0]
     elif markers != num_images:
         raise ValueError(f"{num_images} image(s) but {markers} {IMAGE_HERE} marker(s) in {turns!r}: "
-                         "each image needs its own marker")
+                         "each image needs its own marker, in image order")
     return [turn.replace(IMAGE_HERE, image_token * num_image_tokens) for turn in turns]
 
 
@@ -100,17 +98,19 @@ class ChatPrompt:
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.image_token)
 
-    def training_example(self, instructions: str | Turns, answers: str | Turns) -> tuple[list[int], list[int]]:
-        """``(input_ids, labels)`` of one sample, truncated to ``max_len`` tokens.
+    def training_example(self, instructions: str | Turns, answers: str | Turns,
+                         num_images: int = 1) -> tuple[list[int], list[int]]:
+        """``(input_ids, labels)`` of one sample with ``num_images`` images, truncated to ``max_len`` tokens.
 
-        Truncation keeps the start and cuts the end: the image placeholders sit in the
-        first turn, and cutting them would leave fewer slots than image features. If
-        ``max_len`` is too short to keep all of them, that is a config error.
+        Truncation keeps the start and cuts the end: cutting into the image placeholders
+        would leave fewer slots than image features. If ``max_len`` is too short to keep
+        all of them, that is a config error.
         """
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens)
+        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
+                                                 num_images)
         segments = chatml_segments(self.system_prompt, instructions, as_turns(answers))
-        input_ids, labels = self._tokenize(segments)
-        if len(input_ids) > self.max_len:
+        input_ids, labels = self._tokenize(segments, num_images)
+        if len(input_ids) > self.max_len and num_images:
             last_image_pos = max(i for i, t in enumerate(input_ids) if t == self.image_token_id)
             if last_image_pos >= self.max_len:
                 raise ValueError(
@@ -123,7 +123,7 @@ class ChatPrompt:
     def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1) -> list[int]:
         """Token ids up to ``<|im_start|>assistant\\n`` of the last turn; earlier turns keep their answers.
 
-        ``num_images`` > 1: the instructions mark each image with ``<ImageHere>``, in image order.
+        ``num_images`` other than 1: the instructions mark each image with ``<ImageHere>``, in image order.
         Not truncated: cutting the end would drop the question or the assistant header.
         """
         instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
@@ -166,3 +166,16 @@ def pad_batch(
         padded[row, span] = torch.tensor(list(seq), dtype=torch.long)
         mask[row, span] = 1
     return padded, mask
+
+
+def image_counts(samples: dict[str, Any]) -> list[int]:
+    """Images per sample of a batch: its ``num_images``, else one each (batches made before 0..N images);
+    ``ValueError`` unless they add up to the rows of its flat ``image`` tensor (none without one)."""
+    counts = samples.get("num_images")
+    counts = [1] * len(samples["instruction"]) if counts is None else [int(n) for n in counts]
+    image = samples.get("image")
+    total = 0 if image is None else image.shape[0]
+    if sum(counts) != total or len(counts) != len(samples["instruction"]):
+        raise ValueError(f"num_images {counts} adds up to {sum(counts)} images, but the batch holds {total} "
+                         f"(for {len(samples['instruction'])} sample(s))")
+    return counts
