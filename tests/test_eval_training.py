@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lavis_ds.config import ConfigError, load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.hooks import BestCheckpoint, MetricsLogger, Validation
+from lavis_ds.runners.hooks import BestCheckpoint
 from run_utils import metrics, run_train, tiny_config, write_yaml
 
 CAPTION_KEYS = {"caption/Bleu_1", "caption/Bleu_2", "caption/Bleu_3", "caption/Bleu_4", "caption/CIDEr"}
@@ -121,7 +121,7 @@ def _scored(root, step, metric, value, higher, complete=True):
 
 
 def test_the_best_checkpoint_follows_the_metric_direction_and_ignores_other_scores(tmp_path):
-    best = BestCheckpoint(Validation(MetricsLogger())).best
+    best = BestCheckpoint().best
     _scored(tmp_path, 2, "val/loss", 0.7, False)
     _scored(tmp_path, 4, "val/loss", 0.5, False)
     _scored(tmp_path, 6, "val/loss", 0.1, False, complete=False)  # a torn save never counts

@@ -72,6 +72,9 @@ class RunConfig:
     # micro-batch and rank; the same whatever the split), or LAVIS's mean of per-micro-batch means (old runs)
     loss_reduction: Literal["tokens", "micro_batch"] = "tokens"
     deterministic: bool = False
+    # optional hooks after the built-in ones, in run order: registered names, or {name: ..., <its options>}
+    # (trackers: tensorboard, mlflow, wandb; a user's own under `imports:`). docs/hooks.md
+    hooks: list[str | dict[str, Any]] = field(default_factory=lambda: ["tensorboard"])
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 
 
