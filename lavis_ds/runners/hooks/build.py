@@ -48,6 +48,8 @@ def hook_problems(hooks: Any) -> list[str]:
     problems, seen = [], set()
     for i, item in enumerate(hooks):
         where = f"run.hooks[{i}]"
+        if not isinstance(item, (str, dict)):
+            continue  # the type check of `run` reports it
         if isinstance(item, dict) and not isinstance(item.get("name"), str):
             problems.append(f"{where}.name: required key is missing; a hook is a registered name or a mapping "
                             f"with `name` and its options")
