@@ -38,7 +38,7 @@ def run_dir(tmp_path_factory, demo_storage):
     root = tmp_path_factory.mktemp("eval_run")
     out = root / "out"
     cfg = _config(out, demo_storage, val_freq_steps=5, save_freq_steps=5, keep_last=1,
-                  best_metric="val/caption/CIDEr")
+                  best_metric="val/caption/CIDEr", hooks=["tensorboard", "mlflow"])
     run_train(write_yaml(root / "run.yaml", cfg), nproc=2)
     return out
 
@@ -85,6 +85,19 @@ def test_tensorboard_has_the_validation_scores(run_dir):
     assert [e.step for e in cider] == [5, 10, 15, 16, 20, 25, 30, 32]
     assert [e.value for e in events.Scalars("test/exact_match")] == [
         pytest.approx(m["exact_match"]) for m in metrics(run_dir) if m.get("split") == "test"]
+
+
+def test_mlflow_has_the_validation_scores_and_each_step_once_from_rank_0(run_dir, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when told to
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("lavis_ds").experiment_id])
+    val = [m for m in metrics(run_dir) if m.get("split") == "val"]
+    cider = client.get_metric_history(run.info.run_id, "val/caption/CIDEr")
+    assert sorted((m.step, m.value) for m in cider) == [(m["step"], m["caption/CIDEr"]) for m in val]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 33))  # 2 processes, each step once: only rank 0 logs
 
 
 @pytest.mark.parametrize("run, message", [
