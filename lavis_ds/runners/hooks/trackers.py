@@ -45,8 +45,9 @@ class Tracker(Hook):
             self.started = True
 
     def log(self, runner, record: dict) -> None:
-        if self.started:
-            self.write(record["step"], scalars(record))
+        values = scalars(record)
+        if self.started and values:  # a skipped step's record has no loss, a user's may have no number at all
+            self.write(record["step"], values)
 
     def after_train(self, runner) -> None:
         self.completed = True
