@@ -8,7 +8,7 @@ DeepSpeed JSON file named by its path). What a runner's section says about the e
 run keys (batch, precision, clipping, AdamW's betas/eps: its "twins") is mapped onto those keys
 whichever runner the run chose, so switching `run.runner` keeps them. The merged config is checked as a
 whole and every problem is reported in one `ConfigError`, each with its key path:
-an unknown name (arch, model_type, builder, runner) is reported with the rest,
+an unknown name (arch, model_type, builder, runner, hook) is reported with the rest,
 which is checked against the closest known name.
 
 It lives beside the build step (``lavis_ds.build``), above ``common/``: checking a config asks the
@@ -37,6 +37,7 @@ from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 from lavis_ds.runners import DEFAULT_RUNNER
+from lavis_ds.runners.hooks import hook_problems
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +324,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
     errors.extend(packing_problems(run, model))
+    errors.extend(hook_problems(run.get("hooks")))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
         errors.append(f"run.resume: expected 'auto', false or a checkpoint path, got {resume!r}")

@@ -109,6 +109,11 @@ MUTATIONS = {
                r"^run\.runner: Unknown runner 'runner_deepspeeed'\. Did you mean 'runner_deepspeed'\?"),
     "lr_sched": ("run.lr_sched=linear_warmup_cosine",
                  r"^run\.lr_sched: Unknown lr scheduler 'linear_warmup_cosine'\. Did you mean"),
+    "hook": ("run.hooks=[tensorboard,mlfow]",
+             r"^run\.hooks\[1\]: Unknown hook 'mlfow'\. Did you mean 'mlflow'\? Known hooks: best_checkpoint, "),
+    "hook option": ("run.hooks=[{}] run.hooks.0.name=mlflow run.hooks.0.tracking_ur=file:/x",
+                    r"^run\.hooks\[0\]\.tracking_ur: unknown key; did you mean 'tracking_uri'\?$"),
+    "built-in hook": ("run.hooks=[checkpointer]", r"^run\.hooks\[0\]: 'checkpointer' is a built-in hook and always runs"),
     # LAVIS keys with a replacement
     "iters_per_epoch": ("run.iters_per_epoch=100", r"^run\.iters_per_epoch: not supported; .*use run\.max_epoch"),
     "lr_layer_decay": ("run.lr_layer_decay=0.9", r"^run\.lr_layer_decay: not supported; use run\.lr_scales"),

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lavis_ds.config import ConfigError, load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.hooks import BestCheckpoint, MetricsLogger, Validation
+from lavis_ds.runners.hooks import BestCheckpoint
 from run_utils import metrics, run_train, tiny_config, write_yaml
 
 CAPTION_KEYS = {"caption/Bleu_1", "caption/Bleu_2", "caption/Bleu_3", "caption/Bleu_4", "caption/CIDEr"}
@@ -38,7 +38,7 @@ def run_dir(tmp_path_factory, demo_storage):
     root = tmp_path_factory.mktemp("eval_run")
     out = root / "out"
     cfg = _config(out, demo_storage, val_freq_steps=5, save_freq_steps=5, keep_last=1,
-                  best_metric="val/caption/CIDEr")
+                  best_metric="val/caption/CIDEr", hooks=["tensorboard", "mlflow"])
     run_train(write_yaml(root / "run.yaml", cfg), nproc=2)
     return out
 
@@ -87,6 +87,19 @@ def test_tensorboard_has_the_validation_scores(run_dir):
         pytest.approx(m["exact_match"]) for m in metrics(run_dir) if m.get("split") == "test"]
 
 
+def test_mlflow_has_the_validation_scores_and_each_step_once_from_rank_0(run_dir, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when told to
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("lavis_ds").experiment_id])
+    val = [m for m in metrics(run_dir) if m.get("split") == "val"]
+    cider = client.get_metric_history(run.info.run_id, "val/caption/CIDEr")
+    assert sorted((m.step, m.value) for m in cider) == [(m["step"], m["caption/CIDEr"]) for m in val]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 33))  # 2 processes, each step once: only rank 0 logs
+
+
 @pytest.mark.parametrize("run, message", [
     ({"test_metrics": ["captoin"]}, r"run\.test_metrics\[0\]: Unknown metric 'captoin'\. Did you mean 'caption'\?"
                                     r" Known metrics: caption, exact_match, vqa_accuracy"),
@@ -121,7 +134,7 @@ def _scored(root, step, metric, value, higher, complete=True):
 
 
 def test_the_best_checkpoint_follows_the_metric_direction_and_ignores_other_scores(tmp_path):
-    best = BestCheckpoint(Validation(MetricsLogger())).best
+    best = BestCheckpoint().best
     _scored(tmp_path, 2, "val/loss", 0.7, False)
     _scored(tmp_path, 4, "val/loss", 0.5, False)
     _scored(tmp_path, 6, "val/loss", 0.1, False, complete=False)  # a torn save never counts

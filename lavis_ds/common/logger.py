@@ -1,21 +1,19 @@
-"""Where numbers go: metrics.jsonl (one JSON object per line) and TensorBoard, rank 0 only."""
+"""Where numbers go first: metrics.jsonl (one JSON object per line), rank 0 only. Trackers (TensorBoard, MLflow,
+W&B) are hooks that receive the same records (``lavis_ds.runners.hooks.trackers``)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 
 class MetricsWriter:
-    """Appends records to ``<output_dir>/metrics.jsonl`` and mirrors numeric ones to ``<output_dir>/tb``.
+    """Appends records to ``<output_dir>/metrics.jsonl``.
 
     After a resume at ``resume_step`` the lines of steps that will be trained again
     are dropped, so the file reads like one uninterrupted run.
     """
 
     def __init__(self, output_dir: str | Path, resume_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
@@ -24,21 +22,13 @@ class MetricsWriter:
             tmp.write_text(kept)
             tmp.replace(self.path)  # atomic: a kill now leaves the old file or the new one
         self.file = self.path.open("a")
-        purge = None if resume_step is None else resume_step + 1
-        self.tb = SummaryWriter(str(Path(output_dir) / "tb"), purge_step=purge)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        prefix = record.get("split", "train")
-        for key, value in record.items():
-            if key not in ("step", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(f"{prefix}/{key}", value, record.get("step", 0))
-        self.tb.flush()
 
     def close(self) -> None:
         self.file.close()
-        self.tb.close()
 
 
 def _lines_up_to(path: Path, step: int) -> list[str]:

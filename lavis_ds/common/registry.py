@@ -109,6 +109,7 @@ processors = Registry("processor")
 lr_schedulers = Registry("lr scheduler")
 runners = Registry("runner")
 metrics = Registry("metric")
+hooks = Registry("hook")
 
 
 class _LavisStyle:
@@ -120,6 +121,7 @@ class _LavisStyle:
     register_lr_scheduler = staticmethod(lr_schedulers.register)
     register_runner = staticmethod(runners.register)
     register_metric = staticmethod(metrics.register)
+    register_hook = staticmethod(hooks.register)
     get_model_class = staticmethod(models.get)
     get_builder_class = staticmethod(builders.get)
     get_processor_class = staticmethod(processors.get)
@@ -130,6 +132,8 @@ class _LavisStyle:
     register_processor_alias = staticmethod(processors.register_alias)
     register_runner_alias = staticmethod(runners.register_alias)
     get_metric_class = staticmethod(metrics.get)
+    get_hook_class = staticmethod(hooks.get)
+    register_hook_alias = staticmethod(hooks.register_alias)
 
 
 registry = _LavisStyle()

@@ -81,6 +81,9 @@ class RunConfig:
     deterministic: bool = False
     # peak TFLOP/s of one device, the denominator of the logged MFU; unset: A100/H100/H200 bf16 from the device name
     peak_tflops: Annotated[float | None, Positive] = None
+    # optional hooks after the built-in ones, in run order: registered names, or {name: ..., <its options>}
+    # (trackers: tensorboard, mlflow, wandb; a user's own under `imports:`). docs/hooks.md
+    hooks: list[str | dict[str, Any]] = field(default_factory=lambda: ["tensorboard"])
     # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
 
 

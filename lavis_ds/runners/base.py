@@ -132,7 +132,7 @@ class RunnerBase:
         except LavisDsError as e:  # e.g. an image that does not decode, raised in a DataLoader worker
             error = e
         if signum := faults.agree(self.signals.received, error):
-            self.call_hooks("on_stop", signum)  # the Checkpointer saves on SIGTERM
+            self.call_hooks("on_stop", signum)  # the Checkpointer asks for a save on SIGTERM
             stopped = faults.Stopped(signum, self._stop_message(signum))
             stopped.quiet = self.rank != 0  # every rank stops here; one says so
             raise stopped
@@ -245,8 +245,16 @@ class RunnerBase:
         self.call_hooks("close")
 
     def call_hooks(self, event: str, *args, **kwargs) -> None:
-        for hook in self.hooks:
-            getattr(hook, event)(self, *args, **kwargs)
+        """Dispatch ``event`` to every hook in run order (``hooks.HookList``); then cut the checkpoint any of them
+        asked for (``request_save``), once: a save never runs inside a hook, and its after_save reaches them all.
+        A step that is saved already (an epoch end that SIGTERM stopped at) is not saved twice."""
+        if self.hooks.call(event, *args, **kwargs) and self.saved_step != self.state.global_step:
+            self.save()
+
+    def request_save(self, reason: str) -> None:
+        """Ask for a checkpoint of this step, from a hook handling after_step, after_epoch or on_stop. A save is
+        collective: every rank must ask (hooks decide from the step counters, which every rank shares)."""
+        self.hooks.request_save(reason)
 
     # ------------------------------------------------- what subclasses provide
     # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").

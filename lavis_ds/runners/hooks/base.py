@@ -1,0 +1,116 @@
+"""What a hook is, and the one place events reach the hooks of a run.
+
+A hook reacts to events of the run; every method is optional. While an event is being dispatched, a
+hook never calls into another hook or into ``runner.save()``: it *logs* a record
+(``runner.hooks.log``) and *asks* for a checkpoint (``runner.request_save``). After every hook has
+handled the event, the records logged meanwhile go to every hook's ``log``, in the order they were
+logged, and then the loop cuts the checkpoint that was asked for, once (``RunnerBase.call_hooks``),
+whose ``after_save`` goes to every hook in its turn. So no handler runs inside another one, and the
+numbers of a step are in metrics.jsonl (and the trackers) before a checkpoint of that step exists.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+
+class Hook:
+    """Override what the hook reacts to. A registered hook's constructor arguments are its options in
+    ``run.hooks`` (checked against its signature when the config is loaded)."""
+
+    # Python packages the hook imports, {module: pip package}: a missing one is a config error naming the package.
+    REQUIRES: dict[str, str] = {}
+
+    def before_train(self, runner) -> None:
+        """The run starts (after a resume: ``runner.state`` is where it continues); also before ``evaluate``."""
+
+    def after_step(self, runner, metrics: dict) -> None:
+        """An optimizer step is done: ``metrics`` has its loss (None if skipped), lr and grad_norm."""
+
+    def after_epoch(self, runner) -> None:
+        """An epoch is done (``runner.state.epoch`` counts it)."""
+
+    def log(self, runner, record: dict) -> None:
+        """A record was logged (rank 0 only): a training step's numbers every ``run.log_freq`` steps, or an
+        evaluation's (its ``split`` key names the split). It has ``step`` and ``epoch``."""
+
+    def after_save(self, runner, tag_dir: Path) -> None:
+        """A checkpoint is complete in ``tag_dir`` (every rank)."""
+
+    def after_train(self, runner) -> None:
+        """The last epoch is done (the final test generation runs here)."""
+
+    def on_stop(self, runner, signum: int) -> None:
+        """SIGTERM/SIGINT stopped the run at a step boundary, on every rank."""
+
+    def evaluate(self, runner) -> None:
+        """``run.evaluate``: evaluate the checkpoint named by ``run.resume``, no training."""
+
+    def close(self, runner) -> None:
+        """The run is over, however it ended (an error included): release what the hook made."""
+
+
+# The events after which a requested checkpoint is cut: the step counters say which step it holds.
+SAVE_EVENTS = ("after_step", "after_epoch", "on_stop")
+
+
+class HookList:
+    """The hooks of a run in run order; dispatches events, queues records and save requests meanwhile."""
+
+    def __init__(self, runner, hooks: list[Hook]):
+        self.runner, self.hooks = runner, list(hooks)
+        self.event: str | None = None  # the event being dispatched
+        self.records: list[dict] = []
+        self.save_reasons: list[str] = []
+
+    def __iter__(self) -> Iterator[Hook]:
+        return iter(self.hooks)
+
+    def __getitem__(self, index: int) -> Hook:
+        return self.hooks[index]
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def call(self, event: str, *args, **kwargs) -> list[str]:
+        """Dispatch ``event`` to every hook in order, then deliver the records logged meanwhile; return why a
+        checkpoint was asked for (empty: none was). A failing hook stops the dispatch; its records are dropped."""
+        if self.event is not None:
+            raise RuntimeError(f"hook event {event!r} dispatched while {self.event!r} is: a hook must not dispatch "
+                               "events (log records with runner.hooks.log, ask for saves with runner.request_save)")
+        self.event = event
+        try:
+            for hook in self.hooks:
+                getattr(hook, event)(self.runner, *args, **kwargs)
+            self._deliver()
+            return self.save_reasons
+        finally:
+            self.event, self.records, self.save_reasons = None, [], []
+
+    def log(self, record: dict) -> None:
+        """Hand ``record`` to every hook's ``log``: after the event being dispatched, else at once. Records exist
+        on rank 0 only, the process that holds the gathered scores; other ranks' are dropped."""
+        if self.runner.rank != 0:
+            return
+        self.records.append(record)
+        if self.event is not None:
+            return
+        self.event = "log"  # outside any event (between two): deliver now, records logged meanwhile after it
+        try:
+            self._deliver()
+        finally:
+            self.event, self.records = None, []
+
+    def request_save(self, reason: str) -> None:
+        """Ask for a checkpoint of the current step, cut once the event is dispatched (``RunnerBase.call_hooks``)."""
+        if self.event not in SAVE_EVENTS:
+            raise RuntimeError(f"a checkpoint was requested ({reason}) during {self.event or 'no event'}; a hook "
+                               f"asks for one in {', '.join(SAVE_EVENTS)} (its step is then settled)")
+        self.save_reasons.append(reason)
+
+    def _deliver(self) -> None:
+        # A hook may log while handling a record: that record goes out after the current one, to every hook.
+        while self.records:
+            record = self.records.pop(0)
+            for hook in self.hooks:
+                hook.log(self.runner, record)

@@ -1,0 +1,84 @@
+"""The built-in checkpoint hooks: when to save, and which checkpoint is the best."""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from lavis_ds.common.registry import hooks as hook_registry
+from lavis_ds.metrics.selection import higher_is_better
+from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.hooks.base import Hook
+
+
+@hook_registry.register("checkpointer")
+class Checkpointer(Hook):
+    """Asks for a checkpoint every `run.save_freq_steps` optimizer steps, at each epoch end, and when SIGTERM
+    stops the run; the loop cuts it once every hook has seen the event (``RunnerBase.call_hooks``), so the
+    validation of that step (at any place in the list) is done and logged before it."""
+
+    def after_step(self, runner, metrics: dict) -> None:
+        freq = runner.run.save_freq_steps
+        at_epoch_end = runner.state.step_in_epoch == runner.steps_per_epoch  # after_epoch asks for that one
+        if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
+            runner.request_save("run.save_freq_steps")
+
+    def after_epoch(self, runner) -> None:
+        runner.request_save("epoch end")
+
+    def on_stop(self, runner, signum: int) -> None:
+        # SIGTERM is preemption: save where every rank stopped (the loop skips a step saved already).
+        # SIGINT is a user's Ctrl-C: stop without writing anything.
+        if signum == signal.SIGTERM and runner.state.global_step:
+            runner.request_save("SIGTERM")
+
+
+@hook_registry.register("best_checkpoint")
+class BestCheckpoint(Hook):
+    """Owns "the best checkpoint": scores each one by `run.best_metric` and prunes to `run.keep_last` + the best.
+
+    A checkpoint cut at the step of a validation gets ``lavis_ds_score.json`` (metric, value, direction);
+    the best is read back from those files, so it survives a resume. `run.best_metric` defaults to the
+    first valid split's loss (lower is better); a metric says its own direction (CIDEr: higher). The scores
+    come from the validation records (``log``), which reach every hook before the checkpoint is cut.
+    """
+
+    SCORE_FILE = "lavis_ds_score.json"
+
+    def __init__(self) -> None:
+        self.latest: dict = {}  # {"step": N, "scores": {"val/loss": ..., "val/caption/CIDEr": ...}}
+
+    def metric(self, runner) -> str | None:
+        if runner.run.best_metric:
+            return runner.run.best_metric
+        return f"{runner.run.valid_splits[0]}/loss" if runner.run.valid_splits else None
+
+    def log(self, runner, record: dict) -> None:
+        if record.get("split") not in runner.run.valid_splits:
+            return
+        if self.latest.get("step") != record["step"]:
+            self.latest = {"step": record["step"], "scores": {}}
+        split = record["split"]
+        self.latest["scores"].update({f"{split}/{k}": v for k, v in record.items() if isinstance(v, float)})
+
+    def after_save(self, runner, tag_dir: Path) -> None:
+        if runner.rank != 0:
+            return
+        metric, latest = self.metric(runner), self.latest
+        if metric and latest.get("step") == runner.state.global_step and metric in latest["scores"]:
+            info = {"metric": metric, "value": latest["scores"][metric], "higher_is_better": higher_is_better(metric)}
+            (Path(tag_dir) / self.SCORE_FILE).write_text(json.dumps(info, indent=2))
+        if runner.run.keep_last:
+            ckpt.prune(runner.checkpoint_dir, runner.run.keep_last, keep=self.best(runner.checkpoint_dir, metric))
+
+    def best(self, ckpt_dir: Path, metric: str | None) -> Path | None:
+        """The complete checkpoint with the best recorded ``metric`` (None if none has a score for it)."""
+        scored = []
+        for tag_dir in Path(ckpt_dir).glob("step_*"):
+            score_file = tag_dir / self.SCORE_FILE
+            if metric and ckpt.is_complete(tag_dir) and score_file.is_file():
+                info = json.loads(score_file.read_text())
+                if info.get("metric") == metric and isinstance(info.get("value"), (int, float)):
+                    sign = -1 if info["higher_is_better"] else 1
+                    scored.append((sign * info["value"], int(tag_dir.name.removeprefix("step_")), tag_dir))
+        return min(scored)[2] if scored else None  # ties: the earliest step

@@ -1,0 +1,101 @@
+"""The built-in evaluation hooks: validation during training, test generation at the end."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from lavis_ds.common import comm
+from lavis_ds.common.registry import hooks as hook_registry
+from lavis_ds.metrics import build_metric
+from lavis_ds.metrics.selection import TEST, VALID, log_key, metric_names
+from lavis_ds.runners.hooks.base import Hook
+
+
+def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
+    """Generate a split, score it with its metrics (rank 0), write its predictions file; (scores, results).
+
+    Every rank generates its shard (ZeRO-3 forwards are collective); the metrics and the file are
+    made once, on rank 0, from the gathered results.
+    """
+    results = runner.generate_split(split)
+    scores: dict = {"num_samples": len(results)}
+    if runner.rank != 0:
+        return scores, results
+    sections = list(dict.fromkeys(r["dataset"] for r in results))
+    run = OmegaConf.to_container(runner.run, resolve=True)
+    for section in sections:
+        rows = [r for r in results if r["dataset"] == section]
+        names = metric_names(run, OmegaConf.to_container(runner.cfg.datasets[section], resolve=True), phase)
+        for name in names:
+            values = build_metric(name)([r["generated"] for r in rows], [r["references"] for r in rows])
+            for score, value in values.items():
+                scores[log_key(name, score, section if len(sections) > 1 else None)] = value
+    write_predictions(runner.output_dir / "predictions" / f"{split}_step{runner.state.global_step}.jsonl", results)
+    return scores, results
+
+
+def write_predictions(path: Path, results: list[dict]) -> None:
+    """One JSON line per sample: image, prompt, references, generated (and index, dataset); atomic."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = ("index", "dataset", "image", "prompt", "references", "generated")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps({k: r[k] for k in keys}, ensure_ascii=False) + "\n" for r in results),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@hook_registry.register("validation")
+class Validation(Hook):
+    """Validation loss on each of `run.valid_splits` - plus generation metrics where the split has some
+    (`run.val_metrics` or the section's `metrics`) - at every epoch end and every `run.val_freq_steps` steps.
+
+    Each split's results are one record (``{"split": "val", "loss": ..., "caption/CIDEr": ...}``), logged
+    through ``runner.hooks.log``: metrics.jsonl, the trackers and the best-checkpoint scoring read them there.
+    """
+
+    def after_step(self, runner, metrics: dict) -> None:
+        freq = runner.run.val_freq_steps
+        at_epoch_end = runner.state.step_in_epoch == runner.steps_per_epoch  # after_epoch validates that one
+        if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
+            self.validate(runner)
+
+    def after_epoch(self, runner) -> None:
+        self.validate(runner)
+
+    def evaluate(self, runner) -> None:
+        self.validate(runner)
+
+    def validate(self, runner) -> None:
+        if not runner.run.valid_splits:
+            return
+        run = OmegaConf.to_container(runner.run, resolve=True)
+        datasets = OmegaConf.to_container(runner.cfg.datasets, resolve=True)
+        for split in runner.run.valid_splits:
+            record = {"split": split, **runner.evaluate_loss(split)}
+            if any(metric_names(run, datasets[name], VALID) for name, per_split in runner.datasets.items()
+                   if split in per_split):
+                record.update(score_split(runner, split, VALID)[0])
+            runner.hooks.log({"step": runner.state.global_step, "epoch": runner.state.epoch, **record})
+
+
+@hook_registry.register("test_generation")
+class TestGeneration(Hook):
+    """Generate answers for `run.test_splits`; log their metrics (`run.test_metrics` or the section's `metrics`)
+    with a few samples, and write the predictions file."""
+
+    def after_train(self, runner) -> None:
+        self.test(runner)
+
+    def evaluate(self, runner) -> None:
+        self.test(runner)
+
+    def test(self, runner) -> None:
+        for split in runner.run.test_splits:
+            scores, results = score_split(runner, split, TEST)
+            samples = results[: runner.run.num_log_samples]
+            runner.hooks.log({"step": runner.state.global_step, "epoch": runner.state.epoch, "split": split,
+                              **scores, "samples": samples})
+        comm.barrier()

@@ -1,0 +1,105 @@
+"""The built-in hooks that write metrics.jsonl, draw the progress bar, and time the training for throughput."""
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from lavis_ds.common.logger import MetricsWriter
+from lavis_ds.common.registry import hooks as hook_registry
+from lavis_ds.runners.hooks.base import Hook
+from lavis_ds.runners.throughput import ThroughputMeter
+
+
+@hook_registry.register("metrics_log")
+class MetricsLog(Hook):
+    """metrics.jsonl on rank 0 (every record: training steps every `run.log_freq` steps, evaluations), and a
+    progress bar with ETA. It makes the training records; trackers (``run.hooks``) receive them too.
+
+    Each logged step carries its throughput since the last one (``runners.throughput``: tokens/s, padding
+    share, peak memory, MFU), summed over the ranks at the logged step.
+    """
+
+    def __init__(self) -> None:
+        self.writer, self.bar = None, None
+        self.meter = ThroughputMeter()
+
+    def before_train(self, runner) -> None:
+        if runner.rank == 0:
+            resumed = runner.state.global_step if runner.state.global_step else None
+            self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
+            self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
+                            dynamic_ncols=True, mininterval=1.0)
+        self.meter.start(runner)
+
+    def after_step(self, runner, metrics: dict) -> None:
+        metrics = dict(metrics)
+        self.meter.step_done(metrics.pop("tokens", None))  # every rank: its own tokens
+        if runner.rank == 0:
+            self.bar.update(1)
+        step = runner.state.global_step
+        if step % runner.run.log_freq and step != runner.total_steps:
+            return
+        throughput = self.meter.report(runner)  # collective: every rank takes the same steps
+        if runner.rank != 0:
+            return
+        record = {"step": step, "epoch": runner.state.epoch, **metrics, **throughput}
+        runner.hooks.log(record)
+        if record["loss"] is not None:  # None: a skipped step (non-finite loss)
+            self.bar.set_postfix(_postfix(record))
+
+    def log(self, runner, record: dict) -> None:
+        self.writer.write(record)
+        if "split" not in record:
+            return
+        # An evaluation: one line on screen, and the samples of a test split under it.
+        tqdm.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in record.items() if k not in ("samples", "step", "epoch")))
+        for s in record.get("samples", []):
+            tqdm.write(f"  {s['image']}: expected {s['expected']!r}, generated {s['generated']!r}")
+
+    def after_train(self, runner) -> None:
+        self._close_bar()  # the writer stays open for the final tests
+
+    def on_stop(self, runner, signum: int) -> None:
+        self._close_bar()
+
+    def close(self, runner) -> None:
+        self._close_bar()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _postfix(record: dict) -> dict[str, str]:
+    """What the progress bar shows of a logged step."""
+    shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
+    if "tokens_per_sec" in record:
+        shown["tok/s"] = f"{record['tokens_per_sec']:,.0f}"
+    if "mfu" in record:
+        shown["mfu"] = f"{record['mfu']:.1%}"
+    return shown
+
+
+@hook_registry.register("training_clock")
+class TrainingClock(Hook):
+    """Restarts the throughput clock of ``metrics_log`` once a step's or an epoch's evaluations are done, and after
+    every save, so that neither counts as training time in tokens/s and MFU. The last built-in hook."""
+
+    def __init__(self) -> None:
+        self.meter: ThroughputMeter | None = None
+
+    def before_train(self, runner) -> None:
+        self.meter = next(hook.meter for hook in runner.hooks if isinstance(hook, MetricsLog))
+
+    def after_step(self, runner, metrics: dict) -> None:
+        self.meter.mark()
+
+    def after_epoch(self, runner) -> None:
+        self.meter.mark()
+
+    def after_save(self, runner, tag_dir) -> None:
+        self.meter.mark()
