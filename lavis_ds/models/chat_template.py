@@ -15,9 +15,11 @@ writes, never from a hand-written copy of the format:
   supervised. A template for which those renders do not extend one another raises
   ``ChatTemplateError``: its mask cannot be derived exactly.
 
-In the whole conversation, an earlier turn may lose the tail of its generation header
-(Qwen3 drops the empty ``<think>`` block of turns before the last user message); the
-answer is then found right after the shortened header. The prompt is handed on as
+In the whole conversation, a turn before the last user message may render shorter than
+when it was the newest (Qwen3 drops the empty ``<think>`` block of ``enable_thinking: false``
+from its header, and the reasoning block a thinking answer starts with from the answer):
+its answer is then found after the longest part of the generation header that stands
+there, whole or without its leading lines; what the render holds of it is supervised. The prompt is handed on as
 ``(text, supervised)`` pieces, tokenized piece by piece, so the mask is exact whatever
 the tokenizer merges, and generation prompts cut into the same pieces as training.
 """
@@ -135,9 +137,9 @@ class ChatTemplate:
         if not text.startswith(before):
             raise ChatTemplateError(f"the chat template of {self._name} renders the messages before assistant "
                                     f"message {i} differently once later messages follow")
-        for end in range(len(header), -1, -1):  # the full header first, then shorter ones (history turns)
-            if text.startswith(header[:end] + answer, len(before)):
-                return len(before) + end, len(before) + end + len(answer)
+        span = _locate(text, len(before), header, answer)
+        if span is not None:
+            return span
         raise ChatTemplateError(f"the chat template of {self._name} renders assistant message {i} in the whole "
                                 f"conversation as {text[len(before):len(before) + len(header + answer) + 20]!r}, "
                                 f"not as its generation prompt {header!r} followed by {answer!r}")
@@ -170,6 +172,19 @@ class ChatTemplate:
     @property
     def _name(self) -> str:
         return repr(getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__)
+
+
+def _locate(text: str, position: int, header: str, answer: str) -> tuple[int, int] | None:
+    """The span of ``answer`` (or of its last lines) after the longest prefix of ``header`` at ``position``."""
+    matched = next(end for end in range(len(header), -1, -1) if text.startswith(header[:end], position))
+    skips = (0, *(i + 1 for i, char in enumerate(answer) if char == "\n"))
+    for end in range(matched, -1, -1):  # the header as far as it stands there, first
+        start = position + end
+        # The whole answer first; then without leading lines, which templates drop from history turns (reasoning).
+        for skip in skips:
+            if text.startswith(answer[skip:], start):
+                return start, start + len(answer) - skip
+    return None
 
 
 def _cut(text: str, spans: list[tuple[int, int]]) -> Segments:
