@@ -139,3 +139,10 @@ def test_generation_blocks_are_the_supervised_spans_as_the_template_marks_them(t
     assert supervised_runs(tokenizer, ids, labels) == [a + "<|im_end|>" + tail for a in ANSWERS[:2]]
     generation = prompt.generation_prompt(QUESTIONS[:2], ANSWERS[:1])
     assert ids[:len(generation)] == generation
+
+
+def test_a_template_that_writes_todays_date_is_named_unless_the_date_is_given(tokenizers, caplog):
+    chat_prompt(tokenizers, "llama3.2")
+    assert "today's date" not in caplog.text
+    chat_prompt(tokenizers, "llama3.2", chat_template_kwargs={})
+    assert "writes today's date into every prompt" in caplog.text and "date_string" in caplog.text

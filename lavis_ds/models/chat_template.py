@@ -55,6 +55,15 @@ def renders_chatml(tokenizer: PreTrainedTokenizerBase) -> bool:
     return template is None or "<|im_start|>" in template
 
 
+def unstable_render(tokenizer: PreTrainedTokenizerBase, variables: Mapping[str, Any]) -> str | None:
+    """Why the template would render one sample differently on another day (None: it would not)."""
+    template = template_text(tokenizer) or ""
+    if "strftime_now" in template and "date_string" not in variables:
+        return ("the chat template writes today's date into every prompt (Llama 3.2 does): the same sample gives "
+                "other tokens tomorrow; set model.chat_template_kwargs.date_string (the Llama presets do)")
+    return None
+
+
 def check_turns(instructions: Sequence[str], answers: Sequence[str], add_generation_prompt: bool) -> int:
     """How many turns keep their answer: training needs one answer per instruction, generation all but the last
     (a reference answer for the last turn, if given, is ignored)."""
@@ -82,9 +91,10 @@ class ChatTemplate:
     def segments(self, instructions: Sequence[str], answers: Sequence[str],
                  add_generation_prompt: bool = False) -> Segments:
         """The conversation as ``(text, supervised)`` pieces; with ``add_generation_prompt`` it ends with the
-        assistant header of the last turn (earlier turns keep their answers, unsupervised or not alike)."""
+        assistant header of the last turn; its earlier turns keep their answers, marked supervised as in training, so
+        that both cut the text alike."""
         history = check_turns(instructions, answers, add_generation_prompt)
-        messages = self.messages(instructions[:history + add_generation_prompt], answers[:history])
+        messages = self.messages(instructions, answers[:history])
         text = self.render(messages, add_generation_prompt)
         if GENERATION_BLOCK.search(self._template):
             spans = self._generation_spans(messages, add_generation_prompt)
@@ -125,22 +135,23 @@ class ChatTemplate:
     # ------------------------------------------------------------------ the two ways to the mask
     def _answer_span(self, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
         """Where message ``i`` (an assistant turn) puts its answer in ``text``, a render of ``messages``."""
+        what = f"the answer of turn {sum(m['role'] == 'assistant' for m in messages[:i]) + 1}"
         before = self.render(messages[:i])
-        header = self._added(before, self.render(messages[:i], True), f"adding the generation prompt after message {i}")
-        turn = self._added(before, self.render(messages[:i + 1]), f"adding assistant message {i}")
+        header = self._added(before, self.render(messages[:i], True), f"adding the generation prompt before {what}")
+        turn = self._added(before, self.render(messages[:i + 1]), f"adding {what}")
         if not turn.startswith(header):
-            raise ChatTemplateError(f"the chat template of {self._name} starts assistant message {i} with "
+            raise ChatTemplateError(f"the chat template of {self._name} starts {what} with "
                                     f"{turn[:len(header) + 20]!r}, not with its generation prompt {header!r}")
         answer = turn[len(header):].rstrip()
         if not answer:
-            raise ChatTemplateError(f"the chat template of {self._name} writes nothing for assistant message {i}")
+            raise ChatTemplateError(f"the chat template of {self._name} writes nothing for {what}")
         if not text.startswith(before):
-            raise ChatTemplateError(f"the chat template of {self._name} renders the messages before assistant "
-                                    f"message {i} differently once later messages follow")
+            raise ChatTemplateError(f"the chat template of {self._name} renders the messages before {what} "
+                                    "differently once later messages follow")
         span = _locate(text, len(before), header, answer)
         if span is not None:
             return span
-        raise ChatTemplateError(f"the chat template of {self._name} renders assistant message {i} in the whole "
+        raise ChatTemplateError(f"the chat template of {self._name} renders {what} in the whole "
                                 f"conversation as {text[len(before):len(before) + len(header + answer) + 20]!r}, "
                                 f"not as its generation prompt {header!r} followed by {answer!r}")
 
@@ -149,7 +160,7 @@ class ChatTemplate:
         if not longer.startswith(prefix):
             raise ChatTemplateError(f"the chat template of {self._name} breaks the prefix property: {what} changes "
                                     f"the text before it, so the answer tokens cannot be told apart exactly "
-                                    f"(rendered {prefix[-40:]!r} -> {longer[len(prefix) - 40:][:80]!r})")
+                                    f"(rendered {prefix[-40:]!r} -> {longer[max(0, len(prefix) - 40):][:80]!r})")
         return longer[len(prefix):]
 
     def _generation_spans(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[int, int]]:

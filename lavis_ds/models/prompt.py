@@ -12,13 +12,16 @@ inference exactly the tokens it was trained on.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lavis_ds.models.chat_template import ChatTemplate, check_turns, template_text
+from lavis_ds.models.chat_template import ChatTemplate, check_turns, template_text, unstable_render
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # what torch's cross_entropy skips by default
 IMAGE_HERE = "<ImageHere>"  # MiniGPT4Qwen's marker for where the image goes
@@ -98,6 +101,10 @@ class ChatPrompt:
     num_image_tokens: int
     max_len: int
     template_variables: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (why := unstable_render(self.tokenizer, self.template_variables)) is not None:
+            logger.warning("%s", why)
 
     @property
     def image_token_id(self) -> int:
