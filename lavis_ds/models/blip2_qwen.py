@@ -3,7 +3,8 @@
 The LLM is Qwen2.5 by default and any transformers causal LM on request
 (``lavis_ds.models.llm_families``). The projected query outputs replace the embeddings
 of the image placeholder tokens in a prompt rendered by the tokenizer's chat template
-(see ``lavis_ds.models.prompt``); the loss covers the assistant's answers only. Attribute names follow MiniGPT4Qwen (``visual_encoder``,
+(see ``lavis_ds.models.prompt``); the loss covers the assistant's answers only.
+Attribute names follow MiniGPT4Qwen (``visual_encoder``,
 ``ln_vision``, ``query_tokens``, ``llm_proj``, ``llm_model``) so its trainable-part
 checkpoints keep their keys; the Q-Former is Hugging Face's (``qformer``).
 """
@@ -278,8 +279,9 @@ class Blip2Qwen(BaseModel):
         partitioned from the start, or empty until process 0 sends its shards: ``lavis_ds.models.llm_placement``)."""
         if path is not None and config:
             logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
-        architecture = None if path is not None else llm_config(config or {},
-                                                                   vocab_size=num_token_ids(self.llm_tokenizer))
+        architecture = None
+        if path is None:
+            architecture = llm_config(config or {}, vocab_size=num_token_ids(self.llm_tokenizer))
         dtype = None if precision == "auto" else DTYPES[precision]
         return build_llm(path, architecture, dtype, self.llm_tokenizer)
 
@@ -305,7 +307,8 @@ class Blip2Qwen(BaseModel):
         # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
 
     def merge_lora(self) -> PreTrainedModel:
-        """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it folded in; for export.
+        """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it
+        folded in; for export.
 
         LoRA adapters are merged into the base weights (peft ``merge_and_unload``) and
         trained token rows (ChatML tokens the tokenizer lacked) are written into the
@@ -402,8 +405,8 @@ class Blip2Qwen(BaseModel):
         # (which is not forward) itself.
         image_embeds = self.encode_image(image)
         inputs_embeds = self._embed(input_ids, image_embeds)
-        # A turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...); a base model's tokenizer may
-        # name another eos (<|endoftext|>): stop at either.
+        # A turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...); a base model's tokenizer
+        # may name another eos (<|endoftext|>): stop at either.
         eos = list(dict.fromkeys(t for t in (self.end_of_turn_id, self.llm_tokenizer.eos_token_id) if t is not None))
         # The placeholder is never a word: generating it would feed its meaningless row back in.
         options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,

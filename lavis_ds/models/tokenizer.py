@@ -44,13 +44,15 @@ class TokenizerFamily:
 
 
 FAMILIES = {
-    "qwen2.5": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>", fast_class=Qwen2TokenizerFast),
-    "qwen3": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>", added_tokens=("<think>", "</think>"),
-                             fast_class=Qwen2TokenizerFast),
+    "qwen2.5": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                               fast_class=Qwen2TokenizerFast),
+    "qwen3": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                             added_tokens=("<think>", "</think>"), fast_class=Qwen2TokenizerFast),
     # Llama 3.x Instruct; <|reserved_special_token_0|> is the image placeholder of the llama3 presets.
     "llama3": TokenizerFamily(("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                                "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
-                               "<|python_tag|>", "<|finetune_right_pad_id|>"), bos="<|begin_of_text|>", eos="<|eot_id|>"),
+                               "<|python_tag|>", "<|finetune_right_pad_id|>"),
+                              bos="<|begin_of_text|>", eos="<|eot_id|>"),
     "gemma": TokenizerFamily(("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
                              bos="<bos>", eos="<eos>", pad="<pad>"),
     "phi3": TokenizerFamily(("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|system|>",
