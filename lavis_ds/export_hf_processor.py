@@ -110,4 +110,4 @@ def generation_config(model: nn.Module):
 def stop_token_ids(model: nn.Module) -> list[int]:
     """A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either."""
     eos = model.llm_tokenizer.eos_token_id
-    return list(dict.fromkeys(t for t in (model.im_end_id, eos) if t is not None))
+    return list(dict.fromkeys(t for t in (model.end_of_turn_id, eos) if t is not None))

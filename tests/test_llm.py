@@ -186,7 +186,7 @@ def test_generation_never_emits_the_placeholder_and_stops_at_im_end(folders):
     model.llm_model.generate = lambda **kw: recorded.append(kw) or hf_generate(**kw)
     texts = model.generate(samples(), max_new_tokens=5)
     assert len(texts) == 2 and "<|image_pad|>" not in "".join(texts)
-    assert recorded[0]["eos_token_id"] == [model.im_end_id]  # Qwen2.5-Instruct style: eos is <|im_end|>
+    assert recorded[0]["eos_token_id"] == [model.end_of_turn_id]  # Qwen2.5-Instruct style: eos is <|im_end|>
     new = hf_generate(**recorded[0])
     assert (new != model.prompt.image_token_id).all()
 

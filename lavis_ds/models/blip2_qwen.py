@@ -1,28 +1,32 @@
-"""BLIP2-Qwen (the MiniGPT4Qwen recipe): EVA-ViT -> ln_vision -> Q-Former -> Linear -> Qwen2 chat LLM.
+"""BLIP2-Qwen (the MiniGPT4Qwen recipe): EVA-ViT -> ln_vision -> Q-Former -> Linear -> chat LLM.
 
-The projected query outputs replace the embeddings of the image placeholder
-tokens in a ChatML prompt (see ``lavis_ds.models.prompt``); the loss covers the
-assistant's answers only. Attribute names follow MiniGPT4Qwen (``visual_encoder``,
+The LLM is Qwen2.5 by default and any transformers causal LM on request
+(``lavis_ds.models.llm_families``). The projected query outputs replace the embeddings
+of the image placeholder tokens in a prompt rendered by the tokenizer's chat template
+(see ``lavis_ds.models.prompt``); the loss covers the assistant's answers only.
+Attribute names follow MiniGPT4Qwen (``visual_encoder``,
 ``ln_vision``, ``query_tokens``, ``llm_proj``, ``llm_model``) so its trainable-part
 checkpoints keep their keys; the Q-Former is Hugging Face's (``qformer``).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Blip2QFormerConfig, Blip2QFormerModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import Blip2QFormerConfig, Blip2QFormerModel, PreTrainedModel
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES, EvaViT, Precision
 from lavis_ds.models.flops import FlopModel, flop_model
-from lavis_ds.models.llm import (CHATML_TOKENS, QWEN2_LINEAR_MODULES, add_lora, base_llm, build_llm, merge_llm,
+from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
+from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch
@@ -53,11 +57,16 @@ class FP32LayerNorm(nn.LayerNorm):
 
 @registry.register_model("blip2_qwen")
 class Blip2Qwen(BaseModel):
-    """BLIP-2 vision tower and Q-Former bridged into a Qwen2 chat model by one linear projection."""
+    """BLIP-2 vision tower and Q-Former bridged into a chat LLM (Qwen2.5 by default) by one linear projection."""
 
     PRETRAINED_MODEL_CONFIG_DICT = {
         "qwen2.5_7b_instruct": "models/blip2_qwen/qwen2.5_7b_instruct.yaml",
         "qwen2.5_1.5b_instruct": "models/blip2_qwen/qwen2.5_1.5b_instruct.yaml",
+        "qwen3_8b": "models/blip2_qwen/qwen3_8b.yaml",
+        "qwen3_1.7b": "models/blip2_qwen/qwen3_1.7b.yaml",
+        "llama3.1_8b_instruct": "models/blip2_qwen/llama3.1_8b_instruct.yaml",
+        "llama3.2_3b_instruct": "models/blip2_qwen/llama3.2_3b_instruct.yaml",
+        "llama3.2_1b_instruct": "models/blip2_qwen/llama3.2_1b_instruct.yaml",
         "tiny": "models/blip2_qwen/tiny.yaml",
     }
     # Nested dict keys and the class whose arguments they are: the config validator checks them too
@@ -100,8 +109,9 @@ class Blip2Qwen(BaseModel):
         lora_dropout: float = 0.05,
         lora_target_modules: list[str] | None = None,
         max_txt_len: int = 512,
-        system_prompt: str = "You are a helpful assistant.",
+        system_prompt: str | None = "You are a helpful assistant.",
         image_token: str = "<|image_pad|>",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         """
         Args:
@@ -123,9 +133,11 @@ class Blip2Qwen(BaseModel):
             freeze_qformer: Freeze the Q-Former and ``ln_vision``.
             freeze_queries: Freeze the query tokens.
             freeze_proj: Freeze the Q-Former -> LLM projection.
-            llm_model: Local Hugging Face Qwen2 folder to load with ``from_pretrained``. None builds
-                a randomly initialised LLM from ``llm_config`` (tests, demos, meta-device checks).
-            llm_config: ``Qwen2Config`` arguments for the random-init LLM; ignored when ``llm_model``
+            llm_model: Local Hugging Face folder of a causal LM (Qwen2.5, Qwen3, Llama 3.x, ...) to load
+                with ``AutoModelForCausalLM.from_pretrained``. None builds a randomly initialised LLM
+                from ``llm_config`` (tests, demos, meta-device checks).
+            llm_config: Config arguments for the random-init LLM: ``model_type`` (default ``qwen2``) picks
+                the transformers architecture, the rest are its config's keys; ignored when ``llm_model``
                 is given. ``vocab_size`` defaults to the tokenizer's size.
             llm_precision: LLM parameter dtype; ``auto`` = the checkpoint's dtype (fp32 for random init).
             tokenizer: Local tokenizer folder; defaults to ``llm_model``. ChatML tokens and ``image_token``
@@ -139,11 +151,15 @@ class Blip2Qwen(BaseModel):
             lora_alpha: LoRA scaling numerator.
             lora_dropout: Dropout on the LoRA input.
             lora_target_modules: LLM module names to adapt (a name or dotted suffix of a linear layer in
-                the decoder blocks; others raise, listing the valid ones); default every Qwen2 linear layer.
+                the decoder blocks; others raise, listing the valid ones); default every linear layer of the
+                LLM's decoder blocks (the names its family gives them).
             max_txt_len: Longest training sequence in tokens, image placeholders included.
-            system_prompt: Text of the ChatML system turn.
+            system_prompt: Text of the system message; null sends none (for templates without a system role,
+                such as Gemma's).
             image_token: Placeholder token; added to the tokenizer if missing (the LLM embeddings grow
                 only if its id has no row; its row never trains: image features replace it).
+            chat_template_kwargs: Variables for the tokenizer's chat template, e.g. ``enable_thinking: false``
+                (Qwen3) or ``date_string`` (Llama 3.x, which otherwise writes today's date into every prompt).
         """
         super().__init__()
         self.llm_grad_checkpoint = llm_grad_checkpoint
@@ -177,14 +193,15 @@ class Blip2Qwen(BaseModel):
                 self.llm_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.llm_proj = nn.Linear(qformer_width, self.llm_model.config.hidden_size)
 
-        self.prompt = ChatPrompt(self.llm_tokenizer, system_prompt, image_token, num_query_token, max_txt_len)
-        self.im_end_id = self.llm_tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.prompt = ChatPrompt(self.llm_tokenizer, system_prompt, image_token, num_query_token, max_txt_len,
+                                 chat_template_kwargs or {})
+        self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
 
         self._apply_freezing(freeze_vit, unfreeze_pos_embed, freeze_qformer, freeze_queries, freeze_proj,
                              freeze_llm, get_lora)
         if get_lora:
-            targets = list(QWEN2_LINEAR_MODULES) if lora_target_modules is None else lora_target_modules
+            targets = lora_target_names(self.llm_model) if lora_target_modules is None else lora_target_modules
             self.llm_model = add_lora(self.llm_model, lora_r, lora_alpha, lora_dropout, targets)
         new_chatml = [t for t in added_tokens if t in CHATML_TOKENS]
         if freeze_llm and new_chatml:
@@ -205,13 +222,26 @@ class Blip2Qwen(BaseModel):
             problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
         if not section.get("tokenizer") and not section.get("llm_model"):
             problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
+        if not section.get("llm_model"):
+            problems += llm_config_problems(section.get("llm_config"))
         return problems
+
+    @classmethod
+    def prompt_from_config(cls, section: Mapping[str, Any]) -> ChatPrompt:
+        """The prompt a ``model:`` section builds, from its tokenizer alone, without any weights
+        (``lavis_ds.show_sample``); the same tokens as the model's own ``prompt``."""
+        args = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+        args.update((key, value) for key, value in section.items() if key in args)
+        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"])
+        return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], args["num_query_token"],
+                          args["max_txt_len"], args["chat_template_kwargs"] or {})
 
     def repeated_blocks(self) -> list[nn.Module]:
         """The transformer blocks of the three towers (ViT blocks, Q-Former layers, LLM decoder layers): the
         units a sharding engine gathers one at a time. What is left (embeddings, norms, heads, queries,
         projection) belongs to the model as a whole."""
-        return [*self.visual_encoder.blocks, *self.qformer.encoder.layer, *base_llm(self.llm_model).model.layers]
+        return [*self.visual_encoder.blocks, *self.qformer.encoder.layer, *decoder_layers(base_llm(self.llm_model))]
 
     def train(self, mode: bool = True) -> "Blip2Qwen":
         super().train(mode)
@@ -219,7 +249,7 @@ class Blip2Qwen(BaseModel):
             # Transformers checkpoints a decoder layer only while that layer is in training mode, and a
             # frozen LLM stays in eval. The layers' own flag follows the model; their submodules (the
             # attention's dropout) keep eval, so a frozen LLM still adds no noise.
-            for layer in base_llm(self.llm_model).model.layers:
+            for layer in decoder_layers(base_llm(self.llm_model)):
                 layer.training = mode
         return self
 
@@ -252,13 +282,11 @@ class Blip2Qwen(BaseModel):
         partitioned from the start, or empty until process 0 sends its shards: ``lavis_ds.models.llm_placement``)."""
         if path is not None and config:
             logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
-        qwen_config = None
+        architecture = None
         if path is None:
-            config = dict(config or {})
-            config.setdefault("vocab_size", num_token_ids(self.llm_tokenizer))
-            qwen_config = Qwen2Config(**config)
+            architecture = llm_config(config or {}, vocab_size=num_token_ids(self.llm_tokenizer))
         dtype = None if precision == "auto" else DTYPES[precision]
-        return build_llm(path, qwen_config, dtype, self.llm_tokenizer)
+        return build_llm(path, architecture, dtype, self.llm_tokenizer)
 
     def _apply_freezing(self, freeze_vit: bool, unfreeze_pos_embed: bool, freeze_qformer: bool,
                         freeze_queries: bool, freeze_proj: bool, freeze_llm: bool, get_lora: bool) -> None:
@@ -281,8 +309,9 @@ class Blip2Qwen(BaseModel):
             self.freeze_module("llm_model")
         # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
 
-    def merge_lora(self) -> Qwen2ForCausalLM:
-        """Turn the LLM into a plain ``Qwen2ForCausalLM`` with everything trained inside it folded in; for export.
+    def merge_lora(self) -> PreTrainedModel:
+        """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it
+        folded in; for export.
 
         LoRA adapters are merged into the base weights (peft ``merge_and_unload``) and
         trained token rows (ChatML tokens the tokenizer lacked) are written into the
@@ -420,8 +449,9 @@ class Blip2Qwen(BaseModel):
         # (which is not forward) itself. Sharded ranks run the towers even without an image (image_embeds).
         image_embeds = self.image_embeds(image, dummy=synced_gpus)
         inputs_embeds = self._embed(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
-        # A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either.
-        eos = list(dict.fromkeys(t for t in (self.im_end_id, self.llm_tokenizer.eos_token_id) if t is not None))
+        # A turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...); a base model's tokenizer
+        # may name another eos (<|endoftext|>): stop at either.
+        eos = list(dict.fromkeys(t for t in (self.end_of_turn_id, self.llm_tokenizer.eos_token_id) if t is not None))
         # The placeholder is never a word: generating it would feed its meaningless row back in.
         options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                        pad_token_id=self.pad_id, synced_gpus=synced_gpus, suppress_tokens=[self.prompt.image_token_id])

@@ -1,7 +1,10 @@
-"""The LLM side of BLIP2-Qwen: its tokenizer's special tokens, new embedding rows, LoRA, export merge.
+"""The LLM side of BLIP2-Qwen: any transformers causal LM, its tokenizer's tokens, new embedding rows, LoRA, merge.
 
-Tokens the prompt needs (``lavis_ds.models.prompt``): ``<|im_start|>`` and
-``<|im_end|>`` (ChatML) and the image placeholder (``<|image_pad|>`` by default).
+The LLM is whatever ``AutoModelForCausalLM`` builds from a folder or a config
+(``lavis_ds.models.llm_families``). Tokens the prompt needs (``lavis_ds.models.prompt``):
+the image placeholder (``<|image_pad|>`` by default) and, for ChatML prompts (a ChatML
+template, or none), ``<|im_start|>`` and ``<|im_end|>``; other families' templates
+write their own tokens, which their tokenizers have.
 
 - Qwen2.5 tokenizers have all three as added special tokens, and their embedding
   matrices have spare rows (151936 or 152064 rows for 151665 tokens): nothing is
@@ -15,11 +18,13 @@ Tokens the prompt needs (``lavis_ds.models.prompt``): ``<|im_start|>`` and
   those rows (``TokenRowsEmbedding`` / ``TokenRowsHead`` hold them as small
   separate parameters, so checkpoints of a frozen LLM hold a few rows, not the
   vocabulary). With ``freeze_llm: false`` the whole embedding trains anyway.
+- A tokenizer without a pad token (Llama 3) pads with its eos token: padded
+  positions are masked and never targets.
 
 Rows are added only when a token id has no row yet; new rows start as the mean of
 the old ones (deterministic, so a model rebuilt from its YAML for resuming or export
 has the same rows). ``merge_llm`` turns all of it back into a plain
-``Qwen2ForCausalLM`` for export.
+transformers model for export.
 """
 from __future__ import annotations
 
@@ -32,17 +37,18 @@ import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
 
 from lavis_ds.common import dist
+from lavis_ds.models.chat_template import renders_chatml
+from lavis_ds.models.llm_families import causal_lm_class
 from lavis_ds.models.llm_placement import current_placement, empty_weights, holds_pieces
 
 logger = logging.getLogger(__name__)
 
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 QWEN_PAD_TOKEN = "<|endoftext|>"  # what every Qwen2 / Qwen2.5 tokenizer pads with
-# Every linear layer of a Qwen2 decoder block, by the names transformers gives them.
-QWEN2_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -53,7 +59,8 @@ def is_single_token(tokenizer: PreTrainedTokenizerBase, token: str) -> bool:
 
 
 def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTrainedTokenizerBase, list[str]]:
-    """Load a tokenizer folder and make sure the ChatML tokens, the image token and a pad token work.
+    """Load a tokenizer folder and make sure the prompt's tokens (ChatML's if it renders ChatML, the image token)
+    and a pad token work.
 
     Returns:
         ``(tokenizer, added)``: ``added`` lists the tokens that were not single tokens of
@@ -64,7 +71,7 @@ def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTra
         raise ValueError("Blip2Qwen needs a tokenizer: set model.tokenizer (or model.llm_model) to a local folder")
     tokenizer = AutoTokenizer.from_pretrained(path)
     added = []
-    for token in (*CHATML_TOKENS, image_token):
+    for token in (*CHATML_TOKENS, image_token) if renders_chatml(tokenizer) else (image_token,):
         if not is_single_token(tokenizer, token):
             # special: never split by the BPE, dropped by decode(skip_special_tokens=True).
             tokenizer.add_tokens([AddedToken(token, special=True, normalized=False)], special_tokens=True)
@@ -72,8 +79,9 @@ def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTra
     if added:
         logger.info("tokenizer %s: added %s", path, ", ".join(added))
     if tokenizer.pad_token is None:
-        # Qwen pads with <|endoftext|>; padded positions are masked, so any real token would do.
-        tokenizer.pad_token = QWEN_PAD_TOKEN if is_single_token(tokenizer, QWEN_PAD_TOKEN) else CHATML_TOKENS[1]
+        # Qwen pads with <|endoftext|>; padded positions are masked, so any real token would do (Llama 3: its eos).
+        tokenizer.pad_token = (QWEN_PAD_TOKEN if is_single_token(tokenizer, QWEN_PAD_TOKEN)
+                               else tokenizer.eos_token or CHATML_TOKENS[1])
     if tokenizer.pad_token == image_token:
         # Padding would count as image positions and break the placeholder replacement.
         raise ValueError(f"tokenizer {str(path)!r} pads with the image token {image_token!r}; "
@@ -109,9 +117,9 @@ def fit_embeddings(llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
     return True
 
 
-def build_llm(path: str | Path | None, config: Qwen2Config | None, dtype: torch.dtype | None,
+def build_llm(path: str | Path | None, config: PretrainedConfig | None, dtype: torch.dtype | None,
               tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The Qwen2 LLM with a row for every token id, where the surrounding ``llm_placement`` puts it.
+    """The causal LM with a row for every token id, where the surrounding ``llm_placement`` puts it.
 
     ``path``: a Hugging Face folder to load; else a random initialisation of ``config``.
     ``dtype``: None keeps the folder's dtype (fp32 for a random initialisation); an engine that builds
@@ -127,21 +135,25 @@ def build_llm(path: str | Path | None, config: Qwen2Config | None, dtype: torch.
 
 @dataclass(frozen=True)
 class Recipe:
-    """The Qwen2 LLM a model asks for, and the ways a placement can make it (``llm_placement.LLMRecipe``)."""
+    """The causal LM a model asks for, and the ways a placement can make it (``llm_placement.LLMRecipe``).
+
+    ``AutoModelForCausalLM`` picks the class from the folder's or the config's ``model_type``.
+    """
 
     path: str | Path | None  # a Hugging Face folder, or None: a random initialisation of ``config``
-    config: Qwen2Config | None
+    config: PretrainedConfig | None
     dtype: torch.dtype | None  # None: the folder's (fp32 for a random initialisation)
 
     def whole(self) -> PreTrainedModel:
         if self.path is not None:
-            return Qwen2ForCausalLM.from_pretrained(self.path, dtype=self.dtype or "auto")
-        llm = Qwen2ForCausalLM(self.config)
+            return AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype or "auto")
+        llm = causal_lm_class(self.config)(self.config)
         return llm if self.dtype is None else llm.to(self.dtype)
 
     def from_config(self) -> PreTrainedModel:
-        config = self.config if self.path is None else Qwen2Config.from_pretrained(self.path)
-        return Qwen2ForCausalLM._from_config(config, dtype=self.dtype)
+        config = self.config if self.path is None else AutoConfig.from_pretrained(self.path)
+        # _from_config: transformers builds it partitioned from the start under a live ZeRO-3 HfDeepSpeedConfig.
+        return causal_lm_class(config)._from_config(config, dtype=self.dtype)
 
     def empty(self) -> PreTrainedModel:
         with empty_weights():
@@ -154,7 +166,7 @@ class Recipe:
             return self
         if self.path is None:
             return replace(self, dtype=torch.float32)
-        named = (self.config or Qwen2Config.from_pretrained(self.path)).dtype
+        named = (self.config or AutoConfig.from_pretrained(self.path)).dtype
         return replace(self, dtype=getattr(torch, named) if isinstance(named, str) else (named or torch.float32))
 
 
@@ -206,7 +218,7 @@ class TokenRowsHead(nn.Module):
     def __init__(self, base: nn.Linear, token_ids: list[int], rows: nn.Parameter | None = None):
         super().__init__()
         if base.bias is not None:
-            raise ValueError("TokenRowsHead supports output layers without bias (as Qwen2's lm_head)")
+            raise ValueError("TokenRowsHead supports output layers without bias (as the lm_head of Qwen2, Llama, ...)")
         self.base = base
         self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
         self.rows = rows if rows is not None else nn.Parameter(_rows_of(base.weight, self.token_ids))

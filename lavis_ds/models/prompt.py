@@ -1,19 +1,27 @@
-"""ChatML prompts with a placeholder run per image (0..N per sample), and their loss mask.
+"""Chat prompts with a placeholder run per image (0..N per sample), and their loss mask.
 
+The prompt is rendered by the tokenizer's own chat template (``lavis_ds.models.chat_template``
+derives the answer spans from the render); a tokenizer without one gets ChatML written here,
+token for token what lavis_ds wrote before it read templates.
 A training example is tokenized segment by segment, so the mask is exact by
-construction: every token of an assistant answer and its closing ``<|im_end|>``
-is supervised, every other token (system prompt, user turns, the role headers,
+construction: every token of an assistant answer and its closing end-of-turn token
+(``<|im_end|>`` in ChatML) is supervised, every other token (system prompt, user turns, the role headers,
 the ``\\n`` after ``<|im_end|>``, the image placeholders) gets ``IGNORE_INDEX``.
 Generation prompts are built from the same segments, so the model sees at
 inference exactly the tokens it was trained on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
+
+from lavis_ds.models.chat_template import ChatTemplate, check_turns, template_text, unstable_render
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # what torch's cross_entropy skips by default
 IMAGE_HERE = "<ImageHere>"  # MiniGPT4Qwen's marker for where the image goes
@@ -50,22 +58,17 @@ def insert_image_placeholders(instructions: Turns, image_token: str, num_image_t
 
 
 def chatml_segments(
-    system_prompt: str, instructions: Turns, answers: Turns, add_generation_prompt: bool = False
+    system_prompt: str | None, instructions: Turns, answers: Turns, add_generation_prompt: bool = False
 ) -> list[tuple[str, bool]]:
-    """The prompt as ``(text, supervised)`` pieces, in order.
+    """The prompt as ``(text, supervised)`` pieces, in order, in ChatML written here (no system turn for None).
 
     Training (``add_generation_prompt=False``) needs one answer per instruction.
     Generation needs the answers of all turns but the last (a reference answer for
     the last turn, if given, is ignored) and ends with ``<|im_start|>assistant\\n``.
     """
     instructions, answers = list(instructions), list(answers)
-    history = len(instructions) - 1 if add_generation_prompt else len(instructions)
-    if len(answers) < history or (not add_generation_prompt and len(answers) != len(instructions)):
-        raise ValueError(
-            f"{len(instructions)} instruction turn(s) but {len(answers)} answer(s): "
-            "each instruction needs its answer (generation may leave out the last one)"
-        )
-    segments = [(f"<|im_start|>system\n{system_prompt}<|im_end|>\n", False)]
+    history = check_turns(instructions, answers, add_generation_prompt)
+    segments = [] if system_prompt is None else [(f"<|im_start|>system\n{system_prompt}<|im_end|>\n", False)]
     for instruction, answer in zip(instructions[:history], answers[:history]):
         segments.append((f"<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n", False))
         segments.append((f"{answer}<|im_end|>", True))
@@ -81,22 +84,44 @@ class ChatPrompt:
     """Turns MiniGPT4Qwen samples into token ids (and labels) for one tokenizer.
 
     Attributes:
-        tokenizer: A ChatML tokenizer that knows ``image_token`` as a single token.
-        system_prompt: Text of the system turn.
+        tokenizer: A tokenizer that knows ``image_token`` as a single token; its chat template renders the
+            prompt (ChatML written here if it has none).
+        system_prompt: Text of the system turn; None sends none (for templates without a system role).
         image_token: Placeholder token whose embeddings the image features replace.
         num_image_tokens: Placeholders per image (the Q-Former's query count).
         max_len: Longest training sequence, in tokens.
+        template_variables: Extra chat-template variables (``enable_thinking: false`` for Qwen3, ...).
     """
 
     tokenizer: PreTrainedTokenizerBase
-    system_prompt: str
+    system_prompt: str | None
     image_token: str
     num_image_tokens: int
     max_len: int
+    template_variables: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (why := unstable_render(self.tokenizer, self.template_variables)) is not None:
+            logger.warning("%s", why)
 
     @property
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    @property
+    def end_of_turn_id(self) -> int:
+        """The token closing an assistant answer (``<|im_end|>``, ``<|eot_id|>``, ...): where generation stops."""
+        if template_text(self.tokenizer) is None:
+            return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return ChatTemplate(self.tokenizer, self.system_prompt, self.template_variables).end_of_turn_id()
+
+    def segments(self, instructions: Turns, answers: Turns,
+                 add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
+        """The conversation as ``(text, supervised)`` pieces: by the tokenizer's chat template, else ChatML."""
+        if template_text(self.tokenizer) is None:
+            return chatml_segments(self.system_prompt, instructions, answers, add_generation_prompt)
+        return ChatTemplate(self.tokenizer, self.system_prompt, self.template_variables).segments(
+            list(instructions), list(answers), add_generation_prompt)
 
     def training_example(self, instructions: str | Turns, answers: str | Turns,
                          num_images: int = 1) -> tuple[list[int], list[int]]:
@@ -108,7 +133,7 @@ class ChatPrompt:
         """
         instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
                                                  num_images)
-        segments = chatml_segments(self.system_prompt, instructions, as_turns(answers))
+        segments = self.segments(instructions, as_turns(answers))
         input_ids, labels = self._tokenize(segments, num_images)
         if len(input_ids) > self.max_len and num_images:
             last_image_pos = max(i for i, t in enumerate(input_ids) if t == self.image_token_id)
@@ -121,14 +146,15 @@ class ChatPrompt:
         return input_ids, labels
 
     def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1) -> list[int]:
-        """Token ids up to ``<|im_start|>assistant\\n`` of the last turn; earlier turns keep their answers.
+        """Token ids up to the last turn's assistant header (ChatML: ``<|im_start|>assistant\\n``); earlier turns
+        keep their answers.
 
         ``num_images`` other than 1: the instructions mark each image with ``<ImageHere>``, in image order.
         Not truncated: cutting the end would drop the question or the assistant header.
         """
         instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
                                                  num_images)
-        segments = chatml_segments(self.system_prompt, instructions, as_turns(answers), add_generation_prompt=True)
+        segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True)
         return self._tokenize(segments, num_images)[0]
 
     def _tokenize(self, segments: list[tuple[str, bool]], num_images: int = 1) -> tuple[list[int], list[int]]:

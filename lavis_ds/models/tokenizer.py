@@ -1,18 +1,21 @@
-"""Train a tiny Qwen2-style ChatML tokenizer, for demos and tests that cannot download Qwen's.
+"""Train tiny tokenizers, for demos and tests that cannot download the real ones.
 
-The result is a byte-level BPE with Qwen2's normalizer and pre-tokenizer, saved
+``train_chatml_tokenizer``: a byte-level BPE with Qwen2's normalizer and pre-tokenizer, saved
 as a Hugging Face Qwen2 tokenizer folder, so ``AutoTokenizer.from_pretrained``
 returns a ``Qwen2Tokenizer`` with the same special tokens and roles as the
 Qwen chat models (eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos/unk).
+``train_family_tokenizer``: the same BPE with another family's special tokens and roles
+(``FAMILIES``: Qwen3, Llama 3, Gemma, Phi-3) and a chat template of that family.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2TokenizerFast
+from transformers import PreTrainedTokenizerFast, Qwen2TokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 # Special tokens of Qwen2 / Qwen2.5 chat tokenizers that lavis_ds relies on.
@@ -26,6 +29,35 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class TokenizerFamily:
+    """A family's special tokens and their roles, as its published tokenizer_config.json names them."""
+
+    special_tokens: tuple[str, ...]
+    eos: str
+    bos: str | None = None
+    pad: str | None = None  # None: the family's tokenizer has none (Llama 3); lavis_ds pads with eos
+    added_tokens: tuple[str, ...] = ()  # added, but not special (Qwen3's <think>)
+    fast_class: type = PreTrainedTokenizerFast
+
+
+FAMILIES = {
+    "qwen2.5": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                               fast_class=Qwen2TokenizerFast),
+    "qwen3": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                             added_tokens=("<think>", "</think>"), fast_class=Qwen2TokenizerFast),
+    # Llama 3.x Instruct; <|reserved_special_token_0|> is the image placeholder of the llama3 presets.
+    "llama3": TokenizerFamily(("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                               "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                               "<|python_tag|>", "<|finetune_right_pad_id|>"),
+                              bos="<|begin_of_text|>", eos="<|eot_id|>"),
+    "gemma": TokenizerFamily(("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+                             bos="<bos>", eos="<eos>", pad="<pad>"),
+    "phi3": TokenizerFamily(("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|system|>",
+                             "<|user|>"), bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>"),
+}
 
 
 def train_chatml_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512,
@@ -53,6 +85,46 @@ def train_chatml_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, voc
     if vocab_size < len(BYTE_ALPHABET) + len(special_tokens):
         raise ValueError(f"vocab_size must be at least {len(BYTE_ALPHABET) + len(special_tokens)} "
                          f"(256 bytes + special tokens), got {vocab_size}")
+    bpe = _train_bpe(texts, vocab_size, special_tokens)
+
+    # Tokens named here that the BPE lacks would be added: name only those it has.
+    eos = "<|im_end|>" if "<|im_end|>" in special_tokens else "<|endoftext|>"
+    # `tokenizer_object` and `additional_special_tokens` are spelled alike in transformers 4 and 5.
+    tokenizer = Qwen2TokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=eos,
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[t for t in special_tokens if t not in (eos, "<|endoftext|>")],
+        model_max_length=32768,
+        chat_template=CHATML_TEMPLATE,
+    )
+    return _save(tokenizer, out_dir)
+
+
+def train_family_tokenizer(family: str, texts: Iterable[str], out_dir: str | os.PathLike, chat_template: str,
+                           vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE on ``texts`` and save it with ``FAMILIES[family]``'s tokens and ``chat_template``.
+
+    A stand-in for tests and docs: the text splits into other pieces than the real
+    tokenizer's, but the special tokens, their roles and the template are the family's.
+    """
+    spec = FAMILIES[family]
+    specials = list(spec.special_tokens)
+    if vocab_size < len(BYTE_ALPHABET) + len(specials):
+        raise ValueError(f"vocab_size must be at least {len(BYTE_ALPHABET) + len(specials)}, got {vocab_size}")
+    roles = {"eos_token": spec.eos, "bos_token": spec.bos, "pad_token": spec.pad}
+    tokenizer = spec.fast_class(
+        tokenizer_object=_train_bpe(texts, vocab_size, specials), unk_token=None, **roles,
+        additional_special_tokens=[t for t in specials if t not in roles.values()],
+        model_max_length=32768, chat_template=chat_template)
+    if spec.added_tokens:
+        tokenizer.add_tokens(list(spec.added_tokens))
+    return _save(tokenizer, out_dir)
+
+
+def _train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
     bpe = Tokenizer(models.BPE())
     # The same pipeline Qwen2Tokenizer rebuilds around a vocab, so training and use split text alike.
     bpe.normalizer = normalizers.NFC()
@@ -68,20 +140,10 @@ def train_chatml_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, voc
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer)
+    return bpe
 
-    # Tokens named here that the BPE lacks would be added: name only those it has.
-    eos = "<|im_end|>" if "<|im_end|>" in special_tokens else "<|endoftext|>"
-    # `tokenizer_object` and `additional_special_tokens` are spelled alike in transformers 4 and 5.
-    tokenizer = Qwen2TokenizerFast(
-        tokenizer_object=bpe,
-        eos_token=eos,
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=[t for t in special_tokens if t not in (eos, "<|endoftext|>")],
-        model_max_length=32768,
-        chat_template=CHATML_TEMPLATE,
-    )
+
+def _save(tokenizer: PreTrainedTokenizerFast, out_dir: str | os.PathLike) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)

@@ -1,0 +1,67 @@
+"""What differs between LLM families, found from the model itself: its class, its decoder layers, its LoRA targets.
+
+The LLM slot takes any causal LM transformers knows (Qwen2/2.5, Qwen3, Llama 3.x,
+Gemma, Mistral, ...): ``model.llm_model`` (a folder) goes through ``AutoModelForCausalLM``,
+``model.llm_config`` (an architecture for a random initialisation) through ``AutoConfig``
+with its ``model_type`` (default ``qwen2``, so the Qwen2.5 YAMLs keep their meaning).
+Nothing here lists families: names come from the model's own modules.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping
+
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+DEFAULT_MODEL_TYPE = "qwen2"  # what llm_config meant before it took a model_type
+
+
+def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
+    """What is wrong with ``model.llm_config``'s ``model_type``, found before anything is built (empty: nothing)."""
+    model_type = (llm_config or {}).get("model_type", DEFAULT_MODEL_TYPE)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return []
+    if model_type in CONFIG_MAPPING:
+        return [f"model.llm_config.model_type: {model_type!r} is not a causal language model in transformers "
+                f"(AutoModelForCausalLM has no class for it)"]
+    close = difflib.get_close_matches(str(model_type), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    return [f"model.llm_config.model_type: unknown model_type {model_type!r}{hint}; it names a transformers "
+            "architecture such as qwen2, qwen3, llama, gemma2 or mistral"]
+
+
+def llm_config(llm_config: Mapping[str, Any], **defaults: Any) -> PretrainedConfig:
+    """The transformers config of ``model.llm_config`` (``model_type`` picks the architecture; ``defaults`` fill
+    keys it does not set, e.g. ``vocab_size``)."""
+    problems = llm_config_problems(llm_config)
+    if problems:
+        raise ValueError(problems[0])
+    kwargs = {**defaults, **llm_config}
+    return AutoConfig.for_model(kwargs.pop("model_type", DEFAULT_MODEL_TYPE), **kwargs)
+
+
+def causal_lm_class(config: PretrainedConfig) -> type:
+    """The transformers class ``AutoModelForCausalLM`` builds for ``config``."""
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def decoder_layers(llm: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a transformers causal LM, in order: the units FSDP shards one at a time and
+    gradient checkpointing recomputes.
+
+    The decoder's ``layers`` ModuleList where it has one (Qwen, Llama, Gemma, Mistral, Phi-3), else the
+    modules whose class the model names as never to be split across devices (``_no_split_modules``).
+    """
+    decoder = llm.get_decoder() if hasattr(llm, "get_decoder") else llm
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return list(layers)
+    unsplit = set(getattr(llm, "_no_split_modules", None) or ())
+    blocks = [module for module in decoder.modules() if type(module).__name__ in unsplit]
+    if not blocks:
+        raise ValueError(f"cannot find the decoder layers of {type(llm).__name__}: its decoder has no `layers` "
+                         f"ModuleList and no module of a class in _no_split_modules ({sorted(unsplit)})")
+    return blocks

@@ -1,0 +1,166 @@
+"""Other LLM families in the LLM slot: tiny Qwen3, Llama 3 and Gemma 2 models with their families' chat templates.
+
+In-process: each family trains a step, generates, shards by its own decoder layers, takes LoRA on the
+linear layers it really has and merges back into its plain transformers class. On 2 processes: a tiny
+Qwen3 and a tiny Llama 3 folder train through train.py on DeepSpeed ZeRO-3 (built partitioned) and on
+FSDP, checkpoint, resume exactly, and (Llama) export.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from families import FAMILIES, TINY_LLM, model_folder, tokenizer_dir
+from lavis_ds.models import Blip2Qwen
+from lavis_ds.models.llm_families import decoder_layers, llm_config_problems
+from run_utils import comparable, metrics, run_train, tiny_config, train_steps, write_yaml
+
+IN_PROCESS = ["qwen3", "llama3.2", "gemma2"]
+LAYER_CLASSES = {"qwen3": "Qwen3DecoderLayer", "llama3.2": "LlamaDecoderLayer", "gemma2": "Gemma2DecoderLayer"}
+LLM_CLASSES = {"qwen3": "Qwen3ForCausalLM", "llama3.2": "LlamaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+SAMPLES = {"instruction": [["<Img><ImageHere></Img> What is in the image?"], ["Describe it.", "What color?"]],
+           "output": [["A cat sitting on a mat."], ["A dog runs on the grass.", "It is red."]]}
+
+
+def samples() -> dict:
+    return {"image": torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)), **SAMPLES}
+
+
+def tiny(name: str, tokenizer, **overrides) -> Blip2Qwen:
+    """The `tiny` preset with a random-init LLM of family ``name`` (llm_config.model_type) and its tokenizer."""
+    cfg = Blip2Qwen.default_config("tiny")
+    cfg.update(tokenizer=str(tokenizer), **FAMILIES[name].model, **overrides)
+    cfg["llm_config"] = {**cfg["llm_config"], "model_type": FAMILIES[name].model_type, "head_dim": 16}
+    torch.manual_seed(0)
+    return Blip2Qwen.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_tokenizers")
+    return {name: tokenizer_dir(root / name, name) for name in IN_PROCESS}
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_each_family_trains_generates_and_shards_by_its_own_decoder_layers(tokenizers, name):
+    model = tiny(name, tokenizers[name])
+    assert type(model.llm_model).__name__ == LLM_CLASSES[name]
+    model.train()
+    out = model(samples())
+    out["loss"].backward()
+    assert math.isfinite(out["loss"].item()) and model.llm_proj.weight.grad.abs().sum() > 0
+    llm_blocks = model.repeated_blocks()[-2:]
+    assert [type(b).__name__ for b in llm_blocks] == [LAYER_CLASSES[name]] * 2
+    eot = model.llm_tokenizer.convert_tokens_to_ids(FAMILIES[name].end_of_turn)
+    assert model.end_of_turn_id == eot
+    model.eval()
+    answers = model.generate({**samples(), "output": [[], ["A dog runs on the grass."]]}, max_new_tokens=4)
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_lora_targets_the_linear_layers_the_family_has_and_merges_into_its_class(tokenizers, name):
+    model = tiny(name, tokenizers[name], freeze_llm=True, get_lora=True, lora_r=4)
+    targets = set(model.llm_model.peft_config["default"].target_modules)
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    with torch.no_grad():  # LoRA starts as the identity: move it so that merging has something to fold in
+        for module in model.llm_model.modules():
+            if hasattr(module, "lora_B"):
+                module.lora_B["default"].weight.normal_(std=0.02)
+    model.eval()
+    before = model(samples())["loss"]
+    merged = model.merge_lora()
+    assert type(merged).__name__ == LLM_CLASSES[name]
+    torch.testing.assert_close(model(samples())["loss"], before, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_or_non_causal_model_type_is_a_config_problem_with_a_suggestion():
+    assert llm_config_problems({"model_type": "llama"}) == [] and llm_config_problems(None) == []
+    [unknown] = Blip2Qwen.config_problems({"tokenizer": "t", "llm_config": {"model_type": "lama"}})
+    assert "model.llm_config.model_type: unknown model_type 'lama'" in unknown and "'llama'" in unknown
+    [not_causal] = llm_config_problems({"model_type": "vit"})
+    assert "is not a causal language model" in not_causal
+    # A folder decides the architecture itself: llm_config is not checked then.
+    assert Blip2Qwen.config_problems({"llm_model": "folder", "llm_config": {"model_type": "lama"}}) == []
+
+
+def test_decoder_layers_without_a_layers_list_come_from_no_split_modules():
+    class Block(nn.Module):
+        pass
+
+    class Stack(nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList([Block(), Block()])
+
+    stack = Stack()
+    assert decoder_layers(stack) == list(stack.h)
+    stack._no_split_modules = []
+    with pytest.raises(ValueError, match="cannot find the decoder layers of Stack"):
+        decoder_layers(stack)
+
+
+# ----------------------------------------------------------------- train.py on 2 processes
+NUM_TRAIN = 8  # micro-batch 2 x 2 processes: 2 optimizer steps
+FROZEN_LORA = dict(freeze_vit=True, freeze_qformer=True, freeze_queries=True, freeze_llm=True, get_lora=True,
+                   lora_r=4, lora_alpha=8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+
+    root = tmp_path_factory.mktemp("family_runs")
+    storage = ensure_demo_shapes(root / "demo_shapes", DemoShapesSpec(num_train=NUM_TRAIN, num_val=2, num_test=2))
+    return root, storage, {name: model_folder(root / name, name) for name in ("qwen3", "llama3.2")}
+
+
+def _config(out, storage, folder, name: str, runner: str, **run) -> dict:
+    cfg = tiny_config(out, storage, stage=3, micro=2, init_lr=1e-2, warmup_steps=0, runner=runner, **run)
+    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=NUM_TRAIN, num_val=2, num_test=2)
+    cfg["model"].update(llm_model=str(folder), tokenizer=None, **FROZEN_LORA, **FAMILIES[name].model)
+    return cfg
+
+
+@pytest.mark.parametrize("runner", ["runner_deepspeed", "runner_fsdp"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3.2"])
+def test_family_folder_trains_and_resumes_exactly_through_train_py(setup, tmp_path, name, runner):
+    """LoRA on a frozen tiny Qwen3 / Llama 3 folder (ZeRO-3 builds it partitioned), its real chat template: two
+    steps with a checkpoint after each, then a run resumed from step 1 takes step 2 exactly as the first did."""
+    root, storage, folders = setup
+    out = tmp_path / "run"
+    run_train(write_yaml(tmp_path / "run.yaml", _config(out, storage, folders[name], name, runner,
+                                                        save_freq_steps=1, valid_splits=["val"], batch_size_eval=2)))
+    steps = train_steps(out)
+    assert len(steps) == 2 and all(math.isfinite(s["loss"]) for s in steps)
+
+    resumed_out = tmp_path / "resumed"
+    resumed = _config(resumed_out, storage, folders[name], name, runner, resume=str(out / "checkpoints" / "step_1"))
+    proc = run_train(write_yaml(tmp_path / "resumed.yaml", resumed))
+    assert "resumed from" in proc.stdout
+    assert comparable(train_steps(resumed_out)) == comparable(steps[1:])
+    if name == "llama3.2" and runner == "runner_deepspeed":
+        _exported_model_has_the_logged_validation_loss(out, tmp_path / "export", storage)
+
+
+def _exported_model_has_the_logged_validation_loss(out, export_dir, storage) -> None:
+    """Export with LoRA merged into a plain LlamaForCausalLM: the validation loss the run logged at its end."""
+    from lavis_ds.datasets.instruction import InstructionDataset
+    from lavis_ds.export import export_checkpoint, load_exported
+    from lavis_ds.generate import as_trained, eval_processors
+
+    exported = export_checkpoint(out, export_dir, merge_lora=True)
+    merged = load_exported(exported)
+    assert type(merged.llm_model).__name__ == "LlamaForCausalLM"
+    vis, text = eval_processors(exported)
+    val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
+    batch, context = as_trained(merged, val.collater([val[i] for i in range(len(val))]))
+    with torch.no_grad(), context:
+        result = merged(batch)
+    logged = [m for m in metrics(out) if m.get("split") == "val"][-1]
+    assert float(result["loss_sum"] / result["num_tokens"]) == pytest.approx(logged["loss"], rel=1e-5)
