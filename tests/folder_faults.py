@@ -77,12 +77,12 @@ def lock_of_another_host(out: Path) -> dict:
     return holder
 
 
-def fill_disk_at(out: Path, step: int) -> None:
-    """The model-states file of the checkpoint of ``step`` goes to /dev/full, where every write fails with ENOSPC
-    as on a full disk (checkpoints written before it are not affected)."""
+def fill_disk_at(out: Path, step: int, file: str = "mp_rank_00_model_states.pt") -> None:
+    """``file`` of the checkpoint of ``step`` (DeepSpeed's model states; runner_fsdp: ``__0_0.distcp``) goes to
+    /dev/full, where every write fails with ENOSPC as on a full disk (checkpoints before it are not affected)."""
     tag_dir = out / "checkpoints" / f"step_{step}"
     tag_dir.mkdir(parents=True)
-    (tag_dir / "mp_rank_00_model_states.pt").symlink_to("/dev/full")
+    (tag_dir / file).symlink_to("/dev/full")
 
 
 def steps_of(out: Path) -> list[int]:

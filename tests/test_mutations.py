@@ -320,6 +320,10 @@ def cases(storage: Path, base: Path) -> list[Case]:
         folder_faults.fill_disk_at(d / "out", 2 * SAVE_EVERY)
         return train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage)))
 
+    def full_disk_fsdp(d: Path) -> TrainLaunch:
+        folder_faults.fill_disk_at(d / "out", 2 * SAVE_EVERY, "__0_0.distcp")
+        return train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage, runner="runner_fsdp")))
+
     def full_disk_resumes(d: Path, proc) -> None:
         out = d / "out"
         assert sorted(complete_checkpoints(out)) == ["step_4"] and folder_faults.steps_of(out) == list(range(1, 9))
@@ -457,6 +461,10 @@ def cases(storage: Path, base: Path) -> list[Case]:
               r"\d+(\.\d)? (B|KiB|MiB|GiB|TiB) free on the filesystem of .*out/checkpoints now",
               r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
              good("step_4"), full_disk_resumes),
+        Case("disk full during a save, runner_fsdp", full_disk_fsdp, 1,
+             [r"lavis_ds: cannot write the checkpoint .*checkpoints/step_8: No space left on device \(",
+              r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
+             good("step_4")),
         *([Case("fp16 on a machine that refuses it", fresh("run.deepspeed_config.fp16.enabled=true"), 2,
                 [r"run\.precision: fp16 is not supported on this machine's \w+ device", "run.precision=bf16"],
                 check=trained_nothing)] if _fp16_refused() else []),
