@@ -230,7 +230,10 @@ def run_image_root(model: str | Path, data: Path) -> Path | None:
     for name, section in (read_export_config(model).get("datasets") or {}).items():
         if "build_info" not in section or section.get("builder") not in builder_registry:
             continue  # an export from before build_info was kept, or a user's builder not imported here
-        builder = builder_registry.get(section.builder)(section, section_name=name)
+        try:
+            builder = builder_registry.get(section.builder)(section, section_name=name)
+        except ValueError:  # a section today's builder no longer reads: --images (or the file's folder) it is
+            continue
         files = [path.resolve() for paths in builder.annotation_files().values() for path in paths]
         root = builder.image_root()
         if data.resolve() in files and root is not None and root.is_dir():
