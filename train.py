@@ -81,36 +81,49 @@ def train(args: argparse.Namespace) -> int:
     runner_class.prepare_process(cfg)
     runner_class.init_process_group()  # binds this process's GPU first (common.device)
     check_one_gpu_per_process()  # named here, before NCCL would stop at "Duplicate GPU detected"
-    error = None
+    lock, error = None, None
     if dist.is_main_process():
         try:
-            write_config(cfg)
+            lock = claim_output_dir(cfg)
         except InputError as e:
             error = e
-    faults.agree(0, error)  # every rank stops if rank 0 could not create the output folder
-    faults.agree(0, not_shared_error(Path(cfg.run.output_dir)))  # checkpoints need one folder every node sees
-    runner = build_runner(cfg, parsed_files)
-    del parsed_files  # the datasets hold what they use; the rest (files of unused splits) can go
-    if dist.is_main_process():
-        # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
-        runner.module.save_run_files(cfg.run.output_dir)
-    runner.evaluate_only() if cfg.run.evaluate else runner.train()
+    try:
+        faults.agree(0, error)  # every rank stops if rank 0 could not create or lock the output folder
+        faults.agree(0, not_shared_error(Path(cfg.run.output_dir)))  # checkpoints need one folder every node sees
+        runner = build_runner(cfg, parsed_files)
+        del parsed_files  # the datasets hold what they use; the rest (files of unused splits) can go
+        if dist.is_main_process():
+            # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
+            runner.module.save_run_files(cfg.run.output_dir)
+        runner.evaluate_only() if cfg.run.evaluate else runner.train()
+    finally:  # however the run ends; a killed one leaves the file, which the next run takes over
+        if lock is not None:
+            lock.release()
     return 0
 
 
-def write_config(cfg) -> None:
-    """Create run.output_dir and write the resolved config.yaml into it, or say why that is impossible."""
+def claim_output_dir(cfg):
+    """Create run.output_dir, lock it for this run and write the resolved config.yaml into it; the lock, or an
+    InputError saying why that is impossible."""
     from omegaconf import OmegaConf
 
-    out = Path(cfg.run.output_dir)
+    from lavis_ds.runners import output_lock
+
+    out, lock = Path(cfg.run.output_dir), None
     if out.exists() and not out.is_dir():
         raise InputError(f"run.output_dir: {out} is a file; give a folder (it is created if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
+        lock = output_lock.acquire(out)  # before config.yaml: a running run's must not be overwritten
         OmegaConf.save(cfg, out / "config.yaml")
-    except OSError as e:
-        raise InputError(f"run.output_dir: cannot write to {out} ({e.strerror or e}: {e.filename or out}); "
-                         "give a folder this user can create and write") from None
+        return lock
+    except BaseException as e:
+        if lock is not None:
+            lock.release()
+        if isinstance(e, OSError):
+            raise InputError(f"run.output_dir: cannot write to {out} ({e.strerror or e}: {e.filename or out}); "
+                             "give a folder this user can create and write") from None
+        raise
 
 
 def _lost_peer(error: RuntimeError) -> bool:

@@ -56,6 +56,10 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
     """
     source = str(cfg_path)
     user = _read_yaml(cfg_path, source)
+    bare = [option for option in options if "=" not in option]
+    if bare:  # OmegaConf would set them to null, then reported as a wrong type ("expected int, got None")
+        raise ConfigError([f"--options {option}: no '=value'; write {option}=<value> (or {option}=null to unset it)"
+                           for option in bare], source)
     try:
         user = OmegaConf.merge(user, OmegaConf.from_dotlist(list(options)))
     except OmegaConfBaseException as e:
@@ -312,14 +316,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
         errors.extend(reg.runners.get(close).config_problems({**run, **(neutral or {})}, world_size,
                                                              neutral is not None))
-    # Split names are known only for datasets that list annotation files (generated ones have their own).
-    annotations = [(section.get("build_info") or {}).get("annotations") for section in plain["datasets"].values()
-                   if isinstance(section, dict)]
-    splits = {s for a in annotations if a for s in a} if all(annotations) else set()
-    for key in ("train_splits", "valid_splits", "test_splits"):
-        for split in run.get(key) or []:
-            if splits and split not in splits:
-                errors.append(f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}")
+    errors.extend(_split_problems(run, plain["datasets"]))
     errors.extend(metric_problems(run, plain["datasets"]))
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
@@ -331,6 +328,22 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     elif isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
         errors.append(f"run.resume: checkpoint folder {resume!r} does not exist")
     return neutral or {}
+
+
+def _split_problems(run: dict, datasets: dict) -> list[str]:
+    """Splits that no dataset has, and a training run with no split to train on."""
+    # Split names are known only for datasets that list annotation files (generated ones have their own).
+    annotations = [(section.get("build_info") or {}).get("annotations") for section in datasets.values()
+                   if isinstance(section, dict)]
+    splits = {s for a in annotations if a for s in a} if all(annotations) else set()
+    problems = [f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}"
+                for key in ("train_splits", "valid_splits", "test_splits") for split in run.get(key) or []
+                if splits and split not in splits]
+    if run.get("train_splits") == [] and not run.get("evaluate"):  # the loop would have no data to draw from
+        available = f" (available: {', '.join(sorted(splits))})" if splits else ""
+        problems.append(f"run.train_splits: empty, so nothing trains; name the split(s) to train on{available}, or set "
+                        "run.evaluate: true to evaluate a checkpoint without training")
+    return problems
 
 
 def _neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | None:

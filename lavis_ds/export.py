@@ -235,11 +235,14 @@ def _save_weights(weights: dict[str, torch.Tensor], path: Path, tag_dir: Path, i
 
 
 def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, info: dict, merged: bool) -> None:
-    # Eval processors only: the rest of a dataset section names files on the training machine.
+    # Eval processors, and where the run's data was (builder and build_info, paths on the training machine):
+    # `generate --data` on one of its annotation files finds the images there.
     datasets = {}
     for name, section in OmegaConf.to_container(cfg.datasets, resolve=True).items():
         kept = {kind: {"eval": section[kind]["eval"]} for kind in ("vis_processor", "text_processor")
                 if (section.get(kind) or {}).get("eval")}
+        if "build_info" in section:
+            kept.update(builder=section.get("builder", name), build_info=section["build_info"])
         if kept:
             datasets[name] = kept
     content = {

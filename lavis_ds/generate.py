@@ -222,6 +222,28 @@ def detect_format(path: Path) -> str:
                      f"({', '.join(FORMATS)})")
 
 
+def run_image_root(model: str | Path, data: Path) -> Path | None:
+    """The image folder of the training run's dataset that read ``data`` (one of its annotation files, as the
+    export's config.yaml records them); None if ``data`` is none of them, or the folder is not here."""
+    from lavis_ds.common.registry import builders as builder_registry
+    from lavis_ds.datasets import builders  # noqa: F401  (registers the builders)
+
+    for name, section in (read_export_config(model).get("datasets") or {}).items():
+        if "build_info" not in section or section.get("builder") not in builder_registry:
+            continue  # an export from before build_info was kept, or a user's builder not imported here
+        try:
+            builder = builder_registry.get(section.builder)(section, section_name=name)
+        except ValueError:  # a section today's builder no longer reads: --images (or the file's folder) it is
+            continue
+        files = [path.resolve() for paths in builder.annotation_files().values() for path in paths]
+        root = builder.image_root()
+        if data.resolve() in files and root is not None and root.is_dir():
+            print(f"images from {root} ({builder.image_root_key()} of the run, whose annotations include {data})",
+                  file=sys.stderr)
+            return root
+    return None
+
+
 def load_samples(path: Path, format_name: str, image_root: Path, image_processor: Callable,
                  text_processor: Callable | None, caption_prompt: str | None = None,
                  skip_bad_records: bool = False):
@@ -399,7 +421,7 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
     from transformers import set_seed
 
     data, out = Path(args.data), Path(args.out)
-    image_root = Path(args.images) if args.images else data.parent
+    image_root = Path(args.images) if args.images else run_image_root(args.model, data) or data.parent
     if not image_root.is_dir():
         raise ValueError(f"--images {image_root}: not a folder (the folder the records' image paths are relative to)")
     format_name = args.format if args.format != "auto" else detect_format(data)

@@ -1,13 +1,15 @@
 """MiniGPT4Qwen / LAVIS YAMLs, user subclasses and Hugging Face DeepSpeed configs, as their users have them.
 
 The MiniGPT4Qwen YAMLs under tests/fixtures/minigpt4qwen/ are verbatim copies of Coobiw/MPP-LLaVA's
-published run files (tests/fixtures/SOURCES.md); only paths, sizes and the Qwen-1 model_type are
+published run files (tests/fixtures/SOURCES.md), instruction_tuning/train.yaml in both of its published
+spellings (run.autocast_dtype, then model.autocast_dtype); only paths, sizes and the Qwen-1 model_type are
 substituted (through --options, as a user would), never their LAVIS keys.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -115,6 +117,43 @@ def test_lavis_key_conflicting_with_its_deepspeed_key_names_both():
                for p in problems), problems
     assert any("model.autocast_dtype='bfloat16' means bf16 but run.deepspeed_config.fp16.enabled is True" in p
                for p in problems), problems
+
+
+def test_early_instruction_tuning_yaml_maps_amp_with_its_run_autocast_dtype():
+    """The earlier published spelling: run.amp switches autocast on, run.autocast_dtype says its dtype,
+    run.loss_scale switches the GradScaler (off: bf16 needs none)."""
+    cfg = load_config(FIXTURES / "minigpt4qwen" / "instruction_tuning_train_run_autocast.yaml",
+                      ["model.model_type=qwen2.5_7b_instruct"], world_size=1, check_files=False)
+    ds = cfg.run.deepspeed_config
+    assert cfg.run.precision == "bf16" and ds.bf16.enabled is True and "fp16" not in ds
+    assert (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps, ds.gradient_clipping) == (1, 16, 1.0)
+    for key in ("amp", "autocast_dtype", "loss_scale"):
+        assert key not in cfg.run
+
+
+@pytest.mark.parametrize("options, precision", [
+    (["run.amp=false"], "fp32"),  # MiniGPT4Qwen made no autocast without amp: autocast_dtype was never read
+    (["run.autocast_dtype=fp16", "run.loss_scale=true"], "fp16"),
+    (["run.autocast_dtype=null", "run.loss_scale=null"], "fp16"),  # its runner's default autocast dtype
+    (["model.autocast_dtype=bfloat16"], "bf16"),  # both spellings, agreeing
+])
+def test_early_spelling_means_what_minigpt4qwen_ran(options, precision):
+    cfg = load_config(FIXTURES / "minigpt4qwen" / "instruction_tuning_train_run_autocast.yaml",
+                      ["model.model_type=qwen2.5_7b_instruct", *options], world_size=1, check_files=False)
+    assert cfg.run.precision == precision
+
+
+@pytest.mark.parametrize("options, message", [
+    (["run.autocast_dtype=fp16"], r"^run\.loss_scale: False with fp16 \(run\.amp=True with run\.autocast_dtype='fp16'\)"
+                                  r": fp16 training here always scales the loss"),
+    (["model.autocast_dtype=fp16"], r"^model\.autocast_dtype='fp16' and run\.autocast_dtype='bf16' disagree"),
+    (["run.loss_scale=sometimes"], r"^run\.loss_scale: expected true or false, got 'sometimes'$"),
+    (["run.autocast_dtype=float8"], r"^run\.autocast_dtype: 'float8' is not a dtype; valid: bfloat16, "),
+])
+def test_early_spelling_that_cannot_run_as_written_is_one_problem(options, message):
+    problems = _problems(FIXTURES / "minigpt4qwen" / "instruction_tuning_train_run_autocast.yaml",
+                         ["model.model_type=qwen2.5_7b_instruct", *options])
+    assert len(problems) == 1 and re.search(message, problems[0]), problems
 
 
 def test_amp_alone_means_lavis_fp16(tmp_path):
@@ -288,12 +327,14 @@ def test_config_yaml_holds_the_deepspeed_section_as_handed_to_deepspeed(tmp_path
 # ------------------------------------------------------------------- a published YAML through train.py
 
 
-def test_instruction_tuning_yaml_trains_with_its_batch_and_precision(tmp_path):
-    """MiniGPT4Qwen's instruction_tuning/train.yaml, paths and sizes substituted: batch_size_train 1 x
-    accum_grad_iters 16 on one process = 16 per optimizer step; autocast_dtype bfloat16 = a bf16 engine."""
+@pytest.mark.parametrize("published", ["instruction_tuning_train.yaml", "instruction_tuning_train_run_autocast.yaml"])
+def test_instruction_tuning_yaml_trains_with_its_batch_and_precision(tmp_path, published):
+    """MiniGPT4Qwen's instruction_tuning/train.yaml in both published spellings, paths and sizes substituted:
+    batch_size_train 1 x accum_grad_iters 16 on one process = 16 per optimizer step; bf16 (model.autocast_dtype
+    bfloat16, or run.amp with run.autocast_dtype bf16) = a bf16 engine."""
     storage = tmp_path / "demo"
     ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=8, num_test=8))
-    yaml_path = shutil.copy(FIXTURES / "minigpt4qwen" / "instruction_tuning_train.yaml", tmp_path / "train.yaml")
+    yaml_path = shutil.copy(FIXTURES / "minigpt4qwen" / published, tmp_path / "train.yaml")
     data = [f"datasets.{name}.{key}" for name in ("minigpt4_instruction", "llava_instruction") for key in (
         f"build_info.annotations.train.storage={storage}/annotations/train.json",
         f"build_info.images.storage={storage}/images", "vis_processor.train.image_size=64",

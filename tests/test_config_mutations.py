@@ -126,6 +126,10 @@ MUTATIONS = {
                        rf"^run\.accum_grad_iters=4 and {DS}\.gradient_accumulation_steps=2 disagree"),
     "amp conflict": (f"run.amp=false {DS}.bf16.enabled=true",
                      rf"^run\.amp=False means fp32 but {DS}\.bf16\.enabled is True; they disagree"),
+    # --options and splits
+    "option without a value": ("run.max_epoch", r"^--options run\.max_epoch: no '=value'; write run\.max_epoch=<value>"),
+    "no train split": ("run.train_splits=[]", r"^run\.train_splits: empty, so nothing trains; name the split\(s\) to "
+                                              r"train on \(available: train\), or set run\.evaluate: true"),
     "Qwen-1 model_type": ("model.model_type=qwen7b_chat",
                           r"^model\.model_type: model_type 'qwen7b_chat' is not supported: .*Qwen-1.*'qwen2\.5_7b_instruct'"),
 }
@@ -167,15 +171,21 @@ def test_offload_param_below_zero3_is_a_warning(valid_config, caplog):
     assert not any("offload_param" in r.getMessage() for r in caplog.records)
 
 
-def test_lr_scales_prefix_matching_no_parameter_is_a_warning(tiny_model_config, caplog):
+def test_lr_scales_prefix_matching_no_parameter_is_an_error(tiny_model_config, caplog):
     from lavis_ds.models import Blip2Qwen
     from lavis_ds.optim import build_param_groups
 
-    model = Blip2Qwen.from_config(tiny_model_config)
+    model = Blip2Qwen.from_config({**tiny_model_config, "freeze_vit": True})
+    with pytest.raises(ConfigError, match=r"^1 problem\(s\) in run\.lr_scales:\n  - run\.lr_scales\.llm_prj: matches no "
+                                          r"parameter of the model; did you mean 'llm_proj'\?$"):
+        build_param_groups(model, 0.05, {"llm_prj": 10.0, "llm_proj": 5.0})
+    with pytest.raises(ConfigError, match=r"run\.lr_scales\.zzz: matches no parameter of the model; trainable "
+                                          r"parameter names start with .*llm_proj.*query_tokens"):
+        build_param_groups(model, 0.05, {"zzz": 2.0})
+    # Only frozen parameters (the ViT, frozen here): no effect, said once, not an error.
     with caplog.at_level(logging.WARNING, logger="lavis_ds"):
-        groups = build_param_groups(model, 0.05, {"llm_prj": 10.0, "llm_proj": 5.0})
+        groups = build_param_groups(model, 0.05, {"visual_encoder": 0.1, "llm_proj": 5.0})
     assert {g["lr_scale"] for g in groups} == {1.0, 5.0}
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("run.lr_scales.llm_prj: the prefix matches no trainable parameter")
-    assert "llm_proj" in warnings[0] and "query_tokens" in warnings[0]
+    assert warnings == ["run.lr_scales.visual_encoder: the prefix names only frozen parameters, so this factor has "
+                        "no effect"], warnings

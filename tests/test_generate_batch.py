@@ -102,6 +102,17 @@ def test_single_prompt_mode_still_prints_the_answer(full_run, demo_export, capsy
     assert capsys.readouterr().out.strip() == first["generated"]
 
 
+def test_the_runs_own_annotation_file_finds_its_images_without_images(full_run, demo_export, tmp_path, capsys):
+    """The demo's annotation files and images are in sibling folders: the export's config says where the run read
+    the images of the file it is given."""
+    out = tmp_path / "preds.jsonl"
+    assert _run("--model", str(demo_export.folder), "--data", str(demo_export.test_annotations), "--out", str(out),
+                "--batch-size", "5") == 0
+    assert (f"images from {demo_export.storage / 'images'} (datasets.demo_shapes.build_info.storage of the run, "
+            f"whose annotations include {demo_export.test_annotations})") in capsys.readouterr().err
+    assert out.read_text() == full_run[0].read_text()
+
+
 def test_torchrun_shards_merge_into_the_same_file(full_run, demo_export, tmp_path):
     out = tmp_path / "preds.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

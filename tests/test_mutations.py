@@ -9,6 +9,7 @@ together (a few at a time): most of their wall time is Python starting up.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -23,6 +24,7 @@ from typing import Callable
 import pytest
 import torch
 
+import folder_faults
 from forked import STILL_RUNNING
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.samplers import StepBatchSampler
@@ -284,6 +286,59 @@ def cases(storage: Path, base: Path) -> list[Case]:
             return train_cmd(write_yaml(d / "run.yaml", cfg))
         return setup
 
+    busy = folder_faults.BusyFolder()
+
+    def busy_folder(d: Path) -> TrainLaunch:
+        long_run = base_config(d / "out", storage)
+        long_run["run"]["max_epoch"] = 40  # still training when the second run starts (it is frozen meanwhile)
+        out, cfg = d / "out", write_yaml(d / "run.yaml", long_run)
+        busy.setup(cfg, out)
+        return train_cmd(cfg, 2)  # the same command again, on 2 processes: rank 0 finds the lock, every rank stops
+
+    killed_pids: dict[Path, int] = {}
+
+    def killed_runs_lock(d: Path) -> TrainLaunch:
+        cfg = write_yaml(d / "run.yaml", base_config(d / "out", storage))
+        killed_pids[d] = folder_faults.leave_a_killed_runs_lock(cfg, d / "out", SAVE_EVERY + 1)
+        return train_cmd(cfg)
+
+    def took_over(d: Path, proc) -> None:
+        assert f"took over {d / 'out' / folder_faults.LOCK} from process {killed_pids.pop(d)} on host" in proc.stderr
+        assert not (d / "out" / folder_faults.LOCK).exists()  # released when the run ended
+        assert folder_faults.steps_of(d / "out") == list(range(1, STEPS + 1))
+
+    def foreign_lock(d: Path) -> TrainLaunch:
+        out, cfg = copy_run(base, d, storage)
+        d.joinpath("lock.json").write_text(json.dumps(folder_faults.lock_of_another_host(out)))
+        return train_cmd(cfg)
+
+    def foreign_lock_kept(d: Path, proc) -> None:
+        assert json.loads((d / "out" / folder_faults.LOCK).read_text()) == json.loads((d / "lock.json").read_text())
+        assert (d / "out" / "config.yaml").read_bytes() == (base / "config.yaml").read_bytes()
+
+    def full_disk(d: Path) -> TrainLaunch:
+        folder_faults.fill_disk_at(d / "out", 2 * SAVE_EVERY)
+        return train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage)))
+
+    def full_disk_fsdp(d: Path) -> TrainLaunch:
+        folder_faults.fill_disk_at(d / "out", 2 * SAVE_EVERY, "__0_0.distcp")
+        return train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage, runner="runner_fsdp")))
+
+    def full_disk_resumes(d: Path, proc) -> None:
+        out = d / "out"
+        assert sorted(complete_checkpoints(out)) == ["step_4"] and folder_faults.steps_of(out) == list(range(1, 9))
+        rerun = run_train(d / "run.yaml", nproc=0, cwd=d)  # space freed: the torn step_8 goes, step_4 goes on
+        assert f"discarded the incomplete checkpoint {out / 'checkpoints' / 'step_8'}" in rerun.stdout
+        assert f"resumed from {out / 'checkpoints' / 'step_4'} at epoch 0, step 4" in rerun.stdout
+        assert folder_faults.steps_of(out) == list(range(1, STEPS + 1))
+        assert sorted(complete_checkpoints(out)) == ["step_12", "step_16", "step_4", "step_8"]
+
+    def fresh(*options: str) -> Callable[[Path], TrainLaunch]:
+        return lambda d: train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage)), 0, *options)
+
+    def trained_nothing(d: Path, proc) -> None:
+        assert not (d / "out" / "metrics.jsonl").exists() and not (d / "out" / folder_faults.LOCK).exists()
+
     def a_file(d: Path) -> Path:
         (d / "taken").write_text("a file")
         return d / "taken"
@@ -385,7 +440,43 @@ def cases(storage: Path, base: Path) -> list[Case]:
              [r"non-finite loss at optimizer step 5"], check=nan_skipped),
         Case("on_nonfinite typo", nan_case("ignore", 1, step=5, rank=0, save_freq_steps=1), 2,
              [r"run\.on_nonfinite.*'stop' \| 'skip'"]),
+        Case("lr_scales prefix that names no parameter", fresh("run.lr_scales.llm_prj=10"), 2,
+             [r"run\.lr_scales\.llm_prj: matches no parameter of the model; did you mean 'llm_proj'\?"],
+             check=trained_nothing),
+        # -- the output folder: another run in it, a full disk
+        Case("output_dir in use by a training run", busy_folder, 2,
+             [r"run\.output_dir: .*out is in use by another run: process \d+ on host \S+, started \d{4}-\d\d-\d\d "
+              r"\d\d:\d\d:\d\d [+-]\d{4} \(lock file .*out/lavis_ds\.lock\)", "another run.output_dir"],
+             lambda d: list(complete_checkpoints(d / "out")), lambda d, proc: busy.check(d / "out", proc.stderr)),
+        Case("lock left by a killed run", killed_runs_lock, 0,
+             [r"lavis_ds: run\.output_dir: took over .*lavis_ds\.lock from process \d+ on host \S+, started .*, which "
+              r"no longer runs", r"resumed from .*step_4 at epoch 0, step 4"], good("step_4"), took_over),
+        Case("lock of a run on another host", foreign_lock, 2,
+             [r"run\.output_dir: .*out is locked by process 4242 on host node-b\.cluster, started 2026-11-24 "
+              r"21:03:11 \+0000 \(.*lavis_ds\.lock\)\. This host cannot tell whether that run still goes on",
+              r"delete .*out/lavis_ds\.lock and start again"], all_four, foreign_lock_kept),
+        Case("disk full during a save", full_disk, 1,
+             [r"lavis_ds: cannot write the checkpoint .*checkpoints/step_8: torch\.save stopped short writing one of "
+              r"its files \('.*unexpected pos \d+ vs \d+'\), as it does when the disk is full or a quota is exceeded",
+              r"\d+(\.\d)? (B|KiB|MiB|GiB|TiB) free on the filesystem of .*out/checkpoints now",
+              r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
+             good("step_4"), full_disk_resumes),
+        Case("disk full during a save, runner_fsdp", full_disk_fsdp, 1,
+             [r"lavis_ds: cannot write the checkpoint .*checkpoints/step_8: No space left on device \(",
+              r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
+             good("step_4")),
+        *([Case("fp16 on a machine that refuses it", fresh("run.deepspeed_config.fp16.enabled=true"), 2,
+                [r"run\.precision: fp16 is not supported on this machine's \w+ device", "run.precision=bf16"],
+                check=trained_nothing)] if _fp16_refused() else []),
     ]
+
+
+@functools.cache
+def _fp16_refused() -> bool:
+    """Whether DeepSpeed's accelerator here refuses fp16 (this CPU kind: oneDNN has no fp16 kernels for it)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return not get_accelerator().is_fp16_supported()
 
 
 def _grow_or_shrink(d: Path, base: Path, storage: Path, grow: bool) -> TrainLaunch:

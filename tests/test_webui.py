@@ -7,6 +7,7 @@ must appear on the page.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,10 +26,23 @@ from run_utils import REPO, env, free_port
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 CAPTION, COLOUR = "Describe the image in a few words.", "What colour is the shape?"
-browser = pytest.mark.skipif(
-    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-    reason="Debian's chromium and chromium-driver are not installed (/usr/bin/chromium, /usr/bin/chromedriver); "
-           ".ci/run installs them with apt-get")
+# Set by .ci/run, which installs the browser: there a missing browser fails the browser test instead of skipping it.
+REQUIRE_BROWSER = "LAVIS_DS_REQUIRE_BROWSER"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> None:
+    """Skips the browser test where Debian's chromium is missing, or fails it where CI requires the browser.
+    Session-scoped, so that it is decided before the demo model is trained for the test."""
+    if CHROMIUM.exists() and CHROMEDRIVER.exists():
+        return
+    missing = ("Debian's chromium and chromium-driver are not installed (/usr/bin/chromium, /usr/bin/chromedriver)")
+    if os.environ.get(REQUIRE_BROWSER) == "1":
+        pytest.fail(f"{missing}, and {REQUIRE_BROWSER}=1 says this run must test the web chat in a browser")
+    pytest.skip(f"{missing}; .ci/run installs them with apt-get")
+
+
+browser = pytest.mark.usefixtures("chromium")
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ IGNORED: dict[tuple[str, str], tuple[Callable[[Any, dict], bool], str]] = {
 # LAVIS booleans whose key lavis_ds uses for a mapping of its own
 NATIVE_WHEN_MAPPING = {("run", "fsdp")}
 
-# model.autocast_dtype / run.amp spellings -> run.precision
+# model.autocast_dtype / run.autocast_dtype spellings -> run.precision
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
            "float32": "fp32", "fp32": "fp32", "float": "fp32"}
 
@@ -153,24 +153,11 @@ def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: 
 
 def _map_precision(model: dict | None, run: dict, twins: list[Twin], problems: list[str],
                    mapped: list[str]) -> None:
-    """``model.autocast_dtype`` (the dtype MiniGPT4Qwen's forward ran in) or else ``run.amp`` (LAVIS: fp16
-    autocast with a GradScaler) -> run.precision."""
-    dtype = model.pop("autocast_dtype", None) if model is not None else None
-    amp = run.pop("amp", None)
-    if dtype is not None:
-        if str(dtype) not in _DTYPES:
-            problems.append(f"model.autocast_dtype: {dtype!r} is not a dtype; valid: {', '.join(_DTYPES)}")
-            return
-        precision, source = _DTYPES[str(dtype)], f"model.autocast_dtype={dtype!r}"
-        if amp is not None:  # MiniGPT4Qwen's forward ran in autocast_dtype whatever amp said
-            mapped.append(f"run.amp={amp!r} superseded by model.autocast_dtype")
-    elif amp is not None:
-        if not isinstance(amp, bool):
-            problems.append(f"run.amp: expected true or false, got {amp!r}")
-            return
-        precision, source = ("fp16" if amp else "fp32"), f"run.amp={amp!r}"
-    else:
+    """MiniGPT4Qwen's precision keys -> run.precision, checked against what the run says elsewhere."""
+    lavis = _lavis_precision(model, run, problems, mapped)
+    if lavis is None:
         return
+    precision, source = lavis
     for twin in (t for t in twins if t.key == "precision"):  # a runner's section saying it in its words
         if not twin.agrees(precision):
             problems.append(f"{source} means {precision} but {twin.path} is {twin.written!r}; they disagree, give one")
@@ -181,3 +168,66 @@ def _map_precision(model: dict | None, run: dict, twins: list[Twin], problems: l
         return
     run["precision"] = precision
     mapped.append(f"{source} -> run.precision = {precision}")
+
+
+def _lavis_precision(model: dict | None, run: dict, problems: list[str], mapped: list[str]) -> tuple[str, str] | None:
+    """(precision, the keys that said it) from MiniGPT4Qwen's two published spellings, or None if neither is there.
+
+    Later (MPP-LLaVA): ``model.autocast_dtype`` is the dtype the forward runs in, whatever ``run.amp`` says.
+    Earlier (MiniGPT4Qwen's runner_base): ``run.amp`` switches autocast and a GradScaler on, ``run.autocast_dtype``
+    (default fp16) is the autocast dtype, ``run.loss_scale`` (default true) switches the GradScaler. LAVIS itself
+    has ``run.amp`` alone: fp16 with a GradScaler.
+    """
+    before = len(problems)
+    model_dtype = _dtype(model.pop("autocast_dtype", None) if model is not None else None, "model.autocast_dtype",
+                         problems)
+    run_dtype = _dtype(run.pop("autocast_dtype", None), "run.autocast_dtype", problems)
+    amp, loss_scale = run.pop("amp", None), run.pop("loss_scale", None)
+    problems.extend(f"run.{key}: expected true or false, got {value!r}" for key, value in
+                    (("amp", amp), ("loss_scale", loss_scale)) if value is not None and not isinstance(value, bool))
+    if len(problems) > before:
+        return None
+    if model_dtype is not None:
+        if run_dtype is not None and run_dtype[0] != model_dtype[0]:
+            problems.append(f"{model_dtype[1]} and {run_dtype[1]} disagree; they are the same setting, give one")
+            return None
+        if amp is not None:  # MiniGPT4Qwen's forward ran in autocast_dtype whatever amp said
+            mapped.append(f"run.amp={amp!r} superseded by model.autocast_dtype")
+        chosen = model_dtype
+    elif amp:
+        chosen = (run_dtype[0], f"run.amp=True with {run_dtype[1]}") if run_dtype else ("fp16", "run.amp=True")
+    elif run_dtype is not None:  # without amp MiniGPT4Qwen made no autocast: the dtype was never read
+        chosen = ("fp32", f"{run_dtype[1]} without run.amp=True")
+    elif amp is False:
+        chosen = ("fp32", "run.amp=False")
+    else:
+        if loss_scale is not None:
+            mapped.append(f"run.loss_scale={loss_scale!r}: no effect without run.amp=True (as in MiniGPT4Qwen)")
+        return None
+    return chosen if _loss_scale_fits(chosen, loss_scale, problems, mapped) else None
+
+
+def _dtype(value: Any, key: str, problems: list[str]) -> tuple[str, str] | None:
+    """(precision, ``key=value``) of a MiniGPT4Qwen dtype setting; None if unset or not a dtype (then a problem)."""
+    if value is None:
+        return None
+    if str(value) not in _DTYPES:
+        problems.append(f"{key}: {value!r} is not a dtype; valid: {', '.join(_DTYPES)}")
+        return None
+    return _DTYPES[str(value)], f"{key}={value!r}"
+
+
+def _loss_scale_fits(chosen: tuple[str, str], loss_scale: bool | None, problems: list[str], mapped: list[str]) -> bool:
+    """``run.loss_scale`` (MiniGPT4Qwen's GradScaler switch) against the precision: fp16 here always scales the
+    loss dynamically (DeepSpeed's loss scaler), bf16 and fp32 need no scaling."""
+    if loss_scale is None:
+        return True
+    precision, source = chosen
+    if precision == "fp16" and not loss_scale:
+        problems.append(f"run.loss_scale: False with fp16 ({source}): fp16 training here always scales the loss "
+                        "(DeepSpeed's dynamic loss scaler); fp16 gradients without it underflow. Drop "
+                        "run.loss_scale, or train in bf16 (run.autocast_dtype: bf16)")
+        return False
+    why = "the dynamic loss scaler of fp16" if precision == "fp16" else f"{precision} needs no loss scaling"
+    mapped.append(f"run.loss_scale={loss_scale!r}: {why}")
+    return True

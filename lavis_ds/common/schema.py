@@ -148,11 +148,15 @@ def range_problem(value: Any, tp: Any) -> str | None:
     return None
 
 
+def did_you_mean(name: str, candidates: typing.Iterable[str], otherwise: str) -> str:
+    """``did you mean '<closest candidate>'?``, or ``otherwise`` when no candidate is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f"did you mean {close[0]!r}?" if close else otherwise
+
+
 def unknown_key_message(path: str, key: str, valid: typing.Iterable[str]) -> str:
     valid = sorted(valid)
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
-    return f"{path}.{key}: unknown key; {hint}"
+    return f"{path}.{key}: unknown key; {did_you_mean(key, valid, 'valid keys: ' + ', '.join(valid))}"
 
 
 def check_section(section: dict, schema: dict[str, tuple[Any, Any]], path: str, errors: list[str],

@@ -6,6 +6,8 @@ import logging
 from torch import nn
 
 from lavis_ds.common import dist
+from lavis_ds.common.errors import ConfigError
+from lavis_ds.common.schema import did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,23 @@ def build_param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[st
         group["names"].append(name)
     if not groups:
         raise ValueError("the model has no trainable parameters: check the freeze_* switches in the model config")
-    unmatched = sorted(set(lr_scales) - used) if dist.is_main_process() else []  # every rank builds groups
-    for prefix in unmatched:  # a typo here would silently train at the base lr
-        examples = sorted({name.split(".")[0] for name in trainable})  # the model's top-level parts
-        logger.warning("run.lr_scales.%s: the prefix matches no trainable parameter, so this factor has no effect; "
-                       "trainable parameter names start with e.g. %s", prefix, ", ".join(examples))
+    _check_prefixes(model, set(lr_scales) - used, trainable)
     # "names" is for humans reading a debugger; optimizers do not want it.
     return [{k: v for k, v in g.items() if k != "names"} for g in groups.values()]
+
+
+def _check_prefixes(model: nn.Module, unmatched: set[str], trainable: list[str]) -> None:
+    """A prefix that names no parameter at all is a typo, which would train with other learning rates than asked:
+    a ConfigError, as an unknown key is. One that names only frozen parameters is said once (a shared YAML whose
+    freeze_* switches changed)."""
+    names = [name for name, _ in model.named_parameters()]
+    prefixes = {".".join(name.split(".")[:depth]) for name in names for depth in range(1, name.count(".") + 2)}
+    typos = sorted(prefix for prefix in unmatched if not any(name.startswith(prefix) for name in names))
+    if typos:
+        parts = ", ".join(sorted({name.split(".")[0] for name in trainable}))  # the model's trainable top-level parts
+        raise ConfigError([f"run.lr_scales.{prefix}: matches no parameter of the model; "
+                           f"{did_you_mean(prefix, prefixes, f'trainable parameter names start with {parts}')}"
+                           for prefix in typos], "run.lr_scales")
+    for prefix in sorted(unmatched - set(typos)) if dist.is_main_process() else []:  # every rank builds groups
+        logger.warning("run.lr_scales.%s: the prefix names only frozen parameters, so this factor has no effect",
+                       prefix)

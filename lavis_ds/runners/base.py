@@ -424,15 +424,19 @@ class RunnerBase:
         try:
             self.save_checkpoint(tag, client_state)
             torch.save(ckpt.rng_states(), ckpt.rng_file(tag_dir, self.rank))
-        except OSError as e:  # a full or failing disk: every rank stops, the previous checkpoint stays the newest
-            error = ckpt.CheckpointError(f"cannot write the checkpoint {tag_dir}: {e.strerror or e} "
-                                         f"({e.filename or tag_dir}); it is left incomplete and is not resumed from")
-            error.exit_code = 1  # a fault while running, not bad input
+        except (OSError, RuntimeError) as e:  # a full or failing disk (torch.save says RuntimeError): every rank
+            error = ckpt.save_failure(e, tag_dir)  # stops, the previous checkpoint stays the newest
+            if error is None:
+                raise
         faults.agree(0, error)  # also the barrier: every rank has written everything before the marker says so
         if self.rank == 0:
-            ckpt.mark_complete(tag_dir, {
-                "global_step": self.state.global_step, "epoch": self.state.epoch,
-                "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout()})
+            try:
+                ckpt.mark_complete(tag_dir, {
+                    "global_step": self.state.global_step, "epoch": self.state.epoch,
+                    "world_size": self.world_size, "global_batch": self.global_batch, **self.checkpoint_layout()})
+            except OSError as e:
+                error = ckpt.save_failure(e, tag_dir)
+        faults.agree(0, error)  # the marker too may meet a full disk
         self.call_hooks("after_save", tag_dir)  # scoring and pruning (BestCheckpoint)
         comm.barrier()
         self.saved_step = self.state.global_step

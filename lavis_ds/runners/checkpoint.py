@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lavis_ds.common import dist
-from lavis_ds.common.errors import InputError
+from lavis_ds.common.errors import InputError, LavisDsError
 from lavis_ds.common.registry import runners as runner_registry
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
@@ -39,6 +39,51 @@ class Handover:
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from or exported; the message names the folder or file."""
+
+
+class SaveFailed(LavisDsError):
+    """A checkpoint could not be written (a full disk, an exceeded quota, a failing device): a fault, exit 1."""
+
+
+# torch.save's C++ writer reports a short write (a full disk...) as a RuntimeError with no errno, e.g.
+# "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
+# or "[enforce fail at inline_container.cc:...] . PytorchStreamWriter failed writing file data/0: file write failed".
+_TORCH_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
+
+
+def save_failure(error: BaseException, tag_dir: Path) -> SaveFailed | None:
+    """The one clear error for a checkpoint that could not be written: the folder, why, the space left and the
+    last good checkpoint. None if ``error`` is no write failure (a bug keeps its traceback)."""
+    tag_dir = Path(tag_dir)
+    if isinstance(error, OSError):
+        cause = f"{error.strerror or error} ({error.filename or tag_dir})"
+    elif isinstance(error, RuntimeError) and any(part in str(error) for part in _TORCH_SHORT_WRITE):
+        cause = (f"torch.save stopped short writing one of its files ({str(error).splitlines()[0].strip()!r}), as it "
+                 "does when the disk is full or a quota is exceeded")
+    else:
+        return None
+    latest = latest_complete(tag_dir.parent)
+    resume = (f"The last good checkpoint is {latest}: `run.resume: auto` continues from it (the incomplete "
+              f"{tag_dir.name} is discarded then)" if latest else
+              "No checkpoint is complete yet: the same command starts over")
+    return SaveFailed(f"cannot write the checkpoint {tag_dir}: {cause}. {_free_space(tag_dir)} free on the "
+                      f"filesystem of {tag_dir.parent} now. {resume}. Free space there (run.keep_last keeps fewer "
+                      "checkpoints) or give another run.output_dir, then run the same command")
+
+
+def _free_space(path: Path) -> str:
+    """Free space on the filesystem of ``path`` (or of its nearest existing parent), for people."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = float(shutil.disk_usage(path).free)
+    except OSError:
+        return "unknown space"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024:
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    return f"{free:.1f} TiB"
 
 
 class DamagedCheckpoint(CheckpointError):
@@ -190,19 +235,6 @@ def delete_folders(folders: list[Path], ckpt_dir: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     for trash in Path(ckpt_dir).glob(".deleting-*"):  # a deletion that a kill interrupted
         shutil.rmtree(trash, ignore_errors=True)
-
-
-def best(ckpt_dir: Path) -> Path | None:
-    """The complete checkpoint with the lowest validation loss recorded in its marker, if any."""
-    scored = [(loss, p) for p in complete_checkpoints(ckpt_dir) if (loss := _val_loss(p)) is not None]
-    return min(scored)[1] if scored else None
-
-
-def _val_loss(tag_dir: Path) -> float | None:
-    try:
-        return read_marker(tag_dir).get("val_loss")
-    except DamagedCheckpoint:
-        return None  # a damaged marker competes for nothing (resume reports it)
 
 
 def set_aside(tag_dir: Path) -> Path:

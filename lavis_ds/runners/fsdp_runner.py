@@ -210,7 +210,12 @@ class FSDPRunner(RunnerBase):
         import torch.distributed.checkpoint as dcp
 
         tag_dir = self.checkpoint_dir / tag
-        dcp.save(self._state(), checkpoint_id=str(tag_dir))
+        try:
+            dcp.save(self._state(), checkpoint_id=str(tag_dir))
+        except dcp.api.CheckpointException as e:
+            # DCP wraps every rank's error (a full disk: torch's RuntimeError or an OSError) with its traceback in a
+            # BaseException; the loop names a failed write once it sees the error itself.
+            raise _first_failure(e) from None
         if self.rank == 0:
             torch.save(client_state, tag_dir / CLIENT_STATE)
 
@@ -374,3 +379,12 @@ def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 # A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
 registry.register_runner_alias("fsdp_runner", "runner_fsdp")
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The error of the lowest failing rank inside a DCP ``CheckpointException`` (itself if it holds none)."""
+    failures = getattr(error, "failures", None) or {}
+    if not failures:
+        return error
+    first = failures[min(failures)]
+    return first[0] if isinstance(first, tuple) else first

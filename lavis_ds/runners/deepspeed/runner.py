@@ -10,8 +10,7 @@ import torch
 import torch.distributed as torch_dist
 
 from lavis_ds.common import comm
-from lavis_ds.common.errors import ConfigError
-
+from lavis_ds.common.errors import ConfigError, InputError
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import with_batch_layout
@@ -103,6 +102,7 @@ class DeepSpeedRunner(RunnerBase):
         import deepspeed
         from omegaconf import OmegaConf
 
+        _check_precision_supported(self.layout["precision"])  # after the checks of the checkpoint to resume
         run = OmegaConf.to_container(self.run, resolve=True)
         # The batch layout the runner settled on (a resume on another world size changes the accumulation).
         ds_config = build_deepspeed_config(with_batch_layout(run, self.micro_batch, self.accum, self.global_batch),
@@ -339,6 +339,27 @@ class DeepSpeedRunner(RunnerBase):
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
 registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
+
+
+def _check_precision_supported(precision: str) -> None:
+    """An InputError if this machine's accelerator cannot train in ``precision`` (DeepSpeed's own check raises a
+    bare ``ValueError: Type fp16 is not supported on your device.`` from deepspeed.initialize)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}.get(precision)
+    if supported is None or supported():
+        return
+    other = "bf16" if precision == "fp16" else "fp32"
+    device = accelerator.device_name()
+    why = " (torch's oneDNN has no fp16 kernels for this CPU)" if device == "cpu" and precision == "fp16" else ""
+    error = InputError(
+        f"run.precision: {precision} is not supported on this machine's {device} device{why}, so DeepSpeed cannot "
+        f"train in it here. Train in {other} or fp32: run.precision={other}, or in a DeepSpeed section "
+        f"{precision}.enabled: false and {other}.enabled: true. (A LAVIS YAML's `amp: True` means fp16; "
+        f"MiniGPT4Qwen's say the dtype with `autocast_dtype: bf16`.)")
+    error.quiet = int(os.environ.get("RANK", 0)) != 0  # every rank finds the same; one says it
+    raise error
 
 
 def _cast_unpartitioned(model: torch.nn.Module, precision: str) -> None:
