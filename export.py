@@ -4,10 +4,10 @@
     python export.py output/demo/checkpoints/step_62 --out exports/step62      # the demo's first epoch
     python export.py output/lora_run --out exports/lora --merge-lora     # also a merged Hugging Face LLM
 
-Then: python -m lavis_ds.generate --model exports/demo --image x.png --prompt "Describe the image."
+Then: python -m lavis_ds.apps.generate --model exports/demo --image x.png --prompt "Describe the image."
 """
 from lavis_ds.common.dist import exit_now
-from lavis_ds.export import main
+from lavis_ds.apps.export import main
 
 if __name__ == "__main__":
     exit_now(main())

@@ -78,7 +78,7 @@ def test_export_and_generate_on_the_gpu(tmp_path, demo_storage):
                    cwd=REPO, env=env(), check=True, capture_output=True)
     answers = tmp_path / "answers.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m",
-                           "lavis_ds.generate", "--model", str(tmp_path / "export"), "--device", "cuda",
+                           "lavis_ds.apps.generate", "--model", str(tmp_path / "export"), "--device", "cuda",
                            "--data", str(demo_storage / "annotations" / "test.json"), "--images",
                            str(demo_storage / "images"), "--out", str(answers)],
                           cwd=REPO, env=env(), capture_output=True, text=True)

@@ -344,7 +344,7 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
-        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`.")
+        "without DeepSpeed. Load it with lavis_ds.apps.export.load_exported or `python -m lavis_ds.apps.generate`.")
     parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
                                        "output_dir (its newest complete checkpoint)")
     parser.add_argument("--out", required=True, help="export folder to create")
