@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     from lavis_ds.common.errors import InputError
     from lavis_ds.apps.generate import Processes
     from lavis_ds.runners import faults
-    from lavis_ds.runners.fsdp_runner import FSDPRunner
+    from lavis_ds.runners.fsdp import FSDPRunner
     from lavis_ds.runners.shared_folder import not_shared_error
 
     out = Path(argv[0])
