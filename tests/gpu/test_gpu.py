@@ -110,6 +110,7 @@ def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
     for accum in (1, 4):
         cfg = _config(tmp_path / f"a{accum}", demo_storage, "fsdp", accum=accum)
         runner = build_runner(load_config(write_yaml(tmp_path / f"a{accum}.yaml", cfg)))
+        runner.setup()  # the engine and the data order, as train() starts
         batches = iter(runner.train_loader)
         micro = [next(batches) for _ in range(accum)]
         with warnings.catch_warnings(record=True) as caught:
