@@ -133,6 +133,8 @@ class ResumePolicy:
         return info if "world_size" in info else None
 
     def resume(self) -> None:
+        """Load the checkpoint ``setup`` chose into the engine, the LR schedule and the loop's state (or seed a
+        fresh start), and its random states where the world size is the one that saved them."""
         source = self.resume_from
         if source is None:
             seed_everything(self.run.seed + self.rank)
