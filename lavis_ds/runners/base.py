@@ -276,8 +276,9 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
         sums = []  # kept on the engine's device: no host synchronisation per batch
         for _, _, batch, padding in self._eval_batches(split):
             out = self.forward(batch)
-            if not padding:
-                sums.append(torch.stack([out["loss_sum"].double(), out["num_tokens"].double()]))
+            if not padding:  # a user's model may give plain numbers (test_user_module's num_tokens is an int)
+                sums.append(torch.stack([torch.as_tensor(out[key], device=out["loss"].device).double()
+                                         for key in ("loss_sum", "num_tokens")]))
         totals = comm.all_reduce(torch.stack(sums).sum(0) if sums else torch.zeros(2, dtype=torch.float64))
         return {"loss": (totals[0] / totals[1].clamp(min=1)).item(), "num_tokens": int(totals[1])}
 
