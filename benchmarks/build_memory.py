@@ -103,6 +103,7 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
         with PeakRSS() as building:
             model = build_model(cfg.model, cfg.run.seed, placement)
         runner = runner_class(cfg, model, datasets)
+        runner.setup()  # wraps the model: the engine's start is part of what is measured
     mine = {"built": building.peak - rss.before, "peak": rss.peak - rss.before, "after": rss.after - rss.before,
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     everyone = [None] * torch_dist.get_world_size()

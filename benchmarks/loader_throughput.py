@@ -97,6 +97,7 @@ def build_runner(cfg_path: Path):
     cfg = load_config(cfg_path, world_size=1)
     registry.get_runner_class(cfg.run.runner).init_process_group()
     runner = build(cfg)
+    runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer here, as train() does
     runner.module.train()
     return runner

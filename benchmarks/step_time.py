@@ -86,6 +86,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     registry.get_runner_class(cfg.run.runner).init_process_group()
     runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
                                                        build_datasets(cfg.datasets))
+    runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
     runner.module.train()  # as train() leaves it before its loop
     return runner

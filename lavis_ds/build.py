@@ -27,6 +27,8 @@ def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = 
 
 
 def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
+    """The run's runner on its model and datasets. Its engine starts, and the checkpoint to resume from is
+    chosen, in ``runner.setup()``, which ``train()`` and ``evaluate_only()`` call first."""
     runner_class = registry.get_runner_class(cfg.run.runner)
     # The runner that will shard the model says where its LLM is built (e.g. partitioned from the start).
     model = build_model(cfg.model, cfg.run.seed, runner_class.model_placement(cfg))

@@ -36,7 +36,7 @@ class DemoExport:
 
 
 def train_and_export(root: Path) -> DemoExport:
-    from lavis_ds.export import export_checkpoint
+    from lavis_ds.apps.export import export_checkpoint
 
     storage = ensure_demo_shapes(root / "demo_shapes", SPEC)
     cfg = tiny_config(root / "run", storage, stage=2, micro=8, max_epoch=6, warmup_steps=4)

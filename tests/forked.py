@@ -7,7 +7,7 @@ forkserver, which did those imports once. Each one is still a real process runni
 ``train.py``'s ``main()`` with the variables a launcher sets (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), its own gloo process group and its own DataLoader workers, and it
 ends through ``train.py``'s own exit. Other command lines (``export.py``, ``python -m
-lavis_ds.generate``, ``tests/placement_worker.py``) are forked the same way: ``target`` names the
+lavis_ds.apps.generate``, ``tests/placement_worker.py``) are forked the same way: ``target`` names the
 ``main(argv)`` to run, and the process ends as train.py's does. What only the launchers do (torchrun's agent,
 its signal forwarding and failure report, ``python train.py`` starting from nothing) is tested
 through the real launchers by the tests that are about them (``run_utils.command``).
@@ -26,9 +26,9 @@ from pathlib import Path
 
 # What every training process imports, imported once by the server.
 PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train", "lavis_ds",
-           "lavis_ds.runners.deepspeed.runner", "lavis_ds.runners.fsdp_runner",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.export",
-           "lavis_ds.generate", "forked"]
+           "lavis_ds.runners.deepspeed.runner", "lavis_ds.runners.fsdp.runner",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.apps.export",
+           "lavis_ds.apps.generate", "forked"]
 TRAIN = "train:main"  # the default target: train.py's main()
 FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
 STILL_RUNNING = "forked.Job"  # begins the line a job's stderr gets when it had to stop them

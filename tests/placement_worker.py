@@ -70,6 +70,7 @@ def report_for(cfg, partitioned: bool) -> dict:
     model = build_model(cfg.model, cfg.run.seed, placement)
     built = held(base_llm_params(model))
     runner = runner_class(cfg, model, build_datasets(cfg.datasets))
+    runner.setup()  # wraps the model
     wrapped = held(base_llm_params(runner.module))
     runner.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds

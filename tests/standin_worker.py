@@ -22,9 +22,9 @@ def main(argv: list[str]) -> int:
     from lavis_ds.common import comm, dist
     from lavis_ds.common.device import check_one_gpu_per_process
     from lavis_ds.common.errors import InputError
-    from lavis_ds.generate import Processes
+    from lavis_ds.apps.generate import Processes
     from lavis_ds.runners import faults
-    from lavis_ds.runners.fsdp_runner import FSDPRunner
+    from lavis_ds.runners.fsdp import FSDPRunner
     from lavis_ds.runners.shared_folder import not_shared_error
 
     out = Path(argv[0])

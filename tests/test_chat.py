@@ -1,8 +1,8 @@
-"""Terminal chat: a real `python -m lavis_ds.chat` process fed typed lines, and ChatSession in-process.
+"""Terminal chat: a real `python -m lavis_ds.apps.chat` process fed typed lines, and ChatSession in-process.
 
 The model is conftest's ``demo_export`` (the tiny demo trained once per session). What the
 chat must answer is computed with the library call the conversation stands for:
-``lavis_ds.generate.generate`` on the ChatML turns, the earlier answers as history.
+``lavis_ds.apps.generate.generate`` on the ChatML turns, the earlier answers as history.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from lavis_ds.chat import ChatSession, Interrupted, main
+from lavis_ds.apps.chat import ChatSession, Interrupted, main
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER as IMG
-from lavis_ds.export import load_exported
-from lavis_ds.generate import GenerationSettings, eval_processors, generate
+from lavis_ds.apps.export import load_exported
+from lavis_ds.apps.generate import GenerationSettings, eval_processors, generate
 from run_utils import REPO, env
 
 CAPTION, COLOUR, SHAPE = "Describe the image in a few words.", "What colour is the shape?", "What shape is it?"
@@ -52,7 +52,7 @@ def test_a_conversation_typed_into_the_terminal(demo_export, model, pixels):
     typed = [CAPTION, COLOUR, ":his", ":conf tmperature=0.5", ":conf num_beams=3", SHAPE,
              ":img nope.png", f":img {second}", ":img", CAPTION, ":seed", ":seed 11", ":clh", CAPTION,
              ":reset", COLOUR, ":frobnicate", ":q", "never asked"]
-    proc = subprocess.run([sys.executable, "-m", "lavis_ds.chat", "--model", str(demo_export.folder),
+    proc = subprocess.run([sys.executable, "-m", "lavis_ds.apps.chat", "--model", str(demo_export.folder),
                            "--image", str(first)], input="\n".join(typed) + "\n", cwd=REPO, env=env(),
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from lavis_ds.export import ExportError, export_checkpoint, find_checkpoint, load_exported
+from lavis_ds.apps.export import ExportError, export_checkpoint, find_checkpoint, load_exported
 from lavis_ds.runners.checkpoint import COMPLETE_MARKER
 from run_utils import REPO, env, metrics, run_together, run_train, tiny_config, write_yaml
 
@@ -99,8 +99,8 @@ from pathlib import Path
 import torch
 from lavis_ds.datasets.instruction import InstructionDataset
 from lavis_ds.datasets.samplers import EvalBatchSampler
-from lavis_ds.export import load_exported
-from lavis_ds.generate import as_trained, eval_processors, main
+from lavis_ds.apps.export import load_exported
+from lavis_ds.apps.generate import as_trained, eval_processors, main
 
 storage, new_tokens, world_size, batch_size, folders = Path(sys.argv[1]), *map(int, sys.argv[2:5]), sys.argv[5:]
 
@@ -207,7 +207,7 @@ def test_export_loads_without_deepspeed_and_generates_what_training_generated(na
 
 
 def test_exported_keys_are_the_trainable_parameters_only(trained, exported):
-    from lavis_ds.export import exported_model_config
+    from lavis_ds.apps.export import exported_model_config
     from lavis_ds.build import build_model
 
     folder = exported("zero1_lora_frozen_vit")
@@ -249,8 +249,8 @@ def test_exported_tensors_are_the_fp32_master_weights_zero0_bf16(trained, export
 def test_untrained_model_generates_differently(trained, exported, demo_storage):
     """The comparison above can fail: without the trained weights the same model says something else."""
     from lavis_ds.build import build_model
-    from lavis_ds.export import exported_model_config, read_export_config
-    from lavis_ds.generate import eval_processors, generate
+    from lavis_ds.apps.export import exported_model_config, read_export_config
+    from lavis_ds.apps.generate import eval_processors, generate
     from PIL import Image
 
     folder = exported("zero2_fp32")
@@ -266,7 +266,7 @@ def test_untrained_model_generates_differently(trained, exported, demo_storage):
 
 
 def test_merge_lora_writes_a_plain_llm_and_generates_the_same(trained, exported, tmp_path, demo_storage):
-    from lavis_ds.generate import eval_processors, generate
+    from lavis_ds.apps.generate import eval_processors, generate
     from PIL import Image
     from transformers import Qwen2ForCausalLM
 

@@ -2,7 +2,7 @@
 
 The main check trains the tiny demo model once (conftest's ``demo_export``), exports its checkpoint with
 ``--format hf``, and runs docs/export-hf.md's lines in a fresh interpreter where importing lavis_ds fails;
-the token ids must be the ones lavis_ds.generate produces from the same checkpoint. The other tests build
+the token ids must be the ones lavis_ds.apps.generate produces from the same checkpoint. The other tests build
 untrained tiny models in-process: the key mapping, the prompt, the pixels, and what is refused.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from lavis_ds.datasets.demo_shapes import COLOUR_QUESTION, SHAPE_QUESTION
-from lavis_ds.export import ExportError, load_exported, main
-from lavis_ds.export_hf import MARKER_FILE, export_hf, to_hf_model, write_hf_folder
-from lavis_ds.export_hf_checks import check_expressible
+from lavis_ds.apps.export import ExportError, load_exported, main
+from lavis_ds.apps.export_hf import MARKER_FILE, export_hf, to_hf_model, write_hf_folder
+from lavis_ds.apps.export_hf_checks import check_expressible
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.prompt import pad_batch
 
@@ -66,8 +66,8 @@ def _messages(question: str | list[str], answers: list[str] = ()) -> list[dict]:
 
 
 def _lavis_ds_token_ids(model, images, questions, answers=None) -> tuple[list[list[int]], list[str]]:
-    """What lavis_ds.generate generates, as token ids: its texts, and the ids its LLM's generate returned."""
-    from lavis_ds.generate import generate
+    """What lavis_ds.apps.generate generates, as token ids: its texts, and the ids its LLM's generate returned."""
+    from lavis_ds.apps.generate import generate
 
     returned = []
     llm_generate = model.llm_model.generate
@@ -91,7 +91,7 @@ def demo_hf(demo_export, tmp_path_factory):
 def test_transformers_alone_generates_the_tokens_lavis_ds_generates(demo_export, demo_hf):
     from PIL import Image
 
-    from lavis_ds.generate import eval_processors
+    from lavis_ds.apps.generate import eval_processors
 
     test = json.loads(demo_export.test_annotations.read_text())
     paths = [str(demo_export.storage / "images" / record["image"]) for record in test]
@@ -152,7 +152,7 @@ def test_export_refuses_to_replace_other_folders(demo_export, demo_hf, tmp_path)
 
 
 def test_command_line_refusal_is_one_lavis_ds_message_and_exit_2(demo_export, tmp_path, monkeypatch, capsys):
-    import lavis_ds.export_hf as export_hf_module
+    import lavis_ds.apps.export_hf as export_hf_module
 
     built = export_hf_module.trained_model
     monkeypatch.setattr(export_hf_module, "trained_model", lambda *a: _layer_scale(built(*a)))
@@ -254,7 +254,7 @@ def test_lora_token_rows_and_tied_embeddings_are_merged_and_generate_the_same(ti
 
 
 def test_the_chat_template_writes_lavis_ds_s_prompt(tiny_model_config, tmp_path):
-    from lavis_ds.export_hf_processor import save_processor
+    from lavis_ds.apps.export_hf_processor import save_processor
     from transformers import AutoTokenizer
 
     # Quotes, Jinja syntax, a newline, a backslash, non-ASCII: the template must carry them unchanged.
@@ -285,7 +285,7 @@ def test_the_image_processor_gives_lavis_ds_s_pixels(tiny_model, tmp_path):
     from PIL import Image
     from transformers import AutoProcessor
 
-    from lavis_ds.export_hf_processor import save_processor
+    from lavis_ds.apps.export_hf_processor import save_processor
     from lavis_ds.processors.image import Blip2ImageEvalProcessor
 
     section = {"name": "blip2_image_eval", "image_size": 48, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.25, 0.3]}

@@ -143,7 +143,7 @@ def test_export_reads_an_fsdp_checkpoint_as_it_reads_a_deepspeed_one(fp32_runs, 
     import torch
     from safetensors.torch import load_file
 
-    from lavis_ds.export import WEIGHTS_FILE, export_checkpoint, load_exported
+    from lavis_ds.apps.export import WEIGHTS_FILE, export_checkpoint, load_exported
 
     exported = {name: export_checkpoint(fp32_runs[name][0], tmp_path / name) for name in ("fsdp", "zero3")}
     fsdp, zero3 = (load_file(str(exported[name] / WEIGHTS_FILE)) for name in ("fsdp", "zero3"))

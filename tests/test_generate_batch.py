@@ -1,8 +1,8 @@
-"""Batch inference: `python -m lavis_ds.generate --data ... --out preds.jsonl` on a trained, exported model.
+"""Batch inference: `python -m lavis_ds.apps.generate --data ... --out preds.jsonl` on a trained, exported model.
 
 The model is conftest's ``demo_export`` (the tiny demo trained once per session). The
 reference answers come from the library function a user would call on one image at a
-time (``lavis_ds.generate.generate``): the file mode must give the same text, in input
+time (``lavis_ds.apps.generate.generate``): the file mode must give the same text, in input
 order, on one process or two, and after an interruption.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER
-from lavis_ds.export import load_exported
-from lavis_ds.generate import eval_processors, generate, main, share_path
+from lavis_ds.apps.export import load_exported
+from lavis_ds.apps.generate import eval_processors, generate, main, share_path
 from run_utils import REPO, env, free_port, run_forked
 
 MAX_NEW_TOKENS = 8
@@ -60,10 +60,10 @@ def answer_one(model, demo_export):
 def full_run(demo_export, tmp_path_factory):
     """The demo's test split through the command line, one process: (its output file, the lines).
 
-    ``python -m lavis_ds.generate``'s main() in a process forked from the suite's server (tests/forked.py); the
+    ``python -m lavis_ds.apps.generate``'s main() in a process forked from the suite's server (tests/forked.py); the
     command itself is launched, under torchrun, by test_torchrun_shards_merge_into_the_same_file."""
     out = tmp_path_factory.mktemp("full") / "preds.jsonl"
-    proc = run_forked("lavis_ds.generate:main", [
+    proc = run_forked("lavis_ds.apps.generate:main", [
         "--model", str(demo_export.folder), "--data", str(demo_export.test_annotations),
         "--images", str(demo_export.storage / "images"), "--out", str(out), "--batch-size", "5",
         "--max-new-tokens", str(MAX_NEW_TOKENS)], out.parent / "generate.logs", timeout=300)
@@ -116,7 +116,7 @@ def test_the_runs_own_annotation_file_finds_its_images_without_images(full_run, 
 def test_torchrun_shards_merge_into_the_same_file(full_run, demo_export, tmp_path):
     out = tmp_path / "preds.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "lavis_ds.generate",
+                           f"--master_port={free_port()}", "-m", "lavis_ds.apps.generate",
                            "--model", str(demo_export.folder), "--data", str(demo_export.test_annotations),
                            "--images", str(demo_export.storage / "images"), "--out", str(out),
                            "--batch-size", "3", "--max-new-tokens", str(MAX_NEW_TOKENS)],

@@ -7,11 +7,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lavis_ds"
 ABOVE_COMMON = ("lavis_ds.models", "lavis_ds.datasets", "lavis_ds.runners", "lavis_ds.processors", "lavis_ds.metrics",
-                "lavis_ds.optim", "lavis_ds.config", "lavis_ds.build", "lavis_ds.export", "lavis_ds.generate",
-                "lavis_ds.chat", "lavis_ds.webui")
+                "lavis_ds.optim", "lavis_ds.config", "lavis_ds.build", "lavis_ds.apps")
 # Where the word may stand: the engine's own package, the package that registers the runners and names the
-# default one, and the process-group and GPU set-up that also serve the `deepspeed` launcher (its --local_rank,
-# and its name in the message for more processes than GPUs).
+# default one, and the launcher glue: the process-group set-up that also serves the `deepspeed` launcher, and
+# the GPU binding whose messages name that launcher's --num_gpus.
 KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py"}
 
 

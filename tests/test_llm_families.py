@@ -151,8 +151,8 @@ def test_family_folder_trains_and_resumes_exactly_through_train_py(setup, tmp_pa
 def _exported_model_has_the_logged_validation_loss(out, export_dir, storage) -> None:
     """Export with LoRA merged into a plain LlamaForCausalLM: the validation loss the run logged at its end."""
     from lavis_ds.datasets.instruction import InstructionDataset
-    from lavis_ds.export import export_checkpoint, load_exported
-    from lavis_ds.generate import as_trained, eval_processors
+    from lavis_ds.apps.export import export_checkpoint, load_exported
+    from lavis_ds.apps.generate import as_trained, eval_processors
 
     exported = export_checkpoint(out, export_dir, merge_lora=True)
     merged = load_exported(exported)

@@ -3,6 +3,7 @@ runners/base.py needs no engine, no launcher and no process group."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -10,6 +11,7 @@ import plain_runner  # noqa: F401  (registers runner_plain_test)
 from lavis_ds.build import build_runner
 from lavis_ds.config import load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.runners import checkpoint as ckpt
 from run_utils import comparable, tiny_config, train_steps, write_yaml
 
 STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x accumulation 2, one process
@@ -76,3 +78,46 @@ def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, dem
 
     _runner(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
     assert comparable(train_steps(tmp_path / "crashed")) == comparable(train_steps(reference_out))
+
+
+def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path, demo_storage, plain_run, monkeypatch):
+    """The constructor only assigns; setup() (train's first step) chooses the checkpoint and sets a damaged one aside."""
+    from lavis_ds.common import comm
+
+    _, reference_out = plain_run
+    shutil.copytree(reference_out, tmp_path / "copy")
+    checkpoints = tmp_path / "copy" / "checkpoints"
+    newest = checkpoints / f"step_{STEPS_PER_EPOCH * EPOCHS}"
+    state_file = newest / plain_runner.STATE_FILE
+    state_file.write_bytes(state_file.read_bytes()[:100])  # truncated: a damaged checkpoint
+    for name in ("all_reduce", "all_gather_object", "barrier", "broadcast_object"):
+        monkeypatch.setattr(comm, name, _no_collective(name))
+
+    runner = _runner(tmp_path, demo_storage, "copy")  # run.resume: auto
+    assert newest.is_dir() and runner.resume_from is None and runner.hooks == []
+
+    monkeypatch.undo()
+    runner.setup()
+    assert not newest.exists() and (checkpoints / f"{newest.name}{ckpt.DAMAGED_SUFFIX}").is_dir()
+    assert runner.resume_from == (checkpoints, "step_6")
+    runner.setup()  # once: nothing more is set aside, nothing is rebuilt
+    assert runner.resume_from == (checkpoints, "step_6")
+
+
+def _no_collective(name: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"comm.{name} called while building a runner")
+    return refuse
+
+
+def test_a_hook_failing_to_set_up_still_closes_the_others(tmp_path, demo_storage):
+    runner = _runner(tmp_path, demo_storage, "failing_hook")
+    runner.setup()
+
+    def fail(_runner):
+        raise Crash("before_train")
+
+    runner.hooks[1].before_train = fail  # after the logger opened its writer
+    with pytest.raises(Crash):
+        runner.train()
+    assert runner.hooks[0].writer is None

@@ -515,7 +515,7 @@ def outcomes(request, root, demo_storage, base_run, frozen_vit_run) -> dict[str,
         case, case_dir, cmd = item
         if isinstance(cmd, TrainLaunch):
             return run_train(cmd.cfg, cmd.nproc, cmd.options, cwd=case_dir, check=False, launcher=cmd.launcher)
-        return run_forked("lavis_ds.export:main", list(cmd.argv), case_dir / "export.logs", cwd=case_dir)
+        return run_forked("lavis_ds.apps.export:main", list(cmd.argv), case_dir / "export.logs", cwd=case_dir)
 
     def slow_first(item) -> int:  # a launcher, then several processes: started first, they do not end last
         cmd = item[2]

@@ -81,8 +81,8 @@ def _module_keys(tag_dir: Path) -> set[str]:
 def test_zero3_partitioned_run_checkpoints_lean_resumes_exactly_and_exports(setup, tmp_path):
     from lavis_ds.build import build_model
     from lavis_ds.config import load_config
-    from lavis_ds.export import export_checkpoint, load_exported
-    from lavis_ds.generate import as_trained, eval_processors
+    from lavis_ds.apps.export import export_checkpoint, load_exported
+    from lavis_ds.apps.generate import as_trained, eval_processors
     from lavis_ds.datasets.instruction import InstructionDataset
 
     _, folder, storage = setup

@@ -1,8 +1,8 @@
-"""Browser chat: `python -m lavis_ds.webui` served for real and used from a headless Chromium.
+"""Browser chat: `python -m lavis_ds.apps.webui` served for real and used from a headless Chromium.
 
 The page is driven as a person uses it (selenium + Debian's chromium and chromium-driver,
 no browser download): it loads, an image is uploaded, questions are typed, and the answers
-the demo model gives (``lavis_ds.generate.generate`` on the same image, turns and settings)
+the demo model gives (``lavis_ds.apps.generate.generate`` on the same image, turns and settings)
 must appear on the page.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER as IMG
-from lavis_ds.export import load_exported
-from lavis_ds.generate import eval_processors, generate
-from lavis_ds.webui import main
+from lavis_ds.apps.export import load_exported
+from lavis_ds.apps.generate import eval_processors, generate
+from lavis_ds.apps.webui import main
 from run_utils import REPO, env, free_port
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -49,7 +49,7 @@ browser = pytest.mark.usefixtures("chromium")
 def server(demo_export):
     """The web chat of the demo export on a free port of 127.0.0.1: its URL."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lavis_ds.webui", "--model", str(demo_export.folder),
+    proc = subprocess.Popen([sys.executable, "-m", "lavis_ds.apps.webui", "--model", str(demo_export.folder),
                              "--port", str(port)], cwd=REPO, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []

@@ -328,7 +328,7 @@ def merge_llm(llm: nn.Module) -> PreTrainedModel:
     if holds_pieces(list(llm.parameters())):
         raise RuntimeError("merge the LLM of a model outside the training engine: some of these parameters hold "
                            "only this process's piece. Build the model from the run's config.yaml and load the "
-                           "checkpoint's trained weights into it (lavis_ds.export does), then merge.")
+                           "checkpoint's trained weights into it (lavis_ds.apps.export does), then merge.")
     from peft import PeftModel
 
     if isinstance(llm, PeftModel):

@@ -1,32 +1,33 @@
-"""The training loop every runner shares.
+"""The training loop every runner shares, and evaluation.
 
-A runner subclass says how to wrap the model (``wrap``), accumulate the gradients
-of a step (``forward_backward``) and apply them (``optimizer_step``), run a forward
-pass (``forward``), and check, save and load a checkpoint. Everything else - data
-order, LR schedule, hooks, resumption, what stops a run on every rank (signals,
-failed loads, non-finite losses) - is here, once.
+A runner is ``RunnerBase`` on an engine: a subclass says how to wrap the model (``wrap``), accumulate
+the gradients of a step (``forward_backward``) and apply them (``optimizer_step``), run a forward pass
+(``forward``), and check, save and load a checkpoint (``runners/engine.py`` lists what it provides).
+Everything else - data order, LR schedule, hooks, what stops a run on every rank (signals, failed loads,
+non-finite losses) - is here, once; which checkpoint a run continues is ``runners/resume.py``, and
+continuing another engine's checkpoint ``runners/handover.py``.
+
+Building a runner touches neither the disk nor the other processes: ``setup`` (the first thing
+``train`` and ``evaluate_only`` do) resolves the checkpoint to resume from, then builds what depends on
+it - batch layout, data order, engine, LR schedule, hooks.
 """
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
 import json
 import math
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import ConcatDataset, DataLoader
 
 from lavis_ds.common import comm, dist
-from lavis_ds.common.errors import ConfigError, LavisDsError, report
+from lavis_ds.common.errors import LavisDsError, report
 from lavis_ds.common.registry import registry
-from lavis_ds.common.registry import runners as runner_registry
-from lavis_ds.common.run_config import Twin, batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
 from lavis_ds.datasets.lengths import approximate_length
 from lavis_ds.datasets.mixing import mix_train_splits
@@ -34,37 +35,45 @@ from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners import faults, throughput
+from lavis_ds.runners.engine import Engine
+from lavis_ds.runners.handover import EngineSwitch
 from lavis_ds.runners.hooks import build_hooks
+from lavis_ds.runners.resume import ResumePolicy, TrainState
 
 
-@dataclass
-class TrainState:
-    """Where training is. Saved in every checkpoint; enough to continue exactly there."""
-
-    epoch: int = 0
-    global_step: int = 0  # optimizer steps done
-    step_in_epoch: int = 0  # optimizer steps done in `epoch`
-
-
-class RunnerBase:
+class RunnerBase(ResumePolicy, EngineSwitch, Engine):
     """Owns the loop; subclasses own the engine."""
 
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, datasets: dict[str, dict]):
+        """Plain assignments (no disk, no collectives): ``setup`` does the rest, once every rank is here."""
         self.cfg, self.run = cfg, cfg.run
         self.model, self.datasets = model, datasets
         self.rank, self.world_size = dist.rank(), dist.world_size()
         self.output_dir = Path(self.run.output_dir)
-        self.resume_from = self.resume_source()
-        self.micro_batch, self.accum, self.global_batch = self._batch_sizes()
-
         self.state = TrainState()
         self.saved_step: int | None = None  # the step of the newest checkpoint this run saved or resumed from
+        self.resume_from: tuple[Path, str] | None = None  # (load_dir, tag), settled by setup()
+        self.hooks: list = []  # build_hooks(self), in setup()
+        self.is_set_up = False
         self.train_set = None
         if self.run.train_splits:
             # sample_ratio on the sections: each epoch draws from them by ratio; else one concatenation.
             mixed = mix_train_splits(datasets, cfg.datasets, self.run.train_splits, self.run.seed)
             # Augmentation is a function of (seed, epoch, sample index): a resumed epoch repeats it exactly.
             self.train_set = SeededDataset(mixed or self._concat(self.run.train_splits), self.run.seed)
+
+    def setup(self) -> None:
+        """The checkpoint to resume from, then what depends on it: batch layout, data order, engine, schedule, hooks.
+
+        Collective (every rank checks the checkpoint's files, and the engine's start may be), and it may set a
+        damaged checkpoint aside (``run.resume: auto``). ``train`` and ``evaluate_only`` call it; a caller that
+        steps the runner itself (a benchmark) calls it first. Once: a second call does nothing.
+        """
+        if self.is_set_up:
+            return
+        self.resume_from = self.resume_source()
+        # Before wrap: an elastic resume changes the accumulation, and the engine is built for its batch layout.
+        self.micro_batch, self.accum, self.global_batch = self._batch_sizes()
         if self.train_set is not None:
             length_of = functools.partial(approximate_length, self.train_set) if self.run.length_grouped else None
             self.sampler = StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size,
@@ -75,23 +84,25 @@ class RunnerBase:
             self.steps_per_epoch = 0
         self.total_steps = self.steps_per_epoch * self.run.max_epoch
 
-        param_groups = build_param_groups(model, self.run.weight_decay, dict(self.run.lr_scales))
-        self.optimizer = self.wrap(model, param_groups)
+        param_groups = build_param_groups(self.model, self.run.weight_decay, dict(self.run.lr_scales))
+        self.optimizer = self.wrap(self.model, param_groups)
         self.scheduler = registry.get_lr_scheduler_class(self.run.lr_sched).from_config(
             self.optimizer, self.run, total_steps=max(1, self.total_steps), steps_per_epoch=max(1, self.steps_per_epoch))
         self.hooks = build_hooks(self)
+        self.is_set_up = True
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
+        self.setup()
         self.resume()
         if self.already_finished():
             return
         if self.rank == 0:  # from an earlier run in this folder (run.resume=false): not this run's
             self.finished_file.unlink(missing_ok=True)
-        self.call_hooks("before_train")
-        self.module.train()  # once: evaluation restores the mode it found
         with faults.SignalCatcher() as self.signals:
             try:
+                self.call_hooks("before_train")  # inside the try: a hook that fails here still closes the others
+                self.module.train()  # once: evaluation restores the mode it found
                 for epoch in range(self.state.epoch, self.run.max_epoch):
                     self.sampler.set_position(epoch, self.state.step_in_epoch)
                     self.train_set.set_epoch(epoch)  # before iter(): DataLoader workers copy the dataset then
@@ -233,9 +244,10 @@ class RunnerBase:
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""
+        self.setup()
         self.resume()
-        self.call_hooks("before_train")
         try:
+            self.call_hooks("before_train")
             self.call_hooks("evaluate")
         finally:
             self.close()
@@ -255,160 +267,6 @@ class RunnerBase:
         """Ask for a checkpoint of this step, from a hook handling after_step, after_epoch or on_stop. A save is
         collective: every rank must ask (hooks decide from the step counters, which every rank shares)."""
         self.hooks.request_save(reason)
-
-    # ------------------------------------------------- what subclasses provide
-    # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
-    MODEL_NEEDS: tuple[str, ...] = ()
-    OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
-    # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
-    # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.
-    CHECKPOINT_FILES: tuple[str, ...] = ()
-
-    @classmethod
-    def read_options(cls, value: Any) -> tuple[dict | None, list[str]]:
-        """This runner's options section as the YAML gives it, as a mapping (None if unusable), and problems.
-        Read for every run that has the section, whichever runner it chose. Default: a mapping, or nothing."""
-        if value is None:
-            return {}, []
-        if isinstance(value, dict):
-            return value, []
-        return None, [f"run.{cls.OPTIONS_KEY}: expected a mapping of {cls.__name__}'s options, got {value!r}"]
-
-    @classmethod
-    def option_twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
-        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) that this runner's options section sets
-        in its engine's own words, and problems with those values. The config loader maps them onto the run
-        keys whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ...
-        Default: none."""
-        return [], []
-
-    @classmethod
-    def config_problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
-        """Problems of this engine's own options section of ``run`` (plain dict, its neutral keys resolved;
-        ``settings_ok``: they are valid). Default: none."""
-        return []
-
-    @classmethod
-    def complete_config(cls, run: dict, world_size: int) -> tuple[dict, list[str]]:
-        """``run`` (valid) with this engine's section completed as the engine will use it, and notes for the log."""
-        return run, []
-
-    @classmethod
-    def prepare_process(cls, cfg: DictConfig) -> None:
-        """Once per process, before the process group starts (e.g. compile the engine's ops). Default: nothing."""
-
-    @classmethod
-    def model_placement(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
-        """The context the model is built in (after the process group starts): where the LLM's weights go
-        while it is built, e.g. partitioned from the start (``lavis_ds.models.llm_placement``). Default:
-        whole, on every process."""
-        return contextlib.nullcontext()
-
-    @classmethod
-    def init_process_group(cls) -> None:
-        """Start torch.distributed for this process (after ``prepare_process``)."""
-        dist.init_distributed()
-
-    def wrap(self, model: torch.nn.Module, param_groups: list[dict]):
-        """Build the engine around ``model``; return the optimizer whose param_groups carry the lr."""
-        raise NotImplementedError
-
-    def forward(self, batch: dict) -> dict:
-        raise NotImplementedError
-
-    def checkpoint_layout(self) -> dict:
-        """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
-        return {}
-
-    def forward_backward(self, micro_batches: list[dict]) -> torch.Tensor:
-        """Forward and backward every micro-batch, accumulating gradients; return this rank's losses (float64, CPU)."""
-        raise NotImplementedError
-
-    def optimizer_step(self, apply: bool = True) -> dict:
-        """Finish the optimizer step (``apply=False``: drop the gradients, change no weight); return its grad_norm
-        and, if the engine skipped it on its own (fp16 loss-scale overflow), ``skipped``."""
-        raise NotImplementedError
-
-    def check_checkpoint(self, tag_dir: Path, same_world: bool) -> None:
-        """Raise a CheckpointError if this rank cannot resume from ``tag_dir`` (files, trained set, engine layout)."""
-
-    def save_checkpoint(self, tag: str, client_state: dict) -> None:
-        raise NotImplementedError
-
-    def load_checkpoint(self, load_dir: Path, tag: str | None) -> dict:
-        """Load engine state; return the client state saved with it."""
-        raise NotImplementedError
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The model without its wrapper (for generate and export)."""
-        return self.model
-
-    @classmethod
-    def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this runner
-        wrote, read in one process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
-        raise ckpt.CheckpointError(f"{tag_dir}: {cls.__name__} checkpoints cannot be exported")
-
-    # ------------------------------------ switching engines: what a runner provides
-    # A checkpoint written by another runner continues here when both engines keep AdamW's state per
-    # parameter in fp32: the runner that wrote it reads it out (handover_shapes, read_handover), this one
-    # says whether it can take it exactly (takeover_problem) and loads it (in its load_checkpoint).
-    @classmethod
-    def handover_shapes(cls, tag_dir: Path, rank: int) -> dict[str, tuple]:
-        """For another runner resuming ``tag_dir``, which this runner wrote: the trained parameters' names and
-        shapes, or a CheckpointError if the checkpoint cannot carry over exactly. Default: it cannot."""
-        raise ckpt.CheckpointError(f"{tag_dir} was written by {cls.__name__}, whose checkpoints do not carry over "
-                                   f"to another engine")
-
-    @classmethod
-    def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
-        """The trained state of ``tag_dir`` (which this runner wrote) for another runner. Collective: every rank
-        calls it; ``needed``: whether this rank uses the result (None may come back if not); ``scratch``: a
-        folder for temporary files, removed again. A runner that overrides ``handover_shapes`` overrides this too."""
-        raise NotImplementedError(f"{cls.__name__} hands its checkpoints over (handover_shapes) but does not "
-                                  "read them out: define read_handover")
-
-    def takeover_problem(self) -> str | None:
-        """Why this run cannot continue another engine's checkpoint exactly (None: it can). Default: it cannot."""
-        return f"{type(self).__name__} does not continue other engines' checkpoints"
-
-    # ------------------------------------------------ switching engines: the shared part
-    @property
-    def name(self) -> str:
-        """The registered name of this runner (``run.runner`` without its alias)."""
-        return runner_registry.canonical(self.run.runner)
-
-    def foreign_writer(self, tag_dir: Path) -> type[RunnerBase] | None:
-        """The runner class that wrote ``tag_dir`` if it is another engine's (None: this runner's own)."""
-        writer = ckpt.writer_of(tag_dir)  # whole, or DamagedCheckpoint
-        if writer not in runner_registry:
-            raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
-                                       f"(known: {', '.join(runner_registry)}); list its module under `imports:`")
-        source = registry.get_runner_class(writer)
-        return None if isinstance(self, source) else source
-
-    def check_takeover(self, tag_dir: Path, source: type[RunnerBase]) -> None:
-        """A CheckpointError unless ``tag_dir``, written by ``source``, continues here exactly: the writer's
-        side (its engine layout), this run's side, and the trained parameters."""
-        writer = ckpt.writer_of(tag_dir)
-        problem = self.takeover_problem()
-        if problem:
-            raise ckpt.CheckpointError(
-                f"{tag_dir} was written by {writer}, and {self.name} {problem}. Resume with run.runner: {writer}, "
-                f"or start afresh (--options run.resume=false, or another run.output_dir)")
-        saved = source.handover_shapes(tag_dir, self.rank)
-        problems = ckpt.trainable_problems(tag_dir, saved, self.model)
-        if problems:
-            raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
-
-    def report_takeover(self, tag_dir: Path) -> None:
-        if self.rank == 0:
-            print(f"resumed {ckpt.writer_of(tag_dir)}'s checkpoint {tag_dir} under {self.name} (fp32 weights and "
-                  f"AdamW moments carried over parameter by parameter)", flush=True)
-
-    def trainable_names(self) -> list[str]:
-        return [name for name, p in self.module.named_parameters() if p.requires_grad]
 
     # ------------------------------------------------------------- checkpoints
     @property
@@ -441,130 +299,6 @@ class RunnerBase:
         comm.barrier()
         self.saved_step = self.state.global_step
         return tag_dir
-
-    def resume_source(self) -> tuple[Path, str | None] | None:
-        """(load_dir, tag) to resume from, following run.resume / resume_ckpt_load_dir.
-
-        Every rank checks the files it will read, and all agree on the result: with
-        `run.resume: auto`, a damaged checkpoint is set aside (renamed, never deleted) and
-        the previous complete one is taken; a checkpoint named explicitly must be whole.
-        """
-        candidates, explicit, what = self._resume_candidates()
-        for tag_dir in candidates:
-            problem = None
-            try:
-                self.check_checkpoint(tag_dir, same_world=self._saved_world(tag_dir) == self.world_size)
-            except ckpt.CheckpointError as e:
-                problem = (str(e), isinstance(e, ckpt.DamagedCheckpoint))
-            problems = [p for p in comm.all_gather_object(problem) if p is not None]
-            if not problems:
-                return tag_dir.parent, tag_dir.name
-            message, damaged = problems[0]
-            if not damaged or explicit:
-                error = (ckpt.DamagedCheckpoint if damaged else ckpt.CheckpointError)(
-                    f"{what}: {message}" + ("; name another checkpoint, or pass run.resume=auto to take the newest "
-                                            "readable one" if damaged else ""))
-                error.quiet = self.rank != 0  # every rank knows the same problem; one prints it
-                raise error
-            if self.rank == 0:
-                kept = ckpt.set_aside(tag_dir)
-                report(f"{message}; the checkpoint is set aside as {kept} (not deleted) and the previous complete "
-                       "checkpoint is used instead")
-            comm.barrier()
-        if explicit or candidates:
-            error = ckpt.CheckpointError(f"{what}: no readable complete checkpoint (the damaged ones were set aside); "
-                                         "pass run.resume=false or a new run.output_dir to start over")
-            error.quiet = self.rank != 0
-            raise error
-        return None
-
-    def _resume_candidates(self) -> tuple[list[Path], bool, str]:
-        """(complete checkpoints to try in order, whether the user named exactly one, the setting that named them)."""
-        if self.run.resume_ckpt_load_dir:
-            load_dir, tag = Path(self.run.resume_ckpt_load_dir), self.run.resume_ckpt_tag
-            what = f"run.resume_ckpt_load_dir={load_dir}" + (f", run.resume_ckpt_tag={tag}" if tag else "")
-            if tag is None:
-                return ckpt.complete_checkpoints(load_dir) or [self._complete_or_error(load_dir, what)], False, what
-            return [self._complete_or_error(load_dir / tag, what)], True, what
-        resume = self.run.resume
-        if resume in (False, None):
-            return [], False, "run.resume"
-        if resume == "auto":
-            return ckpt.complete_checkpoints(self.checkpoint_dir), False, "run.resume=auto"
-        path, what = Path(resume), f"run.resume={resume}"
-        if ckpt.is_complete(path):
-            return [path], True, what
-        found = ckpt.complete_checkpoints(path)
-        if not found:
-            self._complete_or_error(path, what)
-        return found, False, what
-
-    @staticmethod
-    def _complete_or_error(path: Path, what: str) -> Path:
-        if ckpt.is_complete(path):
-            return path
-        newest = ckpt.latest_complete(path.parent) if path.parent.is_dir() else None
-        if not path.exists():
-            state = "does not exist"
-        elif ckpt.looks_like_checkpoint(path):
-            state = f"is an incomplete checkpoint (no {ckpt.COMPLETE_MARKER}: a save that did not finish)"
-        else:
-            state = "is not a checkpoint folder"
-        raise ckpt.CheckpointError(
-            f"{what}: {path} {state}; it holds no complete lavis_ds checkpoint (a step_<N> folder with "
-            f"{ckpt.COMPLETE_MARKER}); " + (f"the newest complete one beside it is {newest}" if newest else
-                                            "name a complete checkpoint, or use run.resume=auto"))
-
-    def _saved_world(self, tag_dir: Path) -> int | None:
-        try:
-            return ckpt.read_marker(tag_dir).get("world_size")
-        except ckpt.DamagedCheckpoint:
-            return None  # check_checkpoint reports it
-
-    def _batch_sizes(self) -> tuple[int, int, int]:
-        """The config's batch sizes; resuming on another number of processes keeps the saved global batch."""
-        micro, accum, total = batch_sizes(OmegaConf.to_container(self.run), self.world_size)
-        saved = self.saved_layout()
-        self.elastic = saved is not None and saved["world_size"] != self.world_size
-        if not self.elastic:
-            return micro, accum, total
-        where = f"resuming {self.resume_from[0] / self.resume_from[1]} (saved by {saved['world_size']} processes)"
-        try:
-            return elastic_batch_sizes(micro, saved["global_batch"], self.world_size, where)
-        except ValueError as e:
-            raise ConfigError([str(e)], str(self.resume_from[0])) from None
-
-    def saved_layout(self) -> dict | None:
-        """World size and global batch of the checkpoint to resume from (None: fresh start or unknown)."""
-        if self.resume_from is None:
-            return None
-        info = ckpt.read_marker(self.resume_from[0] / self.resume_from[1])
-        return info if "world_size" in info else None
-
-    def resume(self) -> None:
-        source = self.resume_from
-        if source is None:
-            seed_everything(self.run.seed + self.rank)
-            return
-        load_dir, tag = source
-        if self.rank == 0:
-            # A save the kill interrupted: its steps come again, and its folder must not hold stale files.
-            for torn in ckpt.discard_incomplete(self.checkpoint_dir):
-                print(f"discarded the incomplete checkpoint {torn}", flush=True)
-        comm.barrier()
-        client = self.load_checkpoint(load_dir, tag)["lavis_ds"]
-        self.state = TrainState(**client["train_state"])
-        self.saved_step = self.state.global_step
-        self.scheduler.load_state_dict(client["scheduler"])
-        rng = ckpt.rng_file(load_dir / tag, self.rank)
-        if client.get("world_size") == self.world_size and rng.is_file():
-            ckpt.restore_rng_states(ckpt.load_file(rng))
-        else:
-            seed_everything(self.run.seed + self.rank + self.state.global_step)
-        if self.rank == 0:
-            print(f"resumed from {load_dir / tag} at epoch {self.state.epoch}, "
-                  f"step {self.state.global_step} ({self.state.step_in_epoch} into the epoch), "
-                  f"lr {self.scheduler.get_lr():.3e}", flush=True)
 
     # -------------------------------------------------------------- evaluation
     def _eval_batches(self, split: str):
@@ -617,9 +351,6 @@ class RunnerBase:
                              "references": list(refs), "expected": refs[0], "generated": text})
         gathered = comm.all_gather_object(mine)
         return sorted((r for part in gathered for r in part), key=lambda r: r["index"])
-
-    def generate(self, batch: dict, **kwargs) -> list[str]:
-        raise NotImplementedError
 
     # -------------------------------------------------------------------- data
     def _concat(self, splits) -> torch.utils.data.Dataset:

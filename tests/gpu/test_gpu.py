@@ -78,7 +78,7 @@ def test_export_and_generate_on_the_gpu(tmp_path, demo_storage):
                    cwd=REPO, env=env(), check=True, capture_output=True)
     answers = tmp_path / "answers.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m",
-                           "lavis_ds.generate", "--model", str(tmp_path / "export"), "--device", "cuda",
+                           "lavis_ds.apps.generate", "--model", str(tmp_path / "export"), "--device", "cuda",
                            "--data", str(demo_storage / "annotations" / "test.json"), "--images",
                            str(demo_storage / "images"), "--out", str(answers)],
                           cwd=REPO, env=env(), capture_output=True, text=True)
@@ -110,6 +110,7 @@ def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
     for accum in (1, 4):
         cfg = _config(tmp_path / f"a{accum}", demo_storage, "fsdp", accum=accum)
         runner = build_runner(load_config(write_yaml(tmp_path / f"a{accum}.yaml", cfg)))
+        runner.setup()  # the engine and the data order, as train() starts
         batches = iter(runner.train_loader)
         micro = [next(batches) for _ in range(accum)]
         with warnings.catch_warnings(record=True) as caught:

@@ -98,7 +98,7 @@ class DeepSpeedRunner(RunnerBase):
 
     def wrap(self, model, param_groups):
         # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
-        # exported model for inference (lavis_ds.export) must not need DeepSpeed.
+        # exported model for inference (lavis_ds.apps.export) must not need DeepSpeed.
         import deepspeed
         from omegaconf import OmegaConf
 

@@ -1,6 +1,6 @@
 """Chat with an exported model about images, in a terminal.
 
-    python -m lavis_ds.chat --model exports/demo --image a.png [b.png ...]
+    python -m lavis_ds.apps.chat --model exports/demo --image a.png [b.png ...]
 
 Type a question and the answer is printed token by token as it is generated. Lines
 that start with ``:`` are commands (``:help`` lists them), after MiniGPT4Qwen's
@@ -15,7 +15,7 @@ training format of one image); several images give one such marker each, in the
 order they were loaded (as several-image training records mark theirs). When a conversation no longer fits the LLM's
 context, its oldest turns are left out (their images move to the oldest turn
 kept). A question asked with no image loaded is a text-only turn. :class:`ChatSession`
-is what the terminal and the web page (:mod:`lavis_ds.webui`) share.
+is what the terminal and the web page (:mod:`lavis_ds.apps.webui`) share.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 
 from lavis_ds.datasets.instruction import process_text
 from lavis_ds.datasets.records import IMAGE_HERE, IMAGE_PLACEHOLDER
-from lavis_ds.export import ExportError, load_exported
-from lavis_ds.generate import (GenerationSettings, add_generation_arguments, eval_processors, generate, open_image,
+from lavis_ds.apps.export import ExportError, load_exported
+from lavis_ds.apps.generate import (GenerationSettings, add_generation_arguments, eval_processors, generate, open_image,
                                settings_from_args)
 
 CHAT_DEFAULTS = GenerationSettings(max_new_tokens=256)
@@ -76,9 +76,9 @@ class ChatSession:
     """A multi-turn conversation about images with one exported model.
 
     Args:
-        model: A loaded export (:func:`lavis_ds.export.load_exported`).
+        model: A loaded export (:func:`lavis_ds.apps.export.load_exported`).
         image_processor, text_processor: The export's eval processors
-            (:func:`lavis_ds.generate.eval_processors`); ``text_processor`` may be None.
+            (:func:`lavis_ds.apps.generate.eval_processors`); ``text_processor`` may be None.
         settings: Generation settings; change them with :meth:`set`.
         seed: Set before every answer, so the same conversation gives the same answers
             (also when sampling).
@@ -378,7 +378,7 @@ class Terminal:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.chat", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lavis_ds.apps.chat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
     parser.add_argument("--image", nargs="+", default=[], help="image file(s) to talk about (more with :img)")

@@ -1,9 +1,9 @@
 """Run an exported model without DeepSpeed: one prompt, or a whole annotation file.
 
-    python -m lavis_ds.generate --model exports/demo --image a.png --prompt "Describe the image in a few words."
-    python -m lavis_ds.generate --model exports/demo --image a.png b.png --prompt "..." --json
-    python -m lavis_ds.generate --model exports/demo --data test.json --images data/images --out preds.jsonl
-    torchrun --nproc_per_node=4 -m lavis_ds.generate --model exports/demo --data test.json --out preds.jsonl
+    python -m lavis_ds.apps.generate --model exports/demo --image a.png --prompt "Describe the image in a few words."
+    python -m lavis_ds.apps.generate --model exports/demo --image a.png b.png --prompt "..." --json
+    python -m lavis_ds.apps.generate --model exports/demo --data test.json --images data/images --out preds.jsonl
+    torchrun --nproc_per_node=4 -m lavis_ds.apps.generate --model exports/demo --data test.json --out preds.jsonl
 
 Images go through the eval image processor of the export's first dataset section
 (``blip2_image_eval`` at the model's ``image_size`` if there is none), the prompt
@@ -38,7 +38,7 @@ from PIL import Image
 from torch import nn
 
 from lavis_ds.common.precision import autocast, to_compute
-from lavis_ds.export import ExportError, load_exported, read_export_config
+from lavis_ds.apps.export import ExportError, load_exported, read_export_config
 
 # Annotation formats --data reads: the builders whose parser reads one JSON file.
 FORMATS = ("minigpt4qwen_instruction", "llava_conversation", "coco_caption")
@@ -520,7 +520,7 @@ def open_image(path: str | Path) -> Image.Image:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.generate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lavis_ds.apps.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
     source = parser.add_mutually_exclusive_group(required=True)

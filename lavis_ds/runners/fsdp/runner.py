@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,8 +25,8 @@ from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.base import RunnerBase
+from lavis_ds.runners.fsdp import checkpoint as fsdp_ckpt
 
-CLIENT_STATE = "client_state.pt"  # the loop's state (step, scheduler, config); rank 0 writes it
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -217,7 +216,7 @@ class FSDPRunner(RunnerBase):
             # BaseException; the loop names a failed write once it sees the error itself.
             raise _first_failure(e) from None
         if self.rank == 0:
-            torch.save(client_state, tag_dir / CLIENT_STATE)
+            torch.save(client_state, tag_dir / fsdp_ckpt.CLIENT_STATE)
 
     def load_checkpoint(self, load_dir, tag):
         import torch.distributed.checkpoint as dcp
@@ -232,7 +231,7 @@ class FSDPRunner(RunnerBase):
         # Frozen weights are not in the checkpoint: they come from where the model loaded them.
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
-        return ckpt.load_file(tag_dir / CLIENT_STATE)
+        return ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE)
 
     def _take_over(self, source: type[RunnerBase], tag_dir: Path) -> dict:
         """Continue another engine's run: its fp32 weights and Adam moments, parameter by parameter. Process 0
@@ -269,8 +268,8 @@ class FSDPRunner(RunnerBase):
             self.check_takeover(tag_dir, source)
             return
         marker = ckpt.read_marker(tag_dir)
-        saved = _saved_shapes(_read_index(tag_dir))
-        ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
+        saved = fsdp_ckpt.saved_shapes(fsdp_ckpt.read_index(tag_dir))
+        ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE, mmap=True)
         if same_world:
             ckpt.load_file(ckpt.rng_file(tag_dir, self.rank))
         problems = ckpt.trainable_problems(tag_dir, saved, self.model)
@@ -299,13 +298,14 @@ class FSDPRunner(RunnerBase):
                 f"{tag_dir} was saved by runner_fsdp with run.fsdp.precision_mode=low: its parameters and AdamW "
                 f"moments are kept in {marker['precision']}, not fp32, so another engine cannot continue it exactly. "
                 f"Resume with run.runner: runner_fsdp, or start afresh (--options run.resume=false)")
-        saved = _saved_shapes(_read_index(tag_dir))  # every file there and whole, or DamagedCheckpoint naming it
-        ckpt.load_file(tag_dir / CLIENT_STATE, mmap=True)
+        # Every file there and whole, or DamagedCheckpoint naming it.
+        saved = fsdp_ckpt.saved_shapes(fsdp_ckpt.read_index(tag_dir))
+        ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE, mmap=True)
         return saved
 
     @classmethod
     def read_trained_weights(cls, tag_dir):
-        weights, client_state = read_trained_weights(tag_dir)
+        weights, client_state = fsdp_ckpt.read_trained_weights(tag_dir)
         return weights, client_state, {"precision": ckpt.read_marker(tag_dir).get("precision", "fp32")}
 
     @classmethod
@@ -314,7 +314,7 @@ class FSDPRunner(RunnerBase):
         process group); nothing for a rank that does not need them."""
         if not needed:
             return None
-        flat = _read_everything(tag_dir)
+        flat = fsdp_ckpt.read_everything(tag_dir)
         names = [key[len("model."):] for key in flat if key.startswith("model.")]
         states, steps = {}, set()
         for name in names:
@@ -325,56 +325,7 @@ class FSDPRunner(RunnerBase):
                             "exp_avg_sq": flat.get(f"optim.state.{name}.exp_avg_sq", zero).float()}
             if f"optim.state.{name}.step" in flat:
                 steps.add(int(flat[f"optim.state.{name}.step"]))
-        return ckpt.Handover(states, max(steps, default=0), ckpt.load_file(tag_dir / CLIENT_STATE))
-
-
-def _read_index(tag_dir: Path):
-    """The DCP index (``.metadata``) of a checkpoint; DamagedCheckpoint if it, or a file it lists, is missing,
-    unreadable or shorter than the index says."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(str(tag_dir)).read_metadata()
-    except Exception as e:  # noqa: BLE001  a missing or torn .metadata, whatever the reader raises
-        raise ckpt.DamagedCheckpoint(f"{tag_dir / '.metadata'}: unreadable ({type(e).__name__}: {e}); the "
-                                     f"checkpoint's index is missing or damaged") from None
-    for info in (metadata.storage_data or {}).values():
-        path = tag_dir / info.relative_path
-        if not path.is_file() or path.stat().st_size < info.offset + info.length:
-            raise ckpt.DamagedCheckpoint(f"{path}: " + ("file missing" if not path.is_file() else
-                                                       "shorter than the checkpoint's index says (truncated)"))
-    return metadata
-
-
-def _saved_tensors(metadata) -> dict:
-    """The saved trainable parameters' entries of a DCP index, by parameter name."""
-    return {key[len("model."):]: entry for key, entry in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(entry, "size")}
-
-
-def _saved_shapes(metadata) -> dict[str, tuple]:
-    return {name: tuple(entry.size) for name, entry in _saved_tensors(metadata).items()}
-
-
-def _read_everything(tag_dir: Path, prefix: str = "") -> dict:
-    """The entries of a DCP checkpoint whose flat keys (``model.<name>``, ``optim.state.<name>.exp_avg``, ...) start
-    with ``prefix``, whole, read by this process alone whatever number of processes saved it."""
-    import torch.distributed.checkpoint as dcp
-
-    entries = _read_index(tag_dir).state_dict_metadata  # every file there and whole, or DamagedCheckpoint naming it
-    flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype) if hasattr(entry, "size") else None
-            for key, entry in entries.items() if key.startswith(prefix)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, checkpoint_id=str(tag_dir), no_dist=True)
-    return flat
-
-
-def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(trained weights by parameter name, in fp32; the client state)`` of a complete runner_fsdp checkpoint,
-    read in one process whatever number of processes saved it (for export)."""
-    weights = {key[len("model."):]: tensor.float() for key, tensor in _read_everything(tag_dir, "model.").items()}
-    return weights, ckpt.load_file(tag_dir / CLIENT_STATE)
+        return ckpt.Handover(states, max(steps, default=0), ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE))
 
 
 # A short name, as the DeepSpeed runner has MiniGPT4Qwen's.

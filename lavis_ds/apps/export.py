@@ -20,7 +20,7 @@ Export reads the checkpoints of every runner, each through the runner that wrote
 Loading an export needs no engine and no process group.
 
 ``export.py ... --format hf`` writes a transformers ``Blip2ForConditionalGeneration`` folder instead
-(:mod:`lavis_ds.export_hf`, docs/export-hf.md).
+(:mod:`lavis_ds.apps.export_hf`, docs/export-hf.md).
 """
 from __future__ import annotations
 
@@ -367,7 +367,7 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
-        "without DeepSpeed. Load it with lavis_ds.export.load_exported or `python -m lavis_ds.generate`; "
+        "without DeepSpeed. Load it with lavis_ds.apps.export.load_exported or `python -m lavis_ds.apps.generate`; "
         "with --format hf, with transformers' Blip2ForConditionalGeneration (docs/export-hf.md).")
     parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
                                        "output_dir (its newest complete checkpoint)")
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     import json
 
-    from lavis_ds.export_hf import MARKER_FILE, export_hf  # imports this module: imported when used
+    from lavis_ds.apps.export_hf import MARKER_FILE, export_hf  # imports this module: imported when used
 
     out = export_hf(args.source, args.out, overwrite=args.overwrite)
     export = OmegaConf.create(json.loads((out / MARKER_FILE).read_text()))

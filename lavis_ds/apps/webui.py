@@ -1,11 +1,11 @@
 """Chat with an exported model about images in a browser (Gradio).
 
-    python -m lavis_ds.webui --model exports/demo                  # http://127.0.0.1:7860
-    python -m lavis_ds.webui --model exports/demo --host 0.0.0.0 --port 8080
+    python -m lavis_ds.apps.webui --model exports/demo                  # http://127.0.0.1:7860
+    python -m lavis_ds.apps.webui --model exports/demo --host 0.0.0.0 --port 8080
 
 Upload an image and ask about it; answers appear token by token. Every uploaded
 image joins the conversation and is shown to the model with the next question
-(as in the terminal chat, :mod:`lavis_ds.chat`, whose :class:`~lavis_ds.chat.ChatSession`
+(as in the terminal chat, :mod:`lavis_ds.apps.chat`, whose :class:`~lavis_ds.apps.chat.ChatSession`
 this page drives: the same ChatML history and the same settings). "Clear history"
 keeps the images, "Restart" forgets them too. The settings on the left are
 greedy / beam search / sampling with temperature, top-p and top-k, the repetition
@@ -20,9 +20,9 @@ import os
 import sys
 from typing import Any, Iterator
 
-from lavis_ds.chat import CHAT_DEFAULTS, ChatSession, Interrupted
-from lavis_ds.export import ExportError, load_exported
-from lavis_ds.generate import GenerationSettings, add_generation_arguments, eval_processors, settings_from_args
+from lavis_ds.apps.chat import CHAT_DEFAULTS, ChatSession, Interrupted
+from lavis_ds.apps.export import ExportError, load_exported
+from lavis_ds.apps.generate import GenerationSettings, add_generation_arguments, eval_processors, settings_from_args
 
 TITLE = "lavis_ds chat"
 SETTING_FIELDS = ("do_sample", "num_beams", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
@@ -141,7 +141,7 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.webui", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lavis_ds.apps.webui", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from lavis_ds.export import ExportError
+from lavis_ds.apps.export import ExportError
 
 # torch GELU flavours -> the names transformers' ACT2FN knows them by.
 GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}

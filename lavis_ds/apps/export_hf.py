@@ -19,7 +19,7 @@ keep their names (lavis_ds uses transformers' Q-Former); ``llm_proj`` becomes ``
 and the LLM, with LoRA and trained token rows merged, ``language_model``.
 
 What ``Blip2ForConditionalGeneration`` cannot compute the same way is refused before anything is
-written, every problem in one :class:`~lavis_ds.export.ExportError` (exit 2 from the command line).
+written, every problem in one :class:`~lavis_ds.apps.export.ExportError` (exit 2 from the command line).
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lavis_ds.export import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
+from lavis_ds.apps.export import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
                              run_tokenizer, write_whole)
-from lavis_ds.export_hf_checks import EVAL_IMAGE_PROCESSOR, activation_name, check_expressible
-from lavis_ds.export_hf_processor import generation_config, save_processor, stop_token_ids
+from lavis_ds.apps.export_hf_checks import EVAL_IMAGE_PROCESSOR, activation_name, check_expressible
+from lavis_ds.apps.export_hf_processor import generation_config, save_processor, stop_token_ids
 from lavis_ds.models.llm_placement import empty_weights
 from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
@@ -111,7 +111,7 @@ def trained_model(cfg: DictConfig, weights: dict[str, torch.Tensor], tag_dir: Pa
 
 
 def eval_image_processor(cfg: DictConfig) -> dict[str, Any]:
-    """The eval image processor section lavis_ds.generate would use (the first dataset's), or its default."""
+    """The eval image processor section lavis_ds.apps.generate would use (the first dataset's), or its default."""
     for section in (cfg.get("datasets") or {}).values():
         processor = (section.get("vis_processor") or {}).get("eval")
         if processor:

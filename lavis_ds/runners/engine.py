@@ -1,0 +1,152 @@
+"""What an engine provides to the shared loop: the methods and class attributes a runner subclass defines.
+
+A runner is ``RunnerBase`` (the loop, ``runners/base.py``) on top of an ``Engine``: how to wrap the model
+(``wrap``), accumulate the gradients of a step (``forward_backward``) and apply them (``optimizer_step``),
+run a forward pass and generate, and check, save and load a checkpoint. The class methods read the
+engine's own options section and prepare the process before any runner exists (the config loader and
+``train.py`` call them). The methods under "switching engines" let a run continue another engine's
+checkpoint (``runners/handover.py`` is the shared part).
+
+An engine's methods may use what ``RunnerBase.__init__`` sets (``cfg``, ``run``, ``model``, ``datasets``,
+``rank``, ``world_size``, ``output_dir``, ``checkpoint_dir``) and, from ``wrap`` on, what ``RunnerBase.setup``
+settles first: ``resume_from``, ``elastic``, ``micro_batch``, ``accum`` and ``global_batch``.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from lavis_ds.common import dist
+from lavis_ds.common.run_config import Twin
+from lavis_ds.runners import checkpoint as ckpt
+
+
+class Engine:
+    """The engine interface: a runner subclass overrides what it needs; the defaults say what is optional."""
+
+    # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
+    MODEL_NEEDS: tuple[str, ...] = ()
+    OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
+    # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
+    # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.
+    CHECKPOINT_FILES: tuple[str, ...] = ()
+
+    @classmethod
+    def read_options(cls, value: Any) -> tuple[dict | None, list[str]]:
+        """This runner's options section as the YAML gives it, as a mapping (None if unusable), and problems.
+        Read for every run that has the section, whichever runner it chose. Default: a mapping, or nothing."""
+        if value is None:
+            return {}, []
+        if isinstance(value, dict):
+            return value, []
+        return None, [f"run.{cls.OPTIONS_KEY}: expected a mapping of {cls.__name__}'s options, got {value!r}"]
+
+    @classmethod
+    def option_twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
+        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) that this runner's options section sets
+        in its engine's own words, and problems with those values. The config loader maps them onto the run
+        keys whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ...
+        Default: none."""
+        return [], []
+
+    @classmethod
+    def config_problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
+        """Problems of this engine's own options section of ``run`` (plain dict, its neutral keys resolved;
+        ``settings_ok``: they are valid). Default: none."""
+        return []
+
+    @classmethod
+    def complete_config(cls, run: dict, world_size: int) -> tuple[dict, list[str]]:
+        """``run`` (valid) with this engine's section completed as the engine will use it, and notes for the log."""
+        return run, []
+
+    @classmethod
+    def prepare_process(cls, cfg: DictConfig) -> None:
+        """Once per process, before the process group starts (e.g. compile the engine's ops). Default: nothing."""
+
+    @classmethod
+    def model_placement(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
+        """The context the model is built in (after the process group starts): where the LLM's weights go
+        while it is built, e.g. partitioned from the start (``lavis_ds.models.llm_placement``). Default:
+        whole, on every process."""
+        return contextlib.nullcontext()
+
+    @classmethod
+    def init_process_group(cls) -> None:
+        """Start torch.distributed for this process (after ``prepare_process``)."""
+        dist.init_distributed()
+
+    def wrap(self, model: torch.nn.Module, param_groups: list[dict]):
+        """Build the engine around ``model``; return the optimizer whose param_groups carry the lr."""
+        raise NotImplementedError
+
+    def forward(self, batch: dict) -> dict:
+        raise NotImplementedError
+
+    def generate(self, batch: dict, **kwargs) -> list[str]:
+        """The text generated for every sample of ``batch``; every rank calls it (sharded engines gather)."""
+        raise NotImplementedError
+
+    def checkpoint_layout(self) -> dict:
+        """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
+        return {}
+
+    def forward_backward(self, micro_batches: list[dict]) -> torch.Tensor:
+        """Forward and backward every micro-batch, accumulating gradients; return this rank's losses (float64,
+        on the device)."""
+        raise NotImplementedError
+
+    def optimizer_step(self, apply: bool = True) -> dict:
+        """Finish the optimizer step (``apply=False``: drop the gradients, change no weight); return its grad_norm
+        and, if the engine skipped it on its own (fp16 loss-scale overflow), ``skipped``."""
+        raise NotImplementedError
+
+    def check_checkpoint(self, tag_dir: Path, same_world: bool) -> None:
+        """Raise a CheckpointError if this rank cannot resume from ``tag_dir`` (files, trained set, engine layout).
+        Called before ``wrap`` (the checkpoint decides how to wrap): it reads the model and the run, not the engine."""
+
+    def save_checkpoint(self, tag: str, client_state: dict) -> None:
+        raise NotImplementedError
+
+    def load_checkpoint(self, load_dir: Path, tag: str | None) -> dict:
+        """Load engine state; return the client state saved with it."""
+        raise NotImplementedError
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without its wrapper (for generate and export)."""
+        return self.model
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this runner
+        wrote, read in one process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
+        raise ckpt.CheckpointError(f"{tag_dir}: {cls.__name__} checkpoints cannot be exported")
+
+    # ------------------------------------ switching engines: what a runner provides
+    # A checkpoint written by another runner continues here when both engines keep AdamW's state per
+    # parameter in fp32: the runner that wrote it reads it out (handover_shapes, read_handover), this one
+    # says whether it can take it exactly (takeover_problem) and loads it (in its load_checkpoint). The shared
+    # part (whose checkpoint it is, the checks both sides make) is runners/handover.py.
+    @classmethod
+    def handover_shapes(cls, tag_dir: Path, rank: int) -> dict[str, tuple]:
+        """For another runner resuming ``tag_dir``, which this runner wrote: the trained parameters' names and
+        shapes, or a CheckpointError if the checkpoint cannot carry over exactly. Default: it cannot."""
+        raise ckpt.CheckpointError(f"{tag_dir} was written by {cls.__name__}, whose checkpoints do not carry over "
+                                   f"to another engine")
+
+    @classmethod
+    def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
+        """The trained state of ``tag_dir`` (which this runner wrote) for another runner. Collective: every rank
+        calls it; ``needed``: whether this rank uses the result (None may come back if not); ``scratch``: a
+        folder for temporary files, removed again. A runner that overrides ``handover_shapes`` overrides this too."""
+        raise NotImplementedError(f"{cls.__name__} hands its checkpoints over (handover_shapes) but does not "
+                                  "read them out: define read_handover")
+
+    def takeover_problem(self) -> str | None:
+        """Why this run cannot continue another engine's checkpoint exactly (None: it can). Default: it cannot."""
+        return f"{type(self).__name__} does not continue other engines' checkpoints"
