@@ -32,6 +32,7 @@ drifts in load. Timings are printed, never asserted: shared machines are noisy.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -45,7 +46,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from lavis_ds.common import dist  # noqa: E402
+from lavis_ds.common import comm, dist  # noqa: E402
 
 LOOPS = ("runner", "raw")  # the order within each pair of blocks
 
@@ -62,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--distinct", type=int, default=20,
                         help="optimizer steps' worth of micro-batches to read up front and cycle through")
     parser.add_argument("--options", nargs="+", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the figures (and tokens, FLOPs and peak memory per step) to this file")
     parser.add_argument("--raw-groups", default="same", choices=("same", "one"),
                         help="the raw loop's optimizer groups: the runner's decay/no-decay groups (same math), or one "
                              "group of every trainable parameter")
@@ -112,12 +115,14 @@ def build_raw_fsdp_step(cfg, args) -> Callable[[list[dict]], None]:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(_param_groups(model, cfg, args.raw_groups), lr=cfg.run.init_lr)
     model.train()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def raw_step(micro_batches: list[dict]) -> None:
         for i, batch in enumerate(micro_batches):
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            batch = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            batch = {k: v.to(device, dtype if v.is_floating_point() else None, non_blocking=True)
+                     if torch.is_tensor(v) else v for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss = model(batch)["loss"]
             (loss / len(micro_batches)).backward()
         if settings.grad_norm_clip:
@@ -176,15 +181,17 @@ def interleave(loops: dict[str, Callable], steps: list[list[dict]], warmup: int,
         times = []
         for _ in range(n):
             micro_batches = steps[done[name] % len(steps)]  # step i of either loop sees the same data
+            _synchronize()
             start = time.perf_counter()
             loops[name](micro_batches)
+            _synchronize()  # a GPU step is done when its kernels are, not when the host has queued them
             times.append(time.perf_counter() - start)
             done[name] += 1
         return times
 
     for name in loops:
         run_block(name, warmup)
-    dist.barrier()
+    comm.barrier()
     for _ in range(n_blocks):
         for name in loops:
             times = run_block(name, block)
@@ -219,13 +226,35 @@ def main(argv=None) -> int:
 
     summary = {name: _summary(per_step[name], block_means[name]) for name in LOOPS}
     summary["paired_ratio"] = statistics.median(r / b for r, b in zip(block_means["runner"], block_means["raw"]))
-    per_rank = [summary]
-    if dist.world_size() > 1:
-        per_rank = [None] * dist.world_size()
-        torch.distributed.all_gather_object(per_rank, summary)
+    per_rank = comm.all_gather_object(summary)
     if dist.is_main_process():
         _report(args, runner, per_rank)
+        if args.json:
+            args.json.write_text(json.dumps({**summary, **_work_per_step(runner, steps), "engine": args.runner,
+                                             "stage": args.stage, "dtype": args.dtype,
+                                             "world_size": runner.world_size, "global_batch": runner.global_batch}))
     return 0
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _work_per_step(runner, steps: list[list[dict]]) -> dict:
+    """Per optimizer step of this rank, averaged over the steps read: samples, tokens, supervised tokens, training
+    FLOPs (lavis_ds.models.flops, real tokens only) and the peak memory the process reached."""
+    from lavis_ds.common.hardware import peak_memory_bytes
+    from lavis_ds.runners.throughput import count_tokens
+
+    counts = [count_tokens(runner.module, step) for step in steps]
+    flop_model = runner.module.flop_model()
+    flops = [flop_model.training_flops(c.samples, c.tokens, c.squared_tokens) for c in counts]
+    return {"samples": statistics.fmean(c.samples for c in counts), "tokens": statistics.fmean(c.tokens for c in counts),
+            "supervised": statistics.fmean(c.supervised for c in counts), "flops": statistics.fmean(flops),
+            "peak_memory_gib": peak_memory_bytes() / 2**30}
 
 
 def _summary(per_step: list[float], block_means: list[float]) -> dict:

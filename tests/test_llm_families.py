@@ -164,3 +164,13 @@ def _exported_model_has_the_logged_validation_loss(out, export_dir, storage) -> 
         result = merged(batch)
     logged = [m for m in metrics(out) if m.get("split") == "val"][-1]
     assert float(result["loss_sum"] / result["num_tokens"]) == pytest.approx(logged["loss"], rel=1e-5)
+
+
+def test_the_hf_export_refuses_a_family_whose_prompt_is_not_chatml(tokenizers):
+    """The HF folder's chat template is lavis_ds's ChatML: a Llama-3 model is named, not exported to be prompted
+    in another format than it trained on; Qwen's template renders ChatML and passes this check."""
+    from lavis_ds.apps.export_hf_checks import _prompt_problems
+
+    llama = tiny("llama3.2", tokenizers["llama3.2"])
+    assert "ends its turns with '<|eot_id|>', not ChatML's <|im_end|>" in _prompt_problems(llama)[0]
+    assert _prompt_problems(tiny("qwen3", tokenizers["qwen3"])) == []

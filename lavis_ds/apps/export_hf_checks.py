@@ -31,6 +31,7 @@ def check_expressible(model: nn.Module, image_cfg: dict[str, Any]) -> None:
                     + llm_problems(model.llm_model) + _image_processor_problems(image_cfg))
         if model.llm_proj.bias is None:
             problems.append("llm_proj has no bias; language_projection has one")
+        problems += _prompt_problems(model)
     if problems:
         raise ExportError("cannot export as transformers' Blip2ForConditionalGeneration, which cannot express:\n  - "
                           + "\n  - ".join(problems))
@@ -131,3 +132,17 @@ def _image_processor_problems(image_cfg: dict[str, Any]) -> list[str]:
         return []
     return [f"the eval image processor {image_cfg.get('name')!r}; BlipImageProcessor reproduces "
             f"{EVAL_IMAGE_PROCESSOR} (square bicubic resize, normalise) only"]
+
+
+def _prompt_problems(model: nn.Module) -> list[str]:
+    """The export writes lavis_ds's ChatML prompt as the folder's chat template (export_hf_processor): a model
+    whose prompt is another family's chat template (Llama 3, Gemma, ...) would be prompted otherwise there."""
+    prompt = getattr(model, "prompt", None)
+    if prompt is None:
+        return []
+    im_end = prompt.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if prompt.end_of_turn_id == im_end:
+        return []
+    name = prompt.tokenizer.convert_ids_to_tokens(prompt.end_of_turn_id)
+    return [f"the prompt: the LLM's chat template ends its turns with {name!r}, not ChatML's <|im_end|>, and the HF "
+            "export's chat template writes ChatML only; export with --format lavis_ds"]
