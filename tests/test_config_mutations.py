@@ -73,7 +73,7 @@ MUTATIONS = {
     "datasets.<x>": (f"{SECTION}.sample_ratoi=2",
                      rf"^{SECTION}\.sample_ratoi: unknown key; did you mean 'sample_ratio'\?$"),
     "build_info": (f"{SECTION}.build_info.imagse.storage=x",
-                   rf"^{SECTION}\.build_info\.imagse: unknown key; valid keys: annotations, images$"),
+                   rf"^{SECTION}\.build_info\.imagse: unknown key; valid keys: annotations, images, videos, max_frames$"),
     "vis_processor stage": (f"{SECTION}.vis_processor.trian.name=blip2_image_train",
                             rf"^{SECTION}\.vis_processor\.trian: unknown key; did you mean 'train'\?$"),
     "vis_processor key": (f"{SECTION}.vis_processor.train.image_sise=64",
