@@ -270,3 +270,25 @@ def tracebacks(text: str) -> list[str]:
             if not last.startswith("torch.distributed.elastic."):
                 found.append(last)
     return found + (["Original Traceback (a DataLoader worker's)"] if "Original Traceback" in text else [])
+
+
+def export_matches_logged_val_loss(out: Path, export_dir: Path, storage: Path):
+    """Export ``out`` with LoRA and trained rows merged into a plain Hugging Face LLM, and check that it gives the
+    validation loss the run logged at its end (demo_shapes ``storage``); returns the loaded export."""
+    import pytest
+    import torch
+
+    from lavis_ds.apps.export import export_checkpoint, load_exported
+    from lavis_ds.apps.generate import as_trained, eval_processors
+    from lavis_ds.datasets.instruction import InstructionDataset
+
+    exported = export_checkpoint(out, export_dir, merge_lora=True)
+    merged = load_exported(exported)
+    vis, text = eval_processors(exported)
+    val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
+    batch, context = as_trained(merged, val.collater([val[i] for i in range(len(val))]))
+    with torch.no_grad(), context:
+        result = merged(batch)
+    logged = [m for m in metrics(out) if m.get("split") == "val"][-1]
+    assert float(result["loss_sum"] / result["num_tokens"]) == pytest.approx(logged["loss"], rel=1e-5)
+    return merged

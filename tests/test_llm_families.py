@@ -16,7 +16,7 @@ from torch import nn
 from families import FAMILIES, TINY_LLM, model_folder, tokenizer_dir
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import decoder_layers, llm_config_problems
-from run_utils import comparable, metrics, run_train, tiny_config, train_steps, write_yaml
+from run_utils import comparable, export_matches_logged_val_loss, run_train, tiny_config, train_steps, write_yaml
 
 IN_PROCESS = ["qwen3", "llama3.2", "gemma2"]
 LAYER_CLASSES = {"qwen3": "Qwen3DecoderLayer", "llama3.2": "LlamaDecoderLayer", "gemma2": "Gemma2DecoderLayer"}
@@ -150,20 +150,8 @@ def test_family_folder_trains_and_resumes_exactly_through_train_py(setup, tmp_pa
 
 def _exported_model_has_the_logged_validation_loss(out, export_dir, storage) -> None:
     """Export with LoRA merged into a plain LlamaForCausalLM: the validation loss the run logged at its end."""
-    from lavis_ds.datasets.instruction import InstructionDataset
-    from lavis_ds.apps.export import export_checkpoint, load_exported
-    from lavis_ds.apps.generate import as_trained, eval_processors
-
-    exported = export_checkpoint(out, export_dir, merge_lora=True)
-    merged = load_exported(exported)
+    merged = export_matches_logged_val_loss(out, export_dir, storage)
     assert type(merged.llm_model).__name__ == "LlamaForCausalLM"
-    vis, text = eval_processors(exported)
-    val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
-    batch, context = as_trained(merged, val.collater([val[i] for i in range(len(val))]))
-    with torch.no_grad(), context:
-        result = merged(batch)
-    logged = [m for m in metrics(out) if m.get("split") == "val"][-1]
-    assert float(result["loss_sum"] / result["num_tokens"]) == pytest.approx(logged["loss"], rel=1e-5)
 
 
 def test_the_hf_export_refuses_a_family_whose_prompt_is_not_chatml(tokenizers):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import comparable, metrics, run_forked, run_train, tiny_config, train_steps, write_yaml
+from run_utils import (comparable, export_matches_logged_val_loss, run_forked, run_train, tiny_config, train_steps,
+                       write_yaml)
 from test_llm import PLAIN_SPECIALS, qwen_folder
 
 NUM_TRAIN = 8  # micro-batch 2 x 2 processes: 2 optimizer steps
@@ -81,9 +82,6 @@ def _module_keys(tag_dir: Path) -> set[str]:
 def test_zero3_partitioned_run_checkpoints_lean_resumes_exactly_and_exports(setup, tmp_path):
     from lavis_ds.build import build_model
     from lavis_ds.config import load_config
-    from lavis_ds.apps.export import export_checkpoint, load_exported
-    from lavis_ds.apps.generate import as_trained, eval_processors
-    from lavis_ds.datasets.instruction import InstructionDataset
 
     _, folder, storage = setup
     out = tmp_path / "run"
@@ -107,12 +105,4 @@ def test_zero3_partitioned_run_checkpoints_lean_resumes_exactly_and_exports(setu
     assert comparable(train_steps(resumed_out)) == comparable(steps[1:])
 
     # Export, LoRA and rows merged into a plain Qwen2 folder: the validation loss the run logged at its end.
-    exported = export_checkpoint(out, tmp_path / "export", merge_lora=True)
-    merged = load_exported(exported)
-    vis, text = eval_processors(exported)
-    val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
-    batch, context = as_trained(merged, val.collater([val[i] for i in range(len(val))]))
-    with torch.no_grad(), context:
-        result = merged(batch)
-    logged = [m for m in metrics(out) if m.get("split") == "val"][-1]
-    assert float(result["loss_sum"] / result["num_tokens"]) == pytest.approx(logged["loss"], rel=1e-5)
+    export_matches_logged_val_loss(out, tmp_path / "export", storage)

@@ -36,7 +36,7 @@ from torch import nn
 from lavis_ds.apps.export import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
                              run_tokenizer, write_whole)
 from lavis_ds.apps.export_hf_checks import EVAL_IMAGE_PROCESSOR, activation_name, check_expressible
-from lavis_ds.apps.export_hf_processor import generation_config, save_processor, stop_token_ids
+from lavis_ds.apps.export_hf_processor import generation_config, save_processor
 from lavis_ds.models.llm_placement import empty_weights
 from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
@@ -160,7 +160,7 @@ def blip2_config(model: nn.Module, dtype: torch.dtype):
               "qkv_bias": block.attn.q_bias is not None}
     qformer = model.qformer.config.to_dict()
     # The LLM's generate reads its stop and pad ids from text_config (see generation_config).
-    text = llm.config.to_dict() | {"eos_token_id": stop_token_ids(model), "pad_token_id": model.pad_id}
+    text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
     config = Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text,
                          num_query_tokens=model.query_tokens.shape[1],
                          image_token_index=model.prompt.image_token_id)

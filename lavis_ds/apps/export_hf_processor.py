@@ -102,12 +102,7 @@ def generation_config(model: nn.Module):
     from lavis_ds.apps.generate import GenerationSettings  # what lavis_ds.apps.generate answers with when not told otherwise
 
     return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=GenerationSettings().max_new_tokens,
-                            eos_token_id=stop_token_ids(model), pad_token_id=model.pad_id,
+                            eos_token_id=model.stop_token_ids(), pad_token_id=model.pad_id,
                             # The placeholder is never a word: generating it would feed its meaningless row back in.
                             suppress_tokens=[model.prompt.image_token_id])
 
-
-def stop_token_ids(model: nn.Module) -> list[int]:
-    """A turn ends with <|im_end|>; a base model's tokenizer may name <|endoftext|> as eos: stop at either."""
-    eos = model.llm_tokenizer.eos_token_id
-    return list(dict.fromkeys(t for t in (model.end_of_turn_id, eos) if t is not None))

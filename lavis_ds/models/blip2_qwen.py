@@ -449,9 +449,7 @@ class Blip2Qwen(BaseModel):
         # (which is not forward) itself. Sharded ranks run the towers even without an image (image_embeds).
         image_embeds = self.image_embeds(image, dummy=synced_gpus)
         inputs_embeds = self._embed(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
-        # A turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...); a base model's tokenizer
-        # may name another eos (<|endoftext|>): stop at either.
-        eos = list(dict.fromkeys(t for t in (self.end_of_turn_id, self.llm_tokenizer.eos_token_id) if t is not None))
+        eos = self.stop_token_ids()
         # The placeholder is never a word: generating it would feed its meaningless row back in.
         options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                        pad_token_id=self.pad_id, synced_gpus=synced_gpus, suppress_tokens=[self.prompt.image_token_id])
@@ -469,6 +467,12 @@ class Blip2Qwen(BaseModel):
         # checked that the batch holds each sample's images), so the flat images (in sample
         # order, each sample's in marker order) land in their runs; a sample without images has no run.
         return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))
+
+    def stop_token_ids(self) -> list[int]:
+        """Where generation stops: a turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...);
+        a base model's tokenizer may name another eos (<|endoftext|>): stop at either."""
+        eos = self.llm_tokenizer.eos_token_id
+        return list(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
 
     def _embedding_dtype(self) -> torch.dtype:
         return self.llm_model.get_input_embeddings().weight.dtype
