@@ -29,7 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import dist, lavis_compat
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import ConfigError
-from lavis_ds.common.run_config import NEUTRAL_KEYS, RunConfig, Twin, resolve_twins, training_settings, valid_betas
+from lavis_ds.common.run_config import (NEUTRAL_KEYS, RunConfig, Twin, batch_unit, resolve_twins, training_settings,
+                                       valid_betas)
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.loading import ParsedFiles
@@ -310,7 +311,10 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
-    neutral = _neutral_settings(run, errors, world_size)
+    tokens = token_budget_problems(run, model, errors)  # before the layout: global_batch_tokens may fix it
+    neutral = _neutral_settings({**run, **tokens}, errors, world_size)
+    if neutral is not None and tokens:
+        neutral = {**neutral, **tokens, "global_batch_tokens": neutral["global_batch_size"] * run["max_seq_len"]}
     runner = run.get("runner")
     close = runner if runner in reg.runners else reg.runners.closest(str(runner))
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
@@ -445,20 +449,51 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
             "generate": ("run.test_splits" if run.get("test_splits") else
                          "run.val_metrics" if run.get("val_metrics") else None)}
     uses["pack"] = "run.packing" if run.get("packing") else None
+    uses["count"] = "run.batch_unit: tokens" if batch_unit(run) == "tokens" else None
     uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.MODEL_NEEDS})
     return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]
 
 
+def token_budget_problems(run: dict, model: dict, errors: list[str]) -> dict:
+    """``run.batch_unit: tokens``: its problems added to ``errors``; returns the run keys it resolves (the unit,
+    and the global batch in rows if ``run.global_batch_tokens`` gave it), or {} for a run counted in samples."""
+    if batch_unit(run) != "tokens":
+        if run.get("global_batch_tokens") is not None:
+            errors.append("run.global_batch_tokens: only with run.batch_unit: tokens (or run.packing: true); this run "
+                          "counts its batches in samples (run.global_batch_size)")
+        return {}
+    rows, given = run.get("max_seq_len"), run.get("global_batch_tokens")
+    if run.get("length_grouped"):
+        errors.append("run.length_grouped: sorts micro-batches of a fixed number of samples, but this run fills them "
+                      "by tokens (run.batch_unit: tokens, the default with run.packing); drop one of the two")
+    if not isinstance(rows, int):
+        errors.extend([] if run.get("packing") else  # packing_problems names it
+                      ["run.batch_unit: tokens: set run.max_seq_len, the tokens of a row of a micro-batch"])
+        return {"batch_unit": "tokens"}
+    if given is None or not isinstance(given, int):
+        return {"batch_unit": "tokens"}
+    if given % rows:
+        errors.append(f"run.global_batch_tokens={given} is not a multiple of run.max_seq_len={rows}: an optimizer step "
+                      f"is a whole number of rows; e.g. {given // rows * rows or rows}")
+        return {"batch_unit": "tokens"}
+    if run.get("global_batch_size") not in (None, given // rows):
+        errors.append(f"run.global_batch_tokens={given} is {given // rows} rows of run.max_seq_len={rows}, but "
+                      f"run.global_batch_size={run['global_batch_size']}; give one of the two")
+        return {"batch_unit": "tokens"}
+    return {"batch_unit": "tokens", "global_batch_size": given // rows}
+
+
 def packing_problems(run: dict, model: dict) -> list[str]:
-    """run.packing needs a row length that holds the longest sample the model makes (model.max_txt_len)."""
-    if not run.get("packing"):
+    """run.packing and a token budget need a row length that holds the longest sample the model makes
+    (model.max_txt_len)."""
+    if not run.get("packing") and batch_unit(run) != "tokens":
         return []
     rows, longest = run.get("max_seq_len"), model.get("max_txt_len")
-    if rows is None:
+    if rows is None and run.get("packing"):
         return ["run.packing: set run.max_seq_len, the tokens of a packed row (at least model.max_txt_len"
                 + (f", {longest})" if isinstance(longest, int) else ")")]
     if isinstance(rows, int) and isinstance(longest, int) and rows < longest:
         return [f"run.max_seq_len={rows} is shorter than model.max_txt_len={longest}: a sample could not fit in a "
-                f"packed row; raise run.max_seq_len to at least {longest} or lower model.max_txt_len"]
+                f"row; raise run.max_seq_len to at least {longest} or lower model.max_txt_len"]
     return []

@@ -78,6 +78,13 @@ class RunConfig:
     # into micro-batches of neighbours, so each pads less; the step's samples and loss are unchanged
     length_grouped: bool = False
     max_seq_len: Annotated[int | None, AtLeastOne] = None
+    # what batch_size_train counts: samples, or rows of max_seq_len tokens that samples fill (a token budget:
+    # each micro-batch takes as many samples as fit in batch_size_train x max_seq_len tokens, so the global batch
+    # is global_batch_tokens). Unset: tokens with packing, else samples
+    batch_unit: Literal["samples", "tokens", None] = None
+    # with batch_unit tokens: tokens per optimizer step (= global_batch_size x max_seq_len); like
+    # global_batch_size, it fixes the accumulation if that is unset. config.yaml records the resolved value
+    global_batch_tokens: Annotated[int | None, AtLeastOne] = None
     deterministic: bool = False
     # peak TFLOP/s of one device, the denominator of the logged MFU; unset: A100/H100/H200 bf16 from the device name
     peak_tflops: Annotated[float | None, Positive] = None
@@ -162,6 +169,12 @@ def training_settings(run: dict, world_size: int, spelled: dict[str, str] | None
                 "make them agree or drop the global batch size")
     return TrainingSettings(micro, accum, total, float(run.get("grad_norm_clip") or 0.0),
                             run.get("precision") or "fp32")
+
+
+def batch_unit(run: Any) -> str:
+    """What run.batch_size_train counts: ``tokens`` (rows of run.max_seq_len) or ``samples``; unset: tokens when
+    packing."""
+    return run.get("batch_unit") or ("tokens" if run.get("packing") else "samples")
 
 
 def with_batch_layout(run: dict, micro: int, accum: int, global_batch: int) -> dict:

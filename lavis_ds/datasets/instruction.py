@@ -222,6 +222,17 @@ class InstructionDataset(Dataset):
             "index": index,
         }
 
+    def text_sample(self, index: int) -> dict[str, Any]:
+        """The text of sample ``index`` as ``__getitem__`` gives it, without reading an image (a video counts
+        ``max_frames`` frames, the most it gives): for counting its tokens (``datasets.lengths``)."""
+        record = self.records[index]
+        instructions = [self._text(t) for t in record.instructions]
+        num_images = len(record.images) + (self.max_frames if record.video else 0)
+        if record.video:
+            instructions = expand_video_marker(instructions, self.max_frames)
+        return {"instruction": instructions, "output": [self._text(t) for t in record.outputs],
+                "num_images": num_images}
+
     def image_name(self, index: int) -> str | None:
         """The record's image (or video) path as the annotation file gives it, several joined by ", " (for reports)."""
         return self.records[index].image

@@ -1,37 +1,114 @@
-"""How long a training sample is, roughly, without loading it: what length-grouped batching sorts by.
+"""How long a training sample is, without loading it: what length-grouped and token-budget batching plan by.
 
 LLaVA's ``group_by_modality_length`` sorts by the words of a conversation, text-only samples apart
-from image ones; the same here: a sample's length is the number of words of its turns, and a
-text-only sample (no image) counts as negative so that it groups with its own kind. Reading the
-words of a record costs microseconds; tokenizing every sample of a 665k mix up front would cost
-minutes, and grouping needs no more than an order.
+from image ones; ``approximate_length`` does the same: a sample's length is the number of words of its
+turns, and a text-only sample (no image) counts as negative so that it groups with its own kind.
+
+A token budget (``run.batch_unit: tokens``) needs tokens, not words. Tokenizing every sample of a 665k
+mix up front would cost minutes on every process; reading the words of a record costs microseconds.
+So ``TokenEstimate`` predicts a sample's tokens from its words, turns and images, fitted once by least
+squares on the exact token counts of a few hundred samples spread over the training set (the model
+tokenizes their text, as its ``prepare_batch`` does in training; no image is read). The estimate only
+decides which samples share a micro-batch: packing then lays out the exact tokens, so a wrong estimate
+costs padding, never a sample or a token.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
+from typing import Any, Callable
 
+import torch
 from torch.utils.data import ConcatDataset, Dataset
 
 from lavis_ds.common.errors import InputError
 from lavis_ds.common.seeding import SeededDataset
 from lavis_ds.datasets.mixing import MixedDataset
 
+CALIBRATION_SAMPLES = 256  # exact counts the estimate is fitted on: a few seconds of tokenizing at most
 
-def approximate_length(dataset: Dataset, index: int, epoch: int) -> int:
-    """Words of sample ``index`` of ``epoch`` (negative: a sample without an image), through the wrappers."""
+
+def leaf_of(dataset: Dataset, index: int, epoch: int, setting: str) -> tuple[Dataset, int]:
+    """(the dataset holding sample ``index`` of ``epoch``, its record index there), through the wrappers;
+    InputError naming ``setting`` if that dataset has no ``records`` to read lengths from."""
     if isinstance(dataset, SeededDataset):
-        return approximate_length(dataset.dataset, index, epoch)
+        return leaf_of(dataset.dataset, index, epoch, setting)
     if isinstance(dataset, MixedDataset):
         part, record = dataset.locate(index, epoch)
-        return approximate_length(dataset.parts[part], record, epoch)
+        return leaf_of(dataset.parts[part], record, epoch, setting)
     if isinstance(dataset, ConcatDataset):
         part = bisect.bisect_right(dataset.cumulative_sizes, index)
         local = index - (dataset.cumulative_sizes[part - 1] if part else 0)
-        return approximate_length(dataset.datasets[part], local, epoch)
-    records = getattr(dataset, "records", None)
-    if records is None:
-        raise InputError(f"run.length_grouped: {type(dataset).__name__} cannot tell how long its samples are (it "
-                         "has no `records` of instruction/output turns); set run.length_grouped=false")
-    record = records[index]
+        return leaf_of(dataset.datasets[part], local, epoch, setting)
+    if getattr(dataset, "records", None) is None:
+        raise InputError(f"{setting}: {type(dataset).__name__} cannot tell how long its samples are (it has no "
+                         f"`records` of instruction/output turns); turn {setting} off")
+    return dataset, index
+
+
+def approximate_length(dataset: Dataset, index: int, epoch: int) -> int:
+    """Words of sample ``index`` of ``epoch`` (negative: a sample without an image), through the wrappers."""
+    leaf, local = leaf_of(dataset, index, epoch, "run.length_grouped")
+    record = leaf.records[local]
     words = sum(len(text.split()) for text in (*record.instructions, *record.outputs))
     return words if getattr(record, "image", None) else -words
+
+
+def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int]:
+    """(words, turns, images) of a record: what its token count grows with. A video counts the frames its
+    dataset samples at most (``max_frames``)."""
+    record = leaf.records[local]
+    words = sum(len(text.split()) for text in (*record.instructions, *record.outputs))
+    images = len(record.images) + (leaf.max_frames if record.video else 0)
+    return words, len(record.instructions), images
+
+
+@dataclass(frozen=True)
+class TokenEstimate:
+    """Tokens of a sample ~ ``per_word * words + per_turn * turns + per_image * images + fixed``, at most ``longest``."""
+
+    per_word: float
+    per_turn: float
+    per_image: float
+    fixed: float
+    longest: int  # the model truncates there (model.max_txt_len)
+
+    def tokens(self, shape: tuple[int, int, int]) -> int:
+        words, turns, images = shape
+        guess = self.per_word * words + self.per_turn * turns + self.per_image * images + self.fixed
+        return int(min(max(round(guess), 1), self.longest))
+
+
+def fit_token_estimate(shapes: list[tuple[int, int, int]], exact: list[int], longest: int) -> TokenEstimate:
+    """The least-squares ``TokenEstimate`` of ``exact`` token counts from record ``shapes``. Samples the model
+    truncated say nothing about how tokens grow with words, so they are left out of the fit."""
+    rows = [(shape, n) for shape, n in zip(shapes, exact, strict=True) if n < longest] or list(zip(shapes, exact))
+    features = torch.tensor([[*shape, 1.0] for shape, _ in rows], dtype=torch.float64)
+    target = torch.tensor([[float(n)] for _, n in rows], dtype=torch.float64)
+    # gelsd: least squares that tolerates a column the sample does not vary (every sample one image)
+    solution = torch.linalg.lstsq(features, target, driver="gelsd").solution.flatten().tolist()
+    return TokenEstimate(*solution, longest=longest)
+
+
+def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any]]], list[int]],
+                    longest: int) -> Callable[[int, int], int]:
+    """``(index, epoch) -> estimated tokens`` of the training set's samples. ``count_tokens`` gives the exact
+    tokens of text-only samples (the model's ``prepare_batch`` on ``instruction``/``output``/``num_images``)."""
+    setting = "run.batch_unit=tokens"
+    step = max(1, len(dataset) // CALIBRATION_SAMPLES)
+    picked = [leaf_of(dataset, i, 0, setting) for i in range(0, len(dataset), step)][:CALIBRATION_SAMPLES]
+    shapes = [shape_of(leaf, local) for leaf, local in picked]
+    texts = []
+    for (leaf, local), (_, _, images) in zip(picked, shapes):
+        sample = leaf.text_sample(local) if hasattr(leaf, "text_sample") else None
+        if sample is None:
+            raise InputError(f"{setting}: {type(leaf).__name__} cannot give a sample's text without its images "
+                             "(text_sample), so its token counts cannot be estimated; use run.batch_unit=samples")
+        texts.append(sample)
+    estimate = fit_token_estimate(shapes, count_tokens(texts), longest)
+
+    def length_of(index: int, epoch: int) -> int:
+        return estimate.tokens(shape_of(*leaf_of(dataset, index, epoch, setting)))
+
+    length_of.estimate = estimate  # for the log line that says how the plan was made
+    return length_of

@@ -5,6 +5,9 @@ batches of ``micro x accumulation x world`` samples, one per optimizer step.
 Global batch ``s`` is ``perm[s*G:(s+1)*G]``; a rank takes its contiguous
 slice and splits it into micro-batches. Resuming at step ``s`` starts the
 iterator there: nothing already consumed is loaded again.
+
+With a token budget (``TokenBudgetSampler``) the permutation is cut into micro-batches of at most
+``budget`` tokens instead, and ``accum x world`` of them make a step.
 """
 from __future__ import annotations
 
@@ -67,6 +70,62 @@ class StepBatchSampler:
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.accum
+
+
+def fill_to_budget(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """``order`` cut into consecutive micro-batches of at most ``budget`` tokens (``lengths`` by position in
+    ``order``): each takes samples until the next would not fit. A sample longer than the budget gets one
+    of its own."""
+    batches, current, used = [], [], 0
+    for index, length in zip(order, lengths, strict=True):
+        if current and used + length > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        batches.append(current)
+    return batches
+
+
+class TokenBudgetSampler(StepBatchSampler):
+    """``run.batch_unit: tokens``: micro-batches of as many samples as fit in ``budget`` tokens.
+
+    Each epoch's permutation (the one ``StepBatchSampler`` uses) is cut into micro-batches of at most
+    ``budget`` estimated tokens (``fill_to_budget``); optimizer step ``s`` takes micro-batches
+    ``[s*A*W, (s+1)*A*W)``, dealt to the ranks in turn. The plan is a function of (seed, epoch, budget):
+    not of the number of processes, so an elastic resume (the same ``A*W``) continues with the same
+    steps. An epoch's step count varies a little with its permutation; every epoch of the run takes
+    the fewest any of them has (its ``epochs`` are planned up front), dropping the tail as the
+    sample-counted sampler drops the samples that do not fill a global batch.
+    """
+
+    def __init__(self, num_samples: int, budget: int, accum: int, world_size: int, rank: int, seed: int,
+                 length_of: Callable[[int, int], int], epochs: int):
+        self.num_samples, self.budget, self.accum, self.length_of = num_samples, budget, accum, length_of
+        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, True
+        self.micro_per_step = accum * world_size
+        self._plans: dict[int, list[list[int]]] = {}
+        self.steps_per_epoch = min(len(self.plan(epoch)) for epoch in range(epochs)) // self.micro_per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the training set's {num_samples} samples fill fewer micro-batches of {budget} tokens "
+                             f"than one optimizer step takes ({accum} accumulation x {world_size} processes)")
+        self.epoch, self.start_step = 0, 0
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """Every micro-batch of ``epoch``, in order (the current epoch's is kept)."""
+        if epoch not in self._plans:
+            order = self.permutation(epoch).tolist()
+            self._plans = {epoch: fill_to_budget(order, [self.length_of(i, epoch) for i in order], self.budget)}
+        return self._plans[epoch]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.steps_per_epoch):
+            yield from self.step_indices(step)
+
+    def step_indices(self, step: int, perm: torch.Tensor | None = None) -> list[list[int]]:
+        first = step * self.micro_per_step
+        return [self.plan(self.epoch)[first + m * self.world_size + self.rank] for m in range(self.accum)]
 
 
 class EvalBatchSampler:

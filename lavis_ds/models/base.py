@@ -45,6 +45,9 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     "shard": (Need("repeated_blocks", "repeated_blocks() -> list[nn.Module]"),),
     # run.packing: prepare_batch(samples, pack_to=N) lays the samples end to end in rows (class attribute PACKS)
     "pack": (Need("PACKS", "PACKS = True and prepare_batch(samples, pack_to=None) that packs"),),
+    # run.batch_unit: tokens: the exact tokens of text-only samples, to fit the length estimate the plan uses
+    "count": (Need("prepare_batch", "prepare_batch({'instruction', 'output', 'num_images'}) -> "
+                                    "{'attention_mask', ...}"),),
     # export --merge-lora: the LLM as a plain Hugging Face model, and its tokenizer
     "merge": (Need("merge_lora", "merge_lora() -> transformers.PreTrainedModel"),
               Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)")),

@@ -28,10 +28,11 @@ from torch.utils.data import ConcatDataset, DataLoader
 from lavis_ds.common import comm, dist
 from lavis_ds.common.errors import LavisDsError, report
 from lavis_ds.common.registry import registry
+from lavis_ds.common.run_config import batch_unit
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
-from lavis_ds.datasets.lengths import approximate_length
+from lavis_ds.datasets.lengths import approximate_length, token_length_of
 from lavis_ds.datasets.mixing import mix_train_splits
-from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler
+from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler, TokenBudgetSampler
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners import faults, throughput
@@ -75,9 +76,7 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
         # Before wrap: an elastic resume changes the accumulation, and the engine is built for its batch layout.
         self.micro_batch, self.accum, self.global_batch = self._batch_sizes()
         if self.train_set is not None:
-            length_of = functools.partial(approximate_length, self.train_set) if self.run.length_grouped else None
-            self.sampler = StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size,
-                                            self.rank, seed=self.run.seed, length_of=length_of)
+            self.sampler = self._train_sampler()
             self.steps_per_epoch = self.sampler.steps_per_epoch
             self.train_loader = self._loader(self.train_set, self.sampler)
         else:
@@ -90,6 +89,30 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
             self.optimizer, self.run, total_steps=max(1, self.total_steps), steps_per_epoch=max(1, self.steps_per_epoch))
         self.hooks = build_hooks(self)
         self.is_set_up = True
+
+    def _train_sampler(self) -> StepBatchSampler:
+        """The training data order: micro-batches of ``batch_size_train`` samples (sorted within each step by
+        ``run.length_grouped``), or filled to ``batch_size_train x max_seq_len`` tokens (``run.batch_unit``)."""
+        if batch_unit(self.run) != "tokens":
+            length_of = functools.partial(approximate_length, self.train_set) if self.run.length_grouped else None
+            return StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size, self.rank,
+                                    seed=self.run.seed, length_of=length_of)
+        length_of = token_length_of(self.train_set, self._exact_tokens, self.run.max_seq_len)
+        sampler = TokenBudgetSampler(len(self.train_set), self.micro_batch * self.run.max_seq_len, self.accum,
+                                     self.world_size, self.rank, self.run.seed, length_of, self.run.max_epoch)
+        if self.rank == 0:
+            e = length_of.estimate
+            print(f"lavis_ds: run.batch_unit=tokens: micro-batches of up to {sampler.budget} tokens, "
+                  f"{sampler.steps_per_epoch} optimizer steps per epoch; a sample's tokens estimated as "
+                  f"{e.per_word:.2f}/word + {e.per_turn:.1f}/turn + {e.per_image:.1f}/image + {e.fixed:.1f} "
+                  "(fitted on exact counts)", flush=True)
+        return sampler
+
+    def _exact_tokens(self, samples: list[dict]) -> list[int]:
+        """Tokens of text-only samples as the model lays them out for training (no image is read)."""
+        batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
+        batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
+        return self.model.prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:

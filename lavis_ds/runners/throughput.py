@@ -117,9 +117,12 @@ class ThroughputMeter:
         self.note = None
         gathered = comm.all_gather_object((self.counts, peak_memory_bytes()))
         seconds = max(self.seconds, 1e-9)
-        record = {"samples_per_sec": self.steps * runner.global_batch / seconds,
+        # A token budget fills each step with as many samples as fit: count them where the batches tell.
+        counted = all(counts is not None for counts, _ in gathered)
+        samples = sum(counts.samples for counts, _ in gathered) if counted else self.steps * runner.global_batch
+        record = {"samples_per_sec": samples / seconds,
                   "peak_memory_gib": max(memory for _, memory in gathered) / 2**30}
-        if all(counts is not None for counts, _ in gathered):
+        if counted:
             record.update(self._rates(sum((counts for counts, _ in gathered), TokenCounts()), seconds,
                                       runner.world_size))
         self._reset()
