@@ -311,10 +311,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
-    tokens = token_budget_problems(run, model, errors)  # before the layout: global_batch_tokens may fix it
-    neutral = _neutral_settings({**run, **tokens}, errors, world_size)
-    if neutral is not None and tokens:
-        neutral = {**neutral, **tokens, "global_batch_tokens": neutral["global_batch_size"] * run["max_seq_len"]}
+    neutral = _neutral_settings(run, errors, world_size)
     runner = run.get("runner")
     close = runner if runner in reg.runners else reg.runners.closest(str(runner))
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
@@ -361,13 +358,16 @@ def _neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | N
         return None
     try:
         resolved, spelled = resolve_twins(run, twins)
-        settings = training_settings(resolved, world_size, spelled)
+        tokens = token_budget_problems(resolved, spelled, errors)  # global_batch_tokens may fix the layout
+        settings = training_settings({**resolved, **tokens}, world_size, spelled)
     except ValueError as e:
         errors.append(str(e))
         return None
+    if tokens.get("max_seq_len"):
+        tokens["global_batch_tokens"] = settings.global_batch * tokens.pop("max_seq_len")
     return {**{key: resolved[key] for key in NEUTRAL_KEYS}, "batch_size_train": settings.micro_batch,
             "accum_grad_iters": settings.accum, "global_batch_size": settings.global_batch,
-            "precision": settings.precision}  # grad_norm_clip stays unset if it was: no clipping either way
+            "precision": settings.precision, **tokens}  # grad_norm_clip stays unset if it was: no clipping either way
 
 
 def _check_dataset(name: str, section: dict, errors: list[str]) -> None:
@@ -455,9 +455,10 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]
 
 
-def token_budget_problems(run: dict, model: dict, errors: list[str]) -> dict:
-    """``run.batch_unit: tokens``: its problems added to ``errors``; returns the run keys it resolves (the unit,
-    and the global batch in rows if ``run.global_batch_tokens`` gave it), or {} for a run counted in samples."""
+def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str]) -> dict:
+    """``run.batch_unit: tokens``: its problems added to ``errors``; returns the run keys it resolves (the unit, the
+    global batch in rows if ``run.global_batch_tokens`` gave it, and ``max_seq_len`` for counting the tokens of the
+    resolved global batch), or {} for a run counted in samples. ``spelled``: where a batch key was written."""
     if batch_unit(run) != "tokens":
         if run.get("global_batch_tokens") is not None:
             errors.append("run.global_batch_tokens: only with run.batch_unit: tokens (or run.packing: true); this run "
@@ -471,17 +472,19 @@ def token_budget_problems(run: dict, model: dict, errors: list[str]) -> dict:
         errors.extend([] if run.get("packing") else  # packing_problems names it
                       ["run.batch_unit: tokens: set run.max_seq_len, the tokens of a row of a micro-batch"])
         return {"batch_unit": "tokens"}
+    resolved = {"batch_unit": "tokens", "max_seq_len": rows}
     if given is None or not isinstance(given, int):
-        return {"batch_unit": "tokens"}
+        return resolved
     if given % rows:
         errors.append(f"run.global_batch_tokens={given} is not a multiple of run.max_seq_len={rows}: an optimizer step "
                       f"is a whole number of rows; e.g. {given // rows * rows or rows}")
         return {"batch_unit": "tokens"}
     if run.get("global_batch_size") not in (None, given // rows):
+        where = spelled.get("global_batch_size", "run.global_batch_size")
         errors.append(f"run.global_batch_tokens={given} is {given // rows} rows of run.max_seq_len={rows}, but "
-                      f"run.global_batch_size={run['global_batch_size']}; give one of the two")
+                      f"{where}={run['global_batch_size']}; give one of the two")
         return {"batch_unit": "tokens"}
-    return {"batch_unit": "tokens", "global_batch_size": given // rows}
+    return {**resolved, "global_batch_size": given // rows}
 
 
 def packing_problems(run: dict, model: dict) -> list[str]:

@@ -52,9 +52,10 @@ EPOCHS = 3
 SAVE_EVERY = 3
 
 
-def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, **run) -> dict:
+def noisy_config(out: Path, demo_storage: Path, stage: int, dtype: str, micro: int = 4, accum: int = 2,
+                 **run) -> dict:
     """Random crops and flips (the demo's train processor), dropout and stochastic depth all on."""
-    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, accum=2, max_epoch=EPOCHS,
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, micro=micro, accum=accum, max_epoch=EPOCHS,
                       save_freq_steps=SAVE_EVERY, **run)
     cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
     cfg["model"].update(drop_path_rate=0.1, llm_config={"attention_dropout": 0.1},
@@ -103,14 +104,14 @@ def comparable(steps: list[dict]) -> list[tuple]:
 
 
 def killed_run_continues_bit_for_bit(tmp_path: Path, demo_storage: Path, stage: int, dtype: str,
-                                     **run) -> list[tuple]:
+                                     steps_per_epoch: int = STEPS_PER_EPOCH, **run) -> list[tuple]:
     """A noisy run SIGKILLed after a random step (anywhere after the first checkpoint, checkpoint steps and
     epoch ends included) and rerun, against the same run uninterrupted: asserts the rerun resumed and that
-    both curves are identical; returns the curve."""
+    both curves are identical; returns the curve. ``run``: run keys, and ``micro``/``accum`` of ``noisy_config``."""
     reference_out, killed_out = tmp_path / "reference", tmp_path / "killed"
     reference = write_yaml(tmp_path / "reference.yaml", noisy_config(reference_out, demo_storage, stage, dtype, **run))
     killed = write_yaml(tmp_path / "killed.yaml", noisy_config(killed_out, demo_storage, stage, dtype, **run))
-    total = STEPS_PER_EPOCH * EPOCHS
+    total = steps_per_epoch * EPOCHS
     kill_step = random.randint(SAVE_EVERY + 1, total - 2)
 
     # The reference runs next to the run that gets killed: two jobs, one wall-clock wait.

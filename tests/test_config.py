@@ -194,3 +194,39 @@ def test_a_neutral_key_and_its_twin_that_disagree_are_named_under_every_runner(i
     tmp_path, ann = instruction_data
     problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.runner": runner, **edits}))
     assert any(re.search(message, p) for p in problems), problems
+
+
+def test_a_token_budget_is_resolved_into_the_config(instruction_data, tiny_tokenizer_dir):
+    """run.packing counts batch_size_train in rows of max_seq_len tokens; config.yaml says what a step holds, and
+    run.global_batch_tokens, like global_batch_size, fixes the accumulation."""
+    tmp_path, ann = instruction_data
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.packing": True, "run.max_seq_len": 512})
+    run = load_config(path, world_size=2).run
+    assert (run.batch_unit, run.global_batch_size, run.global_batch_tokens) == ("tokens", 2, 1024)
+    run = load_config(path, ["run.global_batch_tokens=4096"], world_size=2).run
+    assert (run.accum_grad_iters, run.global_batch_size, run.global_batch_tokens) == (4, 8, 4096)
+    assert run.deepspeed_config.gradient_accumulation_steps == 4
+    run = load_config(path, ["run.batch_unit=samples"], world_size=2).run  # packing of N samples per micro-batch
+    assert (run.batch_unit, run.global_batch_tokens) == ("samples", None)
+    assert load_config(_cfg(tmp_path, ann, tiny_tokenizer_dir)).run.batch_unit is None  # samples, as always
+
+
+@pytest.mark.parametrize("options, message", [
+    (["run.length_grouped=true"], r"run\.length_grouped: sorts micro-batches of a fixed number of samples, but this "
+                                  r"run fills them by tokens"),
+    (["run.global_batch_tokens=1000"], r"run\.global_batch_tokens=1000 is not a multiple of run\.max_seq_len=512"),
+    (["run.global_batch_tokens=1024", "run.deepspeed_config.train_batch_size=4"],
+     r"run\.global_batch_tokens=1024 is 2 rows of run\.max_seq_len=512, but "
+     r"run\.deepspeed_config\.train_batch_size=4; give one of the two"),
+    (["run.packing=false", "run.batch_unit=samples", "run.global_batch_tokens=1024"],
+     r"run\.global_batch_tokens: only with run\.batch_unit: tokens"),
+    (["run.packing=false", "run.batch_unit=tokens", "run.max_seq_len=null"],
+     r"run\.batch_unit: tokens: set run\.max_seq_len"),
+    (["run.max_seq_len=100"], r"run\.max_seq_len=100 is shorter than model\.max_txt_len=256"),
+])
+def test_a_token_budget_that_cannot_work_is_one_clear_error(instruction_data, tiny_tokenizer_dir, options, message):
+    tmp_path, ann = instruction_data
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.packing": True, "run.max_seq_len": 512})
+    problems = _problems(path, options)
+    assert len(problems) == 1, problems
+    assert re.search(message, problems[0]), problems[0]

@@ -6,11 +6,12 @@ Global batch ``s`` is ``perm[s*G:(s+1)*G]``; a rank takes its contiguous
 slice and splits it into micro-batches. Resuming at step ``s`` starts the
 iterator there: nothing already consumed is loaded again.
 
-With a token budget (``TokenBudgetSampler``) the permutation is cut into micro-batches of at most
-``budget`` tokens instead, and ``accum x world`` of them make a step.
+With a token budget (``TokenBudgetSampler``) the permutation is cut into micro-batches that fill
+``rows`` rows of ``row_len`` tokens instead, and ``accum x world`` of them make a step.
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable, Iterator
 
@@ -72,51 +73,64 @@ class StepBatchSampler:
         return (self.steps_per_epoch - self.start_step) * self.accum
 
 
-def fill_to_budget(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """``order`` cut into consecutive micro-batches of at most ``budget`` tokens (``lengths`` by position in
-    ``order``): each takes samples until the next would not fit. A sample longer than the budget gets one
-    of its own."""
-    batches, current, used = [], [], 0
-    for index, length in zip(order, lengths, strict=True):
-        if current and used + length > budget:
-            batches.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += length
-    if current:
-        batches.append(current)
-    return batches
+def fill_rows(order: list[int], lengths: list[int], rows: int, row_len: int, lookahead: int = 8) -> list[list[int]]:
+    """``order`` cut into micro-batches that fill ``rows`` rows of ``row_len`` tokens (``lengths`` by position in
+    ``order``, each at most ``row_len``), as packing will lay them out.
+
+    A sample goes to the first row with room. One that fits in no row waits for the next micro-batch, which
+    starts with the waiting samples; a micro-batch closes when ``lookahead`` samples wait or the order ends.
+    So rows fill up with the shorter samples that follow a long one, and no sample waits for more than a
+    few micro-batches. A pure function of its arguments: a resumed epoch plans exactly as before.
+    """
+    batches: list[list[int]] = []
+    waiting: list[tuple[int, int]] = []
+    offered = zip(order, (min(n, row_len) for n in lengths), strict=True)
+    while True:
+        free, batch, passed, queue = [row_len] * rows, [], [], collections.deque(waiting)
+        while len(passed) < lookahead and (item := queue.popleft() if queue else next(offered, None)) is not None:
+            row = next((r for r, room in enumerate(free) if room >= item[1]), None)
+            if row is None:
+                passed.append(item)
+            else:
+                free[row] -= item[1]
+                batch.append(item[0])
+        if not batch:  # nothing left (the first waiting sample always fits an empty micro-batch)
+            return batches
+        batches.append(batch)
+        waiting = passed + list(queue)
 
 
 class TokenBudgetSampler(StepBatchSampler):
-    """``run.batch_unit: tokens``: micro-batches of as many samples as fit in ``budget`` tokens.
+    """``run.batch_unit: tokens``: micro-batches of as many samples as fill ``rows`` rows of ``row_len`` tokens.
 
-    Each epoch's permutation (the one ``StepBatchSampler`` uses) is cut into micro-batches of at most
-    ``budget`` estimated tokens (``fill_to_budget``); optimizer step ``s`` takes micro-batches
-    ``[s*A*W, (s+1)*A*W)``, dealt to the ranks in turn. The plan is a function of (seed, epoch, budget):
-    not of the number of processes, so an elastic resume (the same ``A*W``) continues with the same
-    steps. An epoch's step count varies a little with its permutation; every epoch of the run takes
-    the fewest any of them has (its ``epochs`` are planned up front), dropping the tail as the
-    sample-counted sampler drops the samples that do not fill a global batch.
+    Each epoch's permutation (the one ``StepBatchSampler`` uses) is cut into micro-batches by the samples'
+    estimated tokens (``fill_rows``); optimizer step ``s`` takes micro-batches ``[s*A*W, (s+1)*A*W)``,
+    dealt to the ranks in turn. The plan is a function of (seed, epoch, rows, row_len), not of the number
+    of processes, so an elastic resume (the same ``A*W``) continues with the same steps. An epoch's step
+    count varies a little with its permutation: every epoch of the run takes the fewest any of them has
+    (all ``epochs`` are planned up front), dropping the tail as the sample-counted sampler drops the
+    samples that do not fill a global batch.
     """
 
-    def __init__(self, num_samples: int, budget: int, accum: int, world_size: int, rank: int, seed: int,
+    def __init__(self, num_samples: int, rows: int, row_len: int, accum: int, world_size: int, rank: int, seed: int,
                  length_of: Callable[[int, int], int], epochs: int):
-        self.num_samples, self.budget, self.accum, self.length_of = num_samples, budget, accum, length_of
-        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, True
+        self.num_samples, self.rows, self.row_len, self.accum = num_samples, rows, row_len, accum
+        self.world_size, self.rank, self.seed, self.shuffle, self.length_of = world_size, rank, seed, True, length_of
         self.micro_per_step = accum * world_size
         self._plans: dict[int, list[list[int]]] = {}
         self.steps_per_epoch = min(len(self.plan(epoch)) for epoch in range(epochs)) // self.micro_per_step
         if self.steps_per_epoch == 0:
-            raise ValueError(f"the training set's {num_samples} samples fill fewer micro-batches of {budget} tokens "
-                             f"than one optimizer step takes ({accum} accumulation x {world_size} processes)")
+            raise ValueError(f"the training set's {num_samples} samples fill fewer micro-batches of {rows} x "
+                             f"{row_len} tokens than one optimizer step takes ({accum} accumulation x {world_size} "
+                             "processes)")
         self.epoch, self.start_step = 0, 0
 
     def plan(self, epoch: int) -> list[list[int]]:
-        """Every micro-batch of ``epoch``, in order (the current epoch's is kept)."""
+        """Every micro-batch of ``epoch``, in order (the latest epoch's is kept)."""
         if epoch not in self._plans:
             order = self.permutation(epoch).tolist()
-            self._plans = {epoch: fill_to_budget(order, [self.length_of(i, epoch) for i in order], self.budget)}
+            lengths = [self.length_of(i, epoch) for i in order]
+            self._plans = {epoch: fill_rows(order, lengths, self.rows, self.row_len)}
         return self._plans[epoch]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -12,26 +12,36 @@ each sample still sees only itself:
 - A row's unused tail is padding with positions restarting at 0: a "sample" of its own that no
   real token attends to, and that is never supervised.
 
-The plan is a pure function of the samples (first-fit decreasing by length, ties by position), so
-a resumed step packs exactly as the original did. Rows list samples in plan order; ``order`` says
+The plan is a pure function of the samples (``plan_rows``), so a resumed step packs exactly as the
+original did. Rows list samples in plan order; ``order`` says
 which sample each is, so the images (filled into placeholders in row-major order) follow.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 
 def plan_rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
-    """Sample indices per row: first-fit decreasing (longest first, ties in sample order), each row <= ``max_len``."""
+    """Sample indices per row, each row <= ``max_len``: first fit in the samples' order or first fit decreasing
+    (longest first, ties in sample order), whichever needs fewer rows (in order on a tie). In order, a
+    micro-batch planned by a token budget (``datasets.samplers.fill_rows``, which lays samples out the same
+    way) gets the rows it was planned for; decreasing is usually tighter for samples drawn at random."""
     too_long = [i for i, n in enumerate(lengths) if n > max_len]
     if too_long:
         raise ValueError(f"sample {too_long[0]} has {lengths[too_long[0]]} tokens, more than a packed row's "
                          f"{max_len} (run.max_seq_len)")
+    in_order = _first_fit(range(len(lengths)), lengths, max_len)
+    decreasing = _first_fit(sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), lengths, max_len)
+    return decreasing if len(decreasing) < len(in_order) else in_order
+
+
+def _first_fit(order: Iterable[int], lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Each sample of ``order`` into the first row with room for it."""
     rows: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for i in order:
         row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
         if row is None:
             rows.append([])

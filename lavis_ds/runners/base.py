@@ -98,14 +98,14 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
             return StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size, self.rank,
                                     seed=self.run.seed, length_of=length_of)
         length_of = token_length_of(self.train_set, self._exact_tokens, self.run.max_seq_len)
-        sampler = TokenBudgetSampler(len(self.train_set), self.micro_batch * self.run.max_seq_len, self.accum,
+        sampler = TokenBudgetSampler(len(self.train_set), self.micro_batch, self.run.max_seq_len, self.accum,
                                      self.world_size, self.rank, self.run.seed, length_of, self.run.max_epoch)
         if self.rank == 0:
             e = length_of.estimate
-            print(f"lavis_ds: run.batch_unit=tokens: micro-batches of up to {sampler.budget} tokens, "
+            print(f"lavis_ds: run.batch_unit=tokens: micro-batches of {sampler.rows} rows of {sampler.row_len} tokens, "
                   f"{sampler.steps_per_epoch} optimizer steps per epoch; a sample's tokens estimated as "
                   f"{e.per_word:.2f}/word + {e.per_turn:.1f}/turn + {e.per_image:.1f}/image + {e.fixed:.1f} "
-                  "(fitted on exact counts)", flush=True)
+                  f"+ {e.margin:.1f} (fitted on exact counts)", flush=True)
         return sampler
 
     def _exact_tokens(self, samples: list[dict]) -> list[int]:
