@@ -1,22 +1,26 @@
 """Useful (supervised) tokens/s of padded, length-grouped and packed batching, side by side in one run.
 
-    python benchmarks/packing_throughput.py [--records 512] [--micro 8] [--steps 12] [--max-len 1024]
+    python benchmarks/packing_throughput.py [--records 512] [--micro 8] [--accum 2] [--steps 8] [--max-len 1024]
 
 Data: LLaVA-1.5 conversation records with the lengths of llava_v1_5_mix665k.json's image parts
 (``benchmarks/llava_mix.py``'s shapes: VQA parts with up to 20 short question/answer pairs,
 detail and reasoning parts with answers of several hundred characters, conversations in
 between), written once by ``loader_throughput.write_data``. The model is the tiny BLIP2-Qwen
-of the demo (one process, ZeRO-2, fp32), ``model.max_txt_len`` = ``--max-len``.
+of the demo (one process, ZeRO-2, fp32), ``model.max_txt_len`` = ``--max-len``, with a byte-level
+BPE tokenizer of 8k tokens trained on the records' text (``corpus_tokenizer``).
 
-Three runners are built from the same YAML, differing only in ``run.packing`` /
-``run.length_grouped``. Each reads its micro-batches up front through its own sampler and
-DataLoader, and prepares them on the host (tokenizing; packing into rows of ``--max-len``)
-before anything is timed, so data loading and tokenizing are in none of the timings. Then the
-three alternate in blocks of ``--block`` optimizer steps (``runner.run_step``), so that changing
-machine load hits all alike. Reported per mode: supervised tokens per second (answer tokens
-the loss is summed over: the same samples in every mode), all positions per second, the
-padding share (positions that hold no token / all positions) and the speed-up over padded.
-Nothing is asserted; figures go to docs/benchmarks.md.
+Four runners are built from the same YAML, differing only in ``run.packing`` /
+``run.length_grouped`` / ``run.batch_unit``: padded and length-grouped micro-batches of ``--micro``
+samples; packed, the same ``--micro`` samples laid into rows (``batch_unit: samples``); and packed
+by a token budget (``batch_unit: tokens``, packing's default), micro-batches of as many samples as
+fill R rows of ``--max-len``, with R chosen so that a micro-batch holds about the tokens of
+``--micro`` samples (from the padded batches' real tokens). Each reads its micro-batches up front
+through its own sampler and DataLoader, and prepares them on the host (tokenizing; packing) before
+anything is timed, so data loading and tokenizing are in none of the timings. Then the four
+alternate in blocks of ``--block`` optimizer steps (``runner.run_step``), so that changing machine
+load hits all alike. Reported per mode: supervised tokens per second (answer tokens the loss is
+summed over), all positions per second, the padding share (positions that hold no token / all
+positions) and the speed-up over padded. Nothing is asserted; figures go to docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
-MODES = {"padded": {}, "length_grouped": {"length_grouped": True}, "packed": {"packing": True}}
+MODES = {"padded": {}, "length_grouped": {"length_grouped": True},
+         "packed (samples)": {"packing": True, "batch_unit": "samples"}, "packed (tokens)": {"packing": True}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,18 +49,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, default=cache / "packing_throughput", help="where the data is written")
     parser.add_argument("--records", type=int, default=512, help="records of the annotation file")
     parser.add_argument("--micro", type=int, default=8, help="samples per micro-batch")
-    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per mode")
+    parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per mode")
     parser.add_argument("--block", type=int, default=2, help="optimizer steps per block")
     parser.add_argument("--max-len", type=int, default=1024, help="model.max_txt_len and the packed row length")
     return parser.parse_args(argv)
 
 
-def build(cfg: dict, tmp: Path, name: str, **run):
+def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
     from loader_throughput import build_runner
     from run_utils import write_yaml
 
-    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / name), **run}}
-    return build_runner(write_yaml(tmp / f"{name}.yaml", cfg))
+    options = {**cfg["run"]["deepspeed_config"], "train_micro_batch_size_per_gpu": micro}
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / name.split()[0]), "deepspeed_config": options, **run}}
+    return build_runner(write_yaml(tmp / f"{name.split()[0]}.yaml", cfg))
 
 
 def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:
@@ -90,13 +97,21 @@ def main(argv=None) -> int:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     annotation, root = write_data(args.data, 8, args.records)
     storage = ensure_demo_shapes(args.data / "demo_shapes", DemoShapesSpec(num_train=128, num_val=16, num_test=8))
+    tokenizer = corpus_tokenizer(annotation, args.data / f"tokenizer_{args.records}")
     with tempfile.TemporaryDirectory(prefix="packing_throughput_") as tmp:
-        cfg = tiny_config(Path(tmp) / "out", storage, micro=args.micro, max_epoch=100, log_freq=10**6,
-                          max_seq_len=args.max_len)
-        cfg["model"]["max_txt_len"] = args.max_len
+        cfg = tiny_config(Path(tmp) / "out", storage, micro=args.micro, accum=args.accum, max_epoch=100,
+                          log_freq=10**6, max_seq_len=args.max_len)
+        cfg["model"].update(max_txt_len=args.max_len, tokenizer=str(tokenizer))
         cfg["datasets"] = {"llava": section(annotation, root, 64)}
-        runners = {name: build(cfg, Path(tmp), name, **run) for name, run in MODES.items()}
-        data = {name: prepared_steps(runner, args.steps) for name, runner in runners.items()}
+        runners, data = {}, {}
+        for name, run in MODES.items():
+            micro = args.micro
+            if name == "packed (tokens)":  # rows holding about the tokens of --micro samples
+                real = sum(c[1] for c in data["padded"][1]) / (args.steps * args.accum)
+                micro = max(1, round(real / args.max_len))
+            runners[name] = build(cfg, Path(tmp), name, micro, **run)
+            data[name] = prepared_steps(runners[name], args.steps)
+        args.rows = micro
         times = {name: [] for name in MODES}
         for name, runner in runners.items():  # warm-up: one step each
             runner.run_step(data[name][0][0])
@@ -112,11 +127,25 @@ def main(argv=None) -> int:
     return 0
 
 
+def corpus_tokenizer(annotation: Path, folder: Path) -> Path:
+    """A byte-level BPE of 8k tokens trained on the records' own text, so that a sample has about as many tokens
+    per word as a real LLM tokenizer gives English (the demo's tokenizer knows only the demo's words)."""
+    import json
+
+    from lavis_ds.models.tokenizer import train_chatml_tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        texts = [turn["value"] for record in json.loads(annotation.read_text()) for turn in record["conversations"]]
+        train_chatml_tokenizer(texts, folder, vocab_size=8192)
+    return folder
+
+
 def report(args, data: dict, times: dict) -> None:
-    print(f"\npadded, length-grouped and packed batching: tiny BLIP2-Qwen, one process, micro-batch {args.micro}, "
-          f"max_txt_len {args.max_len}, LLaVA-665k image-part lengths; {args.steps} timed steps per mode in "
-          f"alternating blocks of {args.block}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'mode':<16}{'supervised tok/s':>18}{'positions/s':>13}{'padding share':>15}{'median step ms':>16}"
+    print(f"\npadded, length-grouped and packed batching: tiny BLIP2-Qwen, one process, micro-batch {args.micro} "
+          f"samples (packed by tokens: {args.rows} rows) x accumulation {args.accum}, max_txt_len {args.max_len}, "
+          f"LLaVA-665k image-part lengths; {args.steps} timed steps per mode in alternating blocks of {args.block}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'mode':<18}{'supervised tok/s':>18}{'positions/s':>13}{'padding share':>15}{'median step ms':>16}"
           f"{'x padded':>10}")
     base = None
     for name in MODES:
@@ -124,7 +153,7 @@ def report(args, data: dict, times: dict) -> None:
         supervised, real, positions = (sum(c[k] for c in counts) for k in range(3))
         rate = supervised / seconds
         base = base or rate
-        print(f"{name:<16}{rate:>18.0f}{positions / seconds:>13.0f}{1 - real / positions:>15.3f}"
+        print(f"{name:<18}{rate:>18.0f}{positions / seconds:>13.0f}{1 - real / positions:>15.3f}"
               f"{statistics.median(times[name]) * 1000:>16.0f}{rate / base:>10.2f}", flush=True)
 
 

@@ -6,7 +6,7 @@ turns, and a text-only sample (no image) counts as negative so that it groups wi
 
 A token budget (``run.batch_unit: tokens``) needs tokens, not words. Tokenizing every sample of a 665k
 mix up front would cost minutes on every process; reading the words of a record costs microseconds.
-So ``TokenEstimate`` predicts a sample's tokens from its words, turns and images, fitted once by least
+So ``TokenEstimate`` predicts a sample's tokens from its words, characters, turns and images, fitted once by least
 squares on the exact token counts of a few hundred samples spread over the training set (the model
 tokenizes their text, as its ``prepare_batch`` does in training; no image is read). The estimate only
 decides which samples share a micro-batch: packing then lays out the exact tokens, so a wrong estimate
@@ -54,35 +54,38 @@ def approximate_length(dataset: Dataset, index: int, epoch: int) -> int:
     return words if getattr(record, "image", None) else -words
 
 
-def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int]:
-    """(words, turns, images) of a record: what its token count grows with. A video counts the frames its
-    dataset samples at most (``max_frames``)."""
+def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int, int]:
+    """(words, characters, turns, images) of a record: what its token count grows with. A video counts the
+    frames its dataset samples at most (``max_frames``)."""
     record = leaf.records[local]
-    words = sum(len(text.split()) for text in (*record.instructions, *record.outputs))
+    texts = (*record.instructions, *record.outputs)
     images = len(record.images) + (leaf.max_frames if record.video else 0)
-    return words, len(record.instructions), images
+    return sum(len(text.split()) for text in texts), sum(map(len, texts)), len(record.instructions), images
 
 
 @dataclass(frozen=True)
 class TokenEstimate:
-    """Tokens of a sample ~ ``per_word * words + per_turn * turns + per_image * images + fixed + margin``, at most
-    ``longest``. The margin puts the estimate on the high side: a micro-batch planned a little under its budget
-    pads a little, one planned over it needs a whole row more."""
+    """Tokens of a sample ~ ``per_word * words + per_char * characters + per_turn * turns + per_image * images +
+    fixed + margin``, at most ``longest``. Words and characters both: a BPE gives about one token per common word
+    and splits rare ones into pieces. The margin puts the estimate on the high side: a micro-batch planned a
+    little under its budget pads a little, one planned over it needs a whole row more."""
 
     per_word: float
+    per_char: float
     per_turn: float
     per_image: float
     fixed: float
     longest: int  # the model truncates there (model.max_txt_len)
     margin: float = 0.0  # the fit's 90th-percentile underestimate
 
-    def tokens(self, shape: tuple[int, int, int]) -> int:
-        words, turns, images = shape
-        guess = self.per_word * words + self.per_turn * turns + self.per_image * images + self.fixed + self.margin
+    def tokens(self, shape: tuple[int, int, int, int]) -> int:
+        words, chars, turns, images = shape
+        guess = (self.per_word * words + self.per_char * chars + self.per_turn * turns + self.per_image * images
+                 + self.fixed + self.margin)
         return int(min(max(round(guess), 1), self.longest))
 
 
-def fit_token_estimate(shapes: list[tuple[int, int, int]], exact: list[int], longest: int) -> TokenEstimate:
+def fit_token_estimate(shapes: list[tuple[int, int, int, int]], exact: list[int], longest: int) -> TokenEstimate:
     """The least-squares ``TokenEstimate`` of ``exact`` token counts from record ``shapes``. Samples the model
     truncated say nothing about how tokens grow with words, so they are left out of the fit."""
     rows = [(shape, n) for shape, n in zip(shapes, exact, strict=True) if n < longest] or list(zip(shapes, exact))
@@ -104,7 +107,7 @@ def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any
     picked = [leaf_of(dataset, i, 0, setting) for i in range(0, len(dataset), step)][:CALIBRATION_SAMPLES]
     shapes = [shape_of(leaf, local) for leaf, local in picked]
     texts = []
-    for (leaf, local), (_, _, images) in zip(picked, shapes):
+    for leaf, local in picked:
         sample = leaf.text_sample(local) if hasattr(leaf, "text_sample") else None
         if sample is None:
             raise InputError(f"{setting}: {type(leaf).__name__} cannot give a sample's text without its images "

@@ -104,8 +104,8 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
             e = length_of.estimate
             print(f"lavis_ds: run.batch_unit=tokens: micro-batches of {sampler.rows} rows of {sampler.row_len} tokens, "
                   f"{sampler.steps_per_epoch} optimizer steps per epoch; a sample's tokens estimated as "
-                  f"{e.per_word:.2f}/word + {e.per_turn:.1f}/turn + {e.per_image:.1f}/image + {e.fixed:.1f} "
-                  f"+ {e.margin:.1f} (fitted on exact counts)", flush=True)
+                  f"{e.per_word:.2f}/word + {e.per_char:.3f}/character + {e.per_turn:.1f}/turn + "
+                  f"{e.per_image:.1f}/image + {e.fixed:.1f} + {e.margin:.1f} (fitted on exact counts)", flush=True)
         return sampler
 
     def _exact_tokens(self, samples: list[dict]) -> list[int]:
