@@ -6,8 +6,10 @@ Data: LLaVA-1.5 conversation records with the lengths of llava_v1_5_mix665k.json
 (``benchmarks/llava_mix.py``'s shapes: VQA parts with up to 20 short question/answer pairs,
 detail and reasoning parts with answers of several hundred characters, conversations in
 between), written once by ``loader_throughput.write_data``. The model is the tiny BLIP2-Qwen
-of the demo (one process, ZeRO-2, fp32), ``model.max_txt_len`` = ``--max-len``, with a byte-level
-BPE tokenizer of 8k tokens trained on the records' text (``corpus_tokenizer``).
+of the demo with the MiniGPT4Qwen recipe (ViT and Q-Former frozen) and a wider LLM (``--llm-width``,
+4 layers), so that, as in a full-size model, the LLM's per-token work dominates a step; one process,
+ZeRO-2, fp32, ``model.max_txt_len`` = ``--max-len``, with a byte-level BPE tokenizer of 8k tokens
+trained on the records' text (``corpus_tokenizer``).
 
 Four runners are built from the same YAML, differing only in ``run.packing`` /
 ``run.length_grouped`` / ``run.batch_unit``: padded and length-grouped micro-batches of ``--micro``
@@ -53,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per mode")
     parser.add_argument("--block", type=int, default=2, help="optimizer steps per block")
     parser.add_argument("--max-len", type=int, default=1024, help="model.max_txt_len and the packed row length")
+    parser.add_argument("--llm-width", type=int, default=256,
+                        help="the LLM's hidden size (4 layers, MLP 11/4 of it): wide enough that its per-token work, "
+                             "not per-sample overhead, dominates a step, as in a full-size model")
     return parser.parse_args(argv)
 
 
@@ -101,7 +106,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="packing_throughput_") as tmp:
         cfg = tiny_config(Path(tmp) / "out", storage, micro=args.micro, accum=args.accum, max_epoch=100,
                           log_freq=10**6, max_seq_len=args.max_len)
-        cfg["model"].update(max_txt_len=args.max_len, tokenizer=str(tokenizer))
+        # The MiniGPT4Qwen recipe (vision side frozen) on an LLM whose per-token work dominates
+        width = args.llm_width
+        cfg["model"].update(max_txt_len=args.max_len, tokenizer=str(tokenizer), freeze_vit=True, freeze_qformer=True,
+                            llm_config={"hidden_size": width, "num_hidden_layers": 4, "num_attention_heads": width // 64,
+                                        "num_key_value_heads": max(1, width // 128), "intermediate_size": width * 11 // 4,
+                                        "max_position_embeddings": args.max_len, "tie_word_embeddings": False})
         cfg["datasets"] = {"llava": section(annotation, root, 64)}
         runners, data = {}, {}
         for name, run in MODES.items():
@@ -141,7 +151,8 @@ def corpus_tokenizer(annotation: Path, folder: Path) -> Path:
 
 
 def report(args, data: dict, times: dict) -> None:
-    print(f"\npadded, length-grouped and packed batching: tiny BLIP2-Qwen, one process, micro-batch {args.micro} "
+    print(f"\npadded, length-grouped and packed batching: tiny BLIP2-Qwen (vision frozen, LLM width {args.llm_width}, "
+          f"4 layers), one process, micro-batch {args.micro} "
           f"samples (packed by tokens: {args.rows} rows) x accumulation {args.accum}, max_txt_len {args.max_len}, "
           f"LLaVA-665k image-part lengths; {args.steps} timed steps per mode in alternating blocks of {args.block}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -121,6 +121,23 @@ def test_flop_counter_measures_the_same_on_the_real_model(tiny_model_config, rec
     assert training.get_total_flops() == pytest.approx(expected.training, rel=1e-9)
 
 
+def test_the_vision_side_is_counted_per_image_for_none_or_several(tiny_model_config):
+    """A text-only sample and a two-image one: the towers run on two images, as the counts and the formula say."""
+    model = Blip2Qwen.from_config({**tiny_model_config, **MINIGPT4QWEN})
+    batch = {"image": torch.randn(2, 3, 64, 64), "num_images": [0, 2],
+             "instruction": [["What color is the ball?"], ["<Img><ImageHere></Img> <Img><ImageHere></Img> Same?"]],
+             "output": [["It is red."], ["No, the second one is darker."]]}
+    counts = throughput.count_tokens(model, [batch])
+    assert (counts.samples, counts.images) == (2, 2)
+    padded_len = batch["input_ids"].shape[1]
+    flops = model.flop_model()
+    expected = flops.per_sample(padded_len, images=0)["total"] + flops.per_sample(padded_len, images=2)["total"]
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as training:
+        model(batch)["loss"].backward()
+    assert training.get_total_flops() == pytest.approx(expected.training, rel=1e-9)
+    assert flops.training_flops(2, 2 * padded_len, 2 * padded_len**2) == pytest.approx(expected.training, rel=1e-9)
+
+
 def test_tokens_are_counted_on_the_cpu_and_the_forward_reuses_them(tiny_model_config):
     model = Blip2Qwen.from_config(tiny_model_config)
     batch, untouched = _batch(), _batch()
@@ -128,7 +145,7 @@ def test_tokens_are_counted_on_the_cpu_and_the_forward_reuses_them(tiny_model_co
     counts = throughput.count_tokens(model, [batch])
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     assert batch["input_ids"].device.type == "cpu" and lengths[0] > lengths[1]
-    assert counts == throughput.TokenCounts(samples=2, positions=2 * lengths[0], tokens=sum(lengths),
+    assert counts == throughput.TokenCounts(samples=2, images=2, positions=2 * lengths[0], tokens=sum(lengths),
                                             supervised=int((batch["labels"] != -100).sum()),
                                             squared_tokens=sum(n * n for n in lengths))
     assert counts.supervised < counts.tokens < counts.positions

@@ -1,4 +1,4 @@
-"""Training FLOPs of BLIP2-Qwen per sample, split by part, for the freeze switches the model was built with.
+"""Training FLOPs of BLIP2-Qwen per image and per token, split by part, for the freeze switches the model was built with.
 
 One rule covers every part and every freeze setting. A matmul of an ``m x k`` by a
 ``k x n`` operand costs ``2mkn`` FLOPs forward; backward costs the same again for each
@@ -53,8 +53,8 @@ class Flops:
 class FlopModel:
     """FLOPs of BLIP2-Qwen per training sample, by part.
 
-    The vision side costs the same for every sample (one image); the LLM's linear layers
-    grow with the sequence length ``T`` and its attention with ``T²``.
+    The vision side costs the same for every image (a sample has none, one or several); the
+    LLM's linear layers grow with the sequence length ``T`` and its attention with ``T²``.
 
     Attributes:
         vit: EVA-ViT on one image (patch embedding and blocks).
@@ -76,16 +76,19 @@ class FlopModel:
         """The LLM on one sequence of ``seq_len`` tokens."""
         return self.llm_per_token * seq_len + self.llm_attention * (seq_len * seq_len)
 
-    def per_sample(self, seq_len: float) -> dict[str, Flops]:
-        """FLOPs of one sample whose LLM sequence has ``seq_len`` tokens, by part, and their ``total``."""
-        parts = {"vit": self.vit, "qformer": self.qformer, "projector": self.projector, "llm": self.llm(seq_len)}
+    def per_sample(self, seq_len: float, images: int = 1) -> dict[str, Flops]:
+        """FLOPs of one sample with ``images`` images whose LLM sequence has ``seq_len`` tokens, by part, and their
+        ``total``."""
+        parts = {"vit": self.vit * images, "qformer": self.qformer * images, "projector": self.projector * images,
+                 "llm": self.llm(seq_len)}
         return {**parts, "total": sum(parts.values(), Flops(0.0, 0.0))}
 
-    def training_flops(self, samples: int, tokens: int, squared_tokens: int) -> float:
-        """Training FLOPs of ``samples`` samples whose sequence lengths add up to ``tokens`` and whose squared
-        lengths add up to ``squared_tokens`` (what a step's token counts hold, see ``runners.throughput``)."""
-        fixed = self.vit.training + self.qformer.training + self.projector.training
-        return (samples * fixed + tokens * self.llm_per_token.training
+    def training_flops(self, images: int, tokens: int, squared_tokens: int) -> float:
+        """Training FLOPs of samples holding ``images`` images in all, whose sequence lengths add up to ``tokens``
+        and whose squared lengths add up to ``squared_tokens`` (what a step's counts hold, ``runners.throughput``).
+        The blank image a text-only micro-batch runs (``Blip2Qwen.image_embeds``) is not useful work: not counted."""
+        per_image = self.vit.training + self.qformer.training + self.projector.training
+        return (images * per_image + tokens * self.llm_per_token.training
                 + squared_tokens * self.llm_attention.training)
 
 

@@ -26,6 +26,7 @@ class TokenCounts:
     """Tokens of some micro-batches (one rank's, or every rank's once gathered)."""
 
     samples: int = 0
+    images: int = 0  # images (video frames) the vision tower encodes for them
     positions: int = 0  # every position of the padded batches
     tokens: int = 0  # positions holding a token (attention_mask 1)
     supervised: int = 0  # tokens the loss is taken on
@@ -59,7 +60,9 @@ def _counts(tokens: dict[str, torch.Tensor]) -> TokenCounts:
     lengths = torch.as_tensor(tokens["sample_lengths"]) if "sample_lengths" in tokens else mask.sum(dim=1)
     # The loss reads the labels shifted by one (token t predicts t + 1): count the tokens it counts.
     supervised = (tokens["labels"][:, 1:] != IGNORE_INDEX).sum()
-    return TokenCounts(samples=len(lengths), positions=mask.numel(), tokens=int(lengths.sum()),
+    image = tokens.get("image")
+    return TokenCounts(samples=len(lengths), images=0 if image is None else int(image.shape[0]),
+                       positions=mask.numel(), tokens=int(lengths.sum()),
                        supervised=int(supervised), squared_tokens=int((lengths * lengths).sum()))
 
 
@@ -133,7 +136,7 @@ class ThroughputMeter:
                  "padding_share": 1 - total.tokens / max(total.positions, 1)}
         if self.flops is not None:
             # Model FLOPs of the tokens (padding excluded: compute spent on it is not useful work).
-            flops = self.flops.training_flops(total.samples, total.tokens, total.squared_tokens)
+            flops = self.flops.training_flops(total.images, total.tokens, total.squared_tokens)
             per_device = flops / seconds / world_size
             rates["tflops_per_device"] = per_device / 1e12
             if self.peak_tflops:
