@@ -4,10 +4,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from lavis_ds.datasets.instruction import InstructionDataset
-from lavis_ds.datasets.lengths import TokenEstimate, fit_token_estimate, shape_of, token_length_of
+from lavis_ds.datasets.lengths import TokenEstimate, counted_by, fit_token_estimate, shape_of, token_length_of
 from lavis_ds.datasets.samplers import StepBatchSampler, TokenBudgetSampler, fill_rows
 from lavis_ds.models.blip2_qwen import Blip2Qwen
 from lavis_ds.processors import Blip2ImageEvalProcessor
@@ -129,12 +128,7 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
 
     model = Blip2Qwen.from_config(tiny_model_config)
 
-    def exact(samples):
-        batch = {key: [s[key] for s in samples] for key in ("instruction", "output", "num_images")}
-        batch["image"] = torch.empty((sum(batch["num_images"]), 0))
-        return model.prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
-
-    length_of = token_length_of(dataset, exact, longest=256)
+    length_of = token_length_of(dataset, counted_by(model.prepare_batch), longest=256)
     for index in range(3):
         real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
         assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)

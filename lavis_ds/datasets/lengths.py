@@ -78,6 +78,11 @@ class TokenEstimate:
     longest: int  # the model truncates there (model.max_txt_len)
     margin: float = 0.0  # the fit's 90th-percentile underestimate
 
+    def __str__(self) -> str:
+        return (f"a sample's tokens estimated as {self.per_word:.2f}/word + {self.per_char:.3f}/character + "
+                f"{self.per_turn:.1f}/turn + {self.per_image:.1f}/image + {self.fixed:.1f} + {self.margin:.1f} "
+                "(fitted on exact counts)")
+
     def tokens(self, shape: tuple[int, int, int, int]) -> int:
         words, chars, turns, images = shape
         guess = (self.per_word * words + self.per_char * chars + self.per_turn * turns + self.per_image * images
@@ -120,3 +125,13 @@ def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any
 
     length_of.estimate = estimate  # for the log line that says how the plan was made
     return length_of
+
+
+def counted_by(prepare_batch: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[list[dict]], list[int]]:
+    """Exact tokens of text-only samples (``text_sample``'s) as a model's ``prepare_batch`` lays them out for
+    training; no image is read."""
+    def count(samples: list[dict]) -> list[int]:
+        batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
+        batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
+        return prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
+    return count

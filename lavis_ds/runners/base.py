@@ -30,7 +30,7 @@ from lavis_ds.common.errors import LavisDsError, report
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import batch_unit
 from lavis_ds.common.seeding import SeededDataset, derive_seed, seed_everything
-from lavis_ds.datasets.lengths import approximate_length, token_length_of
+from lavis_ds.datasets.lengths import approximate_length, counted_by, token_length_of
 from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler, TokenBudgetSampler
 from lavis_ds.optim import build_param_groups
@@ -97,22 +97,13 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
             length_of = functools.partial(approximate_length, self.train_set) if self.run.length_grouped else None
             return StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size, self.rank,
                                     seed=self.run.seed, length_of=length_of)
-        length_of = token_length_of(self.train_set, self._exact_tokens, self.run.max_seq_len)
+        length_of = token_length_of(self.train_set, counted_by(self.model.prepare_batch), self.run.max_seq_len)
         sampler = TokenBudgetSampler(len(self.train_set), self.micro_batch, self.run.max_seq_len, self.accum,
                                      self.world_size, self.rank, self.run.seed, length_of, self.run.max_epoch)
         if self.rank == 0:
-            e = length_of.estimate
             print(f"lavis_ds: run.batch_unit=tokens: micro-batches of {sampler.rows} rows of {sampler.row_len} tokens, "
-                  f"{sampler.steps_per_epoch} optimizer steps per epoch; a sample's tokens estimated as "
-                  f"{e.per_word:.2f}/word + {e.per_char:.3f}/character + {e.per_turn:.1f}/turn + "
-                  f"{e.per_image:.1f}/image + {e.fixed:.1f} + {e.margin:.1f} (fitted on exact counts)", flush=True)
+                  f"{sampler.steps_per_epoch} optimizer steps per epoch; {length_of.estimate}", flush=True)
         return sampler
-
-    def _exact_tokens(self, samples: list[dict]) -> list[int]:
-        """Tokens of text-only samples as the model lays them out for training (no image is read)."""
-        batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
-        batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
-        return self.model.prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
