@@ -72,7 +72,7 @@ def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
 
 def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:
     """``steps`` optimizer steps of micro-batches, prepared on the host, and per step (supervised tokens, token
-    positions that hold a token, all positions)."""
+    positions that hold a token, all positions, samples)."""
     runner.sampler.set_position(0, 0)
     loader = iter(runner.train_loader)
     batches, counts = [], []
@@ -82,7 +82,7 @@ def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int
         batches.append(step)
         counts.append((sum(runner.module.supervised_tokens(b) for b in step),
                        sum(int(b["attention_mask"].sum()) for b in step),
-                       sum(b["input_ids"].numel() for b in step)))
+                       sum(b["input_ids"].numel() for b in step), sum(len(b["instruction"]) for b in step)))
     return batches, counts
 
 
@@ -157,15 +157,16 @@ def report(args, data: dict, times: dict) -> None:
           f"LLaVA-665k image-part lengths; {args.steps} timed steps per mode in alternating blocks of {args.block}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'mode':<18}{'supervised tok/s':>18}{'positions/s':>13}{'padding share':>15}{'median step ms':>16}"
-          f"{'x padded':>10}")
+          f"{'samples/step':>14}{'x padded':>10}")
     base = None
     for name in MODES:
         counts, seconds = data[name][1][:len(times[name])], sum(times[name])
-        supervised, real, positions = (sum(c[k] for c in counts) for k in range(3))
+        supervised, real, positions, samples = (sum(c[k] for c in counts) for k in range(4))
         rate = supervised / seconds
         base = base or rate
         print(f"{name:<18}{rate:>18.0f}{positions / seconds:>13.0f}{1 - real / positions:>15.3f}"
-              f"{statistics.median(times[name]) * 1000:>16.0f}{rate / base:>10.2f}", flush=True)
+              f"{statistics.median(times[name]) * 1000:>16.0f}{samples / len(counts):>14.1f}{rate / base:>10.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":

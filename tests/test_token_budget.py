@@ -132,3 +132,35 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
     for index in range(3):
         real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
         assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+
+    return ensure_demo_shapes(tmp_path_factory.mktemp("demo") / "demo_shapes",
+                              DemoShapesSpec(num_train=64, num_val=16, num_test=8))
+
+
+def test_a_token_budget_run_resumed_on_another_number_of_processes_takes_the_same_steps(tmp_path, demo_storage):
+    """Packed by tokens on 2 processes (1 row each), checkpointed at step 3 and continued on 1 process (2 rows of
+    accumulation): the same global token budget, the same plan, so the curve continues (through train.py)."""
+    import shutil
+
+    from run_utils import assert_same_steps, run_train, tiny_config, train_steps, write_yaml
+
+    def config(out):
+        cfg = tiny_config(out, demo_storage, micro=1, max_epoch=1, save_freq_steps=3, packing=True, max_seq_len=256)
+        cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
+        cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        return cfg
+
+    reference = tmp_path / "reference"
+    run_train(write_yaml(tmp_path / "reference.yaml", config(reference)), nproc=2)
+    total = len(train_steps(reference))
+    assert total > 4
+    continued = tmp_path / "continued"
+    shutil.copytree(reference / "checkpoints" / "step_3", continued / "checkpoints" / "step_3")
+    proc = run_train(write_yaml(tmp_path / "continued.yaml", config(continued)), nproc=0)
+    assert "resumed from" in proc.stdout
+    assert_same_steps(continued, reference, range(4, total + 1), tolerance=1e-4)
