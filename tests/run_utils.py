@@ -280,7 +280,7 @@ def export_matches_logged_val_loss(out: Path, export_dir: Path, storage: Path):
     import torch
 
     from lavis_ds.apps.export import export_checkpoint, load_exported
-    from lavis_ds.apps.generate import as_trained, eval_processors
+    from lavis_ds.apps.generation import as_trained, eval_processors
     from lavis_ds.datasets.instruction import InstructionDataset
 
     exported = export_checkpoint(out, export_dir, merge_lora=True)

@@ -2,7 +2,7 @@
 
 The model is conftest's ``demo_export`` (the tiny demo trained once per session). What the
 chat must answer is computed with the library call the conversation stands for:
-``lavis_ds.apps.generate.generate`` on the ChatML turns, the earlier answers as history.
+``lavis_ds.apps.generation.generate`` on the ChatML turns, the earlier answers as history.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from PIL import Image
 from lavis_ds.apps.chat import ChatSession, Interrupted, main
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER as IMG
 from lavis_ds.apps.export import load_exported
-from lavis_ds.apps.generate import GenerationSettings, eval_processors, generate
+from lavis_ds.apps.generation import GenerationSettings, eval_processors, generate
 from run_utils import REPO, env
 
 CAPTION, COLOUR, SHAPE = "Describe the image in a few words.", "What colour is the shape?", "What shape is it?"

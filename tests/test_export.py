@@ -100,7 +100,8 @@ import torch
 from lavis_ds.datasets.instruction import InstructionDataset
 from lavis_ds.datasets.samplers import EvalBatchSampler
 from lavis_ds.apps.export import load_exported
-from lavis_ds.apps.generate import as_trained, eval_processors, main
+from lavis_ds.apps.generate import main
+from lavis_ds.apps.generation import as_trained, eval_processors
 
 storage, new_tokens, world_size, batch_size, folders = Path(sys.argv[1]), *map(int, sys.argv[2:5]), sys.argv[5:]
 
@@ -250,7 +251,7 @@ def test_untrained_model_generates_differently(trained, exported, demo_storage):
     """The comparison above can fail: without the trained weights the same model says something else."""
     from lavis_ds.build import build_model
     from lavis_ds.apps.export import exported_model_config, read_export_config
-    from lavis_ds.apps.generate import eval_processors, generate
+    from lavis_ds.apps.generation import eval_processors, generate
     from PIL import Image
 
     folder = exported("zero2_fp32")
@@ -266,7 +267,7 @@ def test_untrained_model_generates_differently(trained, exported, demo_storage):
 
 
 def test_merge_lora_writes_a_plain_llm_and_generates_the_same(trained, exported, tmp_path, demo_storage):
-    from lavis_ds.apps.generate import eval_processors, generate
+    from lavis_ds.apps.generation import eval_processors, generate
     from PIL import Image
     from transformers import Qwen2ForCausalLM
 

@@ -67,7 +67,7 @@ def _messages(question: str | list[str], answers: list[str] = ()) -> list[dict]:
 
 def _lavis_ds_token_ids(model, images, questions, answers=None) -> tuple[list[list[int]], list[str]]:
     """What lavis_ds.apps.generate generates, as token ids: its texts, and the ids its LLM's generate returned."""
-    from lavis_ds.apps.generate import generate
+    from lavis_ds.apps.generation import generate
 
     returned = []
     llm_generate = model.llm_model.generate
@@ -91,7 +91,7 @@ def demo_hf(demo_export, tmp_path_factory):
 def test_transformers_alone_generates_the_tokens_lavis_ds_generates(demo_export, demo_hf):
     from PIL import Image
 
-    from lavis_ds.apps.generate import eval_processors
+    from lavis_ds.apps.generation import eval_processors
 
     test = json.loads(demo_export.test_annotations.read_text())
     paths = [str(demo_export.storage / "images" / record["image"]) for record in test]

@@ -2,7 +2,7 @@
 
 The model is conftest's ``demo_export`` (the tiny demo trained once per session). The
 reference answers come from the library function a user would call on one image at a
-time (``lavis_ds.apps.generate.generate``): the file mode must give the same text, in input
+time (``lavis_ds.apps.generation.generate``): the file mode must give the same text, in input
 order, on one process or two, and after an interruption.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER
 from lavis_ds.apps.export import load_exported
-from lavis_ds.apps.generate import eval_processors, generate, main, share_path
+from lavis_ds.apps.generate import main, share_path
+from lavis_ds.apps.generation import eval_processors, generate
 from run_utils import REPO, env, free_port, run_forked
 
 MAX_NEW_TOKENS = 8

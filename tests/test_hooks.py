@@ -19,7 +19,7 @@ from lavis_ds.common.registry import hooks as hook_registry
 from lavis_ds.config import ConfigError, load_config
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners.hooks import BUILTIN_HOOKS, Hook, HookList, hook_specs
-from run_utils import metrics, tiny_config, train_steps, write_yaml
+from run_utils import metrics, tiny_config, write_yaml
 
 STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x accumulation 2, one process
 EPOCHS = 2

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from families import FAMILIES, TINY_LLM, model_folder, tokenizer_dir
+from families import FAMILIES, model_folder, tokenizer_dir
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import decoder_layers, llm_config_problems
 from run_utils import comparable, export_matches_logged_val_loss, run_train, tiny_config, train_steps, write_yaml

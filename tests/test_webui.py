@@ -2,7 +2,7 @@
 
 The page is driven as a person uses it (selenium + Debian's chromium and chromium-driver,
 no browser download): it loads, an image is uploaded, questions are typed, and the answers
-the demo model gives (``lavis_ds.apps.generate.generate`` on the same image, turns and settings)
+the demo model gives (``lavis_ds.apps.generation.generate`` on the same image, turns and settings)
 must appear on the page.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER as IMG
 from lavis_ds.apps.export import load_exported
-from lavis_ds.apps.generate import eval_processors, generate
+from lavis_ds.apps.generation import eval_processors, generate
 from lavis_ds.apps.webui import main
 from run_utils import REPO, env, free_port
 

@@ -36,8 +36,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 from lavis_ds.datasets.instruction import process_text
 from lavis_ds.datasets.records import IMAGE_HERE, IMAGE_PLACEHOLDER
 from lavis_ds.apps.export import ExportError, load_exported
-from lavis_ds.apps.generate import (GenerationSettings, add_generation_arguments, eval_processors, generate, open_image,
-                               settings_from_args)
+from lavis_ds.apps.generation import (GenerationSettings, add_generation_arguments, eval_processors, generate, open_image,
+                                      settings_from_args)
 
 CHAT_DEFAULTS = GenerationSettings(max_new_tokens=256)
 
@@ -78,7 +78,7 @@ class ChatSession:
     Args:
         model: A loaded export (:func:`lavis_ds.apps.export.load_exported`).
         image_processor, text_processor: The export's eval processors
-            (:func:`lavis_ds.apps.generate.eval_processors`); ``text_processor`` may be None.
+            (:func:`lavis_ds.apps.generation.eval_processors`); ``text_processor`` may be None.
         settings: Generation settings; change them with :meth:`set`.
         seed: Set before every answer, so the same conversation gives the same answers
             (also when sampling).

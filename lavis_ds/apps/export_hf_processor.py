@@ -99,7 +99,7 @@ def generation_config(model: nn.Module):
     """
     from transformers import GenerationConfig
 
-    from lavis_ds.apps.generate import GenerationSettings  # what lavis_ds.apps.generate answers with when not told otherwise
+    from lavis_ds.apps.generation import GenerationSettings  # what lavis_ds.apps.generate answers with when not told otherwise
 
     return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=GenerationSettings().max_new_tokens,
                             eos_token_id=model.stop_token_ids(), pad_token_id=model.pad_id,

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from lavis_ds.apps.chat import CHAT_DEFAULTS, ChatSession, Interrupted
 from lavis_ds.apps.export import ExportError, load_exported
-from lavis_ds.apps.generate import GenerationSettings, add_generation_arguments, eval_processors, settings_from_args
+from lavis_ds.apps.generation import GenerationSettings, add_generation_arguments, eval_processors, settings_from_args
 
 TITLE = "lavis_ds chat"
 SETTING_FIELDS = ("do_sample", "num_beams", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
