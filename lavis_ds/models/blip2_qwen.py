@@ -7,6 +7,10 @@ of the image placeholder tokens in a prompt rendered by the tokenizer's chat tem
 Attribute names follow MiniGPT4Qwen (``visual_encoder``,
 ``ln_vision``, ``query_tokens``, ``llm_proj``, ``llm_model``) so its trainable-part
 checkpoints keep their keys; the Q-Former is Hugging Face's (``qformer``).
+
+One class holds the model and everything the model contract asks of it (building and freezing,
+the host-side batch preparation, forward, generate), about 500 lines with its argument docs; the
+pieces that stand alone live beside it (``eva_vit``, ``llm``, ``prompt``, ``packing``, ``flops``).
 """
 from __future__ import annotations
 
