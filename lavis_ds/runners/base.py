@@ -97,7 +97,8 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
             length_of = functools.partial(approximate_length, self.train_set) if self.run.length_grouped else None
             return StepBatchSampler(len(self.train_set), self.micro_batch, self.accum, self.world_size, self.rank,
                                     seed=self.run.seed, length_of=length_of)
-        length_of = token_length_of(self.train_set, counted_by(self.model.prepare_batch), self.run.max_seq_len)
+        longest = min(self.run.max_seq_len, self.cfg.model.get("max_txt_len") or self.run.max_seq_len)  # truncation
+        length_of = token_length_of(self.train_set, counted_by(self.model.prepare_batch), longest)
         sampler = TokenBudgetSampler(len(self.train_set), self.micro_batch, self.run.max_seq_len, self.accum,
                                      self.world_size, self.rank, self.run.seed, length_of, self.run.max_epoch)
         if self.rank == 0:
