@@ -144,3 +144,17 @@ def test_the_best_checkpoint_follows_the_metric_direction_and_ignores_other_scor
     assert best(tmp_path, "val/loss") == tmp_path / "step_4"
     assert best(tmp_path, "val/caption/CIDEr") == tmp_path / "step_10"
     assert best(tmp_path, "test/exact_match") is None and best(tmp_path, None) is None
+
+
+def test_predictions_that_cannot_be_written_are_one_clear_error(tmp_path):
+    """A full disk under the predictions file: OutputError naming the file, and no part-written file left."""
+    from lavis_ds.common.errors import OutputError
+    from lavis_ds.runners.hooks.evaluation import write_predictions
+
+    path = tmp_path / "predictions" / "test_step8.jsonl"
+    path.parent.mkdir()
+    path.with_suffix(".jsonl.tmp").symlink_to("/dev/full")
+    record = {"index": 0, "dataset": "d", "image": "a.png", "prompt": "What?", "references": ["x"], "generated": "x"}
+    with pytest.raises(OutputError, match=r"cannot write the predictions .*test_step8\.jsonl: No space left on device"):
+        write_predictions(path, [record] * 1000)
+    assert not path.exists() and not path.with_suffix(".jsonl.tmp").exists()

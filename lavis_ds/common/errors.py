@@ -24,6 +24,16 @@ class InputError(LavisDsError):
     exit_code = 2
 
 
+class OutputError(LavisDsError):
+    """A run's output (metrics, predictions) could not be written: a full disk, a quota, a read-only folder."""
+
+    @classmethod
+    def writing(cls, what: str, path, error: OSError) -> OutputError:
+        reason = error.strerror or str(error)
+        return cls(f"cannot write {what} {path}: {reason}; the run stopped here. Free space (or fix the folder), then "
+                   "run the same command: it continues from the newest complete checkpoint")
+
+
 class ConfigError(ValueError):
     """Every problem found in a run config, one per line (raised by ``lavis_ds.config.load_config``)."""
 

@@ -5,30 +5,45 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lavis_ds.common.errors import OutputError
+
 
 class MetricsWriter:
     """Appends records to ``<output_dir>/metrics.jsonl``.
 
     After a resume at ``resume_step`` the lines of steps that will be trained again
-    are dropped, so the file reads like one uninterrupted run.
+    are dropped, so the file reads like one uninterrupted run. A write that fails (a full
+    disk) is an ``OutputError`` naming the file: the run stops with one line, not a traceback.
     """
 
     def __init__(self, output_dir: str | Path, resume_step: int | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and self.path.exists():
-            kept = "".join(line + "\n" for line in _lines_up_to(self.path, resume_step))
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text(kept)
-            tmp.replace(self.path)  # atomic: a kill now leaves the old file or the new one
-        self.file = self.path.open("a")
+        self.failed = False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                kept = "".join(line + "\n" for line in _lines_up_to(self.path, resume_step))
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text(kept)
+                tmp.replace(self.path)  # atomic: a kill now leaves the old file or the new one
+            self.file = self.path.open("a")
+        except OSError as e:
+            raise OutputError.writing("the metrics file", self.path, e) from None
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.failed = True
+            raise OutputError.writing("the metrics file", self.path, e) from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError as e:
+            if not self.failed:  # else the lines that could not be written were reported already
+                raise OutputError.writing("the metrics file", self.path, e) from None
 
 
 def _lines_up_to(path: Path, step: int) -> list[str]:

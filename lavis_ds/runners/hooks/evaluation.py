@@ -1,6 +1,7 @@
 """The built-in evaluation hooks: validation during training, test generation at the end."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from lavis_ds.common import comm
+from lavis_ds.common.errors import OutputError
 from lavis_ds.common.registry import hooks as hook_registry
 from lavis_ds.metrics import build_metric
 from lavis_ds.metrics.selection import TEST, VALID, log_key, metric_names
@@ -39,12 +41,17 @@ def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
 
 def write_predictions(path: Path, results: list[dict]) -> None:
     """One JSON line per sample: image, prompt, references, generated (and index, dataset); atomic."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     keys = ("index", "dataset", "image", "prompt", "references", "generated")
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps({k: r[k] for k in keys}, ensure_ascii=False) + "\n" for r in results),
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("".join(json.dumps({k: r[k] for k in keys}, ensure_ascii=False) + "\n" for r in results),
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # a part-written file is never read; gone if the disk lets it go
+            tmp.unlink(missing_ok=True)
+        raise OutputError.writing("the predictions", path, e) from None
 
 
 @hook_registry.register("validation")
