@@ -327,7 +327,11 @@ def cases(storage: Path, base: Path) -> list[Case]:
     def full_disk_metrics(d: Path) -> TrainLaunch:
         (d / "out").mkdir()
         (d / "out" / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
-        return train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage)), 0)
+        return train_cmd(write_yaml(d / "run.yaml", base_config(d / "out", storage)), 2)
+
+    def stopped_together(d: Path, proc) -> None:
+        """Rank 0 alone fails to write; every rank stops at the next step's agreement, none loses the others."""
+        assert "lost contact" not in proc.stdout + proc.stderr
 
     def full_disk_resumes(d: Path, proc) -> None:
         out = d / "out"
@@ -466,10 +470,10 @@ def cases(storage: Path, base: Path) -> list[Case]:
               r"\d+(\.\d)? (B|KiB|MiB|GiB|TiB) free on the filesystem of .*out/checkpoints now",
               r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
              good("step_4"), full_disk_resumes),
-        Case("disk full under metrics.jsonl", full_disk_metrics, 1,
+        Case("disk full under metrics.jsonl, 2 processes", full_disk_metrics, 1,
              [r"lavis_ds: cannot write the metrics file .*out/metrics\.jsonl: No space left on device; the run stopped "
               r"here\. Free space \(or fix the folder\), then run the same command: it continues from the newest "
-              r"complete checkpoint"]),
+              r"complete checkpoint"], check=stopped_together),
         Case("disk full during a save, runner_fsdp", full_disk_fsdp, 1,
              [r"lavis_ds: cannot write the checkpoint .*checkpoints/step_8: No space left on device \(",
               r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],

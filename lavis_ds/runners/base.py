@@ -42,6 +42,11 @@ from lavis_ds.runners.hooks import build_hooks
 from lavis_ds.runners.resume import ResumePolicy, TrainState
 
 
+# Events every rank dispatches together, after which the ranks agree on a failure one of them deferred (after_step
+# leaves it to the next step's agreement, which every step makes anyway).
+AGREED_EVENTS = ("before_train", "after_epoch", "after_train", "evaluate")
+
+
 class RunnerBase(ResumePolicy, EngineSwitch, Engine):
     """Owns the loop; subclasses own the engine."""
 
@@ -157,7 +162,7 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
             batches = [next(micro_batches) for _ in range(self.accum)]
         except LavisDsError as e:  # e.g. an image that does not decode, raised in a DataLoader worker
             error = e
-        if signum := faults.agree(self.signals.received, error):
+        if signum := faults.agree(self.signals.received, error or self.hooks.take_failure()):
             self.call_hooks("on_stop", signum)  # the Checkpointer asks for a save on SIGTERM
             stopped = faults.Stopped(signum, self._stop_message(signum))
             stopped.quiet = self.rank != 0  # every rank stops here; one says so
@@ -277,6 +282,8 @@ class RunnerBase(ResumePolicy, EngineSwitch, Engine):
         A step that is saved already (an epoch end that SIGTERM stopped at) is not saved twice."""
         if self.hooks.call(event, *args, **kwargs) and self.saved_step != self.state.global_step:
             self.save()
+        if event in AGREED_EVENTS:  # what one rank could not write stops every rank here (HookList.defer)
+            faults.agree(0, self.hooks.take_failure())
 
     def request_save(self, reason: str) -> None:
         """Ask for a checkpoint of this step, from a hook handling after_step, after_epoch or on_stop. A save is

@@ -62,6 +62,7 @@ class HookList:
         self.event: str | None = None  # the event being dispatched
         self.records: list[dict] = []
         self.save_reasons: list[str] = []
+        self.failure: Exception | None = None  # the first deferred failure, for the runner's next agreement
 
     def __iter__(self) -> Iterator[Hook]:
         return iter(self.hooks)
@@ -100,6 +101,17 @@ class HookList:
             self._deliver()
         finally:
             self.event, self.records = None, []
+
+    def defer(self, error: Exception) -> None:
+        """Keep a failure of work done on one rank only (rank 0 writing metrics.jsonl or predictions) for the
+        runner's next agreement, where every rank stops with it (``faults.agree``). Raising at once would stop
+        rank 0 alone, while the others wait for it in their next collective."""
+        self.failure = self.failure or error
+
+    def take_failure(self) -> Exception | None:
+        """The deferred failure, once."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def request_save(self, reason: str) -> None:
         """Ask for a checkpoint of the current step, cut once the event is dispatched (``RunnerBase.call_hooks``)."""

@@ -35,7 +35,11 @@ def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
             values = build_metric(name)([r["generated"] for r in rows], [r["references"] for r in rows])
             for score, value in values.items():
                 scores[log_key(name, score, section if len(sections) > 1 else None)] = value
-    write_predictions(runner.output_dir / "predictions" / f"{split}_step{runner.state.global_step}.jsonl", results)
+    try:
+        write_predictions(runner.output_dir / "predictions" / f"{split}_step{runner.state.global_step}.jsonl",
+                          results)
+    except OutputError as e:  # rank 0 only: every rank stops at the next agreement (HookList.defer)
+        runner.hooks.defer(e)
     return scores, results
 
 

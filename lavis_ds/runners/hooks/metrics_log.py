@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
+from lavis_ds.common.errors import OutputError
 from lavis_ds.common.logger import MetricsWriter
 from lavis_ds.common.registry import hooks as hook_registry
 from lavis_ds.runners.hooks.base import Hook
@@ -25,7 +26,10 @@ class MetricsLog(Hook):
     def before_train(self, runner) -> None:
         if runner.rank == 0:
             resumed = runner.state.global_step if runner.state.global_step else None
-            self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
+            try:
+                self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
+            except OutputError as e:  # every rank stops right after before_train (RunnerBase.call_hooks)
+                runner.hooks.defer(e)
             self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
                             dynamic_ncols=True, mininterval=1.0)
         self.meter.start(runner)
@@ -47,7 +51,11 @@ class MetricsLog(Hook):
             self.bar.set_postfix(_postfix(record))
 
     def log(self, runner, record: dict) -> None:
-        self.writer.write(record)
+        try:
+            if self.writer is not None:  # None: it could not be opened, and the run is stopping
+                self.writer.write(record)
+        except OutputError as e:  # rank 0 only: every rank stops at the next agreement (HookList.defer)
+            runner.hooks.defer(e)
         if "split" not in record:
             return
         # An evaluation: one line on screen, and the samples of a test split under it.
