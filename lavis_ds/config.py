@@ -363,8 +363,8 @@ def _neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | N
     except ValueError as e:
         errors.append(str(e))
         return None
-    if tokens.get("max_seq_len"):
-        tokens["global_batch_tokens"] = settings.global_batch * tokens.pop("max_seq_len")
+    if tokens and isinstance(resolved.get("max_seq_len"), int):  # else an error names it: the tokens of a step
+        tokens = {**tokens, "global_batch_tokens": settings.global_batch * resolved["max_seq_len"]}
     return {**{key: resolved[key] for key in NEUTRAL_KEYS}, "batch_size_train": settings.micro_batch,
             "accum_grad_iters": settings.accum, "global_batch_size": settings.global_batch,
             "precision": settings.precision, **tokens}  # grad_norm_clip stays unset if it was: no clipping either way
@@ -456,9 +456,9 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
 
 
 def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str]) -> dict:
-    """``run.batch_unit: tokens``: its problems added to ``errors``; returns the run keys it resolves (the unit, the
-    global batch in rows if ``run.global_batch_tokens`` gave it, and ``max_seq_len`` for counting the tokens of the
-    resolved global batch), or {} for a run counted in samples. ``spelled``: where a batch key was written."""
+    """``run.batch_unit: tokens``: its problems added to ``errors``; returns the run keys it resolves (the unit, and
+    the global batch in rows if ``run.global_batch_tokens`` gave it), or {} for a run counted in samples.
+    ``spelled``: where a batch key was written."""
     if batch_unit(run) != "tokens":
         if run.get("global_batch_tokens") is not None:
             errors.append("run.global_batch_tokens: only with run.batch_unit: tokens (or run.packing: true); this run "
@@ -472,9 +472,8 @@ def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str])
         errors.extend([] if run.get("packing") else  # packing_problems names it
                       ["run.batch_unit: tokens: set run.max_seq_len, the tokens of a row of a micro-batch"])
         return {"batch_unit": "tokens"}
-    resolved = {"batch_unit": "tokens", "max_seq_len": rows}
     if given is None or not isinstance(given, int):
-        return resolved
+        return {"batch_unit": "tokens"}
     if given % rows:
         errors.append(f"run.global_batch_tokens={given} is not a multiple of run.max_seq_len={rows}: an optimizer step "
                       f"is a whole number of rows; e.g. {given // rows * rows or rows}")
@@ -484,7 +483,7 @@ def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str])
         errors.append(f"run.global_batch_tokens={given} is {given // rows} rows of run.max_seq_len={rows}, but "
                       f"{where}={run['global_batch_size']}; give one of the two")
         return {"batch_unit": "tokens"}
-    return {**resolved, "global_batch_size": given // rows}
+    return {"batch_unit": "tokens", "global_batch_size": given // rows}
 
 
 def packing_problems(run: dict, model: dict) -> list[str]:
