@@ -49,10 +49,8 @@ def leaf_of(dataset: Dataset, index: int, epoch: int, setting: str) -> tuple[Dat
 
 def approximate_length(dataset: Dataset, index: int, epoch: int) -> int:
     """Words of sample ``index`` of ``epoch`` (negative: a sample without an image), through the wrappers."""
-    leaf, local = leaf_of(dataset, index, epoch, "run.length_grouped")
-    record = leaf.records[local]
-    words = sum(len(text.split()) for text in (*record.instructions, *record.outputs))
-    return words if getattr(record, "image", None) else -words
+    words, _, _, images = shape_of(*leaf_of(dataset, index, epoch, "run.length_grouped"))
+    return words if images else -words
 
 
 def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int, int]:
