@@ -65,9 +65,10 @@ def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
     from loader_throughput import build_runner
     from run_utils import write_yaml
 
+    folder = "_".join(name.replace("(", "").replace(")", "").split())  # "packed (tokens)" -> packed_tokens
     options = {**cfg["run"]["deepspeed_config"], "train_micro_batch_size_per_gpu": micro}
-    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / name.split()[0]), "deepspeed_config": options, **run}}
-    return build_runner(write_yaml(tmp / f"{name.split()[0]}.yaml", cfg))
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "deepspeed_config": options, **run}}
+    return build_runner(write_yaml(tmp / f"{folder}.yaml", cfg))
 
 
 def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:
