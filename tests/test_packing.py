@@ -53,7 +53,7 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_the_same_samples_unpacked(
     model = Blip2Qwen.from_config({**tiny_model_config, "freeze_llm": False}).eval()  # eval: no dropout
     batch = _batch(tiny_model_config)
     results = {}
-    for name, pack_to in (("padded", None), ("packed", 128)):
+    for name, pack_to in (("padded", None), ("packed", 192)):  # 6 samples in 3 rows
         model.zero_grad(set_to_none=True)
         prepared = model.prepare_batch(dict(batch), pack_to=pack_to)
         out = model(prepared)
@@ -80,10 +80,10 @@ def test_without_positions_the_samples_of_a_row_would_see_each_other(tiny_model_
     model = Blip2Qwen.from_config(tiny_model_config).eval()
     batch = _batch(tiny_model_config)
     padded = model(model.prepare_batch(dict(batch)))
-    packed = model.prepare_batch(dict(batch), pack_to=128)
+    packed = model.prepare_batch(dict(batch), pack_to=192)
     packed["position_ids"] = torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"]).clone()
     leaked = model(packed)
-    assert not torch.allclose(leaked["loss_sum"], padded["loss_sum"], rtol=1e-4)  # 10x the check's 1e-5
+    assert not torch.allclose(leaked["loss_sum"], padded["loss_sum"], rtol=1e-3)
 
 
 def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_path):
