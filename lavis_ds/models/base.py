@@ -77,6 +77,26 @@ class BaseModel(nn.Module):
     NESTED_SCHEMAS: dict[str, Any] = {}
     # model_types of other frameworks this model cannot load -> (the preset to use instead, why)
     REPLACED_MODEL_TYPES: dict[str, tuple[str, str]] = {}
+    # keys of the `model:` section naming local files or folders the model reads (checked before any rank loads)
+    FILE_KEYS: tuple[str, ...] = ()
+
+    # What the config loader asks the class about a merged `model:` section, before anything is built.
+    @classmethod
+    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
+        """The image side the model's vision tower takes (the image processors must make it); None: no say."""
+        return None
+
+    @classmethod
+    def text_length_of(cls, section: Mapping[str, Any]) -> int | None:
+        """The longest token sequence the model makes of a sample (it truncates there); None: no say."""
+        return None
+
+    @classmethod
+    def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
+        """Key -> local path of each file or folder ``section`` makes the model read: ``FILE_KEYS``, and
+        ``pretrained`` when ``load_pretrained`` is true."""
+        keys = list(cls.FILE_KEYS) + (["pretrained"] if section.get("load_pretrained") else [])
+        return {key: section[key] for key in keys if section.get(key)}
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:

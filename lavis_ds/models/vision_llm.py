@@ -184,20 +184,14 @@ class VisionLLM(BaseModel):
 
     @classmethod
     def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
-        """The image side the vision tower of ``section`` takes (the config check compares the processors')."""
+        """The image side the vision tower of ``section`` takes: ``image_size`` (subclasses whose tower fixes it
+        say otherwise)."""
         return cls.settings_of(section).get("image_size")
 
     @classmethod
     def text_length_of(cls, section: Mapping[str, Any]) -> int:
         """The longest training sequence in tokens (the model truncates there): ``max_txt_len``."""
         return cls.settings_of(section)["max_txt_len"]
-
-    @classmethod
-    def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
-        """Key -> local path of every file or folder ``section`` makes the model read (``FILE_KEYS``, and
-        ``pretrained`` when ``load_pretrained``)."""
-        keys = list(cls.FILE_KEYS) + (["pretrained"] if section.get("load_pretrained") else [])
-        return {key: section[key] for key in keys if section.get(key)}
 
     @classmethod
     def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
