@@ -76,8 +76,7 @@ class Blip2Qwen(VisionLLM):
         "qwen1.8b_chat": ("qwen2.5_1.5b_instruct", _QWEN1),
     }
     FILE_KEYS = (*VisionLLM.FILE_KEYS, "vit_pretrained")  # loaded whatever load_pretrained says, as LAVIS does
-    # What export writes of the image path beside the LLM, and checkpoints of trainable parts hold.
-    IMAGE_PATH_PREFIXES = ("visual_encoder.", "ln_vision.", "qformer.", "query_tokens", "llm_proj.")
+    CONNECTOR_PREFIXES = ("llm_proj.",)
 
     def __init__(
         self,

@@ -50,10 +50,19 @@ class VisionLLM(BaseModel):
     PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
     # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
     FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
-    # Prefixes of state_dict keys of the image path that export writes beside the LLM (subclasses name theirs).
-    IMAGE_PATH_PREFIXES: tuple[str, ...] = ()
+    # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a
+    # Hugging Face folder and the rest beside it).
+    LLM_PREFIX = "llm_model."
+    # Parameters built from the LLM's width (the connector): export writes them even when frozen, so that a model
+    # rebuilt on the merged LLM never depends on how the LLM was built. Subclasses name theirs.
+    CONNECTOR_PREFIXES: tuple[str, ...] = ()
+    # Set by the constructor (the model contract's "chat" and "merge" needs, models.base.CONTRACT).
     tokens_per_image: int
     image_size: int
+    llm_tokenizer: Any  # a transformers tokenizer, the prompt's tokens added
+    prompt: ChatPrompt
+    pad_id: int
+    end_of_turn_id: int
 
     def __init__(
         self,
@@ -250,6 +259,13 @@ class VisionLLM(BaseModel):
         """
         self.llm_model = merge_llm(self.llm_model)
         return self.llm_model
+
+    @staticmethod
+    def merged_llm_settings(folder: str) -> dict[str, Any]:
+        """The ``model:`` keys that make this model load the merged LLM saved in ``folder`` (``merge_lora``,
+        ``save_pretrained`` with the tokenizer) instead of building its own."""
+        return {"llm_model": folder, "tokenizer": folder, "llm_config": None, "llm_precision": "auto",
+                "get_lora": False, "freeze_llm": True}
 
     def save_run_files(self, output_dir: str | Path) -> None:
         """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included, for export and inference."""
