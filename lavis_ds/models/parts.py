@@ -51,7 +51,8 @@ def check_keys(cls: type, section: Mapping[str, Any], path: str, extra: tuple[st
     valid = [*fields_of(cls), *extra]
     unknown = [key for key in section if key not in valid]
     if unknown:
-        hints = [f"{path}.{key}: unknown key{did_you_mean(key, valid, '')}" for key in unknown]
+        hints = [f"{path}.{key}: unknown key" + (f"; {close}" if (close := did_you_mean(key, valid, "")) else "")
+                 for key in unknown]
         raise PartError("; ".join(hints) + f". Valid keys of {cls.__name__}: {', '.join(sorted(valid))}")
 
 

@@ -47,7 +47,7 @@ class QFormerConnector(Connector):
 
     def __init__(self, *, vision_width: int, llm_width: int, num_query_token: int = 32,
                  qformer: dict[str, Any] | None = None, freeze_qformer: bool = False, freeze_queries: bool = False,
-                 freeze_proj: bool = False):
+                 freeze_proj: bool = False, ln_vision_eps: float = 1e-5):
         """
         Args:
             vision_width: The tower's ``num_features`` (given by the architecture).
@@ -58,13 +58,15 @@ class QFormerConnector(Connector):
             freeze_qformer: Freeze the Q-Former and ``ln_vision`` (BLIP-2's recipe freezes them).
             freeze_queries: Freeze the query tokens.
             freeze_proj: Freeze the projection into the LLM.
+            ln_vision_eps: Epsilon of ``ln_vision``: LAVIS's is torch's default 1e-5; transformers' BLIP-2 and
+                InstructBLIP use the vision config's ``layer_norm_eps`` (1e-6) for it (``post_layernorm``).
         """
         super().__init__(vision_width=vision_width, llm_width=llm_width)
         arguments = dict(qformer or {})
         if arguments.setdefault("encoder_hidden_size", vision_width) != vision_width:
             raise PartError(f"connector.qformer.encoder_hidden_size: {arguments['encoder_hidden_size']} must equal "
                             f"the tower width {vision_width} (or be left out)")
-        self.ln_vision = FP32LayerNorm(vision_width)
+        self.ln_vision = FP32LayerNorm(vision_width, eps=ln_vision_eps)
         self.qformer = self.MODEL_CLASS(self.CONFIG_CLASS(**arguments))
         width = self.qformer.config.hidden_size
         self.query_tokens = nn.Parameter(torch.zeros(1, num_query_token, width))
@@ -100,15 +102,16 @@ class QFormerConnector(Connector):
         The projection is loaded when the file has one of the right shape (an InstructBLIP file, or a run's
         own); BLIP-2's stage-1 files have none, and a projection into another LLM's width is left as it is."""
         from lavis_ds.models import hf_keys
-        from lavis_ds.models.pretrained import (CheckpointError, _detect_torch_format, _torch_load, load_checked,
-                                                read_checkpoint)
+        from lavis_ds.models.pretrained import (CheckpointError, _detect_torch_format, _read_safetensors, _torch_load,
+                                                load_checked)
 
         file = Path(path).expanduser()
         if not file.exists():
             raise PartError(f"connector.pretrained: {file} not found")
         instruct = isinstance(self, InstructQFormerConnector)
         if file.is_dir():
-            fmt, state, _ = read_checkpoint(file)
+            fmt = "Hugging Face BLIP-2 / InstructBLIP folder"
+            state, _ = _read_safetensors(file, lambda key: key.startswith("language_model."))  # the LLM is not read
             ours = hf_keys.qformer_from_hf(state)
         else:  # read whole: InstructBLIP uses the text keys that BLIP-2's reader skips
             fmt, state = _detect_torch_format(file, _torch_load(file))

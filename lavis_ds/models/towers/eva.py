@@ -23,13 +23,14 @@ class EvaTower(VisionTower):
     """EVA-ViT-g/14 (39 of 40 blocks, 1408 wide) as BLIP-2 and InstructBLIP use it; ``tiny`` for tests."""
 
     def __init__(self, *, preset: Literal["eva_vit_g", "tiny"] = "eva_vit_g", vit: dict[str, Any] | None = None,
-                 image_size: int = 224, drop_path_rate: float = 0.0, use_grad_checkpoint: bool = False,
+                 image_size: int | None = None, drop_path_rate: float = 0.0, use_grad_checkpoint: bool = False,
                  precision: Precision = "fp32"):
         """
         Args:
             preset: ``EvaViT`` preset (its YAML under ``configs/models/eva_vit_g``).
             vit: Overrides of the preset's ``EvaViT`` arguments (``depth``, ``embed_dim``, ...).
-            image_size: Input side; the position embedding of published weights is interpolated to it.
+            image_size: Input side (default: the preset's); published weights' position embedding is
+                interpolated to it.
             drop_path_rate: Stochastic depth.
             use_grad_checkpoint: Recompute block activations in backward.
             precision: Parameter dtype (LAVIS keeps the frozen tower in fp16).
@@ -37,6 +38,7 @@ class EvaTower(VisionTower):
         super().__init__()
         arguments = {k: v for k, v in EvaViT.default_config(preset).items() if k not in ("arch", "model_type")}
         arguments.update(vit or {})
+        image_size = image_size or arguments["img_size"]
         arguments.update(img_size=image_size, drop_path_rate=drop_path_rate, use_grad_checkpoint=use_grad_checkpoint,
                          precision=precision)
         self.vit = EvaViT(**arguments)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common.registry import registry, vision_towers
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.towers.base import CLIP_STD, CLIP_MEAN, ImageProcessing, VisionTower
 
@@ -93,7 +93,7 @@ class HfVisionTower(VisionTower):
 
     @classmethod
     def tower_name(cls) -> str:
-        return next(name for name in registry.vision_towers if registry.vision_towers.get(name) is cls)
+        return next(name for name in vision_towers if vision_towers.get(name) is cls)
 
     @staticmethod
     def _check_layers(layers: int | list[int], depth: int) -> int | list[int]:
