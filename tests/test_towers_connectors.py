@@ -157,14 +157,37 @@ def lavis_instruct_state(hf_state):
     return {"model": out}
 
 
-def test_lavis_instructblip_pth_loads_the_same_connector(tmp_path):
+def test_lavis_instructblip_pth_loads_the_same_parts(tmp_path):
     reference, folder = tiny_instructblip_folder(tmp_path)
-    torch.save(lavis_instruct_state(reference.state_dict()), tmp_path / "instruct_blip.pth")
-    _, from_hf = instruct_parts(folder)
-    _, from_lavis = instruct_parts(folder, tmp_path / "instruct_blip.pth")
-    hf, lavis = from_hf.state_dict(), from_lavis.state_dict()
-    assert hf.keys() == lavis.keys()
-    assert all(torch.equal(hf[k], lavis[k]) for k in hf)
+    tower_hf, from_hf = instruct_parts(folder)
+    lavis = lavis_instruct_state(reference.state_dict())
+    lavis["model"].update({f"visual_encoder.{k}": v for k, v in tower_hf.vit.state_dict().items()})  # LAVIS's EVA names
+    torch.save(lavis, tmp_path / "instruct_blip.pth")
+    tower_lavis, from_lavis = instruct_parts(tmp_path / "instruct_blip.pth")
+    for ours, theirs in ((from_hf, from_lavis), (tower_hf, tower_lavis)):
+        hf, lv = ours.state_dict(), theirs.state_dict()
+        assert hf.keys() == lv.keys()
+        assert all(torch.equal(hf[k], lv[k]) for k in hf)
+
+
+def test_qformer_connector_equals_transformers_blip2_image_features(tmp_path):
+    from transformers import Blip2Config, Blip2ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Blip2Config(vision_config=EVA, qformer_config={**QFORMER, "encoder_hidden_size": 64},
+                         text_config=Qwen2Config(**TEXT).to_dict(), num_query_tokens=4)
+    reference = Blip2ForConditionalGeneration(config).eval()
+    reference.save_pretrained(tmp_path / "blip2")
+    tower = build_part(vision_towers, {"name": "eva_vit_g", "preset": "tiny", "pretrained": str(tmp_path / "blip2")},
+                       "model.vision_tower")
+    connector = build_part(connectors, {"name": "qformer", "num_query_token": 4, "qformer": QFORMER,
+                                        "ln_vision_eps": 1e-6, "pretrained": str(tmp_path / "blip2")},
+                           "model.connector", vision_width=tower.num_features, llm_width=TEXT["hidden_size"]).eval()
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        theirs = reference.get_image_features(pixel_values=images).pooler_output
+        torch.testing.assert_close(connector(tower(images)), theirs, atol=1e-6, rtol=0)
+    assert len(connector.blocks()) == 2 and len(tower.blocks()) == 2
 
 
 def bert_tokenizer_folder(tmp_path):

@@ -6,7 +6,6 @@ its Q-Former (whose connector applies ``ln_vision``). Published weights: LAVIS's
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -55,13 +54,21 @@ class EvaTower(VisionTower):
         return list(self.vit.blocks)
 
     def load_pretrained(self, path: str) -> None:
-        """LAVIS's ``eva_vit_g.pth``, or the vision model of a Hugging Face BLIP-2 / InstructBLIP folder."""
-        if Path(path).expanduser().is_dir():
-            from lavis_ds.models.pretrained import read_checkpoint
-            from lavis_ds.models.hf_keys import eva_from_hf
+        """LAVIS's ``eva_vit_g.pth``, the ``visual_encoder`` of a LAVIS BLIP-2 / InstructBLIP ``.pth``, or the
+        ``vision_model`` of a Hugging Face BLIP-2 / InstructBLIP folder; checked key for key."""
+        from lavis_ds.models import hf_keys
+        from lavis_ds.models.parts import PartError
+        from lavis_ds.models.pretrained import EVA_VIT, HF_BLIP2, CheckpointError, read_checkpoint
 
-            _, state, _ = read_checkpoint(path)
-            ours = eva_from_hf(state, self.vit)
-            load_checked(self.vit, ours, self.vit.state_dict().keys(), path, "hf vision_model")
-        else:
+        fmt, state, _ = read_checkpoint(path)
+        if fmt == EVA_VIT:
             load_eva_vit(self.vit, path)
+            return
+        ours = hf_keys.eva_from_hf(state, self.vit) if fmt == HF_BLIP2 else hf_keys.eva_from_lavis(state, self.vit)
+        if not ours:
+            raise PartError(f"vision_tower.pretrained: {path} holds no ViT weights (LAVIS saves only trained "
+                            "parameters, and BLIP-2 freezes its ViT): give LAVIS's eva_vit_g.pth instead")
+        try:
+            load_checked(self.vit, ours, self.vit.state_dict().keys(), path, fmt)
+        except CheckpointError as e:
+            raise PartError(str(e)) from None
