@@ -267,6 +267,11 @@ def test_siglip_folder_configured_as_clip_names_its_model_type(tmp_path):
 def test_image_size_the_tower_cannot_take_names_the_one_it_takes():
     with pytest.raises(PartError, match=r"image_size: 60 is a size the clip tower cannot take; it takes 56 only"):
         build_part(vision_towers, {"name": "clip", "preset": "tiny", "image_size": 60}, "model.vision_tower")
+    with pytest.raises(PartError, match=r"image_size: 70 is a size the eva_vit_g tower cannot take; it takes "
+                                        r"multiples of its patch size 16 \(e\.g\. 64\)"):
+        build_part(vision_towers, {"name": "eva_vit_g", "preset": "tiny", "image_size": 70}, "model.vision_tower")
+    tower = build_part(vision_towers, {"name": "eva_vit_g", "preset": "tiny", "image_size": 96}, "model.vision_tower")
+    assert tower.num_tokens == 37 and tower(torch.randn(1, 3, 96, 96)).shape == (1, 37, 64)
 
 
 def test_connector_name_typo_suggests_the_registered_name():
@@ -318,3 +323,42 @@ def test_tower_processing_pads_to_square_with_the_mean_colour():
     assert pixels.shape == (3, 56, 56)
     top = pixels[:, 0, 28] * torch.tensor(tower.processing.std) + torch.tensor(tower.processing.mean)
     assert torch.allclose(top * 255, torch.tensor(tower.processing.pad_colour, dtype=torch.float), atol=1.5)
+
+
+# ----------------------------------------------------------------- every registered part, by name
+TINY_TOWERS = {"eva_vit_g": {"preset": "tiny"}, "clip": {"preset": "tiny"}, "siglip": {"preset": "tiny"}}
+TINY_CONNECTORS = {"qformer": {"num_query_token": 4, "qformer": QFORMER}, "mlp2x_gelu": {}, "linear": {},
+                   "instruct_qformer": {"num_query_token": 4, "qformer": QFORMER}}
+
+
+@pytest.mark.parametrize("tower_name", list(vision_towers))
+@pytest.mark.parametrize("connector_name", list(connectors))
+def test_every_tower_feeds_every_connector(tmp_path, tower_name, connector_name):
+    assert tower_name in TINY_TOWERS and connector_name in TINY_CONNECTORS, "give the new part a tiny section here"
+    tower = build_part(vision_towers, {"name": tower_name, **TINY_TOWERS[tower_name]}, "model.vision_tower")
+    section = {"name": connector_name, **TINY_CONNECTORS[connector_name]}
+    if connector_name == "instruct_qformer":
+        section["qformer_tokenizer"] = str(bert_tokenizer_folder(tmp_path))
+    connector = build_part(connectors, section, "model.connector", vision_width=tower.num_features, llm_width=48)
+    samples = {"instruction": ["what is in the image?", "a cat"], "image": torch.randn(2, 3, tower.image_size,
+                                                                                         tower.image_size)}
+    features = tower(samples["image"])
+    assert features.shape == (2, tower.num_tokens, tower.num_features)
+    out = connector(features, connector.prepare(samples))
+    assert out.shape == (2, connector.tokens_per_image(tower.num_tokens), 48)
+    out.sum().backward()
+    assert all(p.grad is not None for p in connector.parameters() if p.requires_grad)  # the whole connector trains
+
+
+def test_freeze_switches_of_the_qformer_connector():
+    def trainable(section):
+        connector = build_part(connectors, {"name": "qformer", "num_query_token": 4, "qformer": QFORMER, **section},
+                               "connector", vision_width=64, llm_width=48)
+        connector.train()
+        return {n.split(".")[0] for n, p in connector.named_parameters() if p.requires_grad}, connector
+
+    assert trainable({})[0] == {"ln_vision", "qformer", "query_tokens", "llm_proj"}
+    assert trainable({"freeze_qformer": True, "freeze_queries": True})[0] == {"llm_proj"}  # BLIP-2's recipe
+    assert trainable({"freeze_proj": True})[0] == {"ln_vision", "qformer", "query_tokens"}
+    frozen, connector = trainable({"freeze": True})
+    assert frozen == set() and not connector.training and not connector.qformer.training  # eval despite train()

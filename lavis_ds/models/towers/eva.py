@@ -13,6 +13,7 @@ from torch import nn
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.eva_vit import EvaViT, Precision
+from lavis_ds.models.parts import PartError
 from lavis_ds.models.pretrained import load_checked, load_eva_vit
 from lavis_ds.models.towers.base import ImageProcessing, VisionTower
 
@@ -38,6 +39,11 @@ class EvaTower(VisionTower):
         arguments = {k: v for k, v in EvaViT.default_config(preset).items() if k not in ("arch", "model_type")}
         arguments.update(vit or {})
         image_size = image_size or arguments["img_size"]
+        if image_size % arguments["patch_size"]:
+            raise PartError(f"vision_tower.image_size: {image_size} is a size the eva_vit_g tower cannot take; it "
+                            f"takes multiples of its patch size {arguments['patch_size']} (e.g. "
+                            f"{image_size // arguments['patch_size'] * arguments['patch_size'] or arguments['patch_size']}"
+                            "), its position embedding interpolated to the grid")
         arguments.update(img_size=image_size, drop_path_rate=drop_path_rate, use_grad_checkpoint=use_grad_checkpoint,
                          precision=precision)
         self.vit = EvaViT(**arguments)
@@ -57,7 +63,6 @@ class EvaTower(VisionTower):
         """LAVIS's ``eva_vit_g.pth``, the ``visual_encoder`` of a LAVIS BLIP-2 / InstructBLIP ``.pth``, or the
         ``vision_model`` of a Hugging Face BLIP-2 / InstructBLIP folder; checked key for key."""
         from lavis_ds.models import hf_keys
-        from lavis_ds.models.parts import PartError
         from lavis_ds.models.pretrained import EVA_VIT, HF_BLIP2, CheckpointError, read_checkpoint
 
         fmt, state, _ = read_checkpoint(path)
