@@ -243,7 +243,9 @@ def test_llava_folder_and_mm_projector_split_into_parts(tmp_path):
             theirs = llava.model.get_image_features(pixel_values=images).pooler_output[0]
             torch.testing.assert_close(connector(tower(images))[0], theirs, atol=1e-6, rtol=0)
 
-    # the connector reads a LLaVA folder's projector, and LLaVA's stage-1 mm_projector.bin
+    # the tower and the connector read a LLaVA folder as their `pretrained`, and LLaVA's stage-1 mm_projector.bin
+    tower = build_part(vision_towers, {"name": "clip", "preset": "tiny", "pretrained": str(tmp_path / "llava")}, "t")
+    assert all(torch.equal(v, llava.model.vision_tower.state_dict()[k]) for k, v in tower.model.state_dict().items())
     from_folder = build_part(connectors, {"name": "mlp2x_gelu", "pretrained": str(tmp_path / "llava")}, "c",
                              vision_width=32, llm_width=48)
     projector = llava.model.multi_modal_projector.state_dict()

@@ -12,7 +12,10 @@ keyword arguments plus ``pretrained`` (a local file or folder of published weigh
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
 
 from torch import nn
 
@@ -75,3 +78,23 @@ class Part(nn.Module):
         for name in sorted(getattr(self, "_eval_only", ())):
             nn.Module.train(self.get_submodule(name), False)  # not .eval(): for name "" that would recurse here
         return self
+
+
+def read_safetensors(folder: Path, keep: Callable[[str], bool], path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a transformers folder (one file or an index with shards) whose key ``keep`` accepts, read
+    one at a time: a published VLM's LLM shards, most of the folder, are never loaded for its tower or projector."""
+    from safetensors import safe_open
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+    from transformers.utils.hub import get_checkpoint_shard_files
+
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        files = [folder / SAFE_WEIGHTS_NAME]
+    elif (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        files, _ = get_checkpoint_shard_files(str(folder), str(folder / SAFE_WEIGHTS_INDEX_NAME), local_files_only=True)
+    else:
+        raise PartError(f"{path}: {folder} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}")
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            state.update((key, f.get_tensor(key)) for key in f.keys() if keep(key))
+    return state

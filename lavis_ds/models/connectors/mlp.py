@@ -9,7 +9,7 @@ from torch import nn
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.connectors.base import Connector
-from lavis_ds.models.parts import PartError
+from lavis_ds.models.parts import PartError, read_safetensors
 
 
 def load_projector(connector: nn.Module, path: str) -> None:
@@ -23,7 +23,7 @@ def load_projector(connector: nn.Module, path: str) -> None:
         raise PartError(f"connector.pretrained: {file} not found")
     if file.is_dir():
         keep = ("multi_modal_projector.", "model.multi_modal_projector.")
-        state, _ = _read_safetensors_filtered(file, lambda key: not key.startswith(keep))
+        state = read_safetensors(file, lambda key: key.startswith(keep), "connector.pretrained")
         ours, fmt = hf_keys.llava_projector(state), "LlavaForConditionalGeneration folder"
     else:
         ours, fmt = hf_keys.mm_projector(_torch_load(file)), "LLaVA mm_projector.bin"
@@ -34,25 +34,6 @@ def load_projector(connector: nn.Module, path: str) -> None:
         load_checked(connector, ours, connector.state_dict().keys(), file, fmt)
     except CheckpointError as e:
         raise PartError(str(e)) from None
-
-
-def _read_safetensors_filtered(folder: Path, skip) -> tuple[dict[str, torch.Tensor], list[str]]:
-    from safetensors import safe_open
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-    from transformers.utils.hub import get_checkpoint_shard_files
-
-    if (folder / SAFE_WEIGHTS_NAME).is_file():
-        files = [folder / SAFE_WEIGHTS_NAME]
-    elif (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
-        files, _ = get_checkpoint_shard_files(str(folder), str(folder / SAFE_WEIGHTS_INDEX_NAME), local_files_only=True)
-    else:
-        raise PartError(f"connector.pretrained: {folder} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_WEIGHTS_INDEX_NAME}")
-    state, skipped = {}, []
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:  # one tensor at a time: the LLM is never read
-            for key in f.keys():
-                (skipped.append(key) if skip(key) else state.__setitem__(key, f.get_tensor(key)))
-    return state, skipped
 
 
 @registry.register_connector("mlp2x_gelu")

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
 from lavis_ds.common.registry import registry, vision_towers
-from lavis_ds.models.parts import PartError
+from lavis_ds.models.parts import PartError, read_safetensors
 from lavis_ds.models.towers.base import CLIP_STD, CLIP_MEAN, ImageProcessing, VisionTower
 
 logger = logging.getLogger(__name__)
@@ -137,13 +137,20 @@ class HfVisionTower(VisionTower):
             raise PartError(f"{path}.pretrained: {folder} has no config.json; expected a transformers "
                             f"{cls.MODEL_CLASS.__name__} (or full model) folder such as {cls._hub_example()}")
         model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type == "llava":  # a LlavaForConditionalGeneration folder: its tower's config
+            from transformers import LlavaConfig
+
+            config = LlavaConfig.from_pretrained(folder).vision_config
+            model_type = config.model_type
+        else:
+            config = None
         if model_type not in cls.MODEL_TYPES:
             other = TOWER_OF_MODEL_TYPE.get(model_type)
             hint = f"; for this folder use vision tower {other!r}" if other else ""
             raise PartError(f"{path}.pretrained: {config_file} has model_type {model_type!r}, but the "
                             f"{cls.tower_name()} tower reads model_type {' or '.join(map(repr, cls.MODEL_TYPES))} "
                             f"(a folder such as {cls._hub_example()}){hint}")
-        config = cls.CONFIG_CLASS.from_pretrained(folder)  # a full model's config yields its vision_config
+        config = config or cls.CONFIG_CLASS.from_pretrained(folder)  # a full model's config yields its vision_config
         own = {k: v for k, v in config.to_dict().items() if k in cls.CONFIG_CLASS().to_dict()}
         if section.get("vision_config"):
             logger.info("%s.vision_config is ignored: the architecture comes from %s", path, config_file)
@@ -151,7 +158,22 @@ class HfVisionTower(VisionTower):
 
     def load_pretrained(self, path: str) -> None:
         """Weights of a published folder, read as ``MODEL_CLASS.from_pretrained`` does (safetensors or .bin,
-        sharded or not, a full CLIP/SigLIP model's text half left out); every tower weight must be there."""
+        sharded or not, a full CLIP/SigLIP model's text half left out), or the tower of a
+        ``LlavaForConditionalGeneration`` folder (any of its layouts); every tower weight must be there."""
+        folder = Path(path).expanduser()
+        if json.loads((folder / "config.json").read_text()).get("model_type") == "llava":
+            from lavis_ds.models import hf_keys
+
+            state = read_safetensors(folder, lambda key: key.startswith(("vision_tower.", "model.vision_tower.")),
+                                     "vision_tower.pretrained")
+            ours = hf_keys.hf_vision_keys(hf_keys.llava_tower(state), self.model)
+            own = self.model.state_dict().keys()
+            missing, unexpected = sorted(own - ours.keys()), sorted(ours.keys() - own)
+            if missing or unexpected:
+                raise PartError(f"{path}: its vision tower does not fit the {self.tower_name()} tower: missing "
+                                f"{missing[:5]}, unexpected {unexpected[:5]}")
+            self.model.load_state_dict(ours, strict=True)
+            return
         loaded, info = self.MODEL_CLASS.from_pretrained(path, config=self.model.config, output_loading_info=True,
                                                         dtype=next(self.model.parameters()).dtype)
         if info["missing_keys"]:
