@@ -189,6 +189,25 @@ def test_qformer_connector_equals_transformers_blip2_image_features(tmp_path):
         torch.testing.assert_close(connector(tower(images)), theirs, atol=1e-6, rtol=0)
     assert len(connector.blocks()) == 2 and len(tower.blocks()) == 2
 
+    # LAVIS's BLIP-2 .pth of the same bridge: stage-1 keys (text embeddings, text FFN, heads) skipped, no llm_proj
+    renames = ((r"^vision_model\.post_layernorm\.", "ln_vision."),
+               (r"^qformer\.layernorm\.", "Qformer.bert.embeddings.LayerNorm."), (r"\.(attention|crossattention)\.attention\.", r".\1.self."), (r"^qformer\.", "Qformer.bert."))
+    lavis = {}
+    for key, value in reference.state_dict().items():
+        if key.startswith(("qformer.", "query_tokens", "vision_model.post_layernorm.")):
+            for pattern, replacement in renames:
+                key = re.sub(pattern, replacement, key)
+            lavis[key] = value
+    lavis.update({"Qformer.bert.embeddings.word_embeddings.weight": torch.zeros(120, 32), "temp": torch.tensor(0.07),
+                  "Qformer.bert.encoder.layer.0.intermediate.dense.weight": torch.zeros(64, 32),
+                  "Qformer.cls.predictions.bias": torch.zeros(120), "opt_proj.weight": torch.zeros(8, 32)})
+    torch.save({"model": lavis}, tmp_path / "blip2_pretrained.pth")
+    from_lavis = build_part(connectors, {"name": "qformer", "num_query_token": 4, "qformer": QFORMER,
+                                         "ln_vision_eps": 1e-6, "pretrained": str(tmp_path / "blip2_pretrained.pth")},
+                            "model.connector", vision_width=64, llm_width=TEXT["hidden_size"])
+    ours, theirs = connector.state_dict(), from_lavis.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours if not k.startswith("llm_proj."))
+
 
 def bert_tokenizer_folder(tmp_path):
     from transformers import BertTokenizer
@@ -256,6 +275,12 @@ def test_llava_folder_and_mm_projector_split_into_parts(tmp_path):
                           vision_width=32, llm_width=48)
     for loaded in (from_folder, from_bin):
         assert all(torch.equal(loaded.state_dict()[k], v) for k, v in projector.items())
+    # LLaVA-1.0's single-Linear projector into the `linear` connector
+    torch.save({"model.mm_projector.weight": projector["linear_1.weight"], "model.mm_projector.bias":
+                projector["linear_1.bias"]}, tmp_path / "linear_projector.bin")
+    linear = build_part(connectors, {"name": "linear", "pretrained": str(tmp_path / "linear_projector.bin")}, "c",
+                        vision_width=32, llm_width=48)
+    assert torch.equal(linear.proj.weight, projector["linear_1.weight"])
 
 
 # ----------------------------------------------------------------- bad input, one line each

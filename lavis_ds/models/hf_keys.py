@@ -77,12 +77,13 @@ def llava_llm(state: State) -> dict[str, torch.Tensor]:
 
 
 def mm_projector(state: State) -> dict[str, torch.Tensor]:
-    """LLaVA's stage-1 ``mm_projector.bin`` (``model.mm_projector.{0,2}.*``, an ``nn.Sequential`` of Linear,
-    GELU, Linear) keyed as the ``mlp2x_gelu`` connector: ``linear_1.*``, ``linear_2.*``."""
-    names = {"0": "linear_1", "2": "linear_2"}
+    """LLaVA's stage-1 ``mm_projector.bin`` keyed as our connectors: ``model.mm_projector.{0,2}.*`` (an
+    ``nn.Sequential`` of Linear, GELU, Linear) as ``mlp2x_gelu``'s ``linear_1.*``, ``linear_2.*``, and
+    LLaVA-1.0's single ``model.mm_projector.*`` Linear as ``linear``'s ``proj.*``."""
+    names = {"0": "linear_1", "2": "linear_2", None: "proj"}
     out = {}
     for key, value in state.items():
-        match = re.match(r"(?:model\.)?mm_projector\.(\d+)\.(weight|bias)$", key)
+        match = re.match(r"(?:model\.)?mm_projector\.(?:(\d+)\.)?(weight|bias)$", key)
         if match and match.group(1) in names:
             out[f"{names[match.group(1)]}.{match.group(2)}"] = value
     return out

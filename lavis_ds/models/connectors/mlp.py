@@ -13,7 +13,7 @@ from lavis_ds.models.parts import PartError, read_safetensors
 
 
 def load_projector(connector: nn.Module, path: str) -> None:
-    """Weights of a LLaVA projector: a stage-1 ``mm_projector.bin`` (``model.mm_projector.0/2.*``) or a
+    """Weights of a LLaVA projector: a stage-1 ``mm_projector.bin`` (``model.mm_projector[.0/.2].*``) or a
     ``LlavaForConditionalGeneration`` folder's ``multi_modal_projector``; checked key for key and shape for shape."""
     from lavis_ds.models import hf_keys
     from lavis_ds.models.pretrained import CheckpointError, _torch_load, load_checked
@@ -77,3 +77,7 @@ class LinearConnector(Connector):
 
     def forward(self, features: torch.Tensor, inputs: Mapping[str, Any] | None = None) -> torch.Tensor:
         return self.proj(features.to(self.proj.weight.dtype))
+
+    def load_pretrained(self, path: str) -> None:
+        """LLaVA-1.0's ``mm_projector.bin`` (one Linear, ``model.mm_projector.*``)."""
+        load_projector(self, path)

@@ -40,10 +40,10 @@ class EvaTower(VisionTower):
         arguments.update(vit or {})
         image_size = image_size or arguments["img_size"]
         if image_size % arguments["patch_size"]:
+            patch = arguments["patch_size"]
             raise PartError(f"vision_tower.image_size: {image_size} is a size the eva_vit_g tower cannot take; it "
-                            f"takes multiples of its patch size {arguments['patch_size']} (e.g. "
-                            f"{image_size // arguments['patch_size'] * arguments['patch_size'] or arguments['patch_size']}"
-                            "), its position embedding interpolated to the grid")
+                            f"takes multiples of its patch size {patch} (e.g. {image_size // patch * patch or patch}), "
+                            "its position embedding interpolated to the grid")
         arguments.update(img_size=image_size, drop_path_rate=drop_path_rate, use_grad_checkpoint=use_grad_checkpoint,
                          precision=precision)
         self.vit = EvaViT(**arguments)
