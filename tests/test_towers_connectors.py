@@ -191,7 +191,8 @@ def test_qformer_connector_equals_transformers_blip2_image_features(tmp_path):
 
     # LAVIS's BLIP-2 .pth of the same bridge: stage-1 keys (text embeddings, text FFN, heads) skipped, no llm_proj
     renames = ((r"^vision_model\.post_layernorm\.", "ln_vision."),
-               (r"^qformer\.layernorm\.", "Qformer.bert.embeddings.LayerNorm."), (r"\.(attention|crossattention)\.attention\.", r".\1.self."), (r"^qformer\.", "Qformer.bert."))
+               (r"^qformer\.layernorm\.", "Qformer.bert.embeddings.LayerNorm."),
+               (r"\.(attention|crossattention)\.attention\.", r".\1.self."), (r"^qformer\.", "Qformer.bert."))
     lavis = {}
     for key, value in reference.state_dict().items():
         if key.startswith(("qformer.", "query_tokens", "vision_model.post_layernorm.")):
