@@ -3,11 +3,11 @@
 Each function takes ``{file key: tensor}`` and returns the keys of one part as that part's ``state_dict``
 names them (tower, connector, or the causal LM); keys that belong to other parts are left out. Sources:
 
-- transformers ``LlavaForConditionalGeneration``, in every layout its ``save_pretrained`` has written:
-  ``model.vision_tower`` / ``model.multi_modal_projector`` / ``model.language_model`` + ``lm_head``
-  (transformers 4.52 to 4.x), ``vision_tower`` / ``multi_modal_projector`` / ``language_model.model`` +
-  ``language_model.lm_head`` (before 4.52, and the 5.x files), each tower with or without its
-  ``vision_model.`` level.
+- transformers ``LlavaForConditionalGeneration``, in the layouts its ``save_pretrained`` writes:
+  ``vision_tower`` / ``multi_modal_projector`` / ``language_model.model`` + ``language_model.lm_head``
+  (transformers 5.24 writes this, the tower without its ``vision_model.`` level; transformers before 4.52
+  wrote it with that level), and ``model.vision_tower`` / ``model.multi_modal_projector`` /
+  ``model.language_model`` + ``lm_head`` (transformers 4.52 to 4.x, e.g. today's ``llava-hf`` folders).
 - transformers ``InstructBlipForConditionalGeneration`` / ``Blip2ForConditionalGeneration``:
   ``vision_model`` (EVA layout; its ``post_layernorm`` is BLIP-2's ``ln_vision``), ``qformer``,
   ``query_tokens``, ``language_projection``, ``language_model``.
