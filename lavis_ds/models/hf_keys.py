@@ -7,7 +7,7 @@ names them (tower, connector, or the causal LM); keys that belong to other parts
   ``vision_tower`` / ``multi_modal_projector`` / ``language_model.model`` + ``language_model.lm_head``
   (transformers 5.24 writes this, the tower without its ``vision_model.`` level; transformers before 4.52
   wrote it with that level), and ``model.vision_tower`` / ``model.multi_modal_projector`` /
-  ``model.language_model`` + ``lm_head`` (transformers 4.52 to 4.x, e.g. today's ``llava-hf`` folders).
+  ``model.language_model`` + ``lm_head`` (transformers 4.52 to 4.x; the tests build it by renaming).
 - transformers ``InstructBlipForConditionalGeneration`` / ``Blip2ForConditionalGeneration``:
   ``vision_model`` (EVA layout; its ``post_layernorm`` is BLIP-2's ``ln_vision``), ``qformer``,
   ``query_tokens``, ``language_projection``, ``language_model``.
