@@ -110,6 +110,9 @@ lr_schedulers = Registry("lr scheduler")
 runners = Registry("runner")
 metrics = Registry("metric")
 hooks = Registry("hook")
+# Parts that composed architectures are built from (lavis_ds.models.towers, lavis_ds.models.connectors).
+vision_towers = Registry("vision tower")
+connectors = Registry("connector")
 
 
 class _LavisStyle:
@@ -134,6 +137,10 @@ class _LavisStyle:
     get_metric_class = staticmethod(metrics.get)
     get_hook_class = staticmethod(hooks.get)
     register_hook_alias = staticmethod(hooks.register_alias)
+    register_vision_tower = staticmethod(vision_towers.register)
+    register_connector = staticmethod(connectors.register)
+    get_vision_tower_class = staticmethod(vision_towers.get)
+    get_connector_class = staticmethod(connectors.get)
 
 
 registry = _LavisStyle()
