@@ -4,11 +4,17 @@ Each reproduces what lavis_ds does at generation, so that a transformers user wh
 docs/export-hf.md feeds the model the same token ids and pixels:
 
 - the chat template writes the ChatML prompt of ``lavis_ds.models.prompt`` (system turn, an image as
-  ``<Img>`` + one image token per query + ``</Img> `` in front of the text, the assistant header);
+  ``<Img>`` + its image tokens + ``</Img> `` in front of the text, the assistant header). BLIP-2 and
+  InstructBLIP: one image token per query, written by the template. LLaVA: one image token per image,
+  which ``LlavaProcessor`` expands into the tower's tokens per image, as vLLM's LLaVA processing does too;
 - the tokenizer is the one the model used (tokens it added included), padding on the left as
-  lavis_ds's batched generation does, with ``image_token`` set so that ``Blip2Processor`` adds none;
-- ``BlipImageProcessor`` does the eval image processor's square bicubic resize and normalisation;
-- the generation config stops and suppresses what ``Blip2Qwen.generate`` stops at and suppresses.
+  lavis_ds's batched generation does, with ``image_token`` set so that the processor adds none of its own;
+- the image processor does the eval processing: BLIP's square resize (BLIP-2, InstructBLIP), CLIP's
+  shortest-edge resize and centre crop, SigLIP's square resize, LLaVA-1.5's pad-to-square (``LlavaImageProcessor``
+  with ``do_pad``), each with the tower's size, mean and std;
+- InstructBLIP's ``qformer_tokenizer/``: the connector's BERT tokenizer, truncating on the left at its
+  ``max_instruction_len`` as lavis_ds does;
+- the generation config stops and suppresses what ``VisionLLM.generate`` stops at and suppresses.
 """
 from __future__ import annotations
 
@@ -20,12 +26,13 @@ from torch import nn
 
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
 
+
 def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
 
     A ``{"type": "image"}`` item becomes lavis_ds's default image prefix with its placeholders
-    (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``); text items are copied as they
-    are. Without a system message the model's own ``system_prompt`` is used, as lavis_ds always does.
+    (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands one token
+    per image itself, so its template writes 1); text items are copied as they are. Without a system message the model's own ``system_prompt`` is used, as lavis_ds always does.
     Strings go in as JSON literals, which Jinja reads back unchanged (quotes, newlines, non-ASCII).
     """
     image_run = json.dumps("<Img>" + image_token * num_query_tokens + "</Img> ", ensure_ascii=False)
@@ -49,59 +56,109 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -
     )
 
 
-def image_processor(image_cfg: dict[str, Any]):
-    """BLIP's image processor doing what ``blip2_image_eval`` does: RGB, Resize((s, s), bicubic), /255, normalise.
+def image_processing_of(image_cfg: dict[str, Any]):
+    """The eval image processor section as a tower's ``ImageProcessing`` (resize, mean/std, padding), else None.
 
-    The PIL backend, which resizes exactly as torchvision's Resize does on a PIL image (PIL's own
-    bicubic). transformers' default torchvision backend resizes a uint8 tensor and can land one grey
-    level off (docs/export-hf.md: load the processor with ``backend="pil"``).
-    """
-    from transformers.image_utils import PILImageResampling
+    ``blip2_image_eval`` is a square bicubic resize; a registered processor that carries an ``ImageProcessing``
+    (as ``processing``) says its own steps."""
+    from lavis_ds.models.towers.base import ImageProcessing
+
+    if image_cfg.get("name") == "blip2_image_eval":
+        mean, std = image_cfg.get("mean"), image_cfg.get("std")
+        return ImageProcessing(int(image_cfg.get("image_size", 224)), tuple(CLIP_MEAN if mean is None else mean),
+                               tuple(CLIP_STD if std is None else std), "squash", False)
+    from lavis_ds.datasets.builders import build_processor
 
     try:
-        from transformers import BlipImageProcessorPil as processor_class  # transformers 5
-    except ImportError:  # transformers 4: BlipImageProcessor is the PIL one
-        from transformers import BlipImageProcessor as processor_class
-    size = int(image_cfg.get("image_size", 224))
-    mean, std = image_cfg.get("mean"), image_cfg.get("std")
-    return processor_class(do_resize=True, size={"height": size, "width": size},
-                           resample=PILImageResampling.BICUBIC, do_rescale=True, rescale_factor=1 / 255,
-                           do_normalize=True, image_mean=list(CLIP_MEAN if mean is None else mean),
-                           image_std=list(CLIP_STD if std is None else std), do_convert_rgb=True)
+        processing = getattr(build_processor(image_cfg), "processing", None)
+    except (KeyError, ValueError, TypeError):
+        return None
+    return processing if isinstance(processing, ImageProcessing) else None
 
 
-def save_processor(model: nn.Module, image_cfg: dict[str, Any], out: Path) -> None:
-    """Write the tokenizer, chat template and image processor as one Blip2Processor into ``out``."""
-    from transformers import AutoTokenizer, Blip2Processor
+def image_processor(processing, target: str = "blip2"):
+    """The transformers image processor (PIL backend) doing what ``processing`` (an ``ImageProcessing``) does.
+
+    BLIP-2 / InstructBLIP: ``BlipImageProcessor`` (square resize). LLaVA: LLaVA-1.5's pad-to-square is
+    ``LlavaImageProcessor``'s ``do_pad`` (the mean colour ``int(x * 255)``, the image centred, as LLaVA's
+    ``expand2square``); otherwise CLIP's processor (``shortest_edge`` resize + centre crop) or SigLIP's (square
+    resize). The PIL backend resizes as torchvision's Resize does on a PIL image (PIL's own bicubic);
+    transformers' default torchvision backend resizes a uint8 tensor and can land one grey level off
+    (docs/export-hf.md: load the processor with ``backend="pil"``).
+    """
+    from transformers import (BlipImageProcessorPil, CLIPImageProcessorPil, LlavaImageProcessorPil,
+                              SiglipImageProcessorPil)
+    from transformers.image_utils import PILImageResampling
+
+    size = processing.size
+    common = dict(do_resize=True, resample=PILImageResampling.BICUBIC, do_rescale=True, rescale_factor=1 / 255,
+                  do_normalize=True, image_mean=list(processing.mean), image_std=list(processing.std),
+                  do_convert_rgb=True)
+    square = dict(size={"height": size, "width": size})
+    if target != "llava":  # checked: a square resize without padding
+        return BlipImageProcessorPil(**common, **square)
+    if processing.resize == "shortest_edge":
+        common |= dict(size={"shortest_edge": size}, do_center_crop=True, crop_size={"height": size, "width": size})
+        return LlavaImageProcessorPil(do_pad=True, **common) if processing.pad_to_square else CLIPImageProcessorPil(**common)
+    if processing.pad_to_square:
+        return LlavaImageProcessorPil(do_pad=True, do_center_crop=False, **common, **square)
+    return SiglipImageProcessorPil(**common, **square)
+
+
+def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path, target: str = "blip2") -> None:
+    """Write the tokenizer, chat template and image processor as the target's processor into ``out``
+    (``Blip2Processor``, ``InstructBlipProcessor`` with ``qformer_tokenizer/``, ``LlavaProcessor``).
+
+    ``image_cfg``: the eval image processor section (None: ``blip2_image_eval`` at the model's image size)."""
+    from transformers import AutoTokenizer, Blip2Processor, InstructBlipProcessor, LlavaProcessor
 
     prompt = model.prompt
-    template = chat_template(prompt.system_prompt, prompt.image_token, prompt.num_image_tokens)
+    processing = image_processing_of(image_cfg or {"name": "blip2_image_eval", "image_size": model.image_size})
+    images = image_processor(processing, target)
+    per_image = 1 if target == "llava" else prompt.num_image_tokens
+    template = chat_template(prompt.system_prompt, prompt.image_token, per_image)
     model.llm_tokenizer.save_pretrained(out)
-    # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else
-    # Blip2Processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so
-    # that every prompt ends where its answer starts) and the template for tokenizer.apply_chat_template too.
+    # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
+    # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every
+    # prompt ends where its answer starts) and the template for tokenizer.apply_chat_template too.
     tokenizer = AutoTokenizer.from_pretrained(out, image_token=prompt.image_token, padding_side="left",
                                               chat_template=template)
-    # num_query_tokens=None: the processor then adds no image tokens of its own (BLIP-2's OPT layout puts
-    # them in front of everything); the chat template writes them where lavis_ds's prompt has them.
-    processor = Blip2Processor(image_processor(image_cfg), tokenizer, num_query_tokens=None,
-                               chat_template=template)
+    if target == "llava":
+        tower = model.vision_tower
+        processor = LlavaProcessor(images, tokenizer, patch_size=tower.model.config.patch_size,
+                                   vision_feature_select_strategy=tower.strategy, chat_template=template,
+                                   image_token=prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
+    elif target == "instructblip":
+        connector = model.connector
+        # LAVIS's settings, which lavis_ds's connector uses: truncate on the left at max_instruction_len.
+        qformer_tokenizer = AutoTokenizer.from_pretrained(connector.qformer_tokenizer_path, truncation_side="left",
+                                                          model_max_length=connector.max_instruction_len)
+        # num_query_tokens=None as for BLIP-2: the template writes the image tokens where lavis_ds's prompt has them.
+        processor = InstructBlipProcessor(images, tokenizer, qformer_tokenizer, num_query_tokens=None,
+                                          chat_template=template)
+    else:
+        # num_query_tokens=None: the processor then adds no image tokens of its own (BLIP-2's OPT layout puts
+        # them in front of everything); the chat template writes them where lavis_ds's prompt has them.
+        processor = Blip2Processor(images, tokenizer, num_query_tokens=None, chat_template=template)
     processor.save_pretrained(out)
 
 
-def generation_config(model: nn.Module):
-    """Greedy decoding stopping and suppressing as ``Blip2Qwen.generate`` does.
+def generation_config(model: nn.Module, max_new_tokens: int | None = None):
+    """Greedy decoding stopping and suppressing as ``VisionLLM.generate`` does, ``max_new_tokens`` new tokens at
+    most (None: the default of the model's ``generate``).
 
     Blip2ForConditionalGeneration.generate hands over to ``language_model.generate``, whose own
     generation config transformers builds from ``text_config`` (``blip2_config`` puts the stop and pad
     ids there too); this one, ``model.generation_config``, also suppresses the image token and is what
     ``model.generate(..., generation_config=model.generation_config)`` uses (docs/export-hf.md).
     """
+    import inspect
+
     from transformers import GenerationConfig
 
-    from lavis_ds.apps.generation import GenerationSettings  # what lavis_ds.apps.generate answers with when not told otherwise
-
-    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=GenerationSettings().max_new_tokens,
+    if max_new_tokens is None:
+        max_new_tokens = inspect.signature(model.generate).parameters["max_new_tokens"].default
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                             eos_token_id=model.stop_token_ids(), pad_token_id=model.pad_id,
                             # The placeholder is never a word: generating it would feed its meaningless row back in.
                             suppress_tokens=[model.prompt.image_token_id])

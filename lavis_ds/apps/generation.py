@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
 
-from lavis_ds.apps.export import read_export_config
+from lavis_ds.apps.export_io import read_export_config
 from lavis_ds.common.precision import autocast, to_compute
 
 

@@ -1,0 +1,234 @@
+"""Reading checkpoints and loading exports: the export library's half that every export format and every app uses.
+
+Finding a run's newest complete checkpoint, reading its trained weights through the runner that wrote it,
+copying them into a rebuilt model with strict accounting, writing a folder whole or not at all, and loading a
+``--format lavis_ds`` export (:func:`load_exported`). Nothing here parses a command line: ``lavis_ds.apps.export``
+(``export.py``), ``lavis_ds.apps.export_hf`` (``--format hf``), generate, chat and the web page import it, and it
+imports none of them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lavis_ds.common.errors import InputError
+from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.runners import checkpoint as ckpt
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+TOKENIZER_DIR = "tokenizer"
+MERGED_LLM_DIR = "llm"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ExportError(InputError, ValueError):
+    """A checkpoint that cannot be exported or an export that cannot be loaded; the message names the path."""
+
+
+# ----------------------------------------------------------------------------- finding the checkpoint
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete checkpoint folder that ``path`` names.
+
+    ``path`` is a checkpoint folder (``<output_dir>/checkpoints/step_<N>``), a run's
+    ``output_dir`` or its ``checkpoints/`` folder; the last two mean their newest
+    complete checkpoint. Raises :class:`ExportError` for an incomplete checkpoint
+    (no completion marker: some rank never finished writing it) and for anything else.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"{path} does not exist")
+    if ckpt.is_complete(path):
+        return path
+    if _is_checkpoint_folder(path):
+        newest = ckpt.latest_complete(path.parent)
+        hint = f"; the newest complete checkpoint beside it is {newest}" if newest else ""
+        raise ExportError(f"{path} is an incomplete checkpoint: it has no {ckpt.COMPLETE_MARKER}, so not every "
+                          f"rank finished writing it (the run was stopped while saving){hint}")
+    for folder in (path / "checkpoints", path):
+        newest = ckpt.latest_complete(folder)
+        if newest is not None:
+            return newest
+    incomplete = sorted(str(p) for folder in (path / "checkpoints", path) if folder.is_dir()
+                        for p in folder.iterdir() if p.is_dir() and _is_checkpoint_folder(p))
+    found = f" (only incomplete checkpoints: {', '.join(incomplete)})" if incomplete else ""
+    raise ExportError(f"{path} is not a lavis_ds checkpoint{found}: give a checkpoint folder "
+                      f"<output_dir>/checkpoints/step_<N> holding {ckpt.COMPLETE_MARKER}, or a run's output_dir "
+                      f"(its newest complete checkpoint is exported)")
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    return path.is_dir() and ckpt.looks_like_checkpoint(path)
+
+
+# ----------------------------------------------------------------------------- reading the trained weights
+def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(trained fp32 weights by parameter name, info)`` of a complete checkpoint folder.
+
+    ``info`` has the run ``config`` (DictConfig), ``runner``, ``zero_stage`` (DeepSpeed's; None under FSDP),
+    ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
+    """
+    writer = ckpt.writer_of(tag_dir)
+    if writer not in runner_registry:
+        raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
+                          f"(known: {', '.join(runner_registry)})")
+    # Each engine reads its own files (the DeepSpeed runner: its consolidation of the fp32 partitions).
+    weights, client_state, layout = runner_registry.get(writer).read_trained_weights(tag_dir)
+    return weights, _info(tag_dir, client_state, writer, layout.get("zero_stage"), layout["precision"])
+
+
+def _info(tag_dir: Path, client_state: dict, runner: str, zero_stage: int | None, dtype: str) -> dict[str, Any]:
+    """``read_checkpoint``'s info, from the client state the runner saved (its ``lavis_ds`` key)."""
+    config = ckpt.saved_config(tag_dir, client_state)
+    client = client_state["lavis_ds"]
+    train_state = client.get("train_state", {})
+    return {"config": config, "runner": runner, "zero_stage": zero_stage, "dtype": dtype,
+            "world_size": client.get("world_size"), "global_step": train_state.get("global_step"),
+            "epoch": train_state.get("epoch")}
+
+
+
+
+def run_tokenizer(model_cfg: dict, tag_dir: Path) -> str:
+    """The run's tokenizer folder (``model.tokenizer``, else ``model.llm_model``): export rebuilds the model with it."""
+    source = model_cfg.get("tokenizer") or model_cfg.get("llm_model")
+    if not source or not Path(source).exists():
+        raise ExportError(f"model.tokenizer (or model.llm_model) of {tag_dir}'s run config is {source!r}, "
+                          "which does not exist here: export where the run's tokenizer is")
+    return source
+
+
+def write_whole(out: Path, write) -> None:
+    """Call ``write(folder)`` on a folder beside ``out``, then rename it to ``out``: an export is whole or absent.
+
+    An existing ``out`` is replaced (the caller checked that it may be). mkdir, unlike mkdtemp, leaves the
+    permissions to the umask.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier attempt of a process with our pid
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+
+def is_export(folder: str | os.PathLike) -> bool:
+    folder = Path(folder)
+    return (folder / WEIGHTS_FILE).is_file() and (folder / CONFIG_FILE).is_file()
+
+
+
+# ----------------------------------------------------------------------------- loading
+def read_export_config(folder: str | os.PathLike) -> DictConfig:
+    """``config.yaml`` of an export folder; a clear error if ``folder`` is not one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportError(f"{folder} is not an export folder (it does not exist)")
+    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
+    if missing:
+        raise ExportError(f"{folder} is not an export folder: {' and '.join(missing)} missing "
+                          "(make one with `python export.py <checkpoint or run dir> --out <folder>`)")
+    cfg = OmegaConf.load(folder / CONFIG_FILE)
+    absent = [key for key in ("model", "seed", "export") if key not in cfg]
+    if absent:
+        raise ExportError(f"{folder / CONFIG_FILE}: key(s) {', '.join(absent)} missing; not written by lavis_ds export")
+    return cfg
+
+
+def exported_model_config(folder: str | os.PathLike) -> DictConfig:
+    """The exported model section with its folder-relative paths made absolute and frozen-weight paths checked."""
+    folder = Path(folder)
+    cfg = read_export_config(folder)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model["tokenizer"] = str(folder / model["tokenizer"])
+    if cfg.export.get("merged_llm"):
+        model["llm_model"] = str(folder / model["llm_model"])
+    sources = ["llm_model", "vit_pretrained"] + (["pretrained"] if model.get("load_pretrained") else [])
+    for key in sources:
+        if model.get(key) and not Path(os.path.expanduser(model[key])).exists():
+            raise ExportError(f"model.{key}: {model[key]!r} does not exist. An export holds only trained weights; "
+                              "frozen ones load from where training read them: make that path available here, "
+                              f"or point model.{key} in {folder / CONFIG_FILE} at a copy")
+    return OmegaConf.create(model)
+
+
+def load_trained_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``weights`` into ``model``'s parameters, with strict accounting.
+
+    Every key must name a parameter of ``model`` (trainable or not) of the same shape,
+    and every trainable parameter must be in ``weights``; otherwise :class:`ExportError`
+    lists the offending names. Frozen parameters not in ``weights`` keep the values the
+    model was built with.
+    """
+    present = dict(model.named_parameters(remove_duplicate=False))  # a tied alias is a present name too
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    problems = []
+    unknown = sorted(set(weights) - set(present))
+    if unknown:
+        problems.append(f"{len(unknown)} key(s) name no parameter of the rebuilt {type(model).__name__}: "
+                        + _names(unknown))
+    missing = [name for name in trainable if name not in weights]
+    if missing:
+        problems.append(f"{len(missing)} trainable parameter(s) are not in the file (they would keep their "
+                        f"initial values): {_names(missing)}")
+    shapes = [f"{name} {tuple(weights[name].shape)} vs {tuple(present[name].shape)}"
+              for name in weights if name in present and weights[name].shape != present[name].shape]
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatch(es) (file vs model): {_names(shapes)}")
+    if problems:
+        raise ExportError(f"{source} does not fit the model built from its config:\n  - " + "\n  - ".join(problems)
+                          + "\nThe weights and config.yaml must come from one export (was either edited or replaced?)")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            present[name].copy_(tensor)  # into the parameter's own dtype and device
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
+                  dtype: str | torch.dtype = "auto") -> nn.Module:
+    """Rebuild an exported model through the registry, load its trained weights, return it in eval mode.
+
+    Args:
+        folder: An export folder (``python export.py ... --out folder``).
+        device: Where to put the model.
+        dtype: ``auto`` = the dtype it trained in (``export.dtype``): a bf16/fp16 run's engine cast
+            every parameter, so casting them the same way reproduces what training computed;
+            ``fp32`` keeps the dtypes the model is built with. Or ``bf16``/``fp16``/a torch dtype.
+    """
+    import lavis_ds.models  # noqa: F401  (registers the models)
+    from lavis_ds.build import build_model
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = read_export_config(folder)
+    model = build_model(exported_model_config(folder), int(cfg.seed))
+    load_trained_weights(model, load_file(str(folder / WEIGHTS_FILE)), str(folder / WEIGHTS_FILE))
+    if dtype == "auto":
+        dtype = cfg.export.get("dtype", "fp32")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ExportError(f"dtype {dtype!r}: expected auto, {', '.join(DTYPES)} or a torch dtype")
+        dtype = DTYPES[dtype]
+    if dtype != torch.float32:
+        # As DeepSpeed's bf16/fp16 engine casts a module: parameters only; buffers (rotary
+        # frequencies, ...) keep their dtype. Casting those too changes the outputs.
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+    return model.to(device).eval()
