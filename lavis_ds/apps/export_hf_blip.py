@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lavis_ds.apps.export_hf_checks import activation_name
 from lavis_ds.models.llm_placement import empty_weights
 from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
+# torch GELU flavours -> the names transformers' ACT2FN knows them by.
+GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 # Ours -> Hugging Face, the inverse of pretrained.HF_RENAMES (a test checks that they agree). The q/v
 # biases are not renamed but fused into qkv.bias, see `vision_state_dict`.
 VISION_RENAMES = (
@@ -60,6 +61,11 @@ class BlipParts:
                        model.llm_model, "vision_tower.vit", "connector.ln_vision", "connector.llm_proj")
         return cls(model.visual_encoder, model.ln_vision, model.qformer, model.query_tokens, model.llm_proj,
                    model.llm_model)
+
+
+def activation_name(act: nn.Module) -> str | None:
+    """The ACT2FN name of a torch GELU, else None."""
+    return GELU_ACTIVATIONS.get(act.approximate) if type(act) is nn.GELU else None
 
 
 def vision_config(vit: nn.Module) -> dict:

@@ -19,10 +19,9 @@ from typing import Any
 
 from torch import nn
 
+from lavis_ds.apps.export_hf_blip import GELU_ACTIVATIONS, BlipParts, activation_name  # noqa: F401
 from lavis_ds.apps.export_io import ExportError
 
-# torch GELU flavours -> the names transformers' ACT2FN knows them by.
-GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}
 # The image processor lavis_ds evaluates blip2_qwen with; BlipImageProcessor does the same steps.
 EVAL_IMAGE_PROCESSOR = "blip2_image_eval"
 # Target -> the transformers class it writes.
@@ -83,8 +82,6 @@ def check_expressible(model: nn.Module, image_cfg: dict[str, Any] | None = None)
 
 def blip_problems(model: nn.Module, target: str, image_cfg: dict[str, Any] | None) -> list[str]:
     """BLIP-2 / InstructBLIP: the EVA layout, LayerNorms, the LLM class, the projection's bias, the pixels."""
-    from lavis_ds.apps.export_hf_blip import BlipParts
-
     parts = BlipParts.of(model)
     problems = (vit_problems(parts.vit, parts.vit_name) + _norm_problems(parts.ln_name, parts.ln_vision)
                 + llm_problems(parts.llm))
@@ -156,11 +153,6 @@ def block_problems(where: str, block: nn.Module) -> list[str]:
         problems.append(f"{where}.mlp.act: {mlp.act!r}; Blip2MLP's activations here: "
                         + ", ".join(f"GELU(approximate={k!r})" for k in GELU_ACTIVATIONS))
     return problems + _norm_problems(f"{where}.norm1", block.norm1) + _norm_problems(f"{where}.norm2", block.norm2)
-
-
-def activation_name(act: nn.Module) -> str | None:
-    """The ACT2FN name of a torch GELU, else None."""
-    return GELU_ACTIVATIONS.get(act.approximate) if type(act) is nn.GELU else None
 
 
 def _norm_problems(where: str, norm: nn.Module) -> list[str]:
