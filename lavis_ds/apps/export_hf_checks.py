@@ -185,7 +185,7 @@ def llava_problems(model: nn.Module, image_cfg: dict[str, Any] | None) -> list[s
 
     problems = []
     tower_model = model.vision_tower.model
-    if MODEL_MAPPING.get(type(tower_model.config)) is not type(tower_model):
+    if MODEL_MAPPING.get(type(tower_model.config), None) is not type(tower_model):
         problems.append(f"vision_tower.model: {type(tower_model).__name__}, which AutoModel does not build from its "
                         f"config ({type(tower_model.config).__name__})")
     connector = model.connector
@@ -196,7 +196,7 @@ def llava_problems(model: nn.Module, image_cfg: dict[str, Any] | None) -> list[s
                         "setting for both")
     llm = base_llm(model.llm_model)
     decoder = getattr(llm, getattr(llm, "base_model_prefix", ""), None)
-    if decoder is None or MODEL_MAPPING.get(type(llm.config)) is not type(decoder):
+    if decoder is None or MODEL_MAPPING.get(type(llm.config), None) is not type(decoder):
         problems.append(f"llm_model: {type(llm).__name__}, whose base model AutoModel (what LlavaConfig's text_config "
                         "is built with) does not build as the same class")
     head = llm.get_output_embeddings()

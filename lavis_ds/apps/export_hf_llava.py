@@ -20,6 +20,9 @@ from torch import nn
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.llm_placement import empty_weights
 
+# ACT2FN names tried for a connector that does not record its activation's name.
+COMMON_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu", "silu", "relu")
+
 
 def projector_act_name(connector: nn.Module) -> str | None:
     """The ACT2FN name of the connector's activation (the ``projector_hidden_act`` it was built with)."""
@@ -28,9 +31,9 @@ def projector_act_name(connector: nn.Module) -> str | None:
     name = getattr(connector, "projector_hidden_act", None)
     if name is not None:
         return name
-    # A connector that does not record its name: the ACT2FN entry that builds the same module.
+    # A connector that does not record its name: the common ACT2FN entry that builds the same module.
     act = connector.act
-    return next((n for n in ACT2FN if type(ACT2FN[n]) is type(act) and vars(ACT2FN[n]) == vars(act)), None)
+    return next((n for n in COMMON_ACTIVATIONS if type(ACT2FN[n]) is type(act) and repr(ACT2FN[n]) == repr(act)), None)
 
 
 def llava_config(model: nn.Module, dtype: torch.dtype):

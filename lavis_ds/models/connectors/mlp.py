@@ -56,6 +56,7 @@ class Mlp2xGelu(Connector):
             raise PartError(f"connector.projector_hidden_act: {projector_hidden_act!r} is not a transformers "
                             f"activation; e.g. gelu, gelu_pytorch_tanh, silu, quick_gelu")
         self.linear_1 = nn.Linear(vision_width, llm_width, bias=multimodal_projector_bias)
+        self.projector_hidden_act = projector_hidden_act  # its name, which LlavaConfig takes (export)
         self.act = ACT2FN[projector_hidden_act]
         self.linear_2 = nn.Linear(llm_width, llm_width, bias=multimodal_projector_bias)
 
