@@ -158,7 +158,8 @@ BUILDS = {"llava-clip": ("llava", lambda tok, bert: llava_model(tok)),
 
 @pytest.fixture(scope="module")
 def exports(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, image_paths, tmp_path_factory) -> dict[str, tuple]:
-    """Per model: (what lavis_ds generated, what transformers alone generated from its export, the export's notes)."""
+    """Per model: (what lavis_ds generated, what transformers alone generated from its export, the export's notes,
+    the export folder)."""
     root = tmp_path_factory.mktemp("hf_arch")
     requests = _requests(image_paths)
     sent = [{k: v for k, v in r.items() if k != "lavis_ds"} for r in requests]
@@ -177,12 +178,12 @@ def exports(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, image_paths, tmp_path_f
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (expected[name], answers, notes[name]) for name, answers in zip(BUILDS, got, strict=True)}
+    return {name: (expected[name], answers, notes[name], root / name) for name, answers in zip(BUILDS, got, strict=True)}
 
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_transformers_alone_generates_the_tokens_lavis_ds_generates(exports, name):
-    expected, got, notes = exports[name]
+    expected, got, notes, _ = exports[name]
     assert notes == []  # nothing computes differently
     assert got == expected  # batch (left padding), second turn, two images in one prompt; finished rows padded alike
     # The comparison says something: the answers differ between images.
@@ -193,3 +194,142 @@ def test_the_docs_hold_the_lines_the_test_runs():
     text = DOCS.read_text()
     missing = [line for lines in DOC_LINES.values() for line in lines if line not in text]
     assert not missing, f"docs/export-hf.md lacks: {missing}"
+
+
+# ----------------------------------------------------------------------------- the folders
+def test_the_llava_folder_holds_what_vllm_and_lmms_eval_read(exports):
+    from transformers import AutoProcessor, LlavaConfig
+
+    folder = exports["llava-clip"][3]
+    config = LlavaConfig.from_pretrained(folder)
+    assert config.architectures == ["LlavaForConditionalGeneration"]
+    assert (config.vision_config.model_type, config.text_config.model_type) == ("clip_vision_model", "qwen2")
+    # The tiny tower: 64 px in 16 px patches, CLS dropped, the penultimate layer.
+    assert (config.image_seq_length, config.vision_feature_layer, config.vision_feature_select_strategy) == \
+        (16, -2, "default")
+    assert config.projector_hidden_act == "gelu" and config.multimodal_projector_bias
+    processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    assert type(processor).__name__ == "LlavaProcessor" and processor.patch_size == 16
+    messages = [_user(None, QUESTIONS[0])]
+    # vLLM and lmms-eval render with the processor's template: the same text as the tokenizer's, one image token
+    # per image, which the processor expands to image_seq_length.
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.count("<|image_pad|>") == 1
+    ids = processor(images=[Image.new("RGB", (64, 64))], text=[text]).input_ids[0]
+    assert ids.count(config.image_token_index) == 16
+
+
+def test_the_instructblip_folder_keeps_the_qformer_tokenizer_as_lavis_ds_uses_it(exports, tiny_bert_tokenizer_dir):
+    from transformers import AutoProcessor, AutoTokenizer, InstructBlipConfig
+
+    from lavis_ds.models.connectors.instruction import tokenize_instructions
+
+    folder = exports["instructblip"][3]
+    config = InstructBlipConfig.from_pretrained(folder)
+    assert config.architectures == ["InstructBlipForConditionalGeneration"] and config.num_query_tokens == 8
+    assert (folder / "qformer_tokenizer").is_dir()
+    processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    assert type(processor).__name__ == "InstructBlipProcessor"
+    # LAVIS's settings: truncated on the left at max_instruction_len (32 in the tiny preset).
+    long_text = " ".join(["what color is the ball"] * 20)
+    theirs = processor.qformer_tokenizer([long_text, "a cat"], padding=True, truncation=True, return_tensors="pt")
+    ours = tokenize_instructions(AutoTokenizer.from_pretrained(tiny_bert_tokenizer_dir, truncation_side="left"),
+                                 [long_text, "a cat"], 32)
+    assert torch.equal(theirs.input_ids, ours["qformer_input_ids"]) and theirs.input_ids.shape[1] == 32
+    assert torch.equal(theirs.attention_mask, ours["qformer_attention_mask"])
+
+
+@pytest.mark.parametrize("resize, pad", [("shortest_edge", False), ("squash", False), ("shortest_edge", True),
+                                         ("squash", True)])
+def test_the_llava_image_processors_give_the_tower_s_pixels(resize, pad):
+    from lavis_ds.apps.export_hf_processor import image_processor
+    from lavis_ds.models.towers.base import ImageProcessing
+
+    processing = ImageProcessing(56, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), resize, pad)
+    theirs, ours = image_processor(processing, "llava"), processing.transform()
+    rng = np.random.default_rng(0)
+    # (59, 56): CLIP's crop of a long side 3 px over the size (below).
+    sizes = [(80, 100), (56, 56), (31, 57), (200, 120), (61, 56), (57, 56)] + ([] if resize == "shortest_edge"
+                                                                             and not pad else [(59, 56)])
+    for height, width in sizes:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        pixels = torch.as_tensor(np.asarray(theirs(image, return_tensors="pt").pixel_values[0]))
+        assert torch.equal(pixels, ours(image)), (height, width)
+
+
+def test_clip_s_centre_crop_is_one_pixel_off_where_torchvision_rounds_half_to_even():
+    """torchvision's CenterCrop starts at round((long - size) / 2), transformers' at (long - size) // 2: for a
+    difference of 3 mod 4 px they are one pixel apart (docs/export-hf.md says so)."""
+    from lavis_ds.apps.export_hf_processor import image_processor
+    from lavis_ds.models.towers.base import ImageProcessing
+
+    processing = ImageProcessing(56, resize="shortest_edge")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (59, 56, 3), dtype=np.uint8))
+    theirs = torch.as_tensor(np.asarray(image_processor(processing, "llava")(image).pixel_values[0]))
+    ours = processing.transform()(image)
+    assert not torch.equal(theirs, ours)
+    assert torch.equal(theirs[:, :-1], ours[:, 1:]) or torch.equal(theirs[:, 1:], ours[:, :-1])
+
+
+# ----------------------------------------------------------------------------- what is refused
+def _pair(tokenizer_dir, bert_dir, tower: dict, connector: dict) -> Llava:
+    cfg = Llava.default_config("tiny")
+    cfg.update(tokenizer=str(tokenizer_dir), vision_tower=tower, connector=connector)
+    return Llava.from_config(cfg)
+
+
+TINY_EVA = {"name": "eva_vit_g", "preset": "tiny", "image_size": 64, "precision": "fp32"}
+TINY_SIGLIP = {"name": "siglip", "preset": "tiny", "vision_config": {"image_size": 56, "patch_size": 14}}
+TINY_QFORMER = {"num_query_token": 4, "qformer": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                  "intermediate_size": 64, "vocab_size": 1000}}
+
+
+@pytest.mark.parametrize("tower, connector, why", [
+    (TINY_SIGLIP, {"name": "qformer", **TINY_QFORMER}, "no transformers class holds this tower with this connector"),
+    ({"name": "clip", "preset": "tiny", "vision_config": {"image_size": 64, "patch_size": 16}},
+     {"name": "instruct_qformer", **TINY_QFORMER}, "no transformers class holds this tower with this connector"),
+    (TINY_EVA, {"name": "mlp2x_gelu"}, "no transformers class holds this tower with this connector"),
+    (TINY_SIGLIP, {"name": "linear"}, r"LlavaConfig's projector is always linear_1 -> projector_hidden_act -> "
+                                      r"linear_2, two layers: a single linear connector has no place in it"),
+], ids=["siglip+qformer", "clip+instruct_qformer", "eva+mlp2x_gelu", "siglip+linear"])
+def test_a_pair_no_transformers_class_holds_is_refused_with_what_to_do_instead(
+        tower, connector, why, tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    if connector["name"] == "instruct_qformer":
+        connector = {**connector, "qformer_tokenizer": str(tiny_bert_tokenizer_dir)}
+    model = _pair(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, tower, connector)
+    with pytest.raises(ExportError, match=rf"^--format hf: cannot export vision tower '{tower['name']}' \+ connector "
+                                          rf"'{connector['name']}': {why}\. What --format hf writes: "
+                                          r"LlavaForConditionalGeneration: a clip or siglip tower \+ mlp2x_gelu; .* "
+                                          r"For this model, export it with --format lavis_ds \(the default\)"):
+        check_expressible(model)
+
+
+def test_an_eva_qformer_pair_exports_as_blip2(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, tmp_path):
+    from transformers import Blip2ForConditionalGeneration
+
+    model = _pair(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, TINY_EVA,
+                  {"name": "qformer", **TINY_QFORMER, "ln_vision_eps": 1e-6}).eval()
+    assert write_hf_folder(model, tmp_path) == []
+    hf = Blip2ForConditionalGeneration.from_pretrained(tmp_path)
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(hf.get_image_features(images).pooler_output, model.encode_images(images, {}))
+
+
+def test_what_llava_cannot_express_is_refused(tiny_tokenizer_dir):
+    from transformers import Qwen2ForCausalLM
+
+    class PatchedQwen2(Qwen2ForCausalLM):
+        pass
+
+    model = llava_model(tiny_tokenizer_dir)
+    model.llm_model.__class__ = PatchedQwen2
+    model.connector.linear_2.bias = None
+    with pytest.raises(ExportError) as refused:
+        check_expressible(model, {"name": "my_resize_crop", "image_size": 64})
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "cannot export as transformers' LlavaForConditionalGeneration, which cannot express:"
+    assert lines[1].startswith("  - connector: one linear layer with a bias and one without")
+    assert lines[2].startswith("  - llm_model: PatchedQwen2, but text_config model_type 'qwen2' builds Qwen2ForCausalLM")
+    assert lines[3].startswith("  - the eval image processor 'my_resize_crop'") and len(lines) == 4
