@@ -98,12 +98,13 @@ def _requests(paths: list[str]) -> list[dict]:
     return [batch, multi_turn, two_images]
 
 
-def _lavis_ds_token_ids(model, request: dict) -> list[list[int]]:
-    """What lavis_ds.apps.generation generates, as the token ids its LLM's generate returned."""
+def _lavis_ds_token_ids(model, request: dict, vis=None) -> list[list[int]]:
+    """What lavis_ds.apps.generation generates, as the token ids its LLM's generate returned; ``vis``: the image
+    processor (default: what generate uses for a run without datasets)."""
     from lavis_ds.apps.generation import generate
     from lavis_ds.processors.image import Blip2ImageEvalProcessor
 
-    vis = Blip2ImageEvalProcessor(image_size=model.image_size)  # what generate uses for a run without datasets
+    vis = vis or Blip2ImageEvalProcessor(image_size=model.image_size)
     images = torch.stack([vis(Image.open(path).convert("RGB")) for path in request["images"]])
     spec = request["lavis_ds"]
     returned = []
@@ -178,7 +179,8 @@ def exports(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, image_paths, tmp_path_f
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (expected[name], answers, notes[name], root / name) for name, answers in zip(BUILDS, got, strict=True)}
+    return {name: (expected[name], answers, notes[name], root / name)
+            for name, answers in zip(BUILDS, got, strict=True)}
 
 
 @pytest.mark.parametrize("name", BUILDS)
@@ -331,5 +333,72 @@ def test_what_llava_cannot_express_is_refused(tiny_tokenizer_dir):
     lines = str(refused.value).splitlines()
     assert lines[0] == "cannot export as transformers' LlavaForConditionalGeneration, which cannot express:"
     assert lines[1].startswith("  - connector: one linear layer with a bias and one without")
-    assert lines[2].startswith("  - llm_model: PatchedQwen2, but text_config model_type 'qwen2' builds Qwen2ForCausalLM")
+    assert lines[2].startswith("  - llm_model: PatchedQwen2, but text_config model_type 'qwen2' builds "
+                               "Qwen2ForCausalLM")
     assert lines[3].startswith("  - the eval image processor 'my_resize_crop'") and len(lines) == 4
+
+
+# ----------------------------------------------------------------------------- export.py on trained runs
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory) -> tuple[dict[str, Path], Path]:
+    """A tiny llava and a tiny instructblip trained one epoch on the demo data (ZeRO-2, one process)."""
+    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+    from run_utils import run_train, tiny_config, write_yaml
+
+    root = tmp_path_factory.mktemp("trained_arch")
+    storage = ensure_demo_shapes(root / "demo_shapes", DemoShapesSpec(num_train=32, num_val=8, num_test=8))
+    runs = {}
+    for arch in ("llava", "instructblip"):
+        cfg = tiny_config(root / arch, storage, stage=2, micro=8, max_epoch=1, warmup_steps=1)
+        cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=32, num_val=8, num_test=8)
+        cfg["model"]["arch"] = arch
+        if arch == "instructblip":  # transformers' post_layernorm eps: the export computes what lavis_ds does
+            cfg["model"]["connector"] = {"qformer_tokenizer": f"{storage}/qformer_tokenizer", "ln_vision_eps": 1e-6}
+        run_train(write_yaml(root / f"{arch}.yaml", cfg), nproc=0)
+        runs[arch] = root / arch
+    return runs, storage
+
+
+def _hf_generate(folder: Path, arch: str, images: list, questions: list[str]) -> list[list[int]]:
+    """docs/export-hf.md's lines, in-process (the isolated run is the test above)."""
+    import transformers
+
+    processor = transformers.AutoProcessor.from_pretrained(folder, backend="pil")
+    hf_class = {"llava": "LlavaForConditionalGeneration", "instructblip": "InstructBlipForConditionalGeneration"}[arch]
+    model = getattr(transformers, hf_class).from_pretrained(folder)
+    prompts = [processor.tokenizer.apply_chat_template([_user(None, q)], add_generation_prompt=True, tokenize=False)
+               for q in questions]
+    if arch == "llava":
+        inputs = processor(images=images, text=prompts, padding=True, return_tensors="pt")
+    else:
+        inputs = processor.tokenizer(prompts, padding=True, return_tensors="pt")
+        qformer = processor.qformer_tokenizer(questions, padding=True, truncation=True, return_tensors="pt")
+        inputs.update(pixel_values=processor.image_processor(images, return_tensors="pt").pixel_values,
+                      qformer_input_ids=qformer.input_ids, qformer_attention_mask=qformer.attention_mask)
+    output = model.generate(**inputs, generation_config=model.generation_config)
+    return output[:, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch, hf_class", [("llava", "LlavaForConditionalGeneration"),
+                                            ("instructblip", "InstructBlipForConditionalGeneration")])
+def test_export_py_writes_a_trained_run_as_its_class(trained_runs, arch, hf_class, tmp_path, capsys):
+    from lavis_ds.apps.export import export_checkpoint, load_exported, main
+    from lavis_ds.apps.export_hf import MARKER_FILE
+    from lavis_ds.apps.generation import eval_processors
+    from lavis_ds.datasets.demo_shapes import COLOUR_QUESTION, SHAPE_QUESTION
+
+    runs, storage = trained_runs
+    assert main([str(runs[arch]), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert f"(transformers {hf_class})" in capsys.readouterr().out
+    marker = json.loads((tmp_path / "hf" / MARKER_FILE).read_text())
+    assert (marker["architecture"], marker["zero_stage"], marker["notes"]) == (hf_class, 2, [])
+
+    model = load_exported(export_checkpoint(runs[arch], tmp_path / "lavis_ds"))
+    vis, _ = eval_processors(tmp_path / "lavis_ds")
+    paths = sorted((storage / "images").glob("test_*.png"))[:4]
+    questions = [COLOUR_QUESTION, SHAPE_QUESTION, "Describe the image in a few words.", COLOUR_QUESTION]
+    images = [Image.open(path).convert("RGB") for path in paths]
+    request = {"images": [str(p) for p in paths], "lavis_ds": {"prompts": questions, "answers": None,
+                                                               "num_images": [1] * 4}}
+    expected = _lavis_ds_token_ids(model, request, vis)
+    assert _hf_generate(tmp_path / "hf", arch, images, questions) == expected

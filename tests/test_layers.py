@@ -18,7 +18,8 @@ KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py",
 # The export library: what `export.py` and the apps call to read checkpoints and write exports. Leaf modules:
 # they import no other lavis_ds.apps module (no command line: export, generate, chat, webui, nor generation).
 EXPORT_LIBRARY = {"lavis_ds.apps.export_io", "lavis_ds.apps.export_hf", "lavis_ds.apps.export_hf_blip",
-                  "lavis_ds.apps.export_hf_llava", "lavis_ds.apps.export_hf_checks", "lavis_ds.apps.export_hf_processor"}
+                  "lavis_ds.apps.export_hf_llava", "lavis_ds.apps.export_hf_checks",
+                  "lavis_ds.apps.export_hf_processor"}
 
 
 def imported_modules(path: Path, package: str | None = None) -> set[str]:
@@ -44,7 +45,8 @@ def imported_modules(path: Path, package: str | None = None) -> set[str]:
 
 
 def module_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """``{module: the modules of root's package it imports}`` for every ``.py`` under ``root`` (``package``'s folder)."""
+    """``{module: the modules of root's package it imports}`` for every ``.py`` under ``root``, ``package``'s
+    folder."""
     files = {}
     for path in root.rglob("*.py"):
         parts = list(path.relative_to(root).with_suffix("").parts)

@@ -30,7 +30,8 @@ HF_CLASSES = {"blip2": "Blip2ForConditionalGeneration", "instructblip": "Instruc
 # (tower, connector) registry names -> target: the pairs a transformers class holds.
 PAIRS = {("eva_vit_g", "qformer"): "blip2", ("eva_vit_g", "instruct_qformer"): "instructblip",
          ("clip", "mlp2x_gelu"): "llava", ("siglip", "mlp2x_gelu"): "llava"}
-EXPORTABLE = ("LlavaForConditionalGeneration: a clip or siglip tower + mlp2x_gelu; InstructBlipForConditionalGeneration: "
+EXPORTABLE = ("LlavaForConditionalGeneration: a clip or siglip tower + mlp2x_gelu; "
+              "InstructBlipForConditionalGeneration: "
               "eva_vit_g + instruct_qformer; Blip2ForConditionalGeneration: blip2_qwen, or eva_vit_g + qformer")
 INSTEAD = ("export it with --format lavis_ds (the default): a folder of its trained weights and config that "
            "lavis_ds loads (load_exported, `python -m lavis_ds.apps.generate`, chat, the web page)")

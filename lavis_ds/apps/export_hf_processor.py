@@ -32,7 +32,8 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -
 
     A ``{"type": "image"}`` item becomes lavis_ds's default image prefix with its placeholders
     (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands one token
-    per image itself, so its template writes 1); text items are copied as they are. Without a system message the model's own ``system_prompt`` is used, as lavis_ds always does.
+    per image itself, so its template writes 1); text items are copied as they are. Without a system message the
+    model's own ``system_prompt`` is used, as lavis_ds always does.
     Strings go in as JSON literals, which Jinja reads back unchanged (quotes, newlines, non-ASCII).
     """
     image_run = json.dumps("<Img>" + image_token * num_query_tokens + "</Img> ", ensure_ascii=False)
@@ -99,7 +100,9 @@ def image_processor(processing, target: str = "blip2"):
         return BlipImageProcessorPil(**common, **square)
     if processing.resize == "shortest_edge":
         common |= dict(size={"shortest_edge": size}, do_center_crop=True, crop_size={"height": size, "width": size})
-        return LlavaImageProcessorPil(do_pad=True, **common) if processing.pad_to_square else CLIPImageProcessorPil(**common)
+        if processing.pad_to_square:
+            return LlavaImageProcessorPil(do_pad=True, **common)
+        return CLIPImageProcessorPil(**common)
     if processing.pad_to_square:
         return LlavaImageProcessorPil(do_pad=True, do_center_crop=False, **common, **square)
     return SiglipImageProcessorPil(**common, **square)
