@@ -122,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per sample (about)")
     parser.add_argument("--batch", type=int, default=2, help="samples")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256],
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 512, 256],
                         help="loss_chunk_size values to compare (0: the full logits)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per path (alternating)")
     args = parser.parse_args()

@@ -82,7 +82,7 @@ class VisionLLM(BaseModel):
         system_prompt: str | None = "You are a helpful assistant.",
         image_token: str = "<|image_pad|>",
         chat_template_kwargs: dict[str, Any] | None = None,
-        loss_chunk_size: int = 1024,
+        loss_chunk_size: int = 256,
     ):
         """
         Args:
