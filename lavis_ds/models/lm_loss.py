@@ -87,7 +87,7 @@ def token_logps(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, t
 
 def full_logits_loss(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, Any],
                      labels: torch.Tensor) -> torch.Tensor:
-    """The summed token loss from the model's own ``[B, T, V]`` logits: the reference path (``loss_chunk_size: 0``)."""
+    """The summed token loss from the model's own ``[B, T, V]`` logits: the reference path (``loss_chunks: 0``)."""
     logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
     where, targets = supervised_targets(labels)
     # Only supervised positions are upcast to fp32 (a bf16 log-softmax over 150k classes is too coarse).
