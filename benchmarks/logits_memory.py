@@ -1,13 +1,14 @@
 """Memory and time of one forward + backward: the LM head at the supervised positions in chunks against the full
 ``[B, T, V]`` logits, side by side in one run, at Qwen's vocabulary.
 
-    python benchmarks/logits_memory.py [--tokens 2048] [--batch 2] [--chunks 0 1024 256] [--repeats 3]
+    python benchmarks/logits_memory.py [--tokens 2048] [--batch 2] [--chunks 0 1 4 8] [--repeats 3]
 
 The model is the real tiny BLIP2-Qwen preset (everything trains, fp32) with the LLM's vocabulary set to Qwen's
 151,936 rows, a ChatML tokenizer trained here; 2 samples of about 2,048 tokens each, one image and an instruction
-of about three quarters of the tokens, an answer of about a quarter. Each path is `model.loss_chunk_size` (0: the
-full logits, the model's own forward; N: the head on N supervised positions at a time). The paths alternate,
-`--repeats` times each, on the same built model and the same prepared batch; gradients are dropped between steps.
+of about three quarters of the tokens, an answer of about a quarter. Each path is `model.loss_chunks` (0: the
+full logits, the model's own forward; N: the head called N times, on 1/N of the supervised positions each). The
+paths alternate, `--repeats` times each, on the same built model and the same prepared batch; gradients are
+dropped between steps.
 
 What is measured, above what the process holds just before the step (the built model, the prepared batch):
   GPU (cuda available): `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`: the tensors the
@@ -122,8 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per sample (about)")
     parser.add_argument("--batch", type=int, default=2, help="samples")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256],
-                        help="loss_chunk_size values to compare (0: the full logits)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1, 4, 8],
+                        help="loss_chunks values to compare (0: the full logits)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per path (alternating)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,7 +138,7 @@ def main() -> None:
     step(model, batch, device)  # warm-up: first-use allocations of the kernels
     for _ in range(args.repeats):
         for chunk in args.chunks:
-            model.loss_chunk_size = chunk
+            model.loss_chunks = chunk
             results[chunk].append(step(model, batch, device))
     measure = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (psutil, 1 ms)"
     print(f"logits memory: tiny BLIP2-Qwen, vocabulary {QWEN_VOCAB:,}, fp32, {device.type}; batch {shape[0]} x "
@@ -146,7 +147,7 @@ def main() -> None:
     print(f"{'path':<22}{'added GiB (max)':>16}{'x [B,T,V]':>11}{'step s (median)':>17}")
     for chunk, runs in results.items():
         added = max(r[0] for r in runs)
-        name = "full logits" if chunk == 0 else f"chunked, {chunk} / call"
+        name = "full logits" if chunk == 0 else f"head in {chunk} call(s)"
         print(f"{name:<22}{added / GIB:>16.2f}{added / logits_bytes:>11.2f}"
               f"{statistics.median(r[1] for r in runs):>17.2f}")
 

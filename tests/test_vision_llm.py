@@ -58,7 +58,7 @@ def test_blip2_qwen_keeps_its_parameter_names_and_order(tiny_tokenizer_dir):
 
 def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
     """loss = CE(LLM(token embeddings with encode_images' features at the placeholders)), composed by hand."""
-    model = build(tiny_tokenizer_dir, loss_chunk_size=0).eval()  # no dropout: two passes see the same numbers
+    model = build(tiny_tokenizer_dir, loss_chunks=0).eval()  # no dropout: two passes see the same numbers
     batch = model.prepare_batch(samples())
     features = model.encode_images(batch["image"], batch)
     ids = batch["input_ids"]
@@ -74,7 +74,7 @@ def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
 
 
 def _loss_and_grads(model: Blip2Qwen, batch: dict, chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.loss_chunk_size = chunk
+    model.loss_chunks = chunk
     model.zero_grad()
     out = model(batch)
     out["loss"].backward()
@@ -99,7 +99,7 @@ def test_chunked_head_loss_and_gradients_equal_the_full_logits_path(tokenizers, 
     assert head_loss_supported(base_llm(model.llm_model))
     batch = model.prepare_batch(samples(), pack_to=128 if packed else None)
     full_loss, full_grads = _loss_and_grads(model, batch, 0)
-    for chunk in (1024, 5):  # one chunk, and many (the last one short)
+    for chunk in (1, 5, 100):  # one call; several; more calls than supervised tokens (some empty)
         loss, grads = _loss_and_grads(model, batch, chunk)
         # 1e-6 relative: a few fp32 roundings (ULP at 6.0 is 4.8e-7) from summing the token losses in another order.
         torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=0)
@@ -121,7 +121,7 @@ def _manual_answer_logps(model: Blip2Qwen, batch: dict) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("chunk", [0, 4])
 def test_answer_logps_are_each_samples_summed_log_softmax_padded_or_packed(tiny_tokenizer_dir, chunk):
-    model = build(tiny_tokenizer_dir, loss_chunk_size=chunk).eval()
+    model = build(tiny_tokenizer_dir, loss_chunks=chunk).eval()
     with torch.no_grad():
         # Lengths 79, 90 and 60 tokens: packed into rows of 150 as [0, 2] and [1].
         batch = reordered([1, 2, 0])
@@ -151,17 +151,45 @@ def test_answer_logps_share_one_vision_pass_and_carry_gradients(tiny_tokenizer_d
 def test_a_family_the_head_path_cannot_reproduce_uses_the_full_logits(tiny_tokenizer_dir):
     """Cohere scales its logits (`logit_scale`): the chunked setting falls back to the model's own forward."""
     cfg = Blip2Qwen.default_config("tiny")
-    cfg.update(tokenizer=str(tiny_tokenizer_dir), loss_chunk_size=4)
+    cfg.update(tokenizer=str(tiny_tokenizer_dir), loss_chunks=4)
     cfg["llm_config"] = {**cfg["llm_config"], "model_type": "cohere", "logit_scale": 0.5}
     torch.manual_seed(0)
     model = Blip2Qwen.from_config(cfg).eval()
     assert not head_loss_supported(base_llm(model.llm_model))
     loss = model(samples())["loss"]
-    model.loss_chunk_size = 0
+    model.loss_chunks = 0
     assert torch.equal(loss, model(samples())["loss"])
 
 
-def test_negative_loss_chunk_size_is_refused(tiny_tokenizer_dir):
-    cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(tiny_tokenizer_dir), "loss_chunk_size": -1}
-    with pytest.raises(ValueError, match=r"loss_chunk_size must be >= 0 \(0: full logits\), got -1"):
+def test_negative_loss_chunks_is_refused(tiny_tokenizer_dir):
+    cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(tiny_tokenizer_dir), "loss_chunks": -1}
+    with pytest.raises(ValueError, match=r"loss_chunks must be >= 0 \(0: full logits\), got -1"):
         Blip2Qwen.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def demo_storage(tmp_path_factory):
+    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+
+    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
+    ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=16, num_test=8))
+    return storage
+
+
+@pytest.mark.parametrize("runner,stage", [("runner_deepspeed", 3), ("runner_fsdp", 2)])
+def test_chunked_head_takes_the_full_logits_steps_on_sharded_engines(tmp_path, demo_storage, runner, stage):
+    """ZeRO-3 gathers the head in its module hooks at every chunk, FSDP2 unshards it with the root: 2 processes,
+    4 steps with the head called 3 times (ranks hold different numbers of supervised tokens) take the steps of the
+    full logits."""
+    from run_utils import run_train, tiny_config, train_steps, write_yaml
+
+    losses = {}
+    for chunk in (0, 3):
+        out = tmp_path / f"chunk{chunk}"
+        cfg = tiny_config(out, demo_storage, stage=stage, runner=runner)
+        cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 32  # 4 steps of 4 samples x 2 processes
+        cfg["model"]["loss_chunks"] = chunk
+        run_train(write_yaml(tmp_path / f"chunk{chunk}.yaml", cfg))
+        losses[chunk] = [step["loss"] for step in train_steps(out)]
+    assert len(losses[0]) == 4
+    torch.testing.assert_close(losses[3], losses[0], rtol=1e-5, atol=0)

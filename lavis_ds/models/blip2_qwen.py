@@ -17,11 +17,11 @@ import logging
 from typing import Any, Literal, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Blip2QFormerConfig, Blip2QFormerModel
 
 from lavis_ds.common.registry import registry
+from lavis_ds.models.connectors.qformer import FP32LayerNorm  # ln_vision: statistics in fp32 (LAVIS's)
 from lavis_ds.models.eva_vit import EvaViT, Precision
 from lavis_ds.models.flops import FlopModel, flop_model
 from lavis_ds.models.pretrained import load_blip2
@@ -35,20 +35,6 @@ VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[
 VIT_KEYS_SET_AT_TOP_LEVEL = {"img_size": "image_size", "drop_path_rate": "drop_path_rate",
                              "use_grad_checkpoint": "use_grad_checkpoint", "precision": "vit_precision",
                              "pretrained": "vit_pretrained", "load_pretrained": "vit_pretrained"}
-
-
-class FP32LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in fp32 whatever the input and parameter dtypes, returned in the input dtype.
-
-    LAVIS's ``ln_vision`` does the same for fp16; here the parameters may be bf16 too
-    (DeepSpeed casts the whole module), and statistics over 1408 channels in half
-    precision lose too much. Being a module (not a functional call) lets ZeRO-3 gather it.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
 @registry.register_model("blip2_qwen")

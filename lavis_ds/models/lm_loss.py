@@ -56,7 +56,7 @@ def supervised_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def token_logps(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, torch.Tensor],
-                labels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                labels: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability (fp32) of each supervised target, and the batch row of each, in row-major order.
 
     Args:
@@ -65,28 +65,29 @@ def token_logps(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, t
         inputs_embeds: ``[B, T, H]`` input embeddings (image features spliced in).
         layout: ``attention_mask`` (padded rows) or ``position_ids`` (packed rows).
         labels: ``[B, T]`` with ``IGNORE_INDEX`` where nothing is supervised.
-        chunk_size: Supervised positions per head call; 0 applies the model's own forward to every position (the
-            full ``[B, T, V]`` logits; the path of families ``head_loss_supported`` rejects).
+        chunks: Head calls the supervised positions are split into (equal parts, some empty when there are fewer
+            positions); 0 applies the model's own forward to every position (the full ``[B, T, V]`` logits; the path
+            of families ``head_loss_supported`` rejects). A number of calls, not a size: every rank must call the
+            head as many times as the others, since ZeRO-3 gathers its weight at each call (a collective), and
+            ranks hold different numbers of supervised tokens.
     """
     where, targets = supervised_targets(labels)
     rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(where)[where]
     inner = base_llm(llm)
-    if chunk_size <= 0 or not head_loss_supported(inner):
+    if chunks <= 0 or not head_loss_supported(inner):
         logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
         picked = logits[:, :-1][where].float()
         return -F.cross_entropy(picked, targets, reduction="none"), rows
     hidden = inner.get_decoder()(inputs_embeds=inputs_embeds, use_cache=False, **layout).last_hidden_state
     picked = hidden[:, :-1][where]
     logps = [-F.cross_entropy(output_logits(inner, part).float(), goal, reduction="none")
-             for part, goal in zip(picked.split(chunk_size), targets.split(chunk_size))]
-    # No supervised token at all: an empty result that still depends on the hidden states (the graph reaches every
-    # trainable part, as the engines' gradient reduction expects).
-    return (torch.cat(logps) if logps else picked.sum(-1).float() * 0), rows
+             for part, goal in zip(picked.tensor_split(chunks), targets.tensor_split(chunks))]
+    return torch.cat(logps), rows
 
 
 def full_logits_loss(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, Any],
                      labels: torch.Tensor) -> torch.Tensor:
-    """The summed token loss from the model's own ``[B, T, V]`` logits: the reference path (``loss_chunk_size: 0``)."""
+    """The summed token loss from the model's own ``[B, T, V]`` logits: the reference path (``loss_chunks: 0``)."""
     logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
     where, targets = supervised_targets(labels)
     # Only supervised positions are upcast to fp32 (a bf16 log-softmax over 150k classes is too coarse).

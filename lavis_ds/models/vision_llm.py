@@ -82,7 +82,7 @@ class VisionLLM(BaseModel):
         system_prompt: str | None = "You are a helpful assistant.",
         image_token: str = "<|image_pad|>",
         chat_template_kwargs: dict[str, Any] | None = None,
-        loss_chunk_size: int = 1024,
+        loss_chunks: int = 8,
     ):
         """
         Args:
@@ -113,20 +113,21 @@ class VisionLLM(BaseModel):
                 only if its id has no row; its row never trains: image features replace it).
             chat_template_kwargs: Variables for the tokenizer's chat template, e.g. ``enable_thinking: false``
                 (Qwen3) or ``date_string`` (Llama 3.x, which otherwise writes today's date into every prompt).
-            loss_chunk_size: Supervised positions per LM-head call in the loss (``lavis_ds.models.lm_loss``);
-                0 computes the LLM's full ``[B, T, vocab]`` logits instead (families the chunked path cannot
-                reproduce always do).
+            loss_chunks: LM-head calls the supervised positions of a micro-batch are split into, each with its
+                fp32 cross-entropy (``lavis_ds.models.lm_loss``: a number, the same on every rank, as ZeRO-3
+                needs); 0 computes the LLM's full ``[B, T, vocab]`` logits instead (families the chunked path
+                cannot reproduce always do).
         """
         super().__init__()
-        if loss_chunk_size < 0:
-            raise ValueError(f"loss_chunk_size must be >= 0 (0: full logits), got {loss_chunk_size}")
+        if loss_chunks < 0:
+            raise ValueError(f"loss_chunks must be >= 0 (0: full logits), got {loss_chunks}")
         self.llm_args = dict(llm_model=llm_model, llm_config=llm_config, llm_precision=llm_precision,
                              freeze_llm=freeze_llm, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
                              lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
                              max_txt_len=max_txt_len, system_prompt=system_prompt, image_token=image_token,
                              chat_template_kwargs=chat_template_kwargs or {})
         self.llm_grad_checkpoint = llm_grad_checkpoint
-        self.loss_chunk_size = loss_chunk_size
+        self.loss_chunks = loss_chunks
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
         self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token)
 
@@ -368,8 +369,8 @@ class VisionLLM(BaseModel):
         """
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, None)
-        if self.loss_chunk_size and head_loss_supported(base_llm(self.llm_model)):
-            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunk_size)[0].sum()
+        if self.loss_chunks and head_loss_supported(base_llm(self.llm_model)):
+            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks)[0].sum()
         else:
             token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels)
         num_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
@@ -391,7 +392,7 @@ class VisionLLM(BaseModel):
         """
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, image_features)
-        logps, rows = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunk_size)
+        logps, rows = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks)
         owner, num_samples = sample_of_positions(samples, rows, labels)
         logp_sum = torch.zeros(num_samples, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
         counts = torch.zeros(num_samples, dtype=torch.long, device=logps.device).index_add(
