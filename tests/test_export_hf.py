@@ -65,7 +65,8 @@ def _messages(question: str | list[str], answers: list[str] = ()) -> list[dict]:
     return messages
 
 
-def _lavis_ds_token_ids(model, images, questions, answers=None) -> tuple[list[list[int]], list[str]]:
+def _lavis_ds_token_ids(model, images, questions, answers=None, num_images=None
+                        ) -> tuple[list[list[int]], list[str]]:
     """What lavis_ds.apps.generate generates, as token ids: its texts, and the ids its LLM's generate returned."""
     from lavis_ds.apps.generation import generate
 
@@ -73,7 +74,7 @@ def _lavis_ds_token_ids(model, images, questions, answers=None) -> tuple[list[li
     llm_generate = model.llm_model.generate
     model.llm_model.generate = lambda *a, **k: returned.append(llm_generate(*a, **k)) or returned[-1]
     try:
-        texts = generate(model, images, questions, answers)
+        texts = generate(model, images, questions, answers, num_images)
     finally:
         del model.llm_model.generate
     return returned[0].tolist(), texts
@@ -96,13 +97,19 @@ def test_transformers_alone_generates_the_tokens_lavis_ds_generates(demo_export,
     test = json.loads(demo_export.test_annotations.read_text())
     paths = [str(demo_export.storage / "images" / record["image"]) for record in test]
     questions = [CAPTION, COLOUR_QUESTION, SHAPE_QUESTION]
-    # Three batches: the demo's test split with its caption prompt; prompts of different lengths (left padding);
-    # a second turn after an answer (the history in the prompt).
-    batches = [(paths, [CAPTION] * len(paths), None),
-               (paths[:6], [questions[i % 3] for i in range(6)], None),
-               (paths[:2], [[COLOUR_QUESTION, SHAPE_QUESTION]] * 2, [["red"], ["blue"]])]
-    requests = [{"images": p, "messages": [_messages(q, a or ()) for q, a in zip(qs, answers or [()] * len(qs))]}
-                for p, qs, answers in batches]
+    # Four batches: the demo's test split with its caption prompt; prompts of different lengths (left padding);
+    # a second turn after an answer (the history in the prompt); two images in one prompt beside a one-image prompt
+    # (Blip2ForConditionalGeneration fills the image tokens with each image's queries in order; vLLM takes one).
+    two = "<Img><ImageHere></Img> Compare <Img><ImageHere></Img> these two."
+    batches = [(paths, [CAPTION] * len(paths), None, None),
+               (paths[:6], [questions[i % 3] for i in range(6)], None, None),
+               (paths[:2], [[COLOUR_QUESTION, SHAPE_QUESTION]] * 2, [["red"], ["blue"]], None),
+               (paths[2:5], [two, SHAPE_QUESTION], None, [2, 1])]
+    two_images = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compare "},
+                                               {"type": "image"}, {"type": "text", "text": "these two."}]}]
+    requests = [{"images": p, "messages": [two_images if q == two else _messages(q, a or ())
+                                           for q, a in zip(qs, answers or [()] * len(qs))]}
+                for p, qs, answers, _ in batches]
     script = TRANSFORMERS_ONLY.format(lines="\n".join("    " + line for line in DOC_LINES))
     proc = subprocess.run([sys.executable, "-c", script, str(demo_hf), json.dumps(requests)], cwd=demo_hf.parent,
                           capture_output=True, text=True, timeout=600)
@@ -111,9 +118,9 @@ def test_transformers_alone_generates_the_tokens_lavis_ds_generates(demo_export,
 
     model = load_exported(demo_export.folder)
     vis, _ = eval_processors(demo_export.folder)
-    for (p, qs, answers), hf in zip(batches, hf_answers, strict=True):
+    for (p, qs, answers, num_images), hf in zip(batches, hf_answers, strict=True):
         images = torch.stack([vis(Image.open(path).convert("RGB")) for path in p])
-        ids, texts = _lavis_ds_token_ids(model, images, qs, answers)
+        ids, texts = _lavis_ds_token_ids(model, images, qs, answers, num_images)
         assert hf["ids"] == ids  # the same batch: finished rows padded alike
         assert hf["texts"] == texts
     # The comparison says something: the trained demo answers in words, and about the image.
