@@ -66,8 +66,7 @@ def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
     from run_utils import write_yaml
 
     folder = "_".join(name.replace("(", "").replace(")", "").split())  # "packed (tokens)" -> packed_tokens
-    options = {**cfg["run"]["deepspeed_config"], "train_micro_batch_size_per_gpu": micro}
-    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "deepspeed_config": options, **run}}
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "batch_size_train": micro, **run}}
     return build_runner(write_yaml(tmp / f"{folder}.yaml", cfg))
 
 

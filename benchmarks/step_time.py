@@ -84,7 +84,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
                "run.max_epoch=1000",
                f"run.deepspeed_config.zero_optimization.stage={args.stage}",
-               f"run.deepspeed_config.bf16.enabled={str(args.dtype == 'bf16').lower()}", *args.options]
+               f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
     registry.get_runner_class(cfg.run.runner).init_process_group()
     runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),

@@ -27,8 +27,9 @@ def free_port() -> int:
 
 
 def tiny_config(output_dir: Path, demo_storage: Path, stage: int = 2, dtype: str = "fp32", micro: int = 4,
-                accum: int = 1, max_epoch: int = 1, **run) -> dict:
-    """A run of the tiny BLIP2-Qwen on a small demo_shapes copy, logging every step."""
+                accum: int = 1, max_epoch: int = 1, clip: float | None = 1.0, **run) -> dict:
+    """A run of the tiny BLIP2-Qwen on a small demo_shapes copy, logging every step. ``stage``: the ZeRO stage;
+    ``clip``: run.grad_norm_clip (None: unset); ``run``: more run keys."""
     return {
         "model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": f"{demo_storage}/tokenizer"},
         "datasets": {"demo_shapes": {"build_info": {"storage": str(demo_storage), "num_train": 128,
@@ -36,11 +37,9 @@ def tiny_config(output_dir: Path, demo_storage: Path, stage: int = 2, dtype: str
         "run": {
             "output_dir": str(output_dir), "init_lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 2,
             "max_epoch": max_epoch, "log_freq": 1, "seed": 7, "batch_size_eval": 8,
-            "deepspeed_config": {
-                "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
-                "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
-                "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
-            },
+            "batch_size_train": micro, "accum_grad_iters": accum, "precision": dtype,
+            **({} if clip is None else {"grad_norm_clip": clip}),
+            "deepspeed_config": {"zero_optimization": {"stage": stage}},
             **run,
         },
     }

@@ -270,9 +270,8 @@ def test_user_subclass_registered_through_imports_trains(tmp_path):
 def _demo_run(tmp_path, **run):
     storage = tmp_path / "demo"
     ensure_demo_shapes(storage, DemoShapesSpec(num_train=16, num_val=8, num_test=8))
-    cfg = tiny_config(tmp_path / "out", storage)
+    cfg = tiny_config(tmp_path / "out", storage, clip=None, **run)  # the JSON's "auto" clipping: DeepSpeed's default
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16, num_val=8, num_test=8)
-    cfg["run"].update(run)
     return cfg
 
 

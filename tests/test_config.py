@@ -32,7 +32,7 @@ def _cfg(tmp_path, ann, tokenizer_dir, **edits):
             # The tiny model's ViT takes 64 px images.
             "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
-                "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}},
+                "batch_size_train": 1, "deepspeed_config": {"zero_optimization": {"stage": 2}}},
     }
     for dotted, value in edits.items():
         *parents, leaf = dotted.split(".")
@@ -63,9 +63,10 @@ def test_defaults_merge_under_the_user_and_options_override(instruction_data, ti
     ("model.arch=blip2_qwn", r"model\.arch: Unknown model 'blip2_qwn'\. Did you mean 'blip2_qwen'\?"),
     ("run.deepspeed_config.zero_optimization.stage=5",
      r"run\.deepspeed_config\.zero_optimization\.stage: 5 is not a ZeRO stage; valid: 0, 1, 2, 3"),
-    ("run.deepspeed_config.gradient_accumulation_steps=1 run.deepspeed_config.train_batch_size=64",
-     r"train_batch_size=64 but train_micro_batch_size_per_gpu=1 x gradient_accumulation_steps=1 x world size 1 = 1"),
-    ("run.batch_size_train=2", r"run\.batch_size_train=2 and run\.deepspeed_config\.train_micro_batch_size_per_gpu=1 disagree"),
+    ("run.accum_grad_iters=1 run.global_batch_size=64",
+     r"run\.global_batch_size=64 but batch_size_train=1 x accum_grad_iters=1 x world size 1 = 1"),
+    ("run.deepspeed_config.train_micro_batch_size_per_gpu=2",
+     r"run\.batch_size_train=1 and run\.deepspeed_config\.train_micro_batch_size_per_gpu=2 disagree"),
     ("run.init_lr=fast", r"run\.init_lr: expected float, got 'fast'"),
     ("run.lr_sched=cosine", r"run\.lr_sched: Unknown lr scheduler 'cosine'"),
     ("model.vit_precision=fp8", r"model\.vit_precision: expected 'fp32' \| 'fp16' \| 'bf16', got 'fp8'"),
@@ -100,12 +101,13 @@ def test_every_problem_is_reported_at_once(instruction_data, tiny_tokenizer_dir)
 
 def test_batch_sizes_are_checked_against_the_world_size(instruction_data, tiny_tokenizer_dir):
     tmp_path, ann = instruction_data
-    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.deepspeed_config.train_batch_size": 2})
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.global_batch_size": 2})
     assert load_config(path, world_size=2).run.deepspeed_config.train_batch_size == 2
-    # Without gradient_accumulation_steps the global batch sets it (as in DeepSpeed): 2 = 1 x 2 x 1 on 1 process.
-    assert load_config(path, world_size=1).run.deepspeed_config.train_batch_size == 2
+    # Without accum_grad_iters the global batch sets it (as in DeepSpeed): 2 = 1 x 2 x 1 on 1 process.
+    one = load_config(path, world_size=1).run
+    assert (one.accum_grad_iters, one.deepspeed_config.gradient_accumulation_steps) == (2, 2)
     assert _problems(path, world_size=4) == [
-        "run.deepspeed_config.train_batch_size: a global batch of 2 cannot be split into micro-batches of 1 on "
+        "run.global_batch_size: a global batch of 2 cannot be split into micro-batches of 1 on "
         "4 processes (2 is not a multiple of 1 x 4); process counts that keep it: 1, 2"]
 
 

@@ -138,7 +138,7 @@ def nan_project(folder: Path, storage: Path, out: Path, poisoned: int, nproc: in
         "datasets": {"demo_shapes": {"build_info": {"storage": str(storage), "num_train": 64, "num_val": 8,
                                                    "num_test": 8}}},
         "run": {"output_dir": str(out), "init_lr": 0.05, "max_epoch": 1, "log_freq": 1, "seed": 3,
-                "deepspeed_config": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}},
+                "batch_size_train": 4, "deepspeed_config": {"zero_optimization": {"stage": 0}},
                 **run},
     })
 
@@ -419,7 +419,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
              [r"step_16 was saved with ZeRO stage 2 in fp32 and this run asks for stage 0 in fp32",
               r"run\.resume=false"], all_four),
         Case("precision changed to one that cannot convert", lambda d: train_cmd(
-            copy_run(base, d, storage)[1], 0, "run.deepspeed_config.fp16.enabled=true"), 2,
+            copy_run(base, d, storage)[1], 0, "run.precision=fp16"), 2,
              [r"saved with ZeRO stage 2 in fp32 and this run asks for stage 2 in fp16",
               "between fp32 and bf16 only"], all_four),
         # -- export
@@ -478,7 +478,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
              [r"lavis_ds: cannot write the checkpoint .*checkpoints/step_8: No space left on device \(",
               r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
              good("step_4")),
-        *([Case("fp16 on a machine that refuses it", fresh("run.deepspeed_config.fp16.enabled=true"), 2,
+        *([Case("fp16 on a machine that refuses it", fresh("run.precision=fp16"), 2,
                 [r"run\.precision: fp16 is not supported on this machine's \w+ device", "run.precision=bf16"],
                 check=trained_nothing)] if _fp16_refused() else []),
     ]
