@@ -33,17 +33,13 @@ def main(argv=None) -> int:
     dist.set_single_process_defaults()
     show_known_warnings_once()
     configure_build_environment()  # before anything compiles: one ops folder and one ninja per environment
-    from lavis_ds.config import ConfigError
     from lavis_ds.common.errors import LavisDsError, message_of, report
 
     try:
         return train(args)
-    except ConfigError as e:  # the same on every rank: one prints it
-        if int(os.environ.get("RANK", 0)) == 0:
-            report(str(e))
-        return 2
     except LavisDsError as e:  # the message names the file, key, record or step; no traceback helps more
-        if not getattr(e, "quiet", False):
+        quiet = getattr(e, "quiet", False) or (e.same_on_every_rank and int(os.environ.get("RANK", 0)) != 0)
+        if not quiet:
             report(message_of(e))
         return e.exit_code
     except KeyboardInterrupt:

@@ -263,8 +263,8 @@ def test_demo_refuses_a_cache_made_with_other_parameters_or_incomplete(demo_dir,
     with pytest.raises(FileExistsError, match="not a complete demo_shapes dataset"):
         ensure_demo_shapes(tmp_path / "half", SMALL_DEMO)
     builder = DemoShapesBuilder({"build_info": {"storage": str(tmp_path / "never")}})
-    assert builder.check() == [f"datasets.demo_shapes.build_info.storage: demo data at {tmp_path / 'never'} "
-                               f"has not been generated; call prepare() first"]
+    assert (builder.check(), builder.generates()) == ([], [tmp_path / "never"])  # the build generates it
+    assert not (tmp_path / "never").exists()
 
 
 def test_demo_regenerates_a_cache_from_an_older_format(demo_dir, tmp_path):
