@@ -26,7 +26,8 @@ GREEN, RESET = "\033[32m", "\033[0m"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="lavis-ds show-sample", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg-path", required=True, help="run YAML")
     parser.add_argument("--options", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys")
     parser.add_argument("--index", type=int, default=0, help="sample index in the split (default 0)")

@@ -29,7 +29,7 @@ PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train",
            "lavis_ds.runners.deepspeed.runner", "lavis_ds.runners.fsdp.runner",
            "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.apps.export",
            "lavis_ds.apps.generate", "forked"]
-TRAIN = "train:main"  # the default target: train.py's main()
+TRAIN = "lavis_ds.train:main"  # the default target: what train.py runs
 FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
 STILL_RUNNING = "forked.Job"  # begins the line a job's stderr gets when it had to stop them
 

@@ -1,7 +1,7 @@
 """Chat with an exported model about images in a browser (Gradio).
 
-    python -m lavis_ds.apps.webui --model exports/demo                  # http://127.0.0.1:7860
-    python -m lavis_ds.apps.webui --model exports/demo --host 0.0.0.0 --port 8080
+    lavis-ds webui --model exports/demo                  # http://127.0.0.1:7860
+    lavis-ds webui --model exports/demo --host 0.0.0.0 --port 8080
 
 Upload an image and ask about it; answers appear token by token. Every uploaded
 image joins the conversation and is shown to the model with the next question
@@ -141,9 +141,9 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.apps.webui", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lavis-ds webui", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
+    parser.add_argument("--model", required=True, help="export folder (lavis-ds export ... --out <folder>)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--seed", type=int, default=42, help="the page's initial seed")
