@@ -160,9 +160,8 @@ def test_a_template_that_fails_inside_jinja_ends_train_py_in_one_line_naming_the
 
     folder = train_family_tokenizer("qwen2.5", TINY_CORPUS, tmp_path / "tools_tokenizer", TOOLS_TEMPLATE,
                                     vocab_size=400)
-    cfg = tiny_config(tmp_path / "out", tmp_path / "demo", stage=0, micro=4)
+    cfg = tiny_config(tmp_path / "out", tmp_path / "demo", stage=0, micro=4, sizes=(16, 8, 8))  # the build makes it
     cfg["model"]["tokenizer"] = str(folder)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16, num_val=8, num_test=8)
     proc = run_train(write_yaml(tmp_path / "tools.yaml", cfg), nproc=0, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:")]
     assert proc.returncode == 2 and not tracebacks(proc.stdout + proc.stderr), proc.stderr[-3000:]

@@ -33,7 +33,6 @@ def test_every_command_takes_its_modules_flags(command, capsys):
 def test_show_sample_through_the_command(tmp_path, capsys):
     storage = ensure_demo_shapes(tmp_path / "demo", DemoShapesSpec(num_train=8, num_val=2, num_test=2))
     cfg = tiny_config(tmp_path / "out", storage)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=8, num_val=2, num_test=2)
     path = write_yaml(tmp_path / "run.yaml", cfg)
     assert cli.main(["show-sample", "--cfg-path", str(path), "--index", "1", "--color", "never"]) == 0
     assert "datasets.demo_shapes train[1]" in capsys.readouterr().out

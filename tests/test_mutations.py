@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import folder_faults
+from conftest import demo_storage_fixture
 from forked import STILL_RUNNING
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.samplers import StepBatchSampler
 from run_utils import output_of, run_forked, run_train, start, tiny_config, tracebacks, train_steps, write_yaml
 
@@ -64,17 +64,11 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mutations")
 
 
-@pytest.fixture(scope="module")
-def demo_storage(root) -> Path:
-    storage = root / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=8, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=64, num_val=8, num_test=8)
 
 
 def base_config(out: Path, storage: Path, **run) -> dict:
-    cfg = tiny_config(out, storage, stage=2, max_epoch=1, **{"save_freq_steps": SAVE_EVERY, **run})
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=64, num_val=8, num_test=8)
-    return cfg
+    return tiny_config(out, storage, stage=2, max_epoch=1, **{"save_freq_steps": SAVE_EVERY, **run})
 
 
 @pytest.fixture(scope="module")
