@@ -29,12 +29,12 @@ from omegaconf.errors import OmegaConfBaseException
 from lavis_ds.common import dist, lavis_compat
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import ConfigError
-from lavis_ds.common.run_config import (NEUTRAL_KEYS, RunConfig, Twin, batch_unit, resolve_twins, training_settings,
-                                       valid_betas)
+from lavis_ds.common.run_config import RunConfig, batch_unit, valid_betas
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
+from lavis_ds import run_checks
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 from lavis_ds.runners import DEFAULT_RUNNER
@@ -43,7 +43,6 @@ from lavis_ds.runners.hooks import hook_problems
 logger = logging.getLogger(__name__)
 
 TOP_LEVEL_KEYS = ("imports", "model", "datasets", "run")
-
 
 
 def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_size: int = 1,
@@ -84,7 +83,7 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
         runner = reg.runners.get(cfg.run.runner)
         run, runner_notes = runner.complete_config({**OmegaConf.to_container(cfg.run), **neutral}, world_size)
         cfg.run = OmegaConf.create(run)
-        runner_notes += _foreign_options_notes(run, runner)
+        runner_notes += run_checks.foreign_options_notes(run, runner)
         if dist.is_main_process():  # every rank loads the config; one says what it did
             for line in notes + runner_notes:
                 logger.warning("%s", line)
@@ -152,51 +151,17 @@ def _translate(user: DictConfig, errors: list[str]) -> tuple[DictConfig, list[st
     plain = OmegaConf.to_container(user, resolve=False)
     run = plain.get("run")
     if isinstance(run, dict):
-        for runner in _runners().values():
+        for runner in run_checks.runners_by_name().values():
             if runner.OPTIONS_KEY in run:
                 section, problems = runner.read_options(run[runner.OPTIONS_KEY])
                 errors.extend(problems)
                 if section is not None:
                     run[runner.OPTIONS_KEY] = section
-    twins, _ = option_twins(run) if isinstance(run, dict) else ([], [])  # their problems: reported by validate
+    # what the runners' sections say about the run keys (their problems: reported by validate)
+    twins, _ = run_checks.option_twins(run) if isinstance(run, dict) else ([], [])
     problems, notes = lavis_compat.translate(plain, twins)
     errors.extend(problems)
     return OmegaConf.create(plain), notes
-
-
-def _runners() -> dict[str, type]:
-    """Every registered runner class once, by its name (a user's subclass may share its parent's options section)."""
-    return reg.runners.distinct()
-
-
-def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
-    """What the runners' options sections of ``run`` say about the neutral run keys, and problems with it."""
-    twins, problems, seen = [], [], set()
-    for runner in _runners().values():
-        key = runner.OPTIONS_KEY
-        if key is None or key in seen or not isinstance(run.get(key), dict):
-            continue
-        seen.add(key)
-        more_twins, more_problems = runner.option_twins(run[key])
-        twins += more_twins
-        problems += more_problems
-    return twins, problems
-
-
-def _foreign_options_notes(run: dict, chosen: type) -> list[str]:
-    """Another runner's options section in this run: what of it this runner uses (its twins of the run keys)."""
-    notes = []
-    for name, runner in _runners().items():
-        key = runner.OPTIONS_KEY
-        if key is None or key == chosen.OPTIONS_KEY or not isinstance(run.get(key), dict) or not run[key]:
-            continue
-        used = {twin.path.split(".")[2] for twin in runner.option_twins(run[key])[0]}
-        unused = sorted(k for k in run[key] if k not in used)
-        if unused:
-            notes.append(f"run.{key} is {name}'s section; {reg.runners.canonical(run['runner'])} reads only what it "
-                         f"says about the run keys (batch, clipping, precision, AdamW's betas/eps); not used: "
-                         f"{', '.join(unused)}")
-    return notes
 
 
 def model_class(arch: object) -> type | None:
@@ -307,7 +272,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
 
     run = plain["run"]
     check_section(run, fields_of(RunConfig), "run", errors,
-                  extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY})
+                  extra_keys={cls.OPTIONS_KEY for cls in run_checks.runners_by_name().values() if cls.OPTIONS_KEY})
     if isinstance(run.get("adam_betas"), list) and not valid_betas(run["adam_betas"]):  # a non-list: a type error
         errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {run['adam_betas']!r}")
     training = {name: section for name, section in plain["datasets"].items()
@@ -318,17 +283,17 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
-    neutral = _neutral_settings(run, errors, world_size)
+    neutral = run_checks.neutral_settings(run, errors, world_size)
     runner = run.get("runner")
     close = runner if runner in reg.runners else reg.runners.closest(str(runner))
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
         errors.extend(reg.runners.get(close).config_problems({**run, **(neutral or {})}, world_size,
                                                              neutral is not None))
-    errors.extend(_split_problems(run, plain["datasets"]))
+    errors.extend(run_checks.split_problems(run, plain["datasets"]))
     errors.extend(metric_problems(run, plain["datasets"]))
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
-    errors.extend(packing_problems(run, model))
+    errors.extend(run_checks.packing_problems(run, model))
     errors.extend(hook_problems(run.get("hooks")))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
@@ -336,45 +301,6 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     elif isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
         errors.append(f"run.resume: checkpoint folder {resume!r} does not exist")
     return neutral or {}
-
-
-def _split_problems(run: dict, datasets: dict) -> list[str]:
-    """Splits that no dataset has, and a training run with no split to train on."""
-    # Split names are known only for datasets that list annotation files (generated ones have their own).
-    annotations = [(section.get("build_info") or {}).get("annotations") for section in datasets.values()
-                   if isinstance(section, dict)]
-    splits = {s for a in annotations if a for s in a} if all(annotations) else set()
-    problems = [f"run.{key}: split {split!r} is not in any dataset; available: {', '.join(sorted(splits))}"
-                for key in ("train_splits", "valid_splits", "test_splits") for split in run.get(key) or []
-                if splits and split not in splits]
-    if run.get("train_splits") == [] and not run.get("evaluate"):  # the loop would have no data to draw from
-        available = f" (available: {', '.join(sorted(splits))})" if splits else ""
-        problems.append(f"run.train_splits: empty, so nothing trains; name the split(s) to train on{available}, or set "
-                        "run.evaluate: true to evaluate a checkpoint without training")
-    return problems
-
-
-def _neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | None:
-    """Batch layout, clipping, precision and AdamW's betas/eps from the run keys and their twins in the runners'
-    sections, once their values passed the type and range checks (a micro-batch of 0 is reported once, as
-    run.batch_size_train's); None if they cannot be resolved."""
-    twins, problems = option_twins(run)
-    errors.extend(problems)
-    written = tuple(f"run.{key}" for key in NEUTRAL_KEYS) + tuple(twin.path for twin in twins)
-    if problems or any(e.startswith(written) for e in errors):
-        return None
-    try:
-        resolved, spelled = resolve_twins(run, twins)
-        tokens = token_budget_problems(resolved, spelled, errors)  # global_batch_tokens may fix the layout
-        settings = training_settings({**resolved, **tokens}, world_size, spelled)
-    except ValueError as e:
-        errors.append(str(e))
-        return None
-    if tokens and isinstance(resolved.get("max_seq_len"), int):  # else an error names it: the tokens of a step
-        tokens = {**tokens, "global_batch_tokens": settings.global_batch * resolved["max_seq_len"]}
-    return {**{key: resolved[key] for key in NEUTRAL_KEYS}, "batch_size_train": settings.micro_batch,
-            "accum_grad_iters": settings.accum, "global_batch_size": settings.global_batch,
-            "precision": settings.precision, **tokens}  # grad_norm_clip stays unset if it was: no clipping either way
 
 
 def _check_dataset(name: str, section: dict, errors: list[str]) -> None:
@@ -462,47 +388,3 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]
 
 
-def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str]) -> dict:
-    """``run.batch_unit: tokens``: its problems added to ``errors``; returns the run keys it resolves (the unit, and
-    the global batch in rows if ``run.global_batch_tokens`` gave it), or {} for a run counted in samples.
-    ``spelled``: where a batch key was written."""
-    if batch_unit(run) != "tokens":
-        if run.get("global_batch_tokens") is not None:
-            errors.append("run.global_batch_tokens: only with run.batch_unit: tokens (or run.packing: true); this run "
-                          "counts its batches in samples (run.global_batch_size)")
-        return {}
-    rows, given = run.get("max_seq_len"), run.get("global_batch_tokens")
-    if run.get("length_grouped"):
-        errors.append("run.length_grouped: sorts micro-batches of a fixed number of samples, but this run fills them "
-                      "by tokens (run.batch_unit: tokens, the default with run.packing); drop one of the two")
-    if not isinstance(rows, int):
-        errors.extend([] if run.get("packing") else  # packing_problems names it
-                      ["run.batch_unit: tokens: set run.max_seq_len, the tokens of a row of a micro-batch"])
-        return {"batch_unit": "tokens"}
-    if given is None or not isinstance(given, int):
-        return {"batch_unit": "tokens"}
-    if given % rows:
-        errors.append(f"run.global_batch_tokens={given} is not a multiple of run.max_seq_len={rows}: an optimizer step "
-                      f"is a whole number of rows; e.g. {given // rows * rows or rows}")
-        return {"batch_unit": "tokens"}
-    if run.get("global_batch_size") not in (None, given // rows):
-        where = spelled.get("global_batch_size", "run.global_batch_size")
-        errors.append(f"run.global_batch_tokens={given} is {given // rows} rows of run.max_seq_len={rows}, but "
-                      f"{where}={run['global_batch_size']}; give one of the two")
-        return {"batch_unit": "tokens"}
-    return {"batch_unit": "tokens", "global_batch_size": given // rows}
-
-
-def packing_problems(run: dict, model: dict) -> list[str]:
-    """run.packing and a token budget need a row length that holds the longest sample the model makes
-    (model.max_txt_len)."""
-    if not run.get("packing") and batch_unit(run) != "tokens":
-        return []
-    rows, longest = run.get("max_seq_len"), model.get("max_txt_len")
-    if rows is None and run.get("packing"):
-        return ["run.packing: set run.max_seq_len, the tokens of a packed row (at least model.max_txt_len"
-                + (f", {longest})" if isinstance(longest, int) else ")")]
-    if isinstance(rows, int) and isinstance(longest, int) and rows < longest:
-        return [f"run.max_seq_len={rows} is shorter than model.max_txt_len={longest}: a sample could not fit in a "
-                f"row; raise run.max_seq_len to at least {longest} or lower model.max_txt_len"]
-    return []

@@ -245,3 +245,15 @@ def test_checking_a_config_writes_nothing_and_building_generates_the_demo(tmp_pa
     prepare_datasets(cfg.datasets)
     assert (storage / "DONE").is_file() and (storage / "tokenizer").is_dir()
     assert load_config(REPO / "projects/demo/tiny_zero2.yaml", options).model.tokenizer == f"{storage}/tokenizer"
+
+
+def test_demo_data_generated_with_other_sizes_is_a_config_problem(tmp_path):
+    """The check reads the demo folder's DONE file: other parameters are named before anything is built."""
+    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+
+    storage = ensure_demo_shapes(tmp_path / "demo", DemoShapesSpec(num_train=8, num_val=2, num_test=2))
+    options = [f"datasets.demo_shapes.build_info.storage={storage}", "datasets.demo_shapes.build_info.num_train=16",
+               "datasets.demo_shapes.build_info.num_val=2", "datasets.demo_shapes.build_info.num_test=2"]
+    with pytest.raises(ConfigError, match=r"datasets\.demo_shapes\.build_info\.storage: .*/demo was generated with other parameters "
+                                          r"\(num_train: 8 on disk vs 16 requested\)"):
+        load_config(REPO / "projects/demo/tiny_zero2.yaml", options)

@@ -26,7 +26,6 @@ own); the config validator checks them against those fields.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -42,7 +41,6 @@ from lavis_ds.common import dist
 from lavis_ds.common import registry as reg
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.datasets.coco_caption import parse_coco_caption_file
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES, InstructionDataset, parse_instruction_file
 from lavis_ds.datasets.llava import llava_parser
 from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
@@ -406,76 +404,6 @@ class CocoCaptionBuilder(BaseDatasetBuilder):
 
     def loader_for(self, split: str) -> RecordLoader:
         return self.loader if _stage(split) == "train" else self.eval_loader
-
-
-@reg.builders.register("demo_shapes")
-class DemoShapesBuilder(BaseDatasetBuilder):
-    """The embedded demo: coloured shapes, generated into ``build_info.storage`` on first use.
-
-    ``build_info`` keys: ``storage`` (folder; default under ``$LAVIS_DS_CACHE`` or
-    ``~/.cache/lavis_ds``), ``num_train``, ``num_val``, ``num_test``, ``image_size``, ``seed``.
-    """
-
-    SPEC_KEYS: ClassVar[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(DemoShapesSpec))
-    BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("storage", *SPEC_KEYS)
-
-    @property
-    def storage(self) -> Path:
-        storage = self.build_info.get("storage")
-        if not isinstance(storage, str) or not storage:
-            raise ValueError(f"{self.where}.build_info.storage: required; the folder the demo data is "
-                             f"generated into, got {storage!r}")
-        return _local_path(storage)
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        """The ChatML tokenizer trained on the demo texts (exists after ``prepare()``)."""
-        return self.storage / "tokenizer"
-
-    def spec(self) -> DemoShapesSpec:
-        try:
-            return DemoShapesSpec(**{k: self.build_info[k] for k in self.SPEC_KEYS if k in self.build_info})
-        except ValueError as e:
-            raise ValueError(f"{self.where}.build_info: {e}") from None
-
-    def prepare(self) -> None:
-        ensure_demo_shapes(self.storage, self.spec())
-
-    def generates(self) -> list[Path]:
-        try:
-            return [] if (self.storage / "DONE").is_file() else [self.storage]
-        except ValueError:
-            return []  # reported by check()
-
-    def check(self) -> list[str]:
-        """The section's problems; demo data not generated yet has none but its settings' (the build makes it)."""
-        try:
-            self.spec()
-            generated = (self.storage / "DONE").is_file()
-        except ValueError as e:
-            return [str(e)]
-        return super().check() if generated else []
-
-    def annotation_files(self, problems: list[str] | None = None) -> dict[str, list[Path]]:
-        try:
-            storage = self.storage
-        except ValueError as e:
-            if problems is not None:
-                problems.append(str(e))
-            return {}
-        return {split: [storage / "annotations" / f"{split}.json"] for split in ("train", "val", "test")}
-
-    def annotation_key(self, split: str) -> str:
-        return f"{self.where}.build_info.storage"
-
-    def image_root(self, problems: list[str] | None = None) -> Path | None:
-        try:
-            return self.storage / "images"
-        except ValueError:
-            return None  # already reported by annotation_files
-
-    def image_root_key(self) -> str:
-        return f"{self.where}.build_info.storage"
 
 
 # MiniGPT4Qwen's builder names (Coobiw/MPP-LLaVA, lavis/datasets/builders/minigpt4qwen_builder.py). Both of
