@@ -68,3 +68,7 @@ def test_one_did_you_mean_serves_every_suggestion():
     assert did_you_mean("stag", ["stage", "offload"]) == "did you mean 'stage'?"
     assert did_you_mean("qwn2", ["qwen2", "qwen3", "llama"], n=2) == "did you mean 'qwen2', 'qwen3'?"
     assert did_you_mean("zzz", ["stage"], "valid keys: stage") == "valid keys: stage"
+    r = Registry("widget")
+    r.register("MyModel")(type("A", (), {}))
+    with pytest.raises(KeyError, match=r"Unknown widget 'MyModl'\. Did you mean 'MyModel'\?"):  # its own spelling
+        r.get("MyModl")

@@ -76,7 +76,7 @@ class Registry:
         return close[0] if close else None
 
     def _unknown_message(self, name: str) -> str:
-        hint = suggest.did_you_mean(name, [*self._entries, *self._aliases]).capitalize()
+        hint = suggest.did_you_mean(name, [*self._entries, *self._aliases], sentence=True)
         hint = f" {hint}" if hint else ""
         aliases = "".join(f", {alias} (= {target})" for alias, target in self.aliases().items())
         return (f"Unknown {self.kind} {name!r}.{hint} Known {self.kind}s: "

@@ -11,8 +11,11 @@ def closest(name: object, candidates: Iterable[str], n: int = 1) -> list[str]:
     return difflib.get_close_matches(str(name), [str(c) for c in candidates], n=n)
 
 
-def did_you_mean(name: object, candidates: Iterable[str], otherwise: str = "", n: int = 1) -> str:
+def did_you_mean(name: object, candidates: Iterable[str], otherwise: str = "", n: int = 1,
+                 sentence: bool = False) -> str:
     """``did you mean 'x'?`` (``'x', 'y'`` with ``n`` > 1) for the candidates closest to ``name``, else
-    ``otherwise`` (e.g. the list of valid names)."""
+    ``otherwise`` (e.g. the list of valid names). ``sentence``: ``Did you mean ...`` to start a sentence."""
     close = closest(name, candidates, n)
-    return f"did you mean {', '.join(repr(c) for c in close)}?" if close else otherwise
+    if not close:
+        return otherwise
+    return f"{'Did' if sentence else 'did'} you mean {', '.join(repr(c) for c in close)}?"

@@ -89,7 +89,7 @@ class BaseModel(nn.Module):
             raise KeyError(f"model_type {model_type!r} is not supported: {why}. Use the {cls.__name__} preset "
                            f"{instead!r} (or {others}) with model.llm_model naming the matching Hugging Face folder.")
         if model_type not in presets:
-            hint = did_you_mean(model_type, presets).capitalize()
+            hint = did_you_mean(model_type, presets, sentence=True)
             hint = f" {hint}" if hint else ""
             raise KeyError(
                 f"Unknown model_type {model_type!r} for {cls.__name__}.{hint} "
