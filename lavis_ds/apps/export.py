@@ -267,7 +267,7 @@ def read_export_config(folder: str | os.PathLike) -> DictConfig:
     missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
     if missing:
         raise ExportError(f"{folder} is not an export folder: {' and '.join(missing)} missing "
-                          "(make one with `python export.py <checkpoint or run dir> --out <folder>`)")
+                          "(make one with `lavis-ds export <checkpoint or run dir> --out <folder>`)")
     cfg = OmegaConf.load(folder / CONFIG_FILE)
     absent = [key for key in ("model", "seed", "export") if key not in cfg]
     if absent:
@@ -364,8 +364,8 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
 # ----------------------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
-        "without DeepSpeed. Load it with lavis_ds.apps.export.load_exported or `python -m lavis_ds.apps.generate`; "
+        prog="lavis-ds export", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
+        "without DeepSpeed. Load it with lavis_ds.apps.export.load_exported or `lavis-ds generate`; "
         "with --format hf, with transformers' Blip2ForConditionalGeneration (docs/export-hf.md).")
     parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
                                        "output_dir (its newest complete checkpoint)")
