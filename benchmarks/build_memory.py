@@ -131,11 +131,9 @@ def write_run(workdir: Path, hidden: int, layers: int, vocab: int) -> tuple[Path
         torch.manual_seed(0)
         Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(llm_dir)
     weights = sum(p.stat().st_size for p in llm_dir.glob("*.safetensors"))
-    sys.path.insert(0, str(REPO / "tests"))
-    from run_utils import tiny_config, write_yaml
+    from harness.configs import tiny_config, write_yaml
 
     cfg = tiny_config(workdir / "out", storage, stage=3, dtype="bf16", micro=2)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=8, num_val=2, num_test=2)
     cfg["model"].update(llm_model=str(llm_dir), tokenizer=None, freeze_vit=True, freeze_qformer=True,
                         freeze_queries=True, freeze_llm=True)
     return write_yaml(workdir / "run.yaml", cfg), weights

@@ -169,8 +169,7 @@ def old_tree(rev: str, dest: Path) -> Path:
 
 
 def write_config(path: Path, out: Path, annotation: Path, images: Path, tokenizer: Path, workers: int) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
-    from run_utils import tiny_config, write_yaml
+    from harness.configs import tiny_config, write_yaml
 
     cfg = tiny_config(out, tokenizer.parent, stage=2, micro=4, num_workers=workers)
     cfg["datasets"] = {"llava": {

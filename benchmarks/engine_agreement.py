@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # the harness, shared with the tests
 
-from run_utils import command, env, tiny_config, train_steps, write_yaml  # noqa: E402
+from harness.checks import train_steps  # noqa: E402
+from harness.configs import tiny_config, write_yaml  # noqa: E402
+from harness.processes import command, env  # noqa: E402
 
 RUNS = {  # name -> (runner, ZeRO stage, precision, run.fsdp)
     "fp32 fsdp": ("runner_fsdp", 3, "fp32", {}),

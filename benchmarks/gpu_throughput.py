@@ -32,7 +32,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "tests"))
 
 ENGINES = {"zero2": ("runner_deepspeed", 2), "zero3": ("runner_deepspeed", 3), "fsdp": ("runner_fsdp", 3)}
 
@@ -56,7 +55,7 @@ def write_config(folder: Path, llm: str, args) -> Path:
     from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
     from lavis_ds.models import Blip2Qwen
     from loader_throughput import section, write_data
-    from run_utils import write_yaml
+    from harness.configs import write_yaml
 
     annotation, root = write_data(args.data, 16, 8 * args.micro * args.nproc * 4)
     storage = ensure_demo_shapes(args.data / "demo_shapes", DemoShapesSpec(num_train=128, num_val=16, num_test=8))

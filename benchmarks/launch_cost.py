@@ -19,10 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness
 
-import forked  # noqa: E402
-from run_utils import comparable, noisy_config, run_train, train_steps, write_yaml  # noqa: E402
+from harness import forked  # noqa: E402
+from harness.checks import comparable, train_steps  # noqa: E402
+from harness.configs import noisy_config, write_yaml  # noqa: E402
+from harness.processes import run_train  # noqa: E402
 
 from lavis_ds.common.extensions import configure_build_environment  # noqa: E402
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes  # noqa: E402

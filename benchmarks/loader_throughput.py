@@ -6,7 +6,7 @@ Data: ``--images`` JPEGs of COCO's size (640x480, ~100 KB, smooth colour fields 
 that they compress like photographs) and a LLaVA conversation file of ``--records`` records
 using them (``benchmarks/llava_mix.py``'s record shapes), written once under ``--data``.
 
-The loader is the runner's own: the tiny BLIP2-Qwen demo run (``tests/run_utils.tiny_config``:
+The loader is the runner's own: the tiny BLIP2-Qwen demo run (``harness.configs.tiny_config``:
 one process, ZeRO-2, fp32, micro-batch ``--micro``, 64-pixel images) is built as ``train.py``
 builds it, and for each worker count its ``_loader`` makes the training DataLoader over a
 dataset of this data (``SeededDataset`` + ``InstructionDataset``: JPEG decode, the
@@ -150,8 +150,7 @@ def main(argv=None) -> None:
     from lavis_ds.datasets import LlavaConversationBuilder
     from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from run_utils import tiny_config, write_yaml
+    from harness.configs import tiny_config, write_yaml
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     annotation, root = write_data(args.data, args.images, args.records)

@@ -109,7 +109,7 @@ def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
                   llm=n(model.llm_model) - lora, lora=lora, vit_blocks=n(model.visual_encoder.blocks),
                   qformer_layers=n(model.qformer.encoder.layer),
                   trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                  micro_batch=int(cfg.run.deepspeed_config.train_micro_batch_size_per_gpu),
+                  micro_batch=int(cfg.run.batch_size_train),
                   lora_cfg=lora_cfg, llm_config=model.llm_model.config)
 
 

@@ -39,7 +39,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "tests"))
 
 MODES = {"padded": {}, "length_grouped": {"length_grouped": True},
          "packed (samples)": {"packing": True, "batch_unit": "samples"}, "packed (tokens)": {"packing": True}}
@@ -63,11 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
     from loader_throughput import build_runner
-    from run_utils import write_yaml
+    from harness.configs import write_yaml
 
     folder = "_".join(name.replace("(", "").replace(")", "").split())  # "packed (tokens)" -> packed_tokens
-    options = {**cfg["run"]["deepspeed_config"], "train_micro_batch_size_per_gpu": micro}
-    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "deepspeed_config": options, **run}}
+    cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "batch_size_train": micro, **run}}
     return build_runner(write_yaml(tmp / f"{folder}.yaml", cfg))
 
 
@@ -98,7 +96,7 @@ def main(argv=None) -> int:
     importlib.import_module("lavis_ds")
     from loader_throughput import section, write_data
     from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-    from run_utils import tiny_config
+    from harness.configs import tiny_config
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     annotation, root = write_data(args.data, 8, args.records)

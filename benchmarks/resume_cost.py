@@ -10,7 +10,7 @@ Set-up (in `--workdir`, or a temporary folder removed at the end):
    records are written to one JSON file, record i being the demo's train record i mod pool size
    (so 100,000 records share `--pool` 2,000 image files: the disk stays small). The training
    run reads them with the real `minigpt4qwen_instruction` builder.
-2. Config: `tests/run_utils.tiny_config` (tiny BLIP2-Qwen, ZeRO-2, fp32, log every step) with that
+2. Config: `harness.configs.tiny_config` (tiny BLIP2-Qwen, ZeRO-2, fp32, log every step) with that
    dataset, micro-batch 8, accumulation 1, 2 epochs, no validation or test splits.
 3. One real checkpoint: `train.py` trains the first `--source-steps` steps of that run, saves
    (`run.save_freq_steps`) and is killed once the checkpoint is marked complete.
@@ -62,9 +62,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
-sys.path.insert(0, str(REPO / "tests"))
 
-from run_utils import command, env, tiny_config, write_yaml  # noqa: E402
+from harness.processes import command, env  # noqa: E402
+from harness.configs import tiny_config, write_yaml  # noqa: E402
 
 POSITIONS = ("early", "late")  # the order within each repetition
 DATASET = "minigpt4qwen_instruction"
@@ -189,7 +189,7 @@ def metrics_history(source_run: Path, dest: Path, global_step: int, steps_in_epo
 
 # --------------------------------------------------------------------------------- processes
 def _start(cfg_path: Path, nproc: int, options, **kwargs) -> subprocess.Popen:
-    # nproc 1 is plain `python train.py` (run_utils.command's nproc=0).
+    # nproc 1 is plain `python train.py` (harness.processes.command's nproc=0).
     return subprocess.Popen(command(cfg_path, nproc if nproc > 1 else 0, tuple(options)), cwd=REPO, env=env(),
                             **kwargs)
 

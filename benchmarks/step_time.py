@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_runner(args: argparse.Namespace, output_dir: str):
     """The DeepSpeedRunner of the YAML, its hooks set up as `train()` would, no resume."""
-    from lavis_ds.build import build_datasets, build_model
+    from lavis_ds.build import build_datasets, build_model, prepare_datasets
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
 
@@ -84,9 +84,10 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
                "run.max_epoch=1000",
                f"run.deepspeed_config.zero_optimization.stage={args.stage}",
-               f"run.deepspeed_config.bf16.enabled={str(args.dtype == 'bf16').lower()}", *args.options]
+               f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
     registry.get_runner_class(cfg.run.runner).init_process_group()
+    prepare_datasets(cfg.datasets)  # the demo's data and tokenizer, generated on first use
     runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
                                                        build_datasets(cfg.datasets))
     runner.setup()  # the engine, the data order and the hooks, as train() starts

@@ -20,6 +20,13 @@ def build_model(model_cfg: DictConfig, seed: int = 42,
         return cls.from_config(OmegaConf.to_container(model_cfg, resolve=True))
 
 
+def prepare_datasets(datasets_cfg: DictConfig) -> None:
+    """Generate the data builders make on first use (the demo's images, annotations and tokenizer), before
+    anything reads it: the model's tokenizer may be among it. Idempotent, and safe on every rank at once."""
+    for name, section in datasets_cfg.items():
+        registry.get_builder_class(section.get("builder", name))(section).prepare()
+
+
 def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = None) -> dict[str, dict]:
     """``{dataset name: {split: Dataset}}``; ``parsed_files``: what ``load_config`` parsed (nothing is parsed twice)."""
     return {name: registry.get_builder_class(section.get("builder", name))(section, parsed_files=parsed_files).build()
@@ -30,6 +37,7 @@ def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
     """The run's runner on its model and datasets. Its engine starts, and the checkpoint to resume from is
     chosen, in ``runner.setup()``, which ``train()`` and ``evaluate_only()`` call first."""
     runner_class = registry.get_runner_class(cfg.run.runner)
+    prepare_datasets(cfg.datasets)
     # The runner that will shard the model says where its LLM is built (e.g. partitioned from the start).
     model = build_model(cfg.model, cfg.run.seed, runner_class.model_placement(cfg))
     datasets = build_datasets(cfg.datasets, parsed_files)

@@ -17,7 +17,7 @@ import itertools
 import sys
 from typing import Any
 
-from lavis_ds.common.errors import ConfigError, LavisDsError, message_of, report
+from lavis_ds.common.errors import LavisDsError, message_of, report
 from lavis_ds.models.chat_template import GENERATION_BLOCK, template_text
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt
 
@@ -26,7 +26,8 @@ GREEN, RESET = "\033[32m", "\033[0m"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="lavis-ds show-sample", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg-path", required=True, help="run YAML")
     parser.add_argument("--options", nargs="+", default=[], metavar="KEY=VALUE", help="override config keys")
     parser.add_argument("--index", type=int, default=0, help="sample index in the split (default 0)")
@@ -42,9 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         print(show(args))
-    except ConfigError as e:
-        report(str(e))
-        return 2
     except (LavisDsError, ValueError, KeyError, IndexError) as e:
         report(message_of(e) if isinstance(e, LavisDsError) else str(e).strip("'\""))
         return 2
@@ -54,11 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 def show(args: argparse.Namespace) -> str:
     """The text ``main`` prints for ``args``."""
     import lavis_ds  # noqa: F401  (fills the registries)
+    from lavis_ds.build import prepare_datasets
     from lavis_ds.config import load_config
     from lavis_ds.datasets.loading import ParsedFiles
 
     parsed_files = ParsedFiles()
     cfg = load_config(args.cfg_path, args.options, parsed_files=parsed_files)
+    prepare_datasets(cfg.datasets)  # the demo's tokenizer is generated with its data
     prompt = prompt_of(cfg)
     name, dataset = dataset_of(cfg, args.split, args.dataset, parsed_files)
     if not 0 <= args.index < len(dataset):
@@ -72,9 +72,9 @@ def prompt_of(cfg) -> ChatPrompt:
     """The prompt builder of the run's model, from its tokenizer alone."""
     from omegaconf import OmegaConf
 
-    from lavis_ds.common.registry import registry
+    from lavis_ds.common import registry as reg
 
-    cls = registry.get_model_class(cfg.model.arch)
+    cls = reg.models.get(cfg.model.arch)
     if not hasattr(cls, "prompt_from_config"):
         raise ValueError(f"model.arch {cfg.model.arch!r} ({cls.__name__}) has no prompt_from_config(section), "
                          "so show_sample cannot render its prompts")

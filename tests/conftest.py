@@ -32,6 +32,20 @@ TINY_CORPUS = [
 ] * 4
 
 
+def demo_storage_fixture(num_train: int, num_val: int = 16, num_test: int = 8):
+    """A module's ``demo_storage`` fixture: demo_shapes data of that size (images, annotations, tokenizer),
+    generated once per module. In a test module: ``demo_storage = demo_storage_fixture(num_train=64)``."""
+
+    @pytest.fixture(scope="module")
+    def demo_storage(tmp_path_factory) -> Path:
+        from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+
+        return ensure_demo_shapes(tmp_path_factory.mktemp("demo") / "demo_shapes",
+                                  DemoShapesSpec(num_train=num_train, num_val=num_val, num_test=num_test))
+
+    return demo_storage
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A Qwen2-format ChatML tokenizer folder (trained once per session)."""

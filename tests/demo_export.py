@@ -40,7 +40,5 @@ def train_and_export(root: Path) -> DemoExport:
 
     storage = ensure_demo_shapes(root / "demo_shapes", SPEC)
     cfg = tiny_config(root / "run", storage, stage=2, micro=8, max_epoch=6, warmup_steps=4)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=SPEC.num_train, num_val=SPEC.num_val,
-                                                       num_test=SPEC.num_test)
     run_train(write_yaml(root / "demo.yaml", cfg), nproc=2)
     return DemoExport(export_checkpoint(root / "run", root / "export"), storage)

@@ -146,3 +146,25 @@ def test_a_template_that_writes_todays_date_is_named_unless_the_date_is_given(to
     assert "today's date" not in caplog.text
     chat_prompt(tokenizers, "llama3.2", chat_template_kwargs={})
     assert "writes today's date into every prompt" in caplog.text and "date_string" in caplog.text
+
+
+TOOLS_TEMPLATE = (  # ChatML turns, then a loop over `tools`, which apply_chat_template passes as None
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}\n"
+    "{%- for tool in tools %}{{- tool.name }}{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_fails_inside_jinja_ends_train_py_in_one_line_naming_the_folder_and_the_line(tmp_path):
+    from run_utils import run_train, tiny_config, tracebacks, write_yaml
+
+    folder = train_family_tokenizer("qwen2.5", TINY_CORPUS, tmp_path / "tools_tokenizer", TOOLS_TEMPLATE,
+                                    vocab_size=400)
+    cfg = tiny_config(tmp_path / "out", tmp_path / "demo", stage=0, micro=4, sizes=(16, 8, 8))  # the build makes it
+    cfg["model"]["tokenizer"] = str(folder)
+    proc = run_train(write_yaml(tmp_path / "tools.yaml", cfg), nproc=0, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:")]
+    assert proc.returncode == 2 and not tracebacks(proc.stdout + proc.stderr), proc.stderr[-3000:]
+    assert len(errors) == 1 and str(folder) in errors[0], proc.stderr[-3000:]
+    assert "fails at its line 2 ('{%- for tool in tools %}{{- tool.name }}{%- endfor %}'): TypeError: " \
+           "'NoneType' object is not iterable" in errors[0]

@@ -257,7 +257,6 @@ def test_user_subclass_registered_through_imports_trains(tmp_path):
     cfg = tiny_config(tmp_path / "out", storage, stage=1, micro=4, warmup_steps=0)
     cfg["imports"] = ["my_ext.model"]
     cfg["model"].update(arch="my_blip2", freeze_vit=True)  # a parent key, reached through **kwargs
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16, num_val=8, num_test=8)
     run_train(write_yaml(tmp_path / "sub.yaml", cfg), nproc=0, cwd=tmp_path)
     steps = train_steps(tmp_path / "out")
     assert [m["step"] for m in steps] == [1, 2, 3, 4]  # 16 samples / micro-batch 4 on one process
@@ -270,10 +269,7 @@ def test_user_subclass_registered_through_imports_trains(tmp_path):
 def _demo_run(tmp_path, **run):
     storage = tmp_path / "demo"
     ensure_demo_shapes(storage, DemoShapesSpec(num_train=16, num_val=8, num_test=8))
-    cfg = tiny_config(tmp_path / "out", storage)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16, num_val=8, num_test=8)
-    cfg["run"].update(run)
-    return cfg
+    return tiny_config(tmp_path / "out", storage, clip=None, **run)  # the JSON's "auto" clipping: DeepSpeed's default
 
 
 def test_hf_ds_config_file_with_autos_is_filled_from_the_run(tmp_path, monkeypatch, caplog):

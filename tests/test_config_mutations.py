@@ -31,7 +31,7 @@ def valid_config(tmp_path, tiny_tokenizer_dir):
             "build_info": {"annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}},
             "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
-                "deepspeed_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}},
+                "batch_size_train": 1, "deepspeed_config": {"zero_optimization": {"stage": 2}}},
     }
     path = write_yaml(tmp_path / "run.yaml", cfg)
     load_config(path)  # the baseline is valid: every failure below comes from its one mutation
@@ -44,7 +44,7 @@ MUTATIONS = {
     "negative max_epoch": ("run.max_epoch=-1", r"^run\.max_epoch: -1 is out of range; valid: >= 1$"),
     "micro-batch 0": (f"{DS}.train_micro_batch_size_per_gpu=0",
                       rf"^{DS}\.train_micro_batch_size_per_gpu: expected a positive integer, got 0$"),
-    "batch_size_train 0": ("run.batch_size_train=0 run.deepspeed_config.train_micro_batch_size_per_gpu=null",
+    "batch_size_train 0": ("run.batch_size_train=0",
                            r"^run\.batch_size_train: 0 is out of range; valid: >= 1$"),
     "accumulation 0": (f"{DS}.gradient_accumulation_steps=0",
                        rf"^{DS}\.gradient_accumulation_steps: expected a positive integer, got 0$"),

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from lavis_ds.common.registry import builders as builder_registry
 from lavis_ds.common.registry import processors as processor_registry
+from lavis_ds.common.schema import fields_of
 from lavis_ds.datasets import (
     IMAGE_PLACEHOLDER,
     DemoShapesBuilder,
@@ -38,9 +39,17 @@ SMALL_DEMO = DemoShapesSpec(num_train=24, num_val=6, num_test=6, image_size=32, 
 
 @pytest.mark.parametrize("name", list(processor_registry))
 def test_every_registered_processor_builds_from_its_config_section(name):
-    processor = processor_registry.get(name).from_config({"name": name})
-    sample = Image.new("RGB", (40, 30), (10, 20, 30)) if "image" in name else "  Some Text.  "
-    assert processor(sample) is not None
+    """Built from ``{name: ...}`` alone, each processor makes what its defaults say: a normalised image of its
+    default size, or the text without its surrounding spaces (a caption also lower-cased, without punctuation)."""
+    cls = processor_registry.get(name)
+    processor = cls.from_config({"name": name})
+    if "image" in name:
+        size = fields_of(cls)["image_size"][1]
+        out = processor(Image.new("RGB", (40, 30), (10, 20, 30)))
+        assert out.shape == (3, size, size) and out.dtype == torch.float32
+        assert out.min() < 0  # normalised by the mean and std, not left in [0, 1]
+    else:
+        assert processor("  Some Text.  ") == ("some text" if name == "blip_caption" else "Some Text.")
 
 
 def test_eval_processor_resizes_normalises_and_is_deterministic():
@@ -263,8 +272,8 @@ def test_demo_refuses_a_cache_made_with_other_parameters_or_incomplete(demo_dir,
     with pytest.raises(FileExistsError, match="not a complete demo_shapes dataset"):
         ensure_demo_shapes(tmp_path / "half", SMALL_DEMO)
     builder = DemoShapesBuilder({"build_info": {"storage": str(tmp_path / "never")}})
-    assert builder.check() == [f"datasets.demo_shapes.build_info.storage: demo data at {tmp_path / 'never'} "
-                               f"has not been generated; call prepare() first"]
+    assert (builder.check(), builder.generates()) == ([], [tmp_path / "never"])  # the build generates it
+    assert not (tmp_path / "never").exists()
 
 
 def test_demo_regenerates_a_cache_from_an_older_format(demo_dir, tmp_path):

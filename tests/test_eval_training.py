@@ -11,8 +11,8 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import demo_storage_fixture
 from lavis_ds.config import ConfigError, load_config
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.hooks import BestCheckpoint
 from run_utils import metrics, run_train, tiny_config, write_yaml
@@ -20,11 +20,7 @@ from run_utils import metrics, run_train, tiny_config, write_yaml
 CAPTION_KEYS = {"caption/Bleu_1", "caption/Bleu_2", "caption/Bleu_3", "caption/Bleu_4", "caption/CIDEr"}
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=128, num_val=16, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=128, num_val=16, num_test=8)
 
 
 def _config(out, demo_storage, **run):

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from conftest import demo_storage_fixture
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec
 from lavis_ds.apps.export import ExportError, export_checkpoint, find_checkpoint, load_exported
 from lavis_ds.runners.checkpoint import COMPLETE_MARKER
 from run_utils import REPO, env, metrics, run_together, run_train, tiny_config, write_yaml
@@ -36,11 +37,7 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DEMO)
-    return storage
+demo_storage = demo_storage_fixture(num_train=DEMO.num_train, num_val=DEMO.num_val, num_test=DEMO.num_test)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +54,6 @@ def trained(tmp_path_factory, demo_storage):
                               batch_size_eval=BATCH_SIZE_EVAL, valid_splits=["val"], test_splits=["test"],
                               num_log_samples=DEMO.num_test,
                               generate={"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS})
-            cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = DEMO.num_train
             cfg["model"].update(spec.get("model", {}))
             run_train(write_yaml(root / f"{name}.yaml", cfg), nproc=NPROC)
             done[name] = out

@@ -9,31 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from conftest import demo_storage_fixture
 from lavis_ds.common.extensions import configure_build_environment
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import run_train, tiny_config, train_steps, write_yaml
 
 STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x 2 processes
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=8, num_test=8))
-    return storage
-
-
-def _config(out: Path, demo_storage: Path, stage: int, dtype: str = "fp32", max_epoch: int = 1, **run) -> dict:
-    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, max_epoch=max_epoch, **run)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=32, num_val=8, num_test=8)
-    return cfg
+demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 
 @pytest.fixture(scope="module")
 def stage2_two_epochs(tmp_path_factory, demo_storage):
     """The uninterrupted reference: ZeRO-2, fp32, two epochs."""
     out = tmp_path_factory.mktemp("reference") / "out"
-    run_train(write_yaml(out.parent / "run.yaml", _config(out, demo_storage, 2, max_epoch=2)))
+    run_train(write_yaml(out.parent / "run.yaml", tiny_config(out, demo_storage, 2, max_epoch=2)))
     return out
 
 
@@ -51,7 +41,7 @@ def test_a_changed_zero_stage_resumes_through_the_universal_checkpoint(tmp_path,
     assert marker["runner"] == "runner_deepspeed" and marker["zero_stage"] == 2 and marker["precision"] == "fp32"
 
     # The same output folder, now ZeRO-3: it continues instead of dying in DeepSpeed's loader.
-    proc = run_train(write_yaml(tmp_path / "zero3.yaml", _config(out, demo_storage, 3, max_epoch=2)))
+    proc = run_train(write_yaml(tmp_path / "zero3.yaml", tiny_config(out, demo_storage, 3, max_epoch=2)))
     assert "universal checkpoint: zero_stage 2 -> 3" in proc.stdout
     continued = train_steps(out)
     reference = train_steps(stage2_two_epochs)
@@ -67,7 +57,7 @@ def test_a_changed_zero_stage_resumes_through_the_universal_checkpoint(tmp_path,
     # And back: the ZeRO-3 checkpoint it just wrote resumes under ZeRO-2 in bf16 (stage and precision change).
     shutil.rmtree(out / "checkpoints" / f"step_{STEPS_PER_EPOCH}")
     (out / "finished.json").unlink()
-    proc = run_train(write_yaml(tmp_path / "bf16.yaml", _config(out, demo_storage, 2, dtype="bf16", max_epoch=3)))
+    proc = run_train(write_yaml(tmp_path / "bf16.yaml", tiny_config(out, demo_storage, 2, dtype="bf16", max_epoch=3)))
     assert "zero_stage 3 -> 2 and precision fp32 -> bf16" in proc.stdout
     after = train_steps(out)
     assert [m["step"] for m in after] == list(range(1, 3 * STEPS_PER_EPOCH + 1))
@@ -79,7 +69,7 @@ def test_a_stage_change_that_cannot_convert_stops_with_what_to_do(tmp_path, demo
     shutil.copytree(stage2_two_epochs, out)
     before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     # One plain process: what the user reads is train.py's own output, not torchrun's report of a failed child.
-    proc = run_train(write_yaml(tmp_path / "zero0.yaml", _config(out, demo_storage, 0, max_epoch=3)), nproc=0,
+    proc = run_train(write_yaml(tmp_path / "zero0.yaml", tiny_config(out, demo_storage, 0, max_epoch=3)), nproc=0,
                      check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -92,20 +82,20 @@ def test_a_rerun_of_a_finished_run_says_so_and_adds_nothing(tmp_path, demo_stora
     out = tmp_path / "out"
     shutil.copytree(stage2_two_epochs, out)
     # The reference run used the default config path; rerun it exactly, test split included.
-    cfg = write_yaml(tmp_path / "rerun.yaml", _config(out, demo_storage, 2, max_epoch=2))
+    cfg = write_yaml(tmp_path / "rerun.yaml", tiny_config(out, demo_storage, 2, max_epoch=2))
     before = (out / "metrics.jsonl").read_text()
     proc = run_train(cfg)
     assert f"already finished at step {2 * STEPS_PER_EPOCH}" in proc.stdout
     assert (out / "metrics.jsonl").read_text() == before
 
     # Training longer is not a rerun: it goes on from the last checkpoint.
-    run_train(write_yaml(tmp_path / "longer.yaml", _config(out, demo_storage, 2, max_epoch=3)))
+    run_train(write_yaml(tmp_path / "longer.yaml", tiny_config(out, demo_storage, 2, max_epoch=3)))
     assert [m["step"] for m in train_steps(out)][-1] == 3 * STEPS_PER_EPOCH
 
 
 def test_zero3_deprecation_warnings_show_once_per_process(tmp_path, demo_storage):
     out = tmp_path / "out"
-    proc = run_train(write_yaml(tmp_path / "z3.yaml", _config(out, demo_storage, 3, max_epoch=1)))
+    proc = run_train(write_yaml(tmp_path / "z3.yaml", tiny_config(out, demo_storage, 3, max_epoch=1)))
     text = proc.stdout + proc.stderr
     # Two processes: one line per process and message (each used to print on every step). Exact: a notice that no
     # longer comes (DeepSpeed moved to the new names) means the filter in lavis_ds.common.logger can go.

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from conftest import demo_storage_fixture
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import (assert_same_steps, continue_from, killed_run_continues_bit_for_bit, metrics, run_train,
                        tiny_config, train_steps, write_yaml)
@@ -14,17 +15,7 @@ from run_utils import (assert_same_steps, continue_from, killed_run_continues_bi
 SAME_STEPS = 20  # 160 samples, micro 4 x 2 processes
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=160, num_val=16, num_test=8))
-    return storage
-
-
-def _config(out, demo_storage, runner, stage=2, dtype="fp32", **run):
-    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, runner=runner, **run)
-    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 8 * SAME_STEPS
-    return cfg
+demo_storage = demo_storage_fixture(num_train=160, num_val=16, num_test=8)
 
 
 def _relative(a: float, b: float) -> float:
@@ -39,7 +30,8 @@ def fp32_runs(tmp_path_factory, demo_storage):
     for name, runner, stage in (("fsdp", "runner_fsdp", 3), ("zero2", "runner_deepspeed", 2),
                                 ("zero3", "runner_deepspeed", 3)):
         out = root / name
-        cfg = write_yaml(root / f"{name}.yaml", _config(out, demo_storage, runner, stage, test_splits=["test"]))
+        cfg = write_yaml(root / f"{name}.yaml", tiny_config(out, demo_storage, stage, runner=runner,
+                                                             test_splits=["test"]))
         runs[name] = (out, run_train(cfg))
     return runs
 
@@ -62,8 +54,8 @@ def test_cpu_offload_and_keeping_gathered_parameters_take_the_default_steps(fp32
     """run.fsdp.cpu_offload and reshard_after_forward=false change where parameters live and when they are gathered,
     not the arithmetic: the same 20 steps as the default run (both in one run, to keep the suite short)."""
     out = tmp_path / "options"
-    run_train(write_yaml(tmp_path / "options.yaml", _config(
-        out, demo_storage, "runner_fsdp", fsdp={"cpu_offload": True, "reshard_after_forward": False})))
+    run_train(write_yaml(tmp_path / "options.yaml", tiny_config(
+        out, demo_storage, runner="runner_fsdp", fsdp={"cpu_offload": True, "reshard_after_forward": False})))
     assert_same_steps(out, fp32_runs["fsdp"][0], range(1, SAME_STEPS + 1), 1e-6)
 
 
@@ -89,7 +81,7 @@ def test_frozen_towers_lora_and_gradient_checkpointing_under_fsdp(tmp_path, demo
 
     losses, flops_per_token = {}, {}
     for runner in ("runner_fsdp", "runner_deepspeed"):
-        cfg = _config(tmp_path / runner, demo_storage, runner, dtype=dtype)
+        cfg = tiny_config(tmp_path / runner, demo_storage, runner=runner, dtype=dtype)
         cfg["model"].update(freeze_vit=True, freeze_llm=True, get_lora=True, use_grad_checkpoint=True,
                             llm_grad_checkpoint=True)
         path = write_yaml(tmp_path / f"{runner}.yaml", cfg)
@@ -115,8 +107,8 @@ def test_evaluate_only_scores_a_checkpoint_and_trains_nothing(fp32_runs, tmp_pat
     trained or saved, and the test scores the training run logged for that checkpoint."""
     trained = fp32_runs["fsdp"][0]
     out = tmp_path / "evaluated"
-    run_train(write_yaml(tmp_path / "evaluate.yaml", _config(
-        out, demo_storage, "runner_fsdp", valid_splits=["val"], test_splits=["test"], evaluate=True,
+    run_train(write_yaml(tmp_path / "evaluate.yaml", tiny_config(
+        out, demo_storage, runner="runner_fsdp", valid_splits=["val"], test_splits=["test"], evaluate=True,
         resume=str(trained / "checkpoints" / f"step_{SAME_STEPS}"))))
     lines = metrics(out)
     assert [(m.get("split"), m["step"]) for m in lines] == [("val", SAME_STEPS), ("test", SAME_STEPS)]
@@ -167,7 +159,7 @@ def test_fsdp_killed_run_continues_bit_for_bit(tmp_path, dtype):
 def test_fsdp_resumes_on_one_process_what_two_saved(tmp_path, demo_storage):
     """DCP reshards the 2-process checkpoint for 1 process; the global batch is kept (accumulation doubles)."""
     def config(out):
-        return _without_dropout(_config(out, demo_storage, "runner_fsdp", max_epoch=2))
+        return _without_dropout(tiny_config(out, demo_storage, runner="runner_fsdp", max_epoch=2))
 
     reference_out, out = tmp_path / "reference", tmp_path / "continued"
     run_train(write_yaml(tmp_path / "reference.yaml", config(reference_out)))
@@ -188,7 +180,7 @@ def test_bf16_mixed_fsdp_stays_close_to_deepspeed_bf16(tmp_path, demo_storage):
     runs = {}
     for name, runner in (("fsdp", "runner_fsdp"), ("zero2", "runner_deepspeed")):
         out = tmp_path / name
-        run_train(write_yaml(tmp_path / f"{name}.yaml", _config(out, demo_storage, runner, dtype="bf16")))
+        run_train(write_yaml(tmp_path / f"{name}.yaml", tiny_config(out, demo_storage, runner=runner, dtype="bf16")))
         runs[name] = [m["loss"] for m in train_steps(out)]
     assert all(math.isfinite(x) for x in runs["fsdp"])
     worst = max(_relative(a, b) for a, b in zip(runs["fsdp"], runs["zero2"]))
@@ -199,8 +191,8 @@ def test_bf16_mixed_fsdp_stays_close_to_deepspeed_bf16(tmp_path, demo_storage):
 
 
 def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, demo_storage):
-    bad = write_yaml(tmp_path / "bad.yaml", _config(tmp_path / "bad", demo_storage, "runner_fsdp", dtype="fp16",
-                                                    fsdp={"precision_mod": "low"}))
+    bad = write_yaml(tmp_path / "bad.yaml", tiny_config(tmp_path / "bad", demo_storage, runner="runner_fsdp",
+                                                        dtype="fp16", fsdp={"precision_mod": "low"}))
     proc = run_train(bad, nproc=0, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "run.precision: fp16 is not supported by runner_fsdp" in proc.stderr
@@ -213,8 +205,8 @@ def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, dem
             ("runner_fsdp", "runner_deepspeed", 0, "was written by runner_fsdp, and runner_deepspeed with ZeRO stage 0 "
                                                    "cannot continue it")):
         out = tmp_path / writer
-        run_train(write_yaml(tmp_path / f"{writer}.yaml", _config(out, demo_storage, writer, stage)), nproc=0)
-        proc = run_train(write_yaml(tmp_path / f"{reader}.yaml", _config(out, demo_storage, reader, stage,
+        run_train(write_yaml(tmp_path / f"{writer}.yaml", tiny_config(out, demo_storage, stage, runner=writer)), nproc=0)
+        proc = run_train(write_yaml(tmp_path / f"{reader}.yaml", tiny_config(out, demo_storage, stage, runner=reader,
                                                                           max_epoch=2)), nproc=0, check=False)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert message in proc.stderr and "run.resume=false" in proc.stderr
@@ -229,7 +221,7 @@ def test_a_run_switches_to_fsdp_and_back_to_deepspeed(tmp_path, demo_storage, dt
     optimizer): the fp32 weights and Adam moments carry over each time, and every continued step's loss is the
     uninterrupted DeepSpeed run's."""
     def config(out, runner, stage=2, epochs=3):  # a schedule that does not depend on max_epoch: runs of 2 and 3 epochs
-        return _without_dropout(_config(out, demo_storage, runner, stage, dtype=dtype, max_epoch=epochs,
+        return _without_dropout(tiny_config(out, demo_storage, stage, runner=runner, dtype=dtype, max_epoch=epochs,
                                         lr_sched="linear_warmup_step_lr", lr_decay_rate=0.5))
 
     reference_out, fsdp_out, back_out = tmp_path / "deepspeed", tmp_path / "fsdp", tmp_path / "back"

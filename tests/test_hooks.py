@@ -14,10 +14,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import plain_runner  # noqa: F401  (registers runner_plain_test)
 import wandb_offline
+from conftest import demo_storage_fixture
 from lavis_ds.build import build_runner
 from lavis_ds.common.registry import hooks as hook_registry
 from lavis_ds.config import ConfigError, load_config
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners.hooks import BUILTIN_HOOKS, Hook, HookList, hook_specs
 from run_utils import metrics, tiny_config, write_yaml
 
@@ -61,11 +61,7 @@ class EventRecorder(Hook):
 '''
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=8, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +77,6 @@ def user_module(tmp_path_factory):
 def _config(out: Path, demo_storage: Path, hooks: list | None = None, **run) -> dict:
     cfg = tiny_config(out, demo_storage, accum=2, max_epoch=EPOCHS, runner="runner_plain_test",
                       valid_splits=["val"], test_splits=["test"], **run)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=32, num_val=8, num_test=8)
     if hooks is not None:
         cfg["run"]["hooks"] = hooks
     return cfg

@@ -10,9 +10,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lavis_ds"
 ABOVE_COMMON = ("lavis_ds.models", "lavis_ds.datasets", "lavis_ds.runners", "lavis_ds.processors", "lavis_ds.metrics",
                 "lavis_ds.optim", "lavis_ds.config", "lavis_ds.build", "lavis_ds.apps")
 # Where the word may stand: the engine's own package, the package that registers the runners and names the
-# default one, and the launcher glue: the process-group set-up that also serves the `deepspeed` launcher, and
-# the GPU binding whose messages name that launcher's --num_gpus.
-KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py"}
+# default one, and the launcher glue: the process-group set-up that also serves the `deepspeed` launcher, the
+# GPU binding whose messages name that launcher's --num_gpus, and the train command, which takes its --local_rank.
+KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py", "train.py"}
 
 
 # The export library: what `export.py` and the apps call to read checkpoints and write exports. Leaf modules:

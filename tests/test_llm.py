@@ -274,7 +274,6 @@ def storage(tmp_path_factory):
 
 def _run_config(out: Path, storage: Path, llm_dir: Path, stage: int, dtype: str, **model) -> dict:
     cfg = tiny_config(out, storage, stage=stage, dtype=dtype, micro=2, max_epoch=1, init_lr=1e-2, warmup_steps=0)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=NUM_TRAIN, num_val=2, num_test=2)
     cfg["model"].update(llm_model=str(llm_dir), tokenizer=None, freeze_vit=True, freeze_qformer=True,
                         freeze_queries=True, freeze_llm=True, **model)
     return cfg

@@ -122,7 +122,6 @@ def setup(tmp_path_factory):
 
 def _config(out, storage, folder, name: str, runner: str, **run) -> dict:
     cfg = tiny_config(out, storage, stage=3, micro=2, init_lr=1e-2, warmup_steps=0, runner=runner, **run)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=NUM_TRAIN, num_val=2, num_test=2)
     cfg["model"].update(llm_model=str(folder), tokenizer=None, **FROZEN_LORA, **FAMILIES[name].model)
     return cfg
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 import plain_runner  # noqa: F401  (registers runner_plain_test)
+from conftest import demo_storage_fixture
 from lavis_ds.build import build_runner
 from lavis_ds.config import load_config
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners import checkpoint as ckpt
 from run_utils import comparable, tiny_config, train_steps, write_yaml
 
@@ -18,17 +18,12 @@ STEPS_PER_EPOCH = 32 // (4 * 2)  # 32 samples, micro 4 x accumulation 2, one pro
 EPOCHS = 2
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=8, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 
 def _runner(tmp_path, demo_storage, name: str, **run):
     cfg = tiny_config(tmp_path / name, demo_storage, accum=2, max_epoch=EPOCHS, save_freq_steps=3,
                       runner="runner_plain_test", valid_splits=["val"], test_splits=["test"], **run)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=32, num_val=8, num_test=8)
     return build_runner(load_config(write_yaml(tmp_path / f"{name}.yaml", cfg)))
 
 

@@ -37,7 +37,6 @@ def curves(tmp_path_factory):
         folder = root / name.replace(" ", "_").replace(",", "")
         cfg = tiny_config(folder / "out", storage, micro=micro, accum=accum, runner=runner, loss_reduction=reduction,
                           warmup_steps=0)
-        cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16 * STEPS, num_val=8, num_test=8)
         cfg["model"].update(drop_path_rate=0.0, llm_config={"attention_dropout": 0.0},
                             qformer={"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
         folder.mkdir(parents=True)

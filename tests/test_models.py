@@ -115,10 +115,15 @@ def test_unknown_model_type_lists_valid_types():
 
 
 def test_from_config_pops_common_keys_and_accepts_dictconfig(tiny_model_config):
+    """A DictConfig with the keys every model takes (``pretrained``, ``load_pretrained``) builds the model the plain
+    section builds: the same parameters, the same values."""
     from omegaconf import OmegaConf
 
+    torch.manual_seed(0)
     model = Blip2Qwen.from_config(OmegaConf.create({**tiny_model_config, "pretrained": None, "load_pretrained": False}))
-    assert isinstance(model, Blip2Qwen)
+    plain = build(tiny_model_config).state_dict()
+    assert type(model) is Blip2Qwen and model.state_dict().keys() == plain.keys()
+    assert all(torch.equal(value, plain[key]) for key, value in model.state_dict().items())
 
 
 def test_vit_keys_with_a_top_level_name_are_refused_under_vit(tiny_model_config):
@@ -352,12 +357,17 @@ def test_forward_backward_bf16_module_under_autocast(tiny_model_config):
 def test_forward_bf16_parameters_without_autocast(tiny_model_config):
     # DeepSpeed's bf16 engine (ZeRO 0-2) casts the parameters only: buffers stay fp32, and so
     # do the images of the data loader.
+    batch = samples()
+    reference = build(tiny_model_config, freeze_vit=True, freeze_llm=True)(batch)["loss"].item()
     model = build(tiny_model_config, freeze_vit=True, freeze_llm=True)
     for param in model.parameters():
         param.data = param.data.to(torch.bfloat16)
-    out = model(samples())
-    assert torch.isfinite(out["loss"])
+    out = model(batch)
+    assert out["loss"].item() == pytest.approx(reference, rel=5e-3)  # the fp32 model's loss, to bf16's precision
     out["loss"].backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
 
 
 def test_answers_truncated_away_give_zero_loss_not_nan(tiny_model_config):

@@ -12,16 +12,12 @@ import uuid
 
 import pytest
 
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from conftest import demo_storage_fixture
 from run_utils import (EPOCHS, REPO, SAVE_EVERY, STEPS_PER_EPOCH, TRAIN, comparable, env, free_port, kill_after_step,
                        kill_tree, noisy_config, output_of, run_train, start, tracebacks, train_steps, write_yaml)
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)
 
 
 def two_nodes(cfg_path, log, node_env=({}, {})) -> list[subprocess.Popen]:

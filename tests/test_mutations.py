@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import folder_faults
+from conftest import demo_storage_fixture
 from forked import STILL_RUNNING
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.samplers import StepBatchSampler
 from run_utils import output_of, run_forked, run_train, start, tiny_config, tracebacks, train_steps, write_yaml
 
@@ -64,17 +64,11 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mutations")
 
 
-@pytest.fixture(scope="module")
-def demo_storage(root) -> Path:
-    storage = root / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=8, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=64, num_val=8, num_test=8)
 
 
 def base_config(out: Path, storage: Path, **run) -> dict:
-    cfg = tiny_config(out, storage, stage=2, max_epoch=1, **{"save_freq_steps": SAVE_EVERY, **run})
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=64, num_val=8, num_test=8)
-    return cfg
+    return tiny_config(out, storage, stage=2, max_epoch=1, **{"save_freq_steps": SAVE_EVERY, **run})
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +132,7 @@ def nan_project(folder: Path, storage: Path, out: Path, poisoned: int, nproc: in
         "datasets": {"demo_shapes": {"build_info": {"storage": str(storage), "num_train": 64, "num_val": 8,
                                                    "num_test": 8}}},
         "run": {"output_dir": str(out), "init_lr": 0.05, "max_epoch": 1, "log_freq": 1, "seed": 3,
-                "deepspeed_config": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}},
+                "batch_size_train": 4, "deepspeed_config": {"zero_optimization": {"stage": 0}},
                 **run},
     })
 
@@ -419,7 +413,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
              [r"step_16 was saved with ZeRO stage 2 in fp32 and this run asks for stage 0 in fp32",
               r"run\.resume=false"], all_four),
         Case("precision changed to one that cannot convert", lambda d: train_cmd(
-            copy_run(base, d, storage)[1], 0, "run.deepspeed_config.fp16.enabled=true"), 2,
+            copy_run(base, d, storage)[1], 0, "run.precision=fp16"), 2,
              [r"saved with ZeRO stage 2 in fp32 and this run asks for stage 2 in fp16",
               "between fp32 and bf16 only"], all_four),
         # -- export
@@ -478,7 +472,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
              [r"lavis_ds: cannot write the checkpoint .*checkpoints/step_8: No space left on device \(",
               r"The last good checkpoint is .*checkpoints/step_4: `run\.resume: auto` continues from it"],
              good("step_4")),
-        *([Case("fp16 on a machine that refuses it", fresh("run.deepspeed_config.fp16.enabled=true"), 2,
+        *([Case("fp16 on a machine that refuses it", fresh("run.precision=fp16"), 2,
                 [r"run\.precision: fp16 is not supported on this machine's \w+ device", "run.precision=bf16"],
                 check=trained_nothing)] if _fp16_refused() else []),
     ]

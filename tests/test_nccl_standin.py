@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import forked
+from conftest import demo_storage_fixture
 from lavis_ds.common.comm import STANDIN_ENV
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.runners.checkpoint import complete_checkpoints
 from run_utils import REPO, env, metrics, tiny_config, train_args, train_steps, write_yaml
 
@@ -65,11 +65,7 @@ def test_no_collective_outside_the_comm_module():
     assert len(_distributed_calls(REPO / "lavis_ds/common/comm.py")) >= 5  # the scan sees calls where they are
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("standin") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=32, num_val=8, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 
 def _project(folder: Path, demo_storage: Path, **run) -> Path:
@@ -77,7 +73,6 @@ def _project(folder: Path, demo_storage: Path, **run) -> Path:
                       test_splits=["test"], val_metrics=["exact_match"], save_freq_steps=3, keep_last=2,
                       best_metric="val/loss", **run)
     cfg["imports"] = ["control_runner"]
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=32, num_val=8, num_test=8)
     return write_yaml(folder / "run.yaml", cfg)
 
 

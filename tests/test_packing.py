@@ -102,7 +102,6 @@ def test_a_packed_run_takes_the_steps_of_the_padded_run_through_train_py(tmp_pat
     for name, micro, run in (("padded", 8, {}), ("grouped", 8, {"length_grouped": True}),
                              ("padded_tokens", 2, tokens), ("packed", 2, {"packing": True, "max_seq_len": 256})):
         cfg = tiny_config(tmp_path / name, storage, micro=micro, **run)
-        cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=64, num_val=16, num_test=8)
         cfg["model"].update(qformer={"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
         jobs[name] = forked.Job(train_args(write_yaml(tmp_path / f"{name}.yaml", cfg)), 0, env(), REPO,
                                 tmp_path / f"{name}_logs")

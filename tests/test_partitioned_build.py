@@ -43,7 +43,6 @@ def setup(tmp_path_factory):
 def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepspeed", arch: str = "blip2_qwen",
             **run) -> dict:
     cfg = tiny_config(out, storage, stage=3, micro=2, init_lr=1e-2, warmup_steps=0, runner=runner, **run)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=NUM_TRAIN, num_val=2, num_test=2)
     cfg["model"].update(llm_model=str(folder), tokenizer=None, **arch_model(arch, storage))
     return cfg
 

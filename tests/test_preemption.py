@@ -13,16 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from conftest import demo_storage_fixture
 from run_utils import (EPOCHS, REPO, STEPS_PER_EPOCH, command, comparable, complete_steps, env, noisy_config,
                        output_of, run_train, start, tiny_config, tracebacks, train_steps, write_yaml)
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)
 
 
 def signal_after_step(cmd: list[str], out: Path, log: Path, step: int, signum: int) -> subprocess.CompletedProcess:
@@ -73,7 +69,6 @@ def test_sigterm_under_torchrun_saves_and_the_same_command_continues_bit_for_bit
 def test_sigint_finishes_the_step_and_exits_without_saving(tmp_path, demo_storage):
     out = tmp_path / "interrupted"
     cfg = tiny_config(out, demo_storage, stage=2, max_epoch=4, save_freq_steps=0)
-    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
     path = write_yaml(tmp_path / "run.yaml", cfg)
     stopped = signal_after_step(command(path, nproc=0), out, tmp_path / "run.log", 20, signal.SIGINT)
 

@@ -42,3 +42,33 @@ def test_lavis_spelling_reaches_the_global_registries():
     assert registry.get_lr_scheduler_class("linear_warmup_cosine_lr").__name__ == "LinearWarmupCosineLR"
     with pytest.raises(KeyError, match="Did you mean 'linear_warmup_step_lr'"):
         registry.get_lr_scheduler_class("linear_warmup_stp_lr")
+
+
+def test_every_lavis_spelling_is_a_thin_alias_of_a_registry_method():
+    """One registry API: each ``registry.register_<kind>`` / ``get_<kind>_class`` is that kind's Registry method."""
+    from lavis_ds.common import registry as reg
+
+    lavis = reg.registry
+    for kind, registry in [("model", reg.models), ("builder", reg.builders), ("processor", reg.processors),
+                           ("lr_scheduler", reg.lr_schedulers), ("runner", reg.runners), ("metric", reg.metrics),
+                           ("hook", reg.hooks)]:
+        assert getattr(lavis, f"get_{kind}_class") == registry.get
+        assert getattr(lavis, f"register_{kind}").__self__ is registry
+
+
+def test_one_did_you_mean_serves_every_suggestion():
+    """difflib is called in one place (common/suggest.py): registries, sections and settings suggest alike."""
+    from pathlib import Path
+
+    from lavis_ds.common.suggest import did_you_mean
+
+    package = Path(__file__).resolve().parent.parent / "lavis_ds"
+    callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "difflib" in p.read_text())
+    assert callers == ["common/suggest.py"]
+    assert did_you_mean("stag", ["stage", "offload"]) == "did you mean 'stage'?"
+    assert did_you_mean("qwn2", ["qwen2", "qwen3", "llama"], n=2) == "did you mean 'qwen2', 'qwen3'?"
+    assert did_you_mean("zzz", ["stage"], "valid keys: stage") == "valid keys: stage"
+    r = Registry("widget")
+    r.register("MyModel")(type("A", (), {}))
+    with pytest.raises(KeyError, match=r"Unknown widget 'MyModl'\. Did you mean 'MyModel'\?"):  # its own spelling
+        r.get("MyModl")

@@ -8,16 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from conftest import demo_storage_fixture
 from run_utils import (EPOCHS, SAVE_EVERY, STEPS_PER_EPOCH, kill, killed_run_continues_bit_for_bit, noisy_config,
                        run_train, start, tiny_config, train_steps, write_yaml)
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=64, num_val=16, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -99,7 +95,6 @@ def test_checkpoint_holds_no_frozen_tensor_and_has_the_expected_size(tmp_path, d
 
     out = tmp_path / "lean"
     cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, max_epoch=1, save_freq_steps=0)
-    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
     cfg["model"].update(freeze_vit=True, freeze_llm=True)  # the MiniGPT4Qwen split: Q-Former + projection train
     path = write_yaml(tmp_path / "lean.yaml", cfg)
     run_train(path)
@@ -146,7 +141,6 @@ def test_prune_keeps_the_newest_and_the_one_named(tmp_path):
 def _elastic_config(out: Path, demo_storage: Path, micro: int, accum: int) -> dict:
     """Augmentation on (a function of the sample, so of nothing the world size changes); dropout off."""
     cfg = tiny_config(out, demo_storage, stage=2, micro=micro, accum=accum, max_epoch=2, save_freq_steps=3)
-    cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
     cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     return cfg
 

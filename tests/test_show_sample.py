@@ -17,7 +17,6 @@ def run_yaml(tmp_path_factory):
     root = tmp_path_factory.mktemp("show_sample")
     storage = ensure_demo_shapes(root / "demo_shapes", DemoShapesSpec(num_train=8, num_val=2, num_test=2))
     cfg = tiny_config(root / "out", storage)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=8, num_val=2, num_test=2)
     return write_yaml(root / "run.yaml", cfg), storage
 
 

@@ -9,11 +9,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import plain_runner  # noqa: F401  (registers runner_plain_test)
+from conftest import demo_storage_fixture
 from lavis_ds.build import build_runner
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.hardware import peak_bf16_tflops
 from lavis_ds.config import load_config
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.flops import Flops
 from lavis_ds.runners import throughput
@@ -174,18 +174,12 @@ def test_the_peak_comes_from_run_peak_tflops_else_the_device():
     assert peak is None and "MFU is not logged" in note and "run.peak_tflops" in note  # this machine: a CPU
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=16, num_val=8, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=16, num_val=8, num_test=8)
 
 
 def _config(out, demo_storage, **run) -> dict:
     """The tiny model on 16 demo samples: 2 optimizer steps of micro-batches 4 x accumulation 2, in this process."""
-    cfg = tiny_config(out, demo_storage, accum=2, runner="runner_plain_test", **run)
-    cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=16, num_val=8, num_test=8)
-    return cfg
+    return tiny_config(out, demo_storage, accum=2, runner="runner_plain_test", **run)
 
 
 @pytest.mark.parametrize("value, message", [

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from conftest import demo_storage_fixture
 from lavis_ds.datasets.instruction import InstructionDataset
 from lavis_ds.datasets.lengths import TokenEstimate, counted_by, fit_token_estimate, shape_of, token_length_of
 from lavis_ds.datasets.samplers import StepBatchSampler, TokenBudgetSampler, fill_rows
@@ -134,12 +135,7 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
         assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-
-    return ensure_demo_shapes(tmp_path_factory.mktemp("demo") / "demo_shapes",
-                              DemoShapesSpec(num_train=64, num_val=16, num_test=8))
+demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)
 
 
 def test_a_token_budget_run_resumed_on_another_number_of_processes_takes_the_same_steps(tmp_path, demo_storage):
@@ -151,7 +147,6 @@ def test_a_token_budget_run_resumed_on_another_number_of_processes_takes_the_sam
 
     def config(out):
         cfg = tiny_config(out, demo_storage, micro=1, max_epoch=1, save_freq_steps=3, packing=True, max_seq_len=256)
-        cfg["datasets"]["demo_shapes"]["build_info"]["num_train"] = 64
         cfg["model"]["qformer"] = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
         return cfg
 

@@ -9,17 +9,13 @@ import sys
 
 import pytest
 
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from conftest import demo_storage_fixture
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.optim.lr_schedulers import LinearWarmupCosineLR
 from run_utils import REPO, env, free_port, metrics, run_train, tiny_config, train_steps, write_yaml
 
 
-@pytest.fixture(scope="module")
-def demo_storage(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("demo") / "demo_shapes"
-    ensure_demo_shapes(storage, DemoShapesSpec(num_train=128, num_val=16, num_test=8))
-    return storage
+demo_storage = demo_storage_fixture(num_train=128, num_val=16, num_test=8)
 
 
 def _train(tmp_path, demo_storage, name, nproc=2, launcher="fork", **kw):

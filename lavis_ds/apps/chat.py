@@ -1,6 +1,6 @@
 """Chat with an exported model about images, in a terminal.
 
-    python -m lavis_ds.apps.chat --model exports/demo --image a.png [b.png ...]
+    lavis-ds chat --model exports/demo --image a.png [b.png ...]
 
 Type a question and the answer is printed token by token as it is generated. Lines
 that start with ``:`` are commands (``:help`` lists them), after MiniGPT4Qwen's
@@ -378,9 +378,9 @@ class Terminal:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.apps.chat", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lavis-ds chat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
+    parser.add_argument("--model", required=True, help="export folder (lavis-ds export ... --out <folder>)")
     parser.add_argument("--image", nargs="+", default=[], help="image file(s) to talk about (more with :img)")
     parser.add_argument("--seed", type=int, default=42, help="random seed, set before every answer")
     add_generation_arguments(parser, CHAT_DEFAULTS)

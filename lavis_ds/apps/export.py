@@ -157,8 +157,8 @@ def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, i
 # ----------------------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="export.py", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for inference "
-        "without DeepSpeed. Load it with lavis_ds.apps.export.load_exported or `python -m lavis_ds.apps.generate`; "
+        prog="lavis-ds export", description="Export a lavis_ds checkpoint (any ZeRO stage) to safetensors for "
+        "inference without DeepSpeed. Load it with lavis_ds.apps.export.load_exported or `lavis-ds generate`; "
         "with --format hf, with transformers' class of its architecture (docs/export-hf.md).")
     parser.add_argument("source", help="a checkpoint folder (<output_dir>/checkpoints/step_<N>) or a run's "
                                        "output_dir (its newest complete checkpoint)")

@@ -140,7 +140,7 @@ def read_export_config(folder: str | os.PathLike) -> DictConfig:
     missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
     if missing:
         raise ExportError(f"{folder} is not an export folder: {' and '.join(missing)} missing "
-                          "(make one with `python export.py <checkpoint or run dir> --out <folder>`)")
+                          "(make one with `lavis-ds export <checkpoint or run dir> --out <folder>`)")
     cfg = OmegaConf.load(folder / CONFIG_FILE)
     absent = [key for key in ("model", "seed", "export") if key not in cfg]
     if absent:

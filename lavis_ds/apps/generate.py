@@ -1,8 +1,8 @@
 """Run an exported model without DeepSpeed: one prompt, or a whole annotation file.
 
-    python -m lavis_ds.apps.generate --model exports/demo --image a.png --prompt "Describe the image in a few words."
-    python -m lavis_ds.apps.generate --model exports/demo --image a.png b.png --prompt "..." --json
-    python -m lavis_ds.apps.generate --model exports/demo --data test.json --images data/images --out preds.jsonl
+    lavis-ds generate --model exports/demo --image a.png --prompt "Describe the image in a few words."
+    lavis-ds generate --model exports/demo --image a.png b.png --prompt "..." --json
+    lavis-ds generate --model exports/demo --data test.json --images data/images --out preds.jsonl
     torchrun --nproc_per_node=4 -m lavis_ds.apps.generate --model exports/demo --data test.json --out preds.jsonl
 
 Images go through the eval image processor of the export's first dataset section
@@ -365,9 +365,9 @@ def run_prompt(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lavis_ds.apps.generate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="lavis-ds generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="export folder (python export.py ... --out <folder>)")
+    parser.add_argument("--model", required=True, help="export folder (lavis-ds export ... --out <folder>)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", nargs="+", help="image file(s), answered with --prompt; one batch")
     source.add_argument("--data", help="an annotation file to answer record by record (needs --out)")

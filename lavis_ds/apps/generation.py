@@ -21,6 +21,7 @@ from torch import nn
 
 from lavis_ds.apps.export_io import read_export_config
 from lavis_ds.common.precision import autocast, to_compute
+from lavis_ds.common.suggest import did_you_mean
 
 
 def eval_processors(folder: str | Path) -> tuple[Callable, Callable | None]:
@@ -122,13 +123,10 @@ class GenerationSettings:
 
     def replace(self, key: str, text: str) -> "GenerationSettings":
         """A copy with ``key`` set from the text ``text`` (``"0.7"``, ``"true"``); ``ValueError`` says what is valid."""
-        import difflib
-
         fields = {f.name: f for f in dataclasses.fields(self)}
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown setting {key!r}{hint} (settings: {', '.join(fields)})")
+            hint = did_you_mean(key, fields)
+            raise ValueError(f"unknown setting {key!r}{'; ' + hint if hint else ''} (settings: {', '.join(fields)})")
         kind = type(getattr(GenerationSettings(), key))
         try:
             value = _parse_bool(text) if kind is bool else kind(text)

@@ -13,9 +13,11 @@ from typing import Iterable
 
 
 class LavisDsError(Exception):
-    """A failure the message fully explains. ``exit_code`` 1: a fault found while running."""
+    """A failure the message fully explains. ``exit_code`` 1: a fault found while running.
+    ``same_on_every_rank``: every process raises it alike (a config), so one of them reports it."""
 
     exit_code = 1
+    same_on_every_rank = False
 
 
 class InputError(LavisDsError):
@@ -34,8 +36,16 @@ class OutputError(LavisDsError):
                    "run the same command: it continues from the newest complete checkpoint")
 
 
-class ConfigError(ValueError):
-    """Every problem found in a run config, one per line (raised by ``lavis_ds.config.load_config``)."""
+class CheckpointError(InputError, ValueError):
+    """A checkpoint or weights file that cannot be loaded, resumed from or exported: wrong format, unexpected or
+    missing keys, wrong shapes, another engine's layout. The message names the folder or file."""
+
+
+class ConfigError(InputError, ValueError):
+    """Every problem found in a run config, one per line (raised by ``lavis_ds.config.load_config``). Every rank
+    loads the same config and finds the same problems: one reports them."""
+
+    same_on_every_rank = True
 
     def __init__(self, problems: Iterable[str], source: str = "config"):
         self.problems = list(problems)

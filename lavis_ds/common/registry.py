@@ -1,17 +1,19 @@
 """Name -> class registries: the only global mutable state in lavis_ds.
 
-One :class:`Registry` per kind of component. Register with a decorator,
+One :class:`Registry` per kind of component, the one API lavis_ds uses: register with its decorator
+(``@reg.models.register("name")`` after ``from lavis_ds.common import registry as reg``),
 look up with ``get``. Unknown names raise a ``KeyError`` that lists the known
 names and suggests the closest; duplicates raise and name the first owner.
 An alias (``register_alias``) is a second name for a registered entry: other
 frameworks' YAMLs (LAVIS, MiniGPT4Qwen) keep their spelling and get the same class.
 LAVIS users keep their spelling: ``registry.register_model("name")`` and
-``registry.get_model_class("name")`` work as they did there.
+``registry.get_model_class("name")`` are thin aliases of the same calls (``_LavisStyle``).
 """
 from __future__ import annotations
 
-import difflib
 from typing import Callable, Iterator, TypeVar
+
+from lavis_ds.common import suggest
 
 T = TypeVar("T")
 
@@ -70,12 +72,12 @@ class Registry:
 
     def closest(self, name: str) -> str | None:
         """The known name (or alias) most like ``name``, if any is close."""
-        close = difflib.get_close_matches(str(name), [*self._entries, *self._aliases], n=1)
+        close = suggest.closest(name, [*self._entries, *self._aliases])
         return close[0] if close else None
 
     def _unknown_message(self, name: str) -> str:
-        close = self.closest(name)
-        hint = f" Did you mean {close!r}?" if close else ""
+        hint = suggest.did_you_mean(name, [*self._entries, *self._aliases], sentence=True)
+        hint = f" {hint}" if hint else ""
         aliases = "".join(f", {alias} (= {target})" for alias, target in self.aliases().items())
         return (f"Unknown {self.kind} {name!r}.{hint} Known {self.kind}s: "
                 f"{', '.join(sorted(self._entries)) or '(none)'}{aliases}. To add your own, "

@@ -9,11 +9,12 @@ raised, so a user sees all of them at once.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
+
+from lavis_ds.common.suggest import did_you_mean
 
 _NO_DEFAULT = inspect.Parameter.empty
 
@@ -146,12 +147,6 @@ def range_problem(value: Any, tp: Any) -> str | None:
         if problem:
             return problem
     return None
-
-
-def did_you_mean(name: str, candidates: typing.Iterable[str], otherwise: str) -> str:
-    """``did you mean '<closest candidate>'?``, or ``otherwise`` when no candidate is close."""
-    close = difflib.get_close_matches(name, list(candidates), n=1)
-    return f"did you mean {close[0]!r}?" if close else otherwise
 
 
 def unknown_key_message(path: str, key: str, valid: typing.Iterable[str]) -> str:

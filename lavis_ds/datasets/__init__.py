@@ -2,11 +2,11 @@
 from lavis_ds.datasets.builders import (
     BaseDatasetBuilder,
     CocoCaptionBuilder,
-    DemoShapesBuilder,
     InstructionBuilder,
     LlavaConversationBuilder,
     build_processor,
 )
+from lavis_ds.datasets.demo_builder import DemoShapesBuilder
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes, generate_demo_shapes
 from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER, InstructionDataset, InstructionRecord, UnreadableImageError
 from lavis_ds.datasets.video import UnreadableVideoError

@@ -26,7 +26,6 @@ own); the config validator checks them against those fields.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -39,12 +38,9 @@ from torch.utils.data import Dataset
 
 import lavis_ds.processors  # noqa: F401  (registers the processors the sections name)
 from lavis_ds.common import dist
-from lavis_ds.common.registry import builders as builder_registry
-from lavis_ds.common.registry import processors as processor_registry
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.datasets.coco_caption import parse_coco_caption_file
-from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES, InstructionDataset, parse_instruction_file
 from lavis_ds.datasets.llava import llava_parser
 from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
@@ -62,8 +58,8 @@ PROCESSOR_STAGES = ("train", "eval")
 def build_processor(cfg: Mapping[str, Any]) -> BaseProcessor:
     """Look up ``cfg["name"]`` in the processor registry and build it from the rest of ``cfg``."""
     if not isinstance(cfg, Mapping) or "name" not in cfg:
-        raise ValueError(f"a processor section needs a `name` (one of: {', '.join(processor_registry)}), got {cfg!r}")
-    return registry.get_processor_class(cfg["name"]).from_config(cfg)
+        raise ValueError(f"a processor section needs a `name` (one of: {', '.join(reg.processors)}), got {cfg!r}")
+    return reg.processors.get(cfg["name"]).from_config(cfg)
 
 
 def merge_section_defaults(defaults: DictConfig, section: DictConfig) -> DictConfig:
@@ -137,7 +133,7 @@ class BaseDatasetBuilder:
     @classmethod
     def registered_name(cls) -> str | None:
         """The name this class is registered under, if any."""
-        return next((name for name in builder_registry if builder_registry.get(name) is cls), None)
+        return next((name for name in reg.builders if reg.builders.get(name) is cls), None)
 
     @classmethod
     def default_config_path(cls) -> Path | None:
@@ -264,7 +260,13 @@ class BaseDatasetBuilder:
     # ---- life cycle -----------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Idempotent setup before files are checked (generate or fetch data). Default: nothing."""
+        """Idempotent setup before files are checked (generate or fetch data); the build calls it, the config
+        check does not (it writes nothing). Default: nothing."""
+
+    def generates(self) -> list[Path]:
+        """Folders ``prepare()`` would still create: the config check looks for nothing inside them. Default:
+        none."""
+        return []
 
     def check(self) -> list[str]:
         """Every problem of this section, each naming its key path; empty if it can be built."""
@@ -368,12 +370,12 @@ def _stage(split: str) -> str:
     return "train" if split == "train" else "eval"
 
 
-@registry.register_builder("minigpt4qwen_instruction")
+@reg.builders.register("minigpt4qwen_instruction")
 class InstructionBuilder(BaseDatasetBuilder):
     """MiniGPT4Qwen instruction JSON files + an image folder (the layout in the module docstring)."""
 
 
-@registry.register_builder("llava_conversation")
+@reg.builders.register("llava_conversation")
 class LlavaConversationBuilder(BaseDatasetBuilder):
     """LLaVA conversation JSON (LLaVA-Instruct-150K, llava_v1_5_mix665k) + the image folder its
     ``image`` paths are relative to; see :mod:`lavis_ds.datasets.llava` for the conversion."""
@@ -384,7 +386,7 @@ class LlavaConversationBuilder(BaseDatasetBuilder):
         return llava_parser(self.options().skip_text_only)
 
 
-@registry.register_builder("coco_caption")
+@reg.builders.register("coco_caption")
 class CocoCaptionBuilder(BaseDatasetBuilder):
     """COCO-caption JSON (LAVIS/Karpathy lists or official ``captions_*.json``) + the image folder;
     every sample asks ``prompt`` and answers with a caption (see :mod:`lavis_ds.datasets.coco_caption`)."""
@@ -404,77 +406,11 @@ class CocoCaptionBuilder(BaseDatasetBuilder):
         return self.loader if _stage(split) == "train" else self.eval_loader
 
 
-@registry.register_builder("demo_shapes")
-class DemoShapesBuilder(BaseDatasetBuilder):
-    """The embedded demo: coloured shapes, generated into ``build_info.storage`` on first use.
-
-    ``build_info`` keys: ``storage`` (folder; default under ``$LAVIS_DS_CACHE`` or
-    ``~/.cache/lavis_ds``), ``num_train``, ``num_val``, ``num_test``, ``image_size``, ``seed``.
-    """
-
-    SPEC_KEYS: ClassVar[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(DemoShapesSpec))
-    BUILD_INFO_KEYS: ClassVar[tuple[str, ...]] = ("storage", *SPEC_KEYS)
-
-    @property
-    def storage(self) -> Path:
-        storage = self.build_info.get("storage")
-        if not isinstance(storage, str) or not storage:
-            raise ValueError(f"{self.where}.build_info.storage: required; the folder the demo data is "
-                             f"generated into, got {storage!r}")
-        return _local_path(storage)
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        """The ChatML tokenizer trained on the demo texts (exists after ``prepare()``)."""
-        return self.storage / "tokenizer"
-
-    def spec(self) -> DemoShapesSpec:
-        try:
-            return DemoShapesSpec(**{k: self.build_info[k] for k in self.SPEC_KEYS if k in self.build_info})
-        except ValueError as e:
-            raise ValueError(f"{self.where}.build_info: {e}") from None
-
-    def prepare(self) -> None:
-        ensure_demo_shapes(self.storage, self.spec())
-
-    def check(self) -> list[str]:
-        try:
-            self.spec()
-            generated = (self.storage / "DONE").is_file()
-        except ValueError as e:
-            return [str(e)]
-        if not generated:  # one clear message instead of one per missing file
-            return [f"{self.where}.build_info.storage: demo data at {self.storage} has not been generated; "
-                    f"call prepare() first"]
-        return super().check()
-
-    def annotation_files(self, problems: list[str] | None = None) -> dict[str, list[Path]]:
-        try:
-            storage = self.storage
-        except ValueError as e:
-            if problems is not None:
-                problems.append(str(e))
-            return {}
-        return {split: [storage / "annotations" / f"{split}.json"] for split in ("train", "val", "test")}
-
-    def annotation_key(self, split: str) -> str:
-        return f"{self.where}.build_info.storage"
-
-    def image_root(self, problems: list[str] | None = None) -> Path | None:
-        try:
-            return self.storage / "images"
-        except ValueError:
-            return None  # already reported by annotation_files
-
-    def image_root_key(self) -> str:
-        return f"{self.where}.build_info.storage"
-
-
 # MiniGPT4Qwen's builder names (Coobiw/MPP-LLaVA, lavis/datasets/builders/minigpt4qwen_builder.py). Both of
 # its builders read the same InstructionDataset: the instruction JSON (`image`, `instruction`, `output`);
 # its llava_instruction data is LLaVA converted to that format (`llava_minigpt4qwen_format.json`).
-registry.register_builder_alias("minigpt4_instruction", "minigpt4qwen_instruction")
-registry.register_builder_alias("llava_instruction", "minigpt4qwen_instruction")
+reg.builders.register_alias("minigpt4_instruction", "minigpt4qwen_instruction")
+reg.builders.register_alias("llava_instruction", "minigpt4qwen_instruction")
 # MPP-LLaVA's video builder: the same instruction JSON with a `video` key per record, `build_info.max_frames`
 # (32) frames each; its default YAML keeps the videos under `build_info.images.storage` with data_type images.
-registry.register_builder_alias("videochatgpt_100k", "minigpt4qwen_instruction")
+reg.builders.register_alias("videochatgpt_100k", "minigpt4qwen_instruction")

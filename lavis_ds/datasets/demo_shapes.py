@@ -204,7 +204,21 @@ def generate_demo_shapes(out_dir: str | os.PathLike, spec: DemoShapesSpec) -> Pa
     return out_dir
 
 
-def _check_existing(storage: Path, spec: DemoShapesSpec) -> None:
+def needs_generation(storage: Path, spec: DemoShapesSpec) -> bool:
+    """Whether ``ensure_demo_shapes`` would generate ``storage``: absent, empty, or an older format of the same
+    parameters. Reads only."""
+    if not storage.exists() or (storage.is_dir() and not any(storage.iterdir())):
+        return True
+    done = storage / "DONE"
+    if not done.is_file():
+        return False  # not ours: check_existing says so
+    found, wanted = json.loads(done.read_text()), spec.to_json()
+    return {k: v for k, v in found.items() if k != "format_version"} == \
+        {k: v for k, v in wanted.items() if k != "format_version"} and found.get("format_version", 0) < FORMAT_VERSION
+
+
+def check_existing(storage: Path, spec: DemoShapesSpec) -> None:
+    """Raise (FileExistsError, ValueError) unless ``storage`` holds demo data generated with ``spec``. Reads only."""
     done = storage / "DONE"
     if not done.is_file():
         raise FileExistsError(
@@ -239,7 +253,7 @@ def ensure_demo_shapes(storage: str | os.PathLike, spec: DemoShapesSpec = DemoSh
                     raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # no-op after a successful rename
-    _check_existing(storage, spec)
+    check_existing(storage, spec)
     return storage
 
 
@@ -247,7 +261,7 @@ def _retire_older_format(storage: Path, spec: DemoShapesSpec) -> None:
     """Move aside a cache that an older lavis_ds generated with the same parameters; it is regenerated.
 
     Only a lower ``format_version`` with otherwise equal parameters counts: other
-    differences may be another run's data and are reported by ``_check_existing``.
+    differences may be another run's data and are reported by ``check_existing``.
     Several processes may get here at once; one rename wins, the others find nothing.
     """
     done = storage / "DONE"

@@ -25,7 +25,7 @@ import functools
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.datasets.builders import BaseDatasetBuilder, _local_path, _paths, _stage
 from lavis_ds.datasets.loading import ParseFile, RecordLoader, read_json
 from lavis_ds.datasets.options import SectionOptions
@@ -163,7 +163,7 @@ def _answers(value: Any, where: str) -> tuple[str, ...]:
     return tuple(values)
 
 
-@registry.register_builder("vqa")
+@reg.builders.register("vqa")
 class VqaBuilder(BaseDatasetBuilder):
     """VQA questions with human answers (LAVIS ``vqa`` JSON, or the official VQAv2 questions + annotations
     pair: ``annotations.<split>: {storage: questions.json, answers: annotations.json}``)."""

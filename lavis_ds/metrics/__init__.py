@@ -3,7 +3,7 @@
 ``run.test_metrics`` / ``run.val_metrics`` (or a dataset section's ``metrics``) name them;
 :func:`build_metric` looks one up. See :mod:`lavis_ds.metrics.base` for the interface.
 """
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.metrics.base import Metric
 from lavis_ds.metrics.caption import CaptionMetrics
 from lavis_ds.metrics.exact_match import ExactMatch
@@ -13,7 +13,7 @@ from lavis_ds.metrics.vqa import VqaAccuracy, normalise_answer, vqa_accuracy
 
 def build_metric(name: str) -> Metric:
     """The registered metric ``name``; an unknown name raises a KeyError listing the known ones."""
-    return registry.get_metric_class(name)()
+    return reg.metrics.get(name)()
 
 
 __all__ = ["Metric", "ExactMatch", "CaptionMetrics", "VqaAccuracy", "build_metric", "ptb_tokenize",

@@ -1,6 +1,6 @@
 """What a metric is: generated texts and their references in, named scores out.
 
-A metric is registered by name (``@registry.register_metric("caption")``) and
+A metric is registered by name (``@reg.metrics.register("caption")``) and
 named in the YAML (``run.test_metrics: [caption, exact_match]``). It scores a
 whole split at once - CIDEr's document frequencies are corpus statistics - and
 every sample brings *all* its references (COCO's five captions, VQAv2's ten

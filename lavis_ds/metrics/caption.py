@@ -15,12 +15,12 @@ import io
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.metrics.base import Metric
 from lavis_ds.metrics.ptb_tokenizer import tokenize_caption
 
 
-@registry.register_metric("caption")
+@reg.metrics.register("caption")
 class CaptionMetrics(Metric):
     """``Bleu_1`` ... ``Bleu_4`` and ``CIDEr`` (pycocoevalcap's CIDEr-D: the "CIDEr" of COCO and LAVIS reports)."""
 

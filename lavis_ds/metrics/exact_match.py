@@ -1,7 +1,7 @@
 """Exact match: the generated text equals one of the references, after light normalisation."""
 from __future__ import annotations
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.metrics.base import Metric
 
 
@@ -10,7 +10,7 @@ def normalise(text: str) -> str:
     return " ".join(text.lower().strip().rstrip(".").split())
 
 
-@registry.register_metric("exact_match")
+@reg.metrics.register("exact_match")
 class ExactMatch(Metric):
     """Fraction of samples whose generated text equals (after :func:`normalise`) any of their references."""
 

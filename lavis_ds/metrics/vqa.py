@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.metrics.base import Metric
 
 # Data of the official vqaEval.py, unchanged (its keys with capitals can never match after lower-casing;
@@ -103,7 +103,7 @@ def vqa_accuracy(answer: str, human_answers: list[str]) -> float:
     return sum(scores) / len(scores)
 
 
-@registry.register_metric("vqa_accuracy")
+@reg.metrics.register("vqa_accuracy")
 class VqaAccuracy(Metric):
     """Mean VQAv2 accuracy over the questions, in [0, 1] (the official "overall" is this x 100, rounded)."""
 

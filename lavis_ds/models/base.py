@@ -8,7 +8,6 @@ float, bool, str, ``X | None``, ``list[X]``, ``dict[str, Any]``,
 """
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any, Iterable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from lavis_ds.common.suggest import did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,8 @@ class BaseModel(nn.Module):
             raise KeyError(f"model_type {model_type!r} is not supported: {why}. Use the {cls.__name__} preset "
                            f"{instead!r} (or {others}) with model.llm_model naming the matching Hugging Face folder.")
         if model_type not in presets:
-            close = difflib.get_close_matches(str(model_type), presets, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(model_type, presets, sentence=True)
+            hint = f" {hint}" if hint else ""
             raise KeyError(
                 f"Unknown model_type {model_type!r} for {cls.__name__}.{hint} "
                 f"Valid model_types: {', '.join(presets) or '(none)'}."

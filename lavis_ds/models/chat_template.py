@@ -26,17 +26,20 @@ the tokenizer merges, and generation prompts cut into the same pieces as trainin
 from __future__ import annotations
 
 import re
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from lavis_ds.common.errors import InputError
+
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Segments = list[tuple[str, bool]]
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(InputError, ValueError):
     """A chat template this module cannot render a sample with, or cannot derive an exact answer mask from."""
 
 
@@ -119,6 +122,13 @@ class ChatTemplate:
             hint = ("; for a template without a system role, set model.system_prompt: null"
                     if self.system_prompt is not None and "system" in str(e).lower() else "")
             raise ChatTemplateError(f"the chat template of {self._name} refused the conversation: {e}{hint}") from e
+        except Exception as e:  # Python failing inside the template (a loop over `tools`, which is None): name the line
+            line = _template_line(e, self._template)
+            if line is None:
+                raise
+            raise ChatTemplateError(f"the chat template of {self._name} fails at its line {line[0]} ({line[1]!r}): "
+                                    f"{type(e).__name__}: {e}; fix the template in the tokenizer folder "
+                                    "(tokenizer_config.json or chat_template.jinja)") from None
 
     def end_of_turn_id(self) -> int:
         """The token that closes an assistant turn (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``): the last
@@ -183,6 +193,17 @@ class ChatTemplate:
     @property
     def _name(self) -> str:
         return repr(getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__)
+
+
+def _template_line(error: BaseException, template: str) -> tuple[int, str] | None:
+    """(line number, text) of the template line that raised ``error``, or None if the template did not raise it
+    (jinja2 rewrites a template's frames to its own lines, under the file name ``<template>``)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == "<template>"]
+    if not frames:
+        return None
+    number = frames[-1].lineno
+    lines = template.splitlines()
+    return number, (lines[number - 1].strip() if 0 < number <= len(lines) else "")
 
 
 def _locate(text: str, position: int, header: str, answer: str) -> tuple[int, int] | None:

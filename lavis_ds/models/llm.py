@@ -28,7 +28,6 @@ transformers model for export.
 """
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from transformers import PreTrainedTokenizerBase
 
 from lavis_ds.common import dist
+from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.chat_template import renders_chatml
 from lavis_ds.models.llm_families import causal_lm_class
 from lavis_ds.models.llm_placement import current_placement, empty_weights, holds_pieces
@@ -284,8 +284,8 @@ def check_lora_targets(llm: nn.Module, targets: list[str]) -> None:
     problems = []
     for target in targets:
         if not any(name == target or name.endswith("." + target) for name in linear):
-            close = difflib.get_close_matches(target, valid, n=1)
-            problems.append(f"{target!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hint = did_you_mean(target, valid)
+            problems.append(f"{target!r} ({hint})" if hint else repr(target))
     if problems:
         raise ValueError(f"model.lora_target_modules: {', '.join(problems)} is not a linear layer of the LLM "
                          f"({type(llm).__name__}); valid names: {', '.join(valid)} "

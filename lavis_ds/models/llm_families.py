@@ -8,13 +8,14 @@ Nothing here lists families: names come from the model's own modules.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any, Mapping
 
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from lavis_ds.common.suggest import did_you_mean
 
 DEFAULT_MODEL_TYPE = "qwen2"  # what llm_config meant before it took a model_type
 
@@ -27,8 +28,8 @@ def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
     if model_type in CONFIG_MAPPING:
         return [f"model.llm_config.model_type: {model_type!r} is not a causal language model in transformers "
                 f"(AutoModelForCausalLM has no class for it)"]
-    close = difflib.get_close_matches(str(model_type), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
-    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    hint = did_you_mean(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, n=3)
+    hint = f" ({hint})" if hint else ""
     return [f"model.llm_config.model_type: unknown model_type {model_type!r}{hint}; it names a transformers "
             "architecture such as qwen2, qwen3, llama, gemma2 or mistral"]
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lavis_ds.common.errors import CheckpointError  # noqa: F401  (raised here; importers name it pretrained.CheckpointError)
+
 logger = logging.getLogger(__name__)
 
 EVA_VIT, LAVIS_BLIP2, HF_BLIP2 = "eva_vit", "lavis_blip2", "hf_blip2"
@@ -77,10 +79,6 @@ LAVIS_QFORMER_RENAMES = (
      r"qformer.encoder.layer.\1.\2.attention."),
     (r"Qformer\.bert\.", "qformer."),
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit: wrong format, unexpected or missing keys, wrong shapes."""
 
 
 # ----------------------------------------------------------------- public API

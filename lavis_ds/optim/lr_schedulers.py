@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 
 
 class LRScheduler:
@@ -59,12 +59,12 @@ class LRScheduler:
         self._apply()
 
 
-@registry.register_lr_scheduler("constant_lr")
+@reg.lr_schedulers.register("constant_lr")
 class ConstantLR(LRScheduler):
     """Warmup, then ``init_lr``."""
 
 
-@registry.register_lr_scheduler("linear_warmup_cosine_lr")
+@reg.lr_schedulers.register("linear_warmup_cosine_lr")
 class LinearWarmupCosineLR(LRScheduler):
     """Warmup, then a half cosine from ``init_lr`` down to ``min_lr`` at the last step."""
 
@@ -74,7 +74,7 @@ class LinearWarmupCosineLR(LRScheduler):
         return self.min_lr + (self.init_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-@registry.register_lr_scheduler("linear_warmup_step_lr")
+@reg.lr_schedulers.register("linear_warmup_step_lr")
 class LinearWarmupStepLR(LRScheduler):
     """Warmup, then ``init_lr * decay_rate ** epoch``, never below ``min_lr`` (LAVIS's step schedule)."""
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from lavis_ds.common import dist
 from lavis_ds.common.errors import ConfigError
-from lavis_ds.common.schema import did_you_mean
+from lavis_ds.common.suggest import did_you_mean
 
 logger = logging.getLogger(__name__)
 

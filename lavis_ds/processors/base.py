@@ -1,12 +1,12 @@
 """What every processor shares: being built from one config section."""
 from __future__ import annotations
 
-import difflib
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
 from lavis_ds.common.schema import fields_of
+from lavis_ds.common.suggest import did_you_mean
 
 
 class BaseProcessor:
@@ -33,10 +33,8 @@ class BaseProcessor:
         valid = constructor_keys(cls)
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, valid, n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints = [f"{key!r} ({did_you_mean(key, valid)})" if did_you_mean(key, valid) else repr(key)
+                     for key in unknown]
             raise ValueError(
                 f"{cls.__name__}: unknown config key(s) {', '.join(hints)}; "
                 f"valid keys: {', '.join(valid) or '(none)'}"

@@ -6,7 +6,7 @@ from PIL import Image
 from torchvision import transforms
 from torchvision.transforms import InterpolationMode
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.processors.base import BaseProcessor
 
 # CLIP's statistics: EVA-CLIP (BLIP-2's ViT) was trained with them.
@@ -44,7 +44,7 @@ class _Blip2ImageProcessor(BaseProcessor):
         return self.transform(_to_rgb(image))
 
 
-@registry.register_processor("blip2_image_train")
+@reg.processors.register("blip2_image_train")
 class Blip2ImageTrainProcessor(_Blip2ImageProcessor):
     """Random resized crop (bicubic) + horizontal flip + CLIP normalisation."""
 
@@ -72,7 +72,7 @@ class Blip2ImageTrainProcessor(_Blip2ImageProcessor):
         ])
 
 
-@registry.register_processor("blip2_image_eval")
+@reg.processors.register("blip2_image_eval")
 class Blip2ImageEvalProcessor(_Blip2ImageProcessor):
     """Deterministic square resize (bicubic) + CLIP normalisation."""
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.processors.base import BaseProcessor
 
 _PUNCTUATION = re.compile(r"([.!\"()*#:;~])")
@@ -20,7 +20,7 @@ def _truncate_words(text: str, max_words: int) -> str:
     return " ".join(words[:max_words]) if len(words) > max_words else text
 
 
-@registry.register_processor("blip_caption")
+@reg.processors.register("blip_caption")
 class BlipCaptionProcessor(BaseProcessor):
     """LAVIS caption cleaning: lowercase, punctuation to spaces, squeeze spaces,
     keep the first ``max_words`` words, then prepend ``prompt``."""
@@ -35,7 +35,7 @@ class BlipCaptionProcessor(BaseProcessor):
         return self.prompt + _truncate_words(text, self.max_words)
 
 
-@registry.register_processor("base_instruction")
+@reg.processors.register("base_instruction")
 class BaseInstructionProcessor(BaseProcessor):
     """MiniGPT4Qwen's instruction cleaning: squeeze whitespace, keep the first
     ``max_words`` words, prepend ``prompt``; case and punctuation are kept.
@@ -52,7 +52,7 @@ class BaseInstructionProcessor(BaseProcessor):
         return self.prompt + _truncate_words(text, self.max_words)
 
 
-@registry.register_processor("plain_text")
+@reg.processors.register("plain_text")
 class PlainTextProcessor(BaseProcessor):
     """Strip leading and trailing whitespace, nothing else."""
 

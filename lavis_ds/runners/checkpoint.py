@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lavis_ds.common import dist
-from lavis_ds.common.errors import InputError, LavisDsError
+from lavis_ds.common.errors import CheckpointError, LavisDsError  # noqa: F401  (CheckpointError: ckpt.CheckpointError)
 from lavis_ds.common.registry import runners as runner_registry
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
@@ -35,10 +35,6 @@ class Handover:
     states: dict[str, dict[str, torch.Tensor]]  # parameter name -> {"fp32", "exp_avg", "exp_avg_sq"}
     step: int  # AdamW steps taken (the t of its bias correction)
     client_state: dict  # what the loop saved beside it (its "lavis_ds" key)
-
-
-class CheckpointError(InputError):
-    """A checkpoint that cannot be resumed from or exported; the message names the folder or file."""
 
 
 class SaveFailed(LavisDsError):

@@ -14,7 +14,6 @@ valid key instead of surfacing after minutes of model loading.
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import os
 import typing
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lavis_ds.common.run_config import Twin, training_settings, valid_betas
+from lavis_ds.common.suggest import did_you_mean
 
 WHERE = "run.deepspeed_config"
 AUTO = "auto"
@@ -292,8 +292,7 @@ def schema_problems(ds: dict) -> list[str]:
             continue
         parent, _, key = dotted.rpartition(".")
         level = {r.rpartition(".")[2] for r in read | _ALWAYS_VALID if r.rpartition(".")[0] == parent}
-        close = difflib.get_close_matches(key, level, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else "DeepSpeed does not read it"
+        hint = did_you_mean(key, level, "DeepSpeed does not read it")
         problems.append(f"{WHERE}.{dotted}: unknown key; {hint}")
     return problems
 
@@ -320,8 +319,7 @@ def _describe(where: str, model: type, err: dict) -> str:
         if owner is None:
             break
     valid = _valid_keys(owner) if owner is not None else []
-    close = difflib.get_close_matches(loc[-1], valid, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+    hint = did_you_mean(loc[-1], valid, f"valid keys: {', '.join(sorted(valid))}")
     return f"{path}: unknown key; {hint}"
 
 

@@ -1,0 +1,9 @@
+"""`python -m lavis_ds.chat`, as older notes spell it: says that the command is `lavis-ds chat` and exits (code 2).
+
+It does not run the command: one spelling per job keeps notes and scripts from drifting apart, and the
+message costs one retyped line.
+"""
+if __name__ == "__main__":
+    from lavis_ds.cli import moved
+
+    moved("lavis_ds.chat", "chat")
