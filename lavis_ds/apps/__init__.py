@@ -4,4 +4,8 @@
 ``export`` (a checkpoint of any engine to safetensors + config, loaded without DeepSpeed), ``generate``
 (answers for images and prompts, or a whole data file under torchrun), ``chat`` (the terminal
 conversation) and ``webui`` (the same conversation in a browser).
+
+The libraries they share import no command: ``export_io`` (reading checkpoints, loading exports), ``export_hf*``
+(``--format hf``: the transformers class of each architecture) and ``generation``; ``tests/test_layers.py`` checks
+that and that no import cycle runs through this package.
 """
