@@ -6,6 +6,6 @@
 conversation) and ``webui`` (the same conversation in a browser).
 
 The libraries they share import no command: ``export_io`` (reading checkpoints, loading exports), ``export_hf*``
-(``--format hf``: the transformers class of each architecture) and ``generation``; ``tests/test_layers.py`` checks
-that and that no import cycle runs through this package.
+(``--format hf``: the transformers class of each architecture), and ``generation``; ``tests/test_layers.py`` checks
+the export library's and that no import cycle runs through this package.
 """
