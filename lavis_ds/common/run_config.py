@@ -52,8 +52,6 @@ class RunConfig:
     # newest complete checkpoints to keep, plus the best by `best_metric`; 0 = all
     keep_last: Annotated[int, NonNegative] = 0
     resume: Any = "auto"  # "auto" | false | path to a checkpoint
-    resume_ckpt_load_dir: str | None = None  # MiniGPT4Qwen spelling of `resume`
-    resume_ckpt_tag: str | None = None
     evaluate: bool = False  # evaluate only, no training
     train_splits: list[str] = field(default_factory=lambda: ["train"])
     valid_splits: list[str] = field(default_factory=list)

@@ -1,8 +1,8 @@
 """Resumption: which checkpoint a run continues, the batch layout that follows from it, and restoring it.
 
-``run.resume`` (``auto``, a checkpoint or run folder, or false) and ``run.resume_ckpt_load_dir`` /
-``resume_ckpt_tag`` name the candidates; every rank checks the files it will read (the engine's
-``check_checkpoint``) and all agree. With ``auto`` a damaged checkpoint is set aside (renamed, never
+``run.resume`` (``auto``, a checkpoint or run folder, or false; ``lavis_compat`` translates MiniGPT4Qwen's
+``resume_ckpt_load_dir`` / ``resume_ckpt_tag`` into it) names the candidates; every rank checks the files it
+will read (the engine's ``check_checkpoint``) and all agree. With ``auto`` a damaged checkpoint is set aside (renamed, never
 deleted) and the previous complete one is taken. A checkpoint saved by another number of processes keeps
 its global batch (the accumulation changes: an elastic resume).
 """
@@ -34,7 +34,7 @@ class ResumePolicy:
     engine is built (they decide how it is built); ``resume`` loads the checkpoint into the built engine."""
 
     def resume_source(self) -> tuple[Path, str | None] | None:
-        """(load_dir, tag) to resume from, following run.resume / resume_ckpt_load_dir.
+        """(load_dir, tag) to resume from, following run.resume.
 
         Every rank checks the files it will read, and all agree on the result: with
         `run.resume: auto`, a damaged checkpoint is set aside (renamed, never deleted) and
@@ -71,12 +71,6 @@ class ResumePolicy:
 
     def _resume_candidates(self) -> tuple[list[Path], bool, str]:
         """(complete checkpoints to try in order, whether the user named exactly one, the setting that named them)."""
-        if self.run.resume_ckpt_load_dir:
-            load_dir, tag = Path(self.run.resume_ckpt_load_dir), self.run.resume_ckpt_tag
-            what = f"run.resume_ckpt_load_dir={load_dir}" + (f", run.resume_ckpt_tag={tag}" if tag else "")
-            if tag is None:
-                return ckpt.complete_checkpoints(load_dir) or [self._complete_or_error(load_dir, what)], False, what
-            return [self._complete_or_error(load_dir / tag, what)], True, what
         resume = self.run.resume
         if resume in (False, None):
             return [], False, "run.resume"
