@@ -373,10 +373,10 @@ def test_file_problems_come_with_structural_ones(tmp_path):
 
 
 def test_runner_subclass_forwarding_its_arguments_is_a_valid_runner(tmp_path):
-    from lavis_ds.runners import DeepSpeedRunner
+    from lavis_ds.runners import DeepSpeedEngine
 
     @registry.register_runner("test_compat_forwarding_runner")
-    class ForwardingRunner(DeepSpeedRunner):
+    class ForwardingRunner(DeepSpeedEngine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
 
