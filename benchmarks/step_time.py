@@ -82,6 +82,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     from lavis_ds.build import build_datasets, build_model
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
+    from lavis_ds.runners import Trainer
 
     options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0", f"run.runner={args.runner}",
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
@@ -90,8 +91,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                f"run.deepspeed_config.bf16.enabled={str(args.dtype == 'bf16').lower()}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
     registry.get_runner_class(cfg.run.runner).init_process_group()
-    runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
-                                                       build_datasets(cfg.datasets))
+    runner = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
     runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
     runner.engine.module.train()  # as train() leaves it before its loop
