@@ -1,5 +1,5 @@
 """The shared loop and its hooks, in-process on a single-process test engine (tests/plain_runner.py):
-runners/base.py needs no engine, no launcher and no process group."""
+the trainer (runners/trainer.py) needs no real engine, no launcher and no process group."""
 from __future__ import annotations
 
 import json
@@ -89,14 +89,14 @@ def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path,
         monkeypatch.setattr(comm, name, _no_collective(name))
 
     runner = _runner(tmp_path, demo_storage, "copy")  # run.resume: auto
-    assert newest.is_dir() and runner.resume_from is None and runner.hooks == []
+    assert newest.is_dir() and runner.plan is None and len(runner.hooks) == 0
 
     monkeypatch.undo()
     runner.setup()
     assert not newest.exists() and (checkpoints / f"{newest.name}{ckpt.DAMAGED_SUFFIX}").is_dir()
-    assert runner.resume_from == (checkpoints, "step_6")
+    assert runner.plan.source == (checkpoints, "step_6")
     runner.setup()  # once: nothing more is set aside, nothing is rebuilt
-    assert runner.resume_from == (checkpoints, "step_6")
+    assert runner.plan.source == (checkpoints, "step_6")
 
 
 def _no_collective(name: str):
