@@ -24,7 +24,7 @@ def bert_tokenizer_folder(folder: Path) -> Path:
     from transformers import BertTokenizer
 
     target = folder / "qformer_tokenizer"
-    if not (target / "vocab.txt").is_file():
+    if not target.is_dir():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "vocab.txt").write_text("\n".join(BERT_WORDS) + "\n")
         tokenizer = BertTokenizer(str(folder / "vocab.txt"))

@@ -264,21 +264,24 @@ def qformer(model: nn.Module, query_tokens: nn.Parameter, ln_vision: nn.Module, 
     features_grad |= trains(ln_vision)
     queries = shape_of(query_tokens)[1]
     rows = queries + text_tokens
-    # BLIP-2's Q-Former normalises the queries with its own `layernorm`; InstructBLIP's embeds queries and text
-    # together (`embeddings`: word and position embeddings, then its layernorm).
-    x = query_tokens.requires_grad | trains(getattr(model, "layernorm", None))
-    x |= trains(getattr(model, "embeddings", None))
+    # BLIP-2's Q-Former normalises the queries with its own `layernorm`; InstructBLIP's `embeddings` embed the text
+    # (word and position embeddings) and normalise queries and text with their `layernorm`. A row's gradient need
+    # is tracked per kind: the self-attention mixes queries and text, the cross-attention reaches the queries only.
+    norm = getattr(model, "layernorm", None) or model.embeddings.layernorm
+    query_grad = query_tokens.requires_grad | trains(norm)
+    text_grad = bool(text_tokens) and trains(getattr(model, "embeddings", None))
     for layer in model.encoder.layer:
-        x = _qformer_attention(layer.attention, rows, rows, x, x, tally)
-        if layer.has_cross_attention:  # every cross_attention_frequency-th layer, from the first; queries only
-            x = _qformer_attention(layer.crossattention, queries, image_tokens, x, features_grad, tally)
-        hidden = tally.linear(layer.intermediate_query.dense, queries, x)
-        out = tally.linear(layer.output_query.dense, queries, hidden) | trains(layer.output_query.LayerNorm)
-        if text_tokens:
-            hidden = tally.linear(layer.intermediate.dense, text_tokens, x)
-            out |= tally.linear(layer.output.dense, text_tokens, hidden) | trains(layer.output.LayerNorm)
-        x |= out
-    return tally.linear(llm_proj, queries, x)
+        query_grad = text_grad = _qformer_attention(layer.attention, rows, rows, query_grad | text_grad,
+                                                    query_grad | text_grad, tally)
+        if layer.has_cross_attention:  # every cross_attention_frequency-th layer, from the first
+            query_grad = _qformer_attention(layer.crossattention, queries, image_tokens, query_grad, features_grad,
+                                            tally)
+        hidden = tally.linear(layer.intermediate_query.dense, queries, query_grad)
+        query_grad |= tally.linear(layer.output_query.dense, queries, hidden) | trains(layer.output_query.LayerNorm)
+        if text_tokens:  # the text rows' own feed-forward
+            hidden = tally.linear(layer.intermediate.dense, text_tokens, text_grad)
+            text_grad |= tally.linear(layer.output.dense, text_tokens, hidden) | trains(layer.output.LayerNorm)
+    return tally.linear(llm_proj, queries, query_grad)
 
 
 def _qformer_attention(block: nn.Module, rows: int, kv_rows: int, x: bool, kv_grad: bool, tally: Tally) -> bool:
