@@ -92,3 +92,13 @@ def mixed_batch(model: VisionLLM) -> dict[str, Any]:
                              "Describe the picture."]],
             "output": [["It is red."], ["A cat sitting on a mat."],
                        ["No, the second one is darker.", "A dog runs on the grass next to a red ball."]]}
+
+
+def without_dropout(arch: str) -> dict[str, Any]:
+    """Overrides that turn off the dropout a tiny preset has (a Q-Former connector's), so that runs on other
+    engines or numbers of processes draw no different masks."""
+    connector = registry.get_model_class(arch).default_config("tiny").get("connector") or {}
+    if arch == "blip2_qwen" or connector.get("name") in ("qformer", "instruct_qformer"):
+        off = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        return {"qformer": off} if arch == "blip2_qwen" else {"connector": {"qformer": off}}
+    return {}
