@@ -40,23 +40,22 @@ def tiny_model_section(arch: str, tokenizer: str | Path, files: Path, **override
     connector = registry.get_model_class(arch).default_config("tiny").get("connector")
     if connector and connectors.get(connector["name"]).NEEDS_INSTRUCTION:
         section["connector"] = {"qformer_tokenizer": str(bert_tokenizer_folder(files))}
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(section.get(key), dict):
-            section[key] = {**section[key], **value}
-        else:
-            section[key] = value
-    return section
+    return merged(section, overrides)
+
+
+def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` on top, nested sections merged key by key (as the config loader merges a run's
+    ``model:`` section over its preset)."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def tiny_model_config(arch: str, tokenizer: str | Path, files: Path, **overrides: Any) -> dict[str, Any]:
     """The whole tiny preset of ``arch`` as a plain dict (``from_config``'s input), as ``tiny_model_section``."""
     cls = registry.get_model_class(arch)
-    preset = cls.default_config("tiny")
-    section = tiny_model_section(arch, tokenizer, files, **overrides)
-    for key, value in section.items():
-        preset[key] = {**preset[key], **value} if isinstance(value, dict) and isinstance(preset.get(key), dict) \
-            else value
-    return preset
+    return merged(cls.default_config("tiny"), tiny_model_section(arch, tokenizer, files, **overrides))
 
 
 def build_tiny(arch: str, tokenizer: str | Path, files: Path, **overrides: Any) -> VisionLLM:
