@@ -59,8 +59,8 @@ PART_CASES: dict[str, tuple[str, Callable[[Path], dict], str]] = {
         "llava", lambda d: {"connector": {"name": "mlp2x_gelo"}},
         r"^  - model\.connector\.name: Unknown connector 'mlp2x_gelo'\. Did you mean 'mlp2x_gelu'\? Known "),
     "a published folder whose parts do not fit the configured ones": (
-        "llava", lambda d: {"connector": {"pretrained": llava_folder(d)}},
-        r"lavis_ds: .*llava.*(linear_1\.weight|shape).*"),
+        "llava", lambda d: {"pretrained": llava_folder(d), "load_pretrained": True},
+        r"lavis_ds: model\.pretrained: .*llava.*vision tower.*hidden_size"),
 }
 
 
