@@ -111,6 +111,30 @@ def test_llava_folder_gives_transformers_logits_and_answers(llava_folder):
     check_logits_and_generation(model, reference, lambda model, samples: {})
 
 
+def test_llava_folder_in_the_older_layout_under_lora_gives_the_same(llava_folder, tmp_path):
+    """transformers 4.52-4.x wrote `model.vision_tower.vision_model.*`, `model.language_model.*`, `lm_head.*`; LoRA
+    wraps the LLM's linear layers (`base_layer`) before the folder is loaded, and starts as the identity."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    older = tmp_path / "llava_older"
+    shutil.copytree(llava_folder, older)
+    renames = ((r"^vision_tower\.", "model.vision_tower.vision_model."),
+               (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+               (r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."))
+    state = load_file(llava_folder / "model.safetensors")
+    for pattern, replacement in renames:
+        state = {re.sub(pattern, replacement, k): v for k, v in state.items()}
+    assert any(k.startswith("model.language_model.") for k in state)
+    save_file(state, older / "model.safetensors", metadata={"format": "pt"})
+    model = ours(Llava, older, freeze_llm=True, get_lora=True, lora_r=4, lora_alpha=8)
+    assert any(".lora_A." in n for n, _ in model.named_parameters())
+    reference = LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
+    check_logits_and_generation(model, reference, lambda model, samples: {})
+
+
 def test_instructblip_folder_gives_transformers_logits_and_answers(instructblip_folder):
     model = ours(InstructBlip, instructblip_folder)
     assert model.connector.tokenizer.name_or_path.endswith("qformer_tokenizer")
