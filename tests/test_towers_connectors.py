@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import (CLIPConfig, CLIPModel, CLIPVisionConfig, CLIPVisionModel, InstructBlipConfig,
                           InstructBlipForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration,
                           LlavaModel, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel)
@@ -363,19 +365,33 @@ TINY_CONNECTORS = {"qformer": {"num_query_token": 4, "qformer": QFORMER}, "mlp2x
 @pytest.mark.parametrize("connector_name", list(connectors))
 def test_every_tower_feeds_every_connector(tmp_path, tower_name, connector_name):
     assert tower_name in TINY_TOWERS and connector_name in TINY_CONNECTORS, "give the new part a tiny section here"
-    tower = build_part(vision_towers, {"name": tower_name, **TINY_TOWERS[tower_name]}, "model.vision_tower")
+    """... and each reports its own FLOPs per image as FlopCounterMode measures them (the tower trained here; frozen
+    towers in test_flops), forward and training."""
+    tower = build_part(vision_towers, {"name": tower_name, **TINY_TOWERS[tower_name], "freeze": False},
+                       "model.vision_tower")
     section = {"name": connector_name, **TINY_CONNECTORS[connector_name]}
     if connector_name == "instruct_qformer":
         section["qformer_tokenizer"] = str(bert_tokenizer_folder(tmp_path))
     connector = build_part(connectors, section, "model.connector", vision_width=tower.num_features, llm_width=48)
     samples = {"instruction": ["what is in the image?", "a cat"], "image": torch.randn(2, 3, tower.image_size,
                                                                                          tower.image_size)}
-    features = tower(samples["image"])
-    assert features.shape == (2, tower.num_tokens, tower.num_features)
-    out = connector(features, connector.prepare(samples))
+    inputs = connector.prepare(samples)
+    with sdpa_kernel(SDPBackend.MATH):  # torch counts no FLOPs for CPU's fused attention kernel
+        with FlopCounterMode(display=False) as forward:
+            features = tower(samples["image"])
+            assert features.shape == (2, tower.num_tokens, tower.num_features)
+            out = connector(features, inputs)
+        with FlopCounterMode(display=False) as backward:
+            out.sum().backward()
     assert out.shape == (2, connector.tokens_per_image(tower.num_tokens), 48)
-    out.sum().backward()
     assert all(p.grad is not None for p in connector.parameters() if p.requires_grad)  # the whole connector trains
+    tower_flops, features_grad = tower.flops()
+    text = inputs["qformer_input_ids"].shape[1] if inputs else 0
+    connector_flops, out_grad = connector.flops(tower.num_tokens, features_grad, text)
+    assert features_grad and out_grad
+    expected = (tower_flops + connector_flops) * 2
+    assert forward.get_total_flops() == pytest.approx(expected.forward, rel=1e-9)
+    assert forward.get_total_flops() + backward.get_total_flops() == pytest.approx(expected.training, rel=1e-9)
 
 
 def test_freeze_switches_of_the_qformer_connector():

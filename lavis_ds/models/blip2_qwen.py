@@ -14,7 +14,7 @@ holds only the image path: the ViT, ``ln_vision``, the Q-Former, its queries and
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from transformers import Blip2QFormerConfig, Blip2QFormerModel
 from lavis_ds.common.registry import registry
 from lavis_ds.models.connectors.qformer import FP32LayerNorm  # ln_vision: statistics in fp32 (LAVIS's)
 from lavis_ds.models.eva_vit import EvaViT, Precision
-from lavis_ds.models.flops import FlopModel, flop_model
+from lavis_ds.models import flops
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.vision_llm import VisionLLM
 
@@ -186,9 +186,13 @@ class Blip2Qwen(VisionLLM):
         if freeze_proj:
             self.freeze_module("llm_proj")
 
-    def flop_model(self) -> FlopModel:
-        """Training FLOPs per sample by part, for the parameters that train now (``lavis_ds.models.flops``)."""
-        return flop_model(self)
+    def image_path_flops(self) -> tuple[flops.Flops, Callable[[int], flops.Flops], bool]:
+        """The EVA-ViT as the tower; ``ln_vision``, the Q-Former, its queries and ``llm_proj`` as the connector."""
+        tower, connector = flops.Tally(), flops.Tally()
+        features_grad = flops.eva_vit(self.visual_encoder, tower)
+        image_grad = flops.qformer(self.qformer, self.query_tokens, self.ln_vision, self.llm_proj,
+                                   flops.eva_vit_tokens(self.visual_encoder), features_grad, connector)
+        return tower.flops(), lambda text_tokens: connector.flops(), image_grad
 
     # ----------------------------------------------------------------- the image path
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,9 @@ class ComposedVisionLLM(VisionLLM):
         try:
             _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))
         except (PartError, ValueError, TypeError) as e:
-            problems.append(str(e))
+            # A part names its own keys (`vision_tower.image_size`); here they sit in the model section.
+            message = str(e)
+            problems.append(f"model.{message}" if message.startswith(tuple(f"{k}." for k in PART_KINDS)) else message)
         return problems
 
     @classmethod

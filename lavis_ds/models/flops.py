@@ -1,4 +1,5 @@
-"""Training FLOPs of BLIP2-Qwen per image and per token, split by part, for the freeze switches the model was built with.
+"""Training FLOPs of a vision-LLM per image and per token, by part (tower, connector, LLM), for the freeze switches
+the model was built with.
 
 One rule covers every part and every freeze setting. A matmul of an ``m x k`` by a
 ``k x n`` operand costs ``2mkn`` FLOPs forward; backward costs the same again for each
@@ -11,17 +12,21 @@ trainable weight, or an activation with a trainable parameter upstream. So:
 - a frozen linear layer with trainable parameters below it (a frozen LLM under a trained
   projection): 2N + 2N (dX) = 4N, twice its forward, not three times;
 - a frozen layer with nothing trainable below it (the frozen ViT and Q-Former of the
-  MiniGPT4Qwen recipe): forward only, 2N;
+  MiniGPT4Qwen recipe): forward only, 2N; so is a layer whose output autograd never reaches
+  (a CLIP tower's layers past the selected hidden state, SigLIP's pooling head);
 - attention's ``Q Kᵀ`` and ``P V`` have two activation operands: 3x their forward
   (12·L·H·Q·T per token) whenever a gradient passes through them, frozen weights or not.
 
-The walk below applies the rule matmul by matmul, following ``requires_grad`` as autograd
-does, and reads every size from the built modules (``in_features``, ``out_features``,
-patch and query counts), so it holds for the tiny and the full-size presets, LoRA
-adapters and ``unfreeze_pos_embed`` alike. Elementwise work (norms, activations,
-softmax, RoPE, the loss) is not counted, as in the 6N convention and in
-``torch.utils.flop_counter``. These are model FLOPs: activation checkpointing's
-recomputed forward is not counted (MFU, not hardware FLOPs utilisation). The trainable
+Each part walks itself by this rule (``VisionTower.flops``, ``Connector.flops``; the walks of
+EVA-ViT, the CLIP/SigLIP encoders and the Q-Former are below), the LLM's walk is here, and
+``compose`` puts them together (``VisionLLM.flop_model``). The walks apply the rule matmul by
+matmul, following ``requires_grad`` as autograd does, and read every size from the built
+modules (``in_features``, ``out_features``, patch and query counts), so they hold for the tiny
+and the full-size presets, LoRA adapters and ``unfreeze_pos_embed`` alike. Elementwise work
+(norms, activations, softmax, RoPE, the loss) is not counted, as in the 6N convention and in
+``torch.utils.flop_counter``. The LM head runs where the loss reads it: at the supervised
+positions (``lavis_ds.models.lm_loss``), or at every position on the full-logits path. These
+are model FLOPs: activation checkpointing's recomputed forward is not counted (MFU, not hardware FLOPs utilisation). The trainable
 token rows of a frozen LLM whose tokenizer lacked ChatML tokens (a few rows,
 ``lavis_ds.models.llm``) are left out. The formula is written out in docs/throughput.md.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
@@ -49,66 +55,100 @@ class Flops:
         return Flops(self.forward * factor, self.training * factor)
 
 
+ZERO = Flops(0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class FlopModel:
-    """FLOPs of BLIP2-Qwen per training sample, by part.
+    """FLOPs of a vision-LLM per training sample, by part: its vision tower, its connector and its LLM.
 
-    The vision side costs the same for every image (a sample has none, one or several); the
-    LLM's linear layers grow with the sequence length ``T`` and its attention with ``T²``.
+    The image path costs the same for every image (a sample has none, one or several); a connector that reads
+    each image's instruction (InstructBLIP's Q-Former) adds a cost per instruction token and, through its
+    self-attention over queries and text together, per squared instruction token. The LLM's linear layers grow
+    with the sequence length ``T``, its attention with ``T²``, and its output head with the positions it runs at.
 
     Attributes:
-        vit: EVA-ViT on one image (patch embedding and blocks).
-        qformer: Q-Former on one image's features (self-attention over the queries,
-            cross-attention to the image tokens in every ``cross_attention_frequency``-th layer, FFN).
-        projector: The Q-Former -> LLM projection of one image's queries.
-        llm_per_token: The LLM's linear layers and output head, per token of the sequence.
+        tower: The vision tower on one image.
+        connector: The connector on one image's tower features (no instruction text).
+        llm_per_token: The LLM decoder's linear layers, per token of the sequence.
         llm_attention: The LLM's ``Q Kᵀ`` and ``P V`` matmuls, per ``T²`` (the full square, as the
             12·L·H·Q·T convention and FlopCounterMode count it; a causal kernel skips half of it).
+        head: The LLM's output head at one position.
+        head_at_every_position: Whether the head runs at every position (the LLM's own full-logits forward:
+            ``loss_chunks: 0``, or a family the chunked path does not reproduce) or only at the supervised
+            ones (``lavis_ds.models.lm_loss``).
+        connector_per_text_token: The connector's extra cost per instruction token of an image.
+        connector_text_attention: Its extra cost per squared instruction token of an image.
     """
 
-    vit: Flops
-    qformer: Flops
-    projector: Flops
+    tower: Flops
+    connector: Flops
     llm_per_token: Flops
     llm_attention: Flops
+    head: Flops
+    head_at_every_position: bool = False
+    connector_per_text_token: Flops = ZERO
+    connector_text_attention: Flops = ZERO
 
     def llm(self, seq_len: float) -> Flops:
-        """The LLM on one sequence of ``seq_len`` tokens."""
+        """The LLM's decoder on one sequence of ``seq_len`` tokens (the head apart)."""
         return self.llm_per_token * seq_len + self.llm_attention * (seq_len * seq_len)
 
-    def per_sample(self, seq_len: float, images: int = 1) -> dict[str, Flops]:
-        """FLOPs of one sample with ``images`` images whose LLM sequence has ``seq_len`` tokens, by part, and their
-        ``total``."""
-        parts = {"vit": self.vit * images, "qformer": self.qformer * images, "projector": self.projector * images,
-                 "llm": self.llm(seq_len)}
-        return {**parts, "total": sum(parts.values(), Flops(0.0, 0.0))}
+    def image_path(self, text_tokens: float = 0) -> Flops:
+        """Tower and connector on one image whose instruction has ``text_tokens`` tokens (connectors that read
+        none ignore it)."""
+        return (self.tower + self.connector + self.connector_per_text_token * text_tokens
+                + self.connector_text_attention * (text_tokens * text_tokens))
 
-    def training_flops(self, images: int, tokens: int, squared_tokens: int) -> float:
+    def per_sample(self, seq_len: float, supervised: float, images: int = 1, text_tokens: float = 0
+                   ) -> dict[str, Flops]:
+        """FLOPs of one sample with ``images`` images whose LLM sequence has ``seq_len`` tokens, ``supervised`` of them
+        supervised, by part (``tower``, ``connector``, ``llm``, ``head``), and their ``total``. ``text_tokens``:
+        the instruction tokens of each image, for connectors that read them."""
+        connector = (self.connector + self.connector_per_text_token * text_tokens
+                     + self.connector_text_attention * (text_tokens * text_tokens))
+        parts = {"tower": self.tower * images, "connector": connector * images, "llm": self.llm(seq_len),
+                 "head": self.head * (seq_len if self.head_at_every_position else supervised)}
+        return {**parts, "total": sum(parts.values(), ZERO)}
+
+    def training_flops(self, images: int, tokens: int, squared_tokens: int, supervised: int,
+                       text_tokens: int = 0, squared_text_tokens: int = 0) -> float:
         """Training FLOPs of samples holding ``images`` images in all, whose sequence lengths add up to ``tokens``
-        and whose squared lengths add up to ``squared_tokens`` (what a step's counts hold, ``runners.throughput``).
-        The blank image a text-only micro-batch runs (``Blip2Qwen.image_embeds``) is not useful work: not counted."""
-        per_image = self.vit.training + self.qformer.training + self.projector.training
-        return (images * per_image + tokens * self.llm_per_token.training
-                + squared_tokens * self.llm_attention.training)
+        and whose squared lengths add up to ``squared_tokens``, with ``supervised`` supervised tokens, and whose
+        images' instructions have ``text_tokens`` tokens (squares: ``squared_text_tokens``): what a step's counts
+        hold (``runners.throughput``). The blank image a text-only micro-batch runs (``VisionLLM.image_embeds``)
+        is not useful work: not counted."""
+        head_positions = tokens if self.head_at_every_position else supervised
+        return (images * (self.tower.training + self.connector.training)
+                + text_tokens * self.connector_per_text_token.training
+                + squared_text_tokens * self.connector_text_attention.training
+                + tokens * self.llm_per_token.training + squared_tokens * self.llm_attention.training
+                + head_positions * self.head.training)
 
 
-def flop_model(model: nn.Module) -> FlopModel:
-    """The ``FlopModel`` of a built ``Blip2Qwen``, for the parameters that train in it now.
+def compose(tower: Flops, connector: Callable[[int], Flops], image_grad: bool, llm: nn.Module,
+            head_at_every_position: bool) -> FlopModel:
+    """The ``FlopModel`` of a tower, a connector and an LLM.
 
-    Works on a model whose weights are partitioned (ZeRO-3, FSDP) or on the meta device:
-    only layer sizes and ``requires_grad`` are read.
+    Args:
+        tower: The tower's FLOPs per image.
+        connector: The connector's FLOPs per image given its instruction tokens per image (a quadratic in them:
+            three values fix it; connectors that read no instruction give the same for any).
+        image_grad: Whether the connector's output needs a gradient (a trainable parameter in the image path).
+        llm: The LLM as the model holds it (a transformers causal LM, or a peft wrapper around one).
+        head_at_every_position: See ``FlopModel``.
     """
-    vit, qformer, projector = _Tally(), _Tally(), _Tally()
-    features_grad = _vit(model.visual_encoder, vit) | _trains(model.ln_vision)
-    image_tokens = _vit_tokens(model.visual_encoder)
-    queries_grad = _qformer(model, image_tokens, features_grad, qformer)
-    image_grad = projector.linear(model.llm_proj, _num_queries(model), queries_grad)
-    linear, attention = _Tally(), _Tally()
-    _llm(base_llm(model.llm_model), image_grad, linear, attention)
-    return FlopModel(vit.flops(), qformer.flops(), projector.flops(), linear.flops(), attention.flops())
+    c0, c1, c2 = connector(0), connector(1), connector(2)
+    # c(L) = c0 + a L + b L², so c1 - c0 = a + b and c2 - c0 = 2a + 4b.
+    squared = (c2 + c1 * -2 + c0) * 0.5
+    linear_in_text = c1 + c0 * -1 + squared * -1
+    decoder, attention, head = Tally(), Tally(), Tally()
+    _llm(base_llm(llm), image_grad, decoder, attention, head)
+    return FlopModel(tower, c0, decoder.flops(), attention.flops(), head.flops(), head_at_every_position,
+                     linear_in_text, squared)
 
 
-class _Tally:
+class Tally:
     """Matmul FLOPs, forward and backward, by the rule in the module docstring."""
 
     def __init__(self) -> None:
@@ -142,77 +182,133 @@ class _Tally:
         return Flops(self.forward, self.forward + self.backward)
 
 
-def _trains(module: nn.Module | None, recurse: bool = True) -> bool:
+def trains(module: nn.Module | None, recurse: bool = True) -> bool:
     """Whether any parameter of ``module`` trains (a norm's affine weights make its output need a gradient)."""
     return module is not None and any(p.requires_grad for p in module.parameters(recurse=recurse))
 
 
-def _num_queries(model: nn.Module) -> int:
-    # ZeRO-3 leaves a partitioned parameter empty and keeps its real shape in ``ds_shape``.
-    return getattr(model.query_tokens, "ds_shape", model.query_tokens.shape)[1]
+def shape_of(parameter: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's real shape, also when ZeRO-3 has partitioned it (empty, the shape kept in ``ds_shape``)."""
+    return tuple(getattr(parameter, "ds_shape", parameter.shape))
 
 
-def _vit_tokens(vit: nn.Module) -> int:
+def patch_embedding(conv: nn.Conv2d, patches: int, tally: Tally) -> bool:
+    """A ViT's patch embedding (a convolution whose stride is its kernel: one matmul per patch) on an image, which
+    needs no gradient; whether its output needs one."""
+    patch_pixels = conv.in_channels * math.prod(conv.kernel_size)
+    out = tally.matmul(2 * patches * patch_pixels * conv.out_channels, False, conv.weight.requires_grad)
+    return out | (conv.bias is not None and conv.bias.requires_grad)
+
+
+def eva_vit_tokens(vit: nn.Module) -> int:
+    """Tokens of an ``EvaViT`` per image: its patches and CLS."""
     return vit.patch_embed.num_patches + vit.num_prefix_tokens
 
 
-def _vit(vit: nn.Module, tally: _Tally) -> bool:
-    """EVA-ViT on one image; whether its output needs a gradient."""
-    conv = vit.patch_embed.proj  # stride = kernel: one matmul per patch
-    patch_pixels = conv.in_channels * math.prod(conv.kernel_size)
-    # The image needs no gradient; the CLS token and position embedding train with unfreeze_pos_embed.
-    x = tally.matmul(2 * vit.patch_embed.num_patches * patch_pixels * conv.out_channels, False,
-                     conv.weight.requires_grad)
-    x |= _trains(vit.patch_embed) | _trains(vit, recurse=False)
-    tokens = _vit_tokens(vit)
+def eva_vit(vit: nn.Module, tally: Tally) -> bool:
+    """EVA-ViT (``lavis_ds.models.eva_vit.EvaViT``) on one image; whether its output needs a gradient."""
+    # The CLS token and position embedding train with unfreeze_pos_embed.
+    x = patch_embedding(vit.patch_embed.proj, vit.patch_embed.num_patches, tally)
+    x |= trains(vit.patch_embed) | trains(vit, recurse=False)
+    tokens = eva_vit_tokens(vit)
     for block in vit.blocks:
         attn, mlp = block.attn, block.mlp
-        qkv = tally.linear(attn.qkv, tokens, x | _trains(block.norm1)) | _trains(attn, recurse=False)  # q/v bias
+        qkv = tally.linear(attn.qkv, tokens, x | trains(block.norm1)) | trains(attn, recurse=False)  # q/v bias
         mixed = tally.attention(tokens, tokens, attn.qkv.out_features // 3, qkv, qkv, qkv)
-        x |= tally.linear(attn.proj, tokens, mixed | _trains(attn.norm))
-        hidden = tally.linear(mlp.fc1, tokens, x | _trains(block.norm2)) | _trains(mlp.norm)
+        x |= tally.linear(attn.proj, tokens, mixed | trains(attn.norm))
+        hidden = tally.linear(mlp.fc1, tokens, x | trains(block.norm2)) | trains(mlp.norm)
         x |= tally.linear(mlp.fc2, tokens, hidden)
     return x
 
 
-def _qformer(model: nn.Module, image_tokens: int, features_grad: bool, tally: _Tally) -> bool:
-    """The Q-Former (HF ``Blip2QFormerModel``, query path only: no text input) on one image; whether its output needs
-    a gradient."""
-    qformer, queries = model.qformer, _num_queries(model)
-    x = model.query_tokens.requires_grad | _trains(qformer.layernorm)
-    for layer in qformer.encoder.layer:
-        x = _qformer_attention(layer.attention, queries, queries, x, x, tally)
+def hf_vision_encoder(embeddings: nn.Module, pre_norm: nn.Module | None, layers: list[nn.Module], used: int,
+                      tokens: int, tally: Tally, forward_only: Tally) -> bool:
+    """A transformers CLIP / SigLIP vision encoder on one image, of which the first ``used`` layers feed the
+    features; the rest go to ``forward_only`` (they run, but autograd never reaches them). Whether the features
+    need a gradient."""
+    conv = embeddings.patch_embedding
+    x = patch_embedding(conv, embeddings.num_patches, tally) | trains(embeddings, recurse=False)
+    x |= trains(embeddings.position_embedding) | trains(pre_norm)  # CLIP's pre_layrnorm
+    for index, layer in enumerate(layers):
+        if index == used:
+            features_grad, x, tally = x, False, forward_only
+        attn, mlp = layer.self_attn, layer.mlp
+        h = x | trains(layer.layer_norm1)
+        q, k, v = (tally.linear(proj, tokens, h) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        mixed = tally.attention(tokens, tokens, attn.q_proj.out_features, q, k, v)
+        x |= tally.linear(attn.out_proj, tokens, mixed)
+        hidden = tally.linear(mlp.fc1, tokens, x | trains(layer.layer_norm2))
+        x |= tally.linear(mlp.fc2, tokens, hidden)
+    return x if used >= len(layers) else features_grad
+
+
+def attention_pooling(head: nn.Module, tokens: int, tally: Tally) -> None:
+    """SigLIP's attention-pooling head (one probe query over the tokens, then an MLP) on one image: it runs in the
+    tower's forward but feeds no feature, so forward only."""
+    width = head.probe.shape[-1]
+    tally.matmul(2 * width * width, False)  # the probe's query projection
+    tally.matmul(2 * tokens * width * 2 * width, False)  # keys and values
+    tally.attention(1, tokens, width, False, False, False)
+    tally.linear(head.attention.out_proj, 1, False)
+    tally.linear(head.mlp.fc1, 1, False)
+    tally.linear(head.mlp.fc2, 1, False)
+
+
+def qformer(model: nn.Module, query_tokens: nn.Parameter, ln_vision: nn.Module, llm_proj: nn.Module,
+            image_tokens: int, features_grad: bool, tally: Tally, text_tokens: int = 0) -> bool:
+    """``ln_vision``, a Q-Former (transformers' BLIP-2 or InstructBLIP one) and its projection on one image's
+    ``image_tokens`` tower features; whether the projected queries need a gradient.
+
+    ``text_tokens``: instruction tokens beside the queries (InstructBLIP): they share the self-attention and the
+    layers' linear maps (their own feed-forward) but not the cross-attention; only the queries are projected."""
+    features_grad |= trains(ln_vision)
+    queries = shape_of(query_tokens)[1]
+    rows = queries + text_tokens
+    # BLIP-2's Q-Former normalises the queries with its own `layernorm`; InstructBLIP's `embeddings` embed the text
+    # (word and position embeddings) and normalise queries and text with their `layernorm`. A row's gradient need
+    # is tracked per kind: the self-attention mixes queries and text, the cross-attention reaches the queries only.
+    norm = getattr(model, "layernorm", None) or model.embeddings.layernorm
+    query_grad = query_tokens.requires_grad | trains(norm)
+    text_grad = bool(text_tokens) and trains(getattr(model, "embeddings", None))
+    for layer in model.encoder.layer:
+        query_grad = text_grad = _qformer_attention(layer.attention, rows, rows, query_grad | text_grad,
+                                                    query_grad | text_grad, tally)
         if layer.has_cross_attention:  # every cross_attention_frequency-th layer, from the first
-            x = _qformer_attention(layer.crossattention, queries, image_tokens, x, features_grad, tally)
-        hidden = tally.linear(layer.intermediate_query.dense, queries, x)
-        x |= tally.linear(layer.output_query.dense, queries, hidden) | _trains(layer.output_query.LayerNorm)
-    return x
+            query_grad = _qformer_attention(layer.crossattention, queries, image_tokens, query_grad, features_grad,
+                                            tally)
+        hidden = tally.linear(layer.intermediate_query.dense, queries, query_grad)
+        query_grad |= tally.linear(layer.output_query.dense, queries, hidden) | trains(layer.output_query.LayerNorm)
+        if text_tokens:  # the text rows' own feed-forward
+            hidden = tally.linear(layer.intermediate.dense, text_tokens, text_grad)
+            text_grad |= tally.linear(layer.output.dense, text_tokens, hidden) | trains(layer.output.LayerNorm)
+    return tally.linear(llm_proj, queries, query_grad)
 
 
-def _qformer_attention(block: nn.Module, rows: int, kv_rows: int, x: bool, kv_grad: bool, tally: _Tally) -> bool:
-    """One Q-Former attention (self: ``kv_rows`` = the queries; cross: the image tokens) with its output dense
+def _qformer_attention(block: nn.Module, rows: int, kv_rows: int, x: bool, kv_grad: bool, tally: Tally) -> bool:
+    """One Q-Former attention (self: ``kv_rows`` = its rows; cross: the image tokens) with its output dense
     layer and residual; whether its output needs a gradient."""
     attn = block.attention
     q = tally.linear(attn.query, rows, x)
     k, v = tally.linear(attn.key, kv_rows, kv_grad), tally.linear(attn.value, kv_rows, kv_grad)
     mixed = tally.attention(rows, kv_rows, attn.query.out_features, q, k, v)
-    return x | tally.linear(block.output.dense, rows, mixed) | _trains(block.output.LayerNorm)
+    return x | tally.linear(block.output.dense, rows, mixed) | trains(block.output.LayerNorm)
 
 
-def _llm(llm: nn.Module, image_grad: bool, linear: _Tally, attention: _Tally) -> None:
-    """The Qwen2 LLM per token (``linear``: one row) and per T² (``attention``: one query x one key)."""
+def _llm(llm: nn.Module, image_grad: bool, linear: Tally, attention: Tally, head: Tally) -> None:
+    """The causal LM per token (``linear``: one row), per T² (``attention``: one query x one key) and its output
+    head at one position (``head``)."""
     decoder = llm.model
-    x = image_grad | _trains(llm.get_input_embeddings())  # the embeddings are a lookup: no matmul
+    x = image_grad | trains(llm.get_input_embeddings())  # the embeddings are a lookup: no matmul
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        h = x | _trains(layer.input_layernorm)
+        h = x | trains(layer.input_layernorm)
         q, k, v = (linear.linear(proj, 1, h) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         width = getattr(attn.q_proj, "base_layer", attn.q_proj).out_features  # query heads x head dim (GQA: K/V repeat)
         mixed = attention.attention(1, 1, width, q, k, v)
         x |= linear.linear(attn.o_proj, 1, mixed)
-        h = x | _trains(layer.post_attention_layernorm)
+        h = x | trains(layer.post_attention_layernorm)
         gated = linear.linear(mlp.gate_proj, 1, h) | linear.linear(mlp.up_proj, 1, h)
         x |= linear.linear(mlp.down_proj, 1, gated)
-    head = llm.get_output_embeddings()
-    # Logits for every position, as the forward computes them (the loss reads the supervised ones).
-    linear.linear(getattr(head, "base", head), 1, x | _trains(decoder.norm))
+    output = llm.get_output_embeddings()
+    # A TokenRowsHead's trained rows (a few ChatML tokens) are left out, as the module docstring says.
+    head.linear(getattr(output, "base", output), 1, x | trains(decoder.norm))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from lavis_ds.common.schema import fields_of
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.eva_vit import DTYPES
+from lavis_ds.models.flops import FlopModel, Flops, compose
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems
@@ -249,6 +250,32 @@ class VisionLLM(BaseModel):
                 layer.training = mode
         return self
 
+    def _head_at_supervised_positions(self) -> bool:
+        """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
+        return bool(self.loss_chunks) and head_loss_supported(base_llm(self.llm_model))
+
+    def flop_model(self) -> FlopModel | None:
+        """Training FLOPs per sample by part (tower, connector, LLM), for the parameters that train now
+        (``lavis_ds.models.flops``); None if a part does not say (a user's part without ``flops``: no MFU logged).
+        Reads only layer sizes and ``requires_grad``: works on partitioned weights (ZeRO-3, FSDP) and on the meta
+        device."""
+        image_path = self.image_path_flops()
+        if image_path is None:
+            return None
+        tower, connector, image_grad = image_path
+        return compose(tower, connector, image_grad, self.llm_model, not self._head_at_supervised_positions())
+
+    def image_path_flops(self) -> tuple[Flops, Callable[[int], Flops], bool] | None:
+        """The image path's FLOPs per image: the tower's, the connector's given its instruction tokens per image,
+        and whether the connector's output needs a gradient; None if a part does not say. Default:
+        ``self.vision_tower`` and ``self.connector`` report their own (``VisionTower.flops``, ``Connector.flops``)."""
+        tower = self.vision_tower.flops()
+        tokens = self.vision_tower.num_tokens
+        connector = None if tower is None else self.connector.flops(tokens, tower[1])
+        if connector is None:
+            return None
+        return tower[0], lambda text_tokens: self.connector.flops(tokens, tower[1], text_tokens)[0], connector[1]
+
     def merge_lora(self) -> PreTrainedModel:
         """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it
         folded in; for export.
@@ -369,7 +396,7 @@ class VisionLLM(BaseModel):
         """
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, None)
-        if self.loss_chunks and head_loss_supported(base_llm(self.llm_model)):
+        if self._head_at_supervised_positions():
             token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks)[0].sum()
         else:
             token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels)

@@ -30,6 +30,9 @@ class TokenCounts:
     tokens: int = 0  # positions holding a token (attention_mask 1)
     supervised: int = 0  # tokens the loss is taken on
     squared_tokens: int = 0  # sum of each sample's token count squared: attention FLOPs grow with it
+    # The instruction tokens a connector reads beside each image (InstructBLIP's Q-Former), and their squares.
+    image_text_tokens: int = 0
+    squared_image_text_tokens: int = 0
 
     def __add__(self, other: TokenCounts) -> TokenCounts:
         return TokenCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -55,11 +58,16 @@ def _counts(tokens: dict[str, torch.Tensor]) -> TokenCounts:
     lengths = torch.as_tensor(tokens["sample_lengths"]) if "sample_lengths" in tokens else mask.sum(dim=1)
     # The loss reads the labels shifted by one (token t predicts t + 1): count the tokens it counts.
     supervised = (tokens["labels"][:, 1:] != IGNORE_INDEX).sum()
-    # One host conversion for the three sums (each int() of a tensor is a call into torch of its own).
-    total, squared, supervised = torch.stack([lengths.sum(), (lengths * lengths).sum(), supervised]).tolist()
     image = tokens.get("image")
+    # One row per image, as an instruction connector's `prepare` names them (connectors.instruction).
+    text = tokens.get("qformer_attention_mask")
+    text = torch.zeros(0, dtype=torch.long) if text is None else torch.as_tensor(text).sum(dim=1)
+    # One host conversion for the sums (each int() of a tensor is a call into torch of its own).
+    total, squared, supervised, text_total, text_squared = torch.stack(
+        [lengths.sum(), (lengths * lengths).sum(), supervised, text.sum(), (text * text).sum()]).tolist()
     return TokenCounts(samples=len(lengths), images=0 if image is None else int(image.shape[0]),
-                       positions=mask.numel(), tokens=total, supervised=supervised, squared_tokens=squared)
+                       positions=mask.numel(), tokens=total, supervised=supervised, squared_tokens=squared,
+                       image_text_tokens=text_total, squared_image_text_tokens=text_squared)
 
 
 def peak_tflops(given: float | None, precision: str | None) -> tuple[float | None, str | None]:
@@ -138,7 +146,8 @@ class ThroughputMeter:
                  "padding_share": 1 - total.tokens / max(total.positions, 1)}
         if self.flops is not None:
             # Model FLOPs of the tokens (padding excluded: compute spent on it is not useful work).
-            flops = self.flops.training_flops(total.images, total.tokens, total.squared_tokens)
+            flops = self.flops.training_flops(total.images, total.tokens, total.squared_tokens, total.supervised,
+                                              total.image_text_tokens, total.squared_image_text_tokens)
             per_device = flops / seconds / world_size
             rates["tflops_per_device"] = per_device / 1e12
             if self.peak_tflops:

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from lavis_ds.models.flops import Flops
 from lavis_ds.models.parts import Part, PartError, check_keys
 
 
@@ -38,6 +39,12 @@ class Connector(Part):
         """``features [N, T, vision_width]`` (and, for instruction connectors, ``prepare``'s output) ->
         ``[N, tokens_per_image(T), llm_width]``."""
         raise NotImplementedError
+
+    def flops(self, vision_tokens: int, features_grad: bool, text_tokens: int = 0) -> tuple[Flops, bool] | None:
+        """FLOPs of the connector on one image's ``vision_tokens`` tower features (whose gradient need is
+        ``features_grad``) and ``text_tokens`` instruction tokens (instruction connectors), by the rule in
+        ``lavis_ds.models.flops``, and whether its output needs a gradient; None if it does not say (no MFU)."""
+        return None
 
     def prepare(self, samples: Mapping[str, Any]) -> dict[str, Any]:
         """Host-side inputs ``forward`` needs besides the features (tensors, one row per image). Default: none."""

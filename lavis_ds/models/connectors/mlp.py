@@ -9,6 +9,7 @@ from torch import nn
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.connectors.base import Connector
+from lavis_ds.models.flops import Flops, Tally
 from lavis_ds.models.parts import PartError, read_safetensors
 
 
@@ -64,6 +65,12 @@ class Mlp2xGelu(Connector):
         features = features.to(self.linear_1.weight.dtype)
         return self.linear_2(self.act(self.linear_1(features)))
 
+    def flops(self, vision_tokens: int, features_grad: bool, text_tokens: int = 0) -> tuple[Flops, bool]:
+        tally = Tally()
+        hidden = tally.linear(self.linear_1, vision_tokens, features_grad)
+        out = tally.linear(self.linear_2, vision_tokens, hidden)
+        return tally.flops(), out
+
     def load_pretrained(self, path: str) -> None:
         load_projector(self, path)
 
@@ -78,6 +85,11 @@ class LinearConnector(Connector):
 
     def forward(self, features: torch.Tensor, inputs: Mapping[str, Any] | None = None) -> torch.Tensor:
         return self.proj(features.to(self.proj.weight.dtype))
+
+    def flops(self, vision_tokens: int, features_grad: bool, text_tokens: int = 0) -> tuple[Flops, bool]:
+        tally = Tally()
+        out = tally.linear(self.proj, vision_tokens, features_grad)
+        return tally.flops(), out
 
     def load_pretrained(self, path: str) -> None:
         """LLaVA-1.0's ``mm_projector.bin`` (one Linear, ``model.mm_projector.*``)."""

@@ -21,6 +21,8 @@ from transformers import (Blip2QFormerConfig, Blip2QFormerModel, InstructBlipQFo
 from lavis_ds.common.registry import registry
 from lavis_ds.models.connectors.base import Connector
 from lavis_ds.models.connectors.instruction import image_instructions, load_qformer_tokenizer, tokenize_instructions
+from lavis_ds.models.flops import Flops, Tally
+from lavis_ds.models.flops import qformer as qformer_flops
 from lavis_ds.models.parts import PartError
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,14 @@ class QFormerConnector(Connector):
 
     def blocks(self) -> list[nn.Module]:
         return list(self.qformer.encoder.layer)
+
+    def flops(self, vision_tokens: int, features_grad: bool, text_tokens: int = 0) -> tuple[Flops, bool]:
+        """``ln_vision``, the Q-Former and the projection; the instruction's tokens count only where the
+        connector reads one (``NEEDS_INSTRUCTION``)."""
+        tally = Tally()
+        out = qformer_flops(self.qformer, self.query_tokens, self.ln_vision, self.llm_proj, vision_tokens,
+                            features_grad, tally, text_tokens if self.NEEDS_INSTRUCTION else 0)
+        return tally.flops(), out
 
     def _features(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         features = self.ln_vision(features)

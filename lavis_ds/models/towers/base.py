@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from lavis_ds.models.flops import Flops
 from lavis_ds.models.parts import Part, check_keys
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -96,6 +97,11 @@ class VisionTower(Part):
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         """``images [N, 3, image_size, image_size]`` -> ``[N, num_tokens, num_features]``."""
         raise NotImplementedError
+
+    def flops(self) -> tuple[Flops, bool] | None:
+        """FLOPs of the tower on one image, forward and training, by the rule in ``lavis_ds.models.flops``, and
+        whether its features need a gradient; None if the tower does not say (no MFU is logged)."""
+        return None
 
     def blocks(self) -> list[nn.Module]:  # pragma: no cover - interface
         """The tower's transformer blocks, in order: the units FSDP shards and gathers one at a time."""

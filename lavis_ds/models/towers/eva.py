@@ -13,6 +13,7 @@ from torch import nn
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.eva_vit import EvaViT, Precision
+from lavis_ds.models.flops import Flops, Tally, eva_vit
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.pretrained import load_checked, load_eva_vit
 from lavis_ds.models.towers.base import ImageProcessing, VisionTower
@@ -58,6 +59,11 @@ class EvaTower(VisionTower):
 
     def blocks(self) -> list[nn.Module]:
         return list(self.vit.blocks)
+
+    def flops(self) -> tuple[Flops, bool]:
+        tally = Tally()
+        features_grad = eva_vit(self.vit, tally)
+        return tally.flops(), features_grad
 
     def load_pretrained(self, path: str) -> None:
         """LAVIS's ``eva_vit_g.pth``, the ``visual_encoder`` of a LAVIS BLIP-2 / InstructBLIP ``.pth``, or the

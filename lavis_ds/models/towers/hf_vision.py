@@ -21,6 +21,7 @@ from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
 from lavis_ds.common.registry import registry, vision_towers
+from lavis_ds.models.flops import Flops, Tally, attention_pooling, hf_vision_encoder
 from lavis_ds.models.parts import PartError, read_safetensors
 from lavis_ds.models.towers.base import CLIP_STD, CLIP_MEAN, ImageProcessing, VisionTower
 
@@ -123,6 +124,21 @@ class HfVisionTower(VisionTower):
 
     def blocks(self) -> list[nn.Module]:
         return list(self.encoder_layers())
+
+    def flops(self) -> tuple[Flops, bool]:
+        """The encoder up to the deepest selected hidden state trains by the rule; the layers past it, the final
+        norm and SigLIP's pooling head run forward only (nothing reads them)."""
+        inner = getattr(self.model, "vision_model", self.model)
+        depth = len(self.encoder_layers())
+        picks = [self.layers] if isinstance(self.layers, int) else self.layers
+        used = max(i % (depth + 1) for i in picks)
+        tokens = inner.embeddings.num_patches + int(self.HAS_CLS)
+        tally, forward_only = Tally(), Tally()
+        features_grad = hf_vision_encoder(inner.embeddings, getattr(inner, "pre_layrnorm", None),
+                                          list(self.encoder_layers()), used, tokens, tally, forward_only)
+        if getattr(inner, "head", None) is not None:
+            attention_pooling(inner.head, tokens, forward_only)
+        return tally.flops() + Flops(forward_only.forward, forward_only.forward), features_grad
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         dtype = next(self.model.parameters()).dtype
