@@ -167,8 +167,9 @@ def test_a_bad_peak_tflops_is_a_config_error(tmp_path, demo_storage, value, mess
 
 
 # ----------------------------------------------------------------------------- a real run's metrics.jsonl
-def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list[list[torch.Tensor]], object]:
-    """Train in-process; (the logged steps, each step's micro-batches' attention masks, the runner)."""
+def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list[list[torch.Tensor]], list, object]:
+    """Train in-process; (the logged steps, each step's micro-batches' attention masks, each step's micro-batches'
+    supervised tokens per sample, the runner)."""
     masks, supervised = [], []
 
     def recording(micro_batches):
@@ -182,12 +183,11 @@ def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list
     runner = build_runner(load_config(write_yaml(tmp_path / "run.yaml", _config(tmp_path / "out", demo_storage,
                                                                                   **run))))
     runner.train()
-    runner.supervised = supervised  # each step's micro-batches' supervised tokens per sample
-    return train_steps(tmp_path / "out"), masks, runner
+    return train_steps(tmp_path / "out"), masks, supervised, runner
 
 
 def test_a_run_logs_tokens_padding_memory_and_no_mfu_on_a_cpu(tmp_path, demo_storage, monkeypatch, capsys):
-    steps, masks, _ = _train(tmp_path, demo_storage, monkeypatch)
+    steps, masks, _, _ = _train(tmp_path, demo_storage, monkeypatch)
     assert len(steps) == 2 == len(masks)
     for step, step_masks in zip(steps, masks):
         tokens = sum(int(mask.sum()) for mask in step_masks)
@@ -204,14 +204,9 @@ def test_a_run_logs_tokens_padding_memory_and_no_mfu_on_a_cpu(tmp_path, demo_sto
 
 def test_mfu_is_achieved_flops_over_run_peak_tflops(tmp_path, demo_storage, monkeypatch):
     peak = 0.5  # TFLOP/s, made up for a CPU
-    steps, masks, runner = _train(tmp_path, demo_storage, monkeypatch, peak_tflops=peak)
-<<<<<<< HEAD
+    steps, masks, supervised, runner = _train(tmp_path, demo_storage, monkeypatch, peak_tflops=peak)
     flop_model = runner.engine.module.flop_model()
-    for step, step_masks in zip(steps, masks):
-=======
-    flop_model = runner.module.flop_model()
-    for step, step_masks, step_supervised in zip(steps, masks, runner.supervised):
->>>>>>> suite
+    for step, step_masks, step_supervised in zip(steps, masks, supervised):
         lengths = [int(n) for mask in step_masks for n in mask.sum(dim=1)]
         answers = [int(n) for counts in step_supervised for n in counts]
         flops = sum(flop_model.per_sample(n, s)["total"].training for n, s in zip(lengths, answers))
