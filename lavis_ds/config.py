@@ -250,7 +250,8 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
                     "runner": DEFAULT_RUNNER}
     return OmegaConf.create({
         **({"imports": user.imports} if "imports" in user else {}),
-        "model": OmegaConf.merge(model_defaults, model),
+        "model": OmegaConf.merge(cls.preset_under(model_defaults, model) if cls is not None else model_defaults,
+                                 model),
         "datasets": datasets,
         "run": OmegaConf.merge(run_defaults, user.run),
     })
@@ -427,9 +428,12 @@ def _model_image_size_problems(datasets: dict, model: dict, cls: type | None) ->
             known = isinstance(proc, dict) and proc.get("name") in reg.processors
             fields = fields_of(reg.processors.get(proc["name"])) if known else {}
             size = proc.get("image_size", fields["image_size"][1]) if "image_size" in fields else expected
-            if size != expected:
+            if size != expected and "image_size" in model:
                 problems.append(f"datasets.{name}.vis_processor.{stage}.image_size: {size} but model.image_size is "
                                 f"{expected}; the vision tower takes images of model.image_size only")
+            elif size != expected:  # the tower's own section (or its published folder) fixes the size
+                problems.append(f"datasets.{name}.vis_processor.{stage}.image_size: {size} but the model's vision "
+                                f"tower takes {expected} px images only; set this image_size to {expected}")
     return problems
 
 

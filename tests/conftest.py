@@ -41,6 +41,14 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_bert_tokenizer_dir(tmp_path_factory) -> Path:
+    """A BERT WordPiece tokenizer folder with [DEC] (InstructBLIP's Q-Former tokenizer at a toy size)."""
+    from lavis_ds.models.tokenizer import train_bert_tokenizer
+
+    return train_bert_tokenizer(TINY_CORPUS, tmp_path_factory.mktemp("tiny_bert_tokenizer"), vocab_size=200)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 

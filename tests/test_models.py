@@ -50,7 +50,7 @@ def test_the_registry_knows_both_models():
 
 
 @pytest.mark.parametrize("name,model_type", PRESETS)
-def test_every_preset_validates_and_builds(name, model_type, tiny_tokenizer_dir):
+def test_every_preset_validates_and_builds(name, model_type, tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
     cls = registry.get_model_class(name)
     cfg = cls.default_config(model_type)
     assert cfg["arch"] == name
@@ -59,6 +59,8 @@ def test_every_preset_validates_and_builds(name, model_type, tiny_tokenizer_dir)
     assert errors == []
     if "tokenizer" in fields_of(cls):
         cfg["tokenizer"] = str(tiny_tokenizer_dir)
+    if "qformer_tokenizer" in (cfg.get("connector") or {}):  # InstructBLIP's Q-Former reads its BERT tokenizer
+        cfg["connector"]["qformer_tokenizer"] = str(tiny_bert_tokenizer_dir)
     # Full-size presets are built on the meta device: shapes without 8B parameters of memory.
     with torch.device("cpu" if model_type == "tiny" else "meta"):
         model = cls.from_config(cfg)

@@ -6,6 +6,7 @@ real code path (instruction JSON + image folder + a tokenizer folder):
     {storage}/images/{split}_{i:05d}.png
     {storage}/annotations/{train,val,test}.json   (MiniGPT4Qwen instruction format)
     {storage}/tokenizer/                          (ChatML tokenizer trained on the texts)
+    {storage}/qformer_tokenizer/                  (BERT WordPiece + [DEC], for InstructBLIP's Q-Former)
     {storage}/DONE                                (JSON of the generation parameters)
 
 Generation is deterministic (fixed seeds; image pixels and JSON are identical
@@ -31,7 +32,7 @@ from PIL import Image, ImageDraw
 from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER
 
 # Bump when the generated content changes, so stale caches are detected.
-FORMAT_VERSION = 3  # 2: shapes have a dark outline; 3: larger, near the centre
+FORMAT_VERSION = 4  # 2: shapes have a dark outline; 3: larger, near the centre; 4: a Q-Former tokenizer
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 35, 35),
@@ -186,7 +187,7 @@ def corpus_texts(records_by_split: dict[str, list[dict]]) -> list[str]:
 def generate_demo_shapes(out_dir: str | os.PathLike, spec: DemoShapesSpec) -> Path:
     """Write the complete dataset (images, annotations, tokenizer, DONE) into ``out_dir``."""
     # Imported here: the tokenizer module pulls in `tokenizers`, and only generation needs it.
-    from lavis_ds.models.tokenizer import train_chatml_tokenizer
+    from lavis_ds.models.tokenizer import train_bert_tokenizer, train_chatml_tokenizer
 
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
@@ -197,6 +198,7 @@ def generate_demo_shapes(out_dir: str | os.PathLike, spec: DemoShapesSpec) -> Pa
         (out_dir / "annotations" / f"{split}.json").write_text(
             json.dumps(records, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     train_chatml_tokenizer(corpus_texts(records_by_split), out_dir / "tokenizer")
+    train_bert_tokenizer(corpus_texts(records_by_split), out_dir / "qformer_tokenizer")
     # Written last: its presence means everything above is complete.
     (out_dir / "DONE").write_text(json.dumps(spec.to_json(), indent=1, sort_keys=True) + "\n")
     return out_dir

@@ -131,6 +131,12 @@ class BaseModel(nn.Module):
         return CONFIG_ROOT / presets[model_type]
 
     @classmethod
+    def preset_under(cls, defaults: DictConfig, section: DictConfig) -> DictConfig:
+        """The preset's ``model:`` section as the user's ``section`` is merged over it. Default: all of it (a model
+        whose sections depend on a name, such as a part's, drops the preset's keys of another part)."""
+        return defaults
+
+    @classmethod
     def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
         """Problems of a merged ``model:`` section that involve several keys (the validator checks each key's
         type and range from the signature). Each names its key path. Default: none."""

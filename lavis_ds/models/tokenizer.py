@@ -6,6 +6,9 @@ returns a ``Qwen2Tokenizer`` with the same special tokens and roles as the
 Qwen chat models (eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos/unk).
 ``train_family_tokenizer``: the same BPE with another family's special tokens and roles
 (``FAMILIES``: Qwen3, Llama 3, Gemma, Phi-3) and a chat template of that family.
+``train_bert_tokenizer``: a lower-casing WordPiece with BERT's pipeline and special tokens plus ``[DEC]`` as its
+bos, saved as a ``BertTokenizerFast`` folder: the shape of InstructBLIP's Q-Former tokenizer (bert-base-uncased
++ ``[DEC]``) at a demo's size.
 """
 from __future__ import annotations
 
@@ -121,6 +124,32 @@ def train_family_tokenizer(family: str, texts: Iterable[str], out_dir: str | os.
         model_max_length=32768, chat_template=chat_template)
     if spec.added_tokens:
         tokenizer.add_tokens(list(spec.added_tokens))
+    return _save(tokenizer, out_dir)
+
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def train_bert_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512) -> Path:
+    """Train a lower-casing WordPiece on ``texts`` and save it as a BERT tokenizer folder with ``[DEC]`` added as
+    its bos token, as LAVIS and ``InstructBlipProcessor`` make the Q-Former's (``[CLS] text [SEP]``)."""
+    from tokenizers import processors
+    from transformers import BertTokenizerFast
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS,
+                                        show_progress=False)
+    wordpiece.train_from_iterator(texts, trainer)
+    cls_id, sep_id = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id),
+                                                                                   ("[SEP]", sep_id)])
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]", sep_token="[SEP]",
+                                  pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True)
+    tokenizer.add_special_tokens({"bos_token": "[DEC]"})
     return _save(tokenizer, out_dir)
 
 

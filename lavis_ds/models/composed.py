@@ -1,0 +1,199 @@
+"""A vision-LLM composed of registered parts: a vision tower, a connector, and the chat LLM of ``VisionLLM``.
+
+The model holds its parts as fields, each built from one config section named after its registry kind::
+
+    vision_tower: {name: clip, preset: vit_l_14_336, vision_feature_layer: -2}
+    connector: {name: mlp2x_gelu}
+
+(see ``lavis_ds.models.parts``). The image path is ``connector(vision_tower(images), connector inputs)``;
+an instruction-aware connector (InstructBLIP's Q-Former) gets its inputs from ``connector.prepare``, which
+``prepare_batch`` runs on the host (``batch_fields``). Registered architectures (``llava``, ``instructblip``)
+are subclasses that only name their default parts, presets and published-checkpoint formats; any tower
+with any connector trains by YAML (``arch: llava`` with ``vision_tower: {name: siglip}`` and
+``connector: {name: qformer}``).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lavis_ds.common.registry import Registry, connectors, vision_towers
+from lavis_ds.common.schema import check_section, fields_of
+from lavis_ds.models.parts import PartError, build_part
+from lavis_ds.models.prompt import image_counts
+from lavis_ds.models.vision_llm import VisionLLM
+from lavis_ds.models.vision_llm_batch import packed_image_order
+
+# The keys of the model section that hold a part's section, and the registry each part's name is looked up in.
+PART_KINDS: dict[str, Registry] = {"vision_tower": vision_towers, "connector": connectors}
+# Keys a part section takes besides its class's constructor arguments (``parts.build_part``).
+PART_EXTRA_KEYS = ("name", "pretrained", "freeze")
+# The fields of an instruction connector's inputs that travel in a prepared batch (one row per image).
+CONNECTOR_INPUT_KEYS = ("qformer_input_ids", "qformer_attention_mask")
+
+
+class ComposedVisionLLM(VisionLLM):
+    """``vision_tower`` -> ``connector`` -> image tokens spliced into ``llm_model``; subclasses name defaults."""
+
+    # The part sections an architecture uses when the config leaves one out (subclasses override).
+    DEFAULT_PARTS: dict[str, dict[str, Any]] = {"vision_tower": {"name": "clip"}, "connector": {"name": "mlp2x_gelu"}}
+    CONNECTOR_PREFIXES = ("connector.",)
+
+    def __init__(self, *, vision_tower: dict[str, Any] | None = None, connector: dict[str, Any] | None = None,
+                 **llm_args: Any):
+        """
+        Args:
+            vision_tower: The tower's section: ``name`` (a registered tower: ``clip``, ``siglip``,
+                ``eva_vit_g``, ...) plus its keys, ``pretrained`` (published weights) and ``freeze``
+                (default true). Left out: the architecture's default tower.
+            connector: The connector's section: ``name`` (``mlp2x_gelu``, ``linear``, ``qformer``,
+                ``instruct_qformer``, ...) plus its keys, ``pretrained`` and ``freeze`` (default false). Its
+                widths come from the tower and the LLM.
+            **llm_args: The LLM side's arguments (``VisionLLM``: ``llm_model``, ``tokenizer``, ``get_lora``, ...).
+        """
+        super().__init__(**llm_args)
+        tower_section, connector_section = self.part_sections({"vision_tower": vision_tower, "connector": connector})
+        self.vision_tower = build_part(vision_towers, tower_section, "model.vision_tower")
+        llm_width = self.build_llm()
+        self.connector = build_part(connectors, connector_section, "model.connector",
+                                    vision_width=self.vision_tower.num_features, llm_width=llm_width)
+        self.image_size = self.vision_tower.image_size
+        self.tokens_per_image = self.connector.tokens_per_image(self.vision_tower.num_tokens)
+        self.finish_build()
+
+    # ----------------------------------------------------------------- config side (nothing built, no weights)
+    @classmethod
+    def part_sections(cls, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The tower's and the connector's sections of a ``model:`` section, the defaults where left out."""
+        out = []
+        for key in PART_KINDS:
+            given = section.get(key)
+            out.append(dict(given) if given is not None else dict(cls.DEFAULT_PARTS[key]))
+        return out[0], out[1]
+
+    @classmethod
+    def preset_under(cls, defaults: DictConfig, section: DictConfig) -> DictConfig:
+        """A user's part section that names another part replaces the preset's section instead of merging into
+        it: the preset's keys belong to the preset's part (``vision_tower: {name: siglip}`` over a CLIP preset)."""
+        defaults = defaults.copy()
+        for key in PART_KINDS:
+            given, preset = section.get(key), defaults.get(key)
+            if isinstance(given, (DictConfig, dict)) and isinstance(preset, DictConfig) \
+                    and "name" in given and given.get("name") != preset.get("name"):
+                defaults[key] = OmegaConf.create({})
+        return defaults
+
+    @classmethod
+    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        """Unknown part names and keys (with the closest valid one), wrong types, and what building the parts'
+        structure (no weights, no files) refuses: image sizes, feature layers, presets."""
+        problems = super().config_problems(section)
+        part_problems: list[str] = []
+        for key, given in zip(PART_KINDS, cls.part_sections(section)):
+            part_problems += _part_section_problems(PART_KINDS[key], given, f"model.{key}")
+        if part_problems or any(not Path(p).expanduser().exists() for p in cls._part_files(section).values()):
+            return problems + part_problems  # a missing file is reported by the file check, once
+        try:
+            _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))
+        except (PartError, ValueError, TypeError) as e:
+            problems.append(str(e))
+        return problems
+
+    @classmethod
+    def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
+        """What the connector makes of the tower's tokens (the parts' structure built on the meta device)."""
+        return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))[1]
+
+    @classmethod
+    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
+        """The side the tower takes (its preset's, a published folder's config.json, or its ``image_size``)."""
+        try:
+            return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))[0]
+        except (PartError, ValueError, TypeError, KeyError):
+            return None  # config_problems reports why
+
+    @classmethod
+    def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
+        """The LLM side's files and ``pretrained``, plus the parts' (``vision_tower.pretrained``, ...)."""
+        return {**super().files_of(section), **cls._part_files(section)}
+
+    @classmethod
+    def _part_files(cls, section: Mapping[str, Any]) -> dict[str, str]:
+        files = {}
+        for key, part in zip(PART_KINDS, cls.part_sections(section)):
+            for file_key in ("pretrained", "qformer_tokenizer"):
+                if isinstance(part.get(file_key), str) and part[file_key]:
+                    files[f"{key}.{file_key}"] = part[file_key]
+        return files
+
+    # ----------------------------------------------------------------- the image path
+    def vision_blocks(self) -> list[nn.Module]:
+        """The tower's blocks, then the connector's (a Q-Former's layers)."""
+        return [*self.vision_tower.blocks(), *self.connector.blocks()]
+
+    def batch_fields(self, samples: dict[str, Any]) -> dict[str, Any]:
+        """An instruction connector's inputs, tokenized on the host: one row per image in sample order, or one
+        empty instruction for the blank stand-in image of a batch without images."""
+        if not self.connector.NEEDS_INSTRUCTION:
+            return {}
+        if sum(image_counts(samples)):
+            return self.connector.prepare(samples)
+        blank = torch.zeros(1, 3, self.image_size, self.image_size)  # what image_embeds feeds the tower
+        return self.connector.prepare({"instruction": [""], "num_images": [1], "image": blank})
+
+    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
+        """``connector(vision_tower(images), inputs)``; the connector's inputs follow the images into packed order."""
+        inputs = None
+        if self.connector.NEEDS_INSTRUCTION:
+            inputs = {k: samples[k] for k in CONNECTOR_INPUT_KEYS if k in samples} or self.batch_fields(samples)
+            rows = inputs["qformer_input_ids"].shape[0]
+            if rows != images.shape[0]:
+                raise ValueError(f"{rows} instruction rows for {images.shape[0]} images: prepare_batch makes one per "
+                                 "image (the blank stand-in image of an image-free batch has one too)")
+            if "position_ids" in samples and rows == sum(image_counts(samples)) and rows > 1:
+                order = packed_image_order(samples)
+                inputs = {k: v[order.to(v.device)] for k, v in inputs.items()}
+            inputs = {k: v.to(images.device) for k, v in inputs.items()}
+        return self.connector(self.vision_tower(images), inputs)
+
+
+def _part_section_problems(kind: Registry, section: Mapping[str, Any], path: str) -> list[str]:
+    """The part's name looked up (did-you-mean), its keys and their types checked against its class."""
+    if "name" not in section:
+        return [f"{path}.name: required; known {kind.kind}s: {', '.join(kind)}"]
+    try:
+        cls = kind.get(section["name"])
+    except KeyError as e:
+        return [f"{path}.name: {e.args[0]}"]
+    schema = {k: v for k, v in fields_of(cls).items() if k not in ("vision_width", "llm_width")}
+    errors: list[str] = []
+    check_section({k: v for k, v in section.items() if k != "name"}, schema, path, errors,
+                  extra_keys=PART_EXTRA_KEYS, require=False)
+    errors += [f"{path}.{k}: set by the architecture (the tower's and the LLM's widths); leave it out"
+               for k in ("vision_width", "llm_width") if k in section]
+    return errors
+
+
+@functools.lru_cache(maxsize=64)
+def _geometry(tower_json: str, connector_json: str) -> tuple[int, int]:
+    """``(image_size, tokens_per_image)`` of a tower and connector section, their structure built on the meta
+    device (no memory, no weights; a published tower folder's config.json is read). Connector files (a
+    tokenizer) are not read: the constructor never reads them."""
+    tower_section, connector_section = json.loads(tower_json), json.loads(connector_json)
+    tower_cls = vision_towers.get(tower_section.pop("name"))
+    connector_cls = connectors.get(connector_section.pop("name"))
+    pretrained = tower_section.pop("pretrained", None)
+    tower_section.pop("freeze", None)
+    for key in ("pretrained", "freeze"):
+        connector_section.pop(key, None)
+    with torch.device("meta"):
+        tower = (tower_cls.from_folder(pretrained, tower_section, "model.vision_tower") if pretrained
+                 else tower_cls(**tower_section))
+        connector = connector_cls(vision_width=tower.num_features, llm_width=8, **connector_section)
+    return tower.image_size, connector.tokens_per_image(tower.num_tokens)

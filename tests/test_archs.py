@@ -1,0 +1,188 @@
+"""Every registered composed architecture (tower + connector + LLM) by name: its tiny preset builds, trains one step
+on the trainable parts only, generates; a mix no preset has trains; the config check reports bad part sections."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+
+import lavis_ds  # noqa: F401  (fills the registries)
+from lavis_ds.common.errors import ConfigError
+from lavis_ds.common.registry import connectors, models, registry
+from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.vision_llm_batch import packed_image_order
+
+COMPOSED = sorted(name for name in models if issubclass(models.get(name), ComposedVisionLLM))
+
+SAMPLES = {"instruction": ["<Img><ImageHere></Img> What is in the image?", "Describe the picture in detail.",
+                           ["<Img><ImageHere></Img> What color is the ball?", "How many animals are there?"]],
+           "output": ["A cat sitting on a mat.", "A dog runs on the grass.", ["It is red.", "Two."]]}
+
+
+def tiny_section(arch: str, tokenizer, bert_tokenizer, **changes) -> dict:
+    cls = registry.get_model_class(arch)
+    section = {**cls.default_config("tiny"), "tokenizer": str(tokenizer), **changes}
+    connector = section["connector"]
+    if "qformer_tokenizer" in connectors.get(connector["name"]).__init__.__code__.co_varnames:
+        section["connector"] = {**connector, "qformer_tokenizer": str(bert_tokenizer)}
+    return section
+
+
+def batch(model, num_samples: int = 3, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    size = model.image_size
+    return {**{k: v[:num_samples] for k, v in SAMPLES.items()},
+            "image": torch.randn(num_samples, 3, size, size, generator=generator)}
+
+
+def test_every_composed_architecture_is_registered():
+    assert {"llava", "instructblip"} <= set(COMPOSED)
+
+
+@pytest.mark.parametrize("arch", COMPOSED)
+def test_tiny_preset_trains_one_step_and_generates(arch, tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    model = registry.get_model_class(arch).from_config(tiny_section(arch, tiny_tokenizer_dir,
+                                                                    tiny_bert_tokenizer_dir))
+    assert isinstance(model.vision_tower, torch.nn.Module) and isinstance(model.connector, torch.nn.Module)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    samples = batch(model)
+    losses = []
+    for _ in range(2):
+        out = model(samples)
+        assert math.isfinite(out["loss"].item()) and out["num_tokens"] > 0
+        optimizer.zero_grad()
+        out["loss"].backward()
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        # the tiny preset trains everything the features depend on: tower, connector, LLM
+        assert {n.split(".")[0] for n in trainable} == {"vision_tower", "connector", "llm_model"}
+        no_grad = [n for n, p in trainable.items() if p.grad is None and "post_layernorm" not in n]
+        assert not no_grad
+        optimizer.step()
+        losses.append(out["loss"].item())
+    assert losses[1] < losses[0]
+    answers = model.generate({"image": samples["image"][:2], "instruction": SAMPLES["instruction"][:2]},
+                             max_new_tokens=4)
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+
+
+@pytest.mark.parametrize("arch", COMPOSED)
+def test_frozen_tower_and_llm_leave_only_the_connector_training(arch, tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    section = tiny_section(arch, tiny_tokenizer_dir, tiny_bert_tokenizer_dir, freeze_llm=True)
+    section["vision_tower"] = {**section["vision_tower"], "freeze": True}
+    model = registry.get_model_class(arch).from_config(section).train()
+    model(batch(model))["loss"].backward()
+    for name, param in model.named_parameters():
+        if name.startswith("connector."):
+            # (InstructBLIP's last text feed-forward only feeds text outputs, which are dropped: its gradient is 0)
+            assert param.requires_grad and param.grad is not None, name
+        else:
+            assert not param.requires_grad and param.grad is None, name
+    assert all(p.grad.any() for n, p in model.connector.named_parameters() if n.startswith(("llm_proj", "linear_")))
+    assert not model.vision_tower.training and not model.llm_model.training  # frozen parts stay in eval
+
+
+def test_a_mix_no_preset_has_trains(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    """SigLIP + BLIP-2's Q-Former under arch llava: the parts' sections alone make the model."""
+    section = tiny_section("llava", tiny_tokenizer_dir, tiny_bert_tokenizer_dir,
+                           vision_tower={"name": "siglip", "preset": "tiny", "freeze": False},
+                           connector={"name": "qformer", "num_query_token": 4,
+                                      "qformer": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                  "intermediate_size": 64}})
+    model = registry.get_model_class("llava").from_config(section)
+    assert model.tokens_per_image == 4 and model.image_size == 56
+    assert registry.get_model_class("llava").tokens_per_image_of(section) == 4
+    out = model(batch(model))
+    out["loss"].backward()
+    assert math.isfinite(out["loss"].item())
+    assert model.connector.query_tokens.grad is not None and model.vision_tower.model.embeddings.patch_embedding.weight.grad is not None
+    assert len(model.vision_blocks()) == 3 + 2  # SigLIP's layers, then the Q-Former's
+
+
+def test_instruction_rows_follow_the_images_into_packed_order(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    model = registry.get_model_class("instructblip").from_config(
+        tiny_section("instructblip", tiny_tokenizer_dir, tiny_bert_tokenizer_dir)).eval()
+    samples = batch(model)
+    samples["instruction"] = ["<Img><ImageHere></Img> What is in the image?", "<ImageHere> a dog",
+                              "<ImageHere> How many animals are there?"]
+    samples["output"] = ["Two.", "A cat sitting on a mat, next to a red ball on the grass.", "It is red."]
+    padded = model.prepare_batch(dict(samples))
+    lengths = padded["attention_mask"].sum(1).tolist()
+    assert lengths[1] > lengths[2]  # rows of the first and last sample's length: the middle one goes last
+    packed = model.prepare_batch(dict(samples), pack_to=lengths[0] + lengths[2])
+    assert packed["order"] == [0, 2, 1]  # the packer moved samples: the instruction rows must move with them
+    with torch.no_grad():
+        in_packed_order = model.image_features(padded)[packed_image_order(packed)]
+        torch.testing.assert_close(model.image_features(packed), in_packed_order, atol=1e-6, rtol=0)
+        # each image's own instruction matters: the same images with their instructions swapped differ
+        swapped = model.image_features(model.prepare_batch({**samples, "instruction": samples["instruction"][::-1]}))
+    assert not torch.allclose(swapped, model.image_features(padded)[[0, 1, 2]])
+
+
+def test_image_free_batch_runs_the_blank_image_with_one_instruction(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    model = registry.get_model_class("instructblip").from_config(
+        tiny_section("instructblip", tiny_tokenizer_dir, tiny_bert_tokenizer_dir))
+    samples = {"instruction": ["Describe the picture in detail."], "output": ["A cat."], "num_images": [0]}
+    prepared = model.prepare_batch(samples)
+    assert prepared["qformer_input_ids"].shape[0] == 1
+    out = model(prepared)
+    out["loss"].backward()
+    assert model.connector.query_tokens.grad is not None and not model.connector.query_tokens.grad.any()
+
+
+# ----------------------------------------------------------------- the config check, before anything is built
+def write_run(tmp_path, arch: str, tokenizer, model: dict | None = None) -> str:
+    cfg = {"model": {"arch": arch, "model_type": "tiny", "tokenizer": str(tokenizer), **(model or {})},
+           "datasets": {"demo_shapes": {"build_info": {"storage": str(tmp_path / "shapes"), "num_train": 4,
+                                                      "num_val": 2, "num_test": 2}}},
+           "run": {"output_dir": str(tmp_path / "out"), "batch_size_train": 2}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_config_names_a_part_typo_with_the_registered_name(tmp_path, tiny_tokenizer_dir):
+    from lavis_ds.config import load_config
+
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"connector": {"name": "mlp2x_gelo"}})
+    with pytest.raises(ConfigError, match=r"model\.connector\.name: Unknown connector 'mlp2x_gelo'\. Did you mean "
+                                          r"'mlp2x_gelu'\?"):
+        load_config(path)
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"vision_tower": {"vision_feature_layers": -2,
+                                                                              "pad_to_square": "yes"}})
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert "model.vision_tower.vision_feature_layers: unknown key; did you mean 'vision_feature_layer'?" in str(
+        error.value)
+    assert "model.vision_tower.pad_to_square: expected bool, got 'yes'" in str(error.value)
+
+
+def test_config_mix_replaces_the_presets_part_section(tmp_path, tiny_tokenizer_dir):
+    """`vision_tower: {name: siglip}` over the CLIP preset: the preset's CLIP keys are not merged into it."""
+    from lavis_ds.config import load_config
+
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir,
+                     {"vision_tower": {"name": "siglip", "preset": "tiny", "vision_config": {"image_size": 64,
+                                                                                             "patch_size": 16}}})
+    cfg = load_config(path)
+    assert dict(cfg.model.vision_tower) == {"name": "siglip", "preset": "tiny",
+                                            "vision_config": {"image_size": 64, "patch_size": 16}}
+    assert dict(cfg.model.connector) == {"name": "mlp2x_gelu"}  # the preset's, untouched
+    # the tower fixes the image size: the datasets' processors must make it
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"vision_tower": {"name": "siglip", "preset": "tiny"}})
+    with pytest.raises(ConfigError, match=r"vis_processor\.train\.image_size: 64 but the model's vision tower takes "
+                                          r"56 px images only"):
+        load_config(path)
+
+
+def test_config_reports_what_building_the_parts_would_refuse(tmp_path, tiny_tokenizer_dir):
+    from lavis_ds.config import load_config
+
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"vision_tower": {"vision_feature_layer": 7}})
+    with pytest.raises(ConfigError, match=r"vision_tower\.vision_feature_layer: 7; valid: an int or a non-empty list"):
+        load_config(path)
+    path = write_run(tmp_path, "instructblip", tiny_tokenizer_dir,
+                     {"connector": {"qformer_tokenizer": str(tmp_path / "nowhere")}})
+    with pytest.raises(ConfigError, match=r"model\.connector\.qformer_tokenizer: .*nowhere' does not exist"):
+        load_config(path)
