@@ -186,3 +186,27 @@ def test_config_reports_what_building_the_parts_would_refuse(tmp_path, tiny_toke
                      {"connector": {"qformer_tokenizer": str(tmp_path / "nowhere")}})
     with pytest.raises(ConfigError, match=r"model\.connector\.qformer_tokenizer: .*nowhere' does not exist"):
         load_config(path)
+
+
+def test_users_connector_under_imports_trains_in_a_tiny_llava(tmp_path, tiny_tokenizer_dir):
+    """docs/models.md's example: tests/user_connector.py registers avgpool2x2_mlp; a run names it under
+    `imports:` and as model.connector; the config check accepts it and the built model learns."""
+    from lavis_ds.build import build_model
+    from lavis_ds.config import load_config
+
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"connector": {"name": "avgpool2x2_mlp", "hidden": 32}})
+    cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"imports": ["user_connector"], **cfg}))
+    model = build_model(load_config(path, check_files=False).model)
+    assert type(model.connector).__name__ == "AvgPoolMlp" and model.tokens_per_image == 4  # 16 patches pooled 2x2
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    samples = batch(model)
+    losses = []
+    for _ in range(5):
+        loss = model(samples)["loss"]
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None for p in model.connector.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
