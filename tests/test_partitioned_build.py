@@ -21,6 +21,15 @@ from test_llm import PLAIN_SPECIALS, qwen_folder
 NUM_TRAIN = 8  # micro-batch 2 x 2 processes: 2 optimizer steps
 MODEL = dict(freeze_vit=True, freeze_qformer=True, freeze_queries=True, freeze_llm=True, get_lora=True, lora_r=4,
              lora_alpha=8, llm_grad_checkpoint=True)
+LLM_SIDE = {k: MODEL[k] for k in ("freeze_llm", "get_lora", "lora_r", "lora_alpha", "llm_grad_checkpoint")}
+
+
+def arch_model(arch: str, storage: Path) -> dict:
+    """The switches above for each registered architecture: the tower frozen, the LLM frozen with LoRA."""
+    if arch == "blip2_qwen":
+        return MODEL
+    connector = {"qformer_tokenizer": f"{storage}/qformer_tokenizer"} if arch == "instructblip" else {}
+    return {"arch": arch, "vision_tower": {"freeze": True}, "connector": connector, **LLM_SIDE}
 
 
 @pytest.fixture(scope="module")
@@ -31,23 +40,26 @@ def setup(tmp_path_factory):
     return root, folder, storage
 
 
-def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepspeed", **run) -> dict:
+def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepspeed", arch: str = "blip2_qwen",
+            **run) -> dict:
     cfg = tiny_config(out, storage, stage=3, micro=2, init_lr=1e-2, warmup_steps=0, runner=runner, **run)
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=NUM_TRAIN, num_val=2, num_test=2)
-    cfg["model"].update(llm_model=str(folder), tokenizer=None, **MODEL)
+    cfg["model"].update(llm_model=str(folder), tokenizer=None, **arch_model(arch, storage))
     return cfg
 
 
-def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build(setup):
+@pytest.mark.parametrize("arch", ["blip2_qwen", "llava", "instructblip"])
+def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build(setup, arch):
     """Both runners, each built in its placement and whole (as before) in one launch: process 1 holds half of
     the LLM (ZeRO-3) or none of it (FSDP) when the build ends, and the loss of one batch before and after one
-    optimizer step is that of the whole build, exactly (fp32)."""
+    optimizer step is that of the whole build, exactly (fp32). Every registered architecture."""
     root, folder, storage = setup
-    cfg_path = write_yaml(root / "worker.yaml", _config(root / "worker_out", storage, folder))
-    report_path = root / "report.json"
+    cfg_path = write_yaml(root / f"worker_{arch}.yaml", _config(root / f"worker_out_{arch}", storage, folder,
+                                                               arch=arch))
+    report_path = root / f"report_{arch}.json"
     # tests/placement_worker.py on 2 processes, forked from the suite's server (tests/forked.py) as for train.py.
     proc = run_forked("placement_worker:cli", [str(cfg_path), str(report_path), "runner_deepspeed", "runner_fsdp"],
-                      root / "worker.logs", nproc=2)
+                      root / f"worker_{arch}.logs", nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = json.loads(report_path.read_text())
 

@@ -27,6 +27,7 @@ from lavis_ds.common.registry import Registry, connectors, vision_towers
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.models.parts import PartError, build_part
 from lavis_ds.models.prompt import image_counts
+from lavis_ds.models.published import load_published, settings_from_published
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.vision_llm_batch import packed_image_order
 
@@ -67,7 +68,30 @@ class ComposedVisionLLM(VisionLLM):
         self.tokens_per_image = self.connector.tokens_per_image(self.vision_tower.num_tokens)
         self.finish_build()
 
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | DictConfig) -> "ComposedVisionLLM":
+        """Build from a ``model:`` section; a published folder in ``pretrained`` (with ``load_pretrained``) first
+        gives the settings that come with its weights (``models.published.settings_from_published``)."""
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        return super().from_config(settings_from_published(cls._with_parts(cfg)))
+
+    def load_from_pretrained(self, path: str) -> None:
+        """A ``LlavaForConditionalGeneration`` or ``InstructBlipForConditionalGeneration`` folder (every part),
+        LAVIS's InstructBLIP ``.pth`` or LLaVA's stage-1 ``mm_projector.bin`` (the parts it holds); each part
+        checked against the configured one (``lavis_ds.models.published``)."""
+        load_published(self, path)
+
     # ----------------------------------------------------------------- config side (nothing built, no weights)
+    @classmethod
+    def settings_of(cls, section: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments, with what a published folder in ``pretrained`` fixes (its image token)."""
+        try:
+            section = settings_from_published(cls._with_parts(section))
+        except PartError:
+            pass  # config_problems reports the folder
+        return super().settings_of(section)
+
     @classmethod
     def part_sections(cls, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The tower's and the connector's sections of a ``model:`` section, the defaults where left out."""
@@ -76,6 +100,11 @@ class ComposedVisionLLM(VisionLLM):
             given = section.get(key)
             out.append(dict(given) if given is not None else dict(cls.DEFAULT_PARTS[key]))
         return out[0], out[1]
+
+    @classmethod
+    def _with_parts(cls, section: Mapping[str, Any]) -> dict[str, Any]:
+        """``section`` with both part sections present (the architecture's defaults where left out)."""
+        return {**section, **dict(zip(PART_KINDS, cls.part_sections(section)))}
 
     @classmethod
     def preset_under(cls, defaults: DictConfig, section: DictConfig) -> DictConfig:
@@ -94,6 +123,12 @@ class ComposedVisionLLM(VisionLLM):
         """Unknown part names and keys (with the closest valid one), wrong types, and what building the parts'
         structure (no weights, no files) refuses: image sizes, feature layers, presets."""
         problems = super().config_problems(section)
+        pretrained = section.get("pretrained")
+        if section.get("load_pretrained") and pretrained and Path(pretrained).expanduser().exists():
+            try:
+                settings_from_published(cls._with_parts(section))
+            except PartError as e:
+                problems.append(str(e))
         part_problems: list[str] = []
         for key, given in zip(PART_KINDS, cls.part_sections(section)):
             part_problems += _part_section_problems(PART_KINDS[key], given, f"model.{key}")
