@@ -210,3 +210,24 @@ def test_users_connector_under_imports_trains_in_a_tiny_llava(tmp_path, tiny_tok
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_llava_lora_recipes_lr_scales_put_the_connector_at_a_tenth(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    """projects/llava/stage2_finetune_lora.yaml's run.lr_scales on a tiny llava with the recipe's LoRA switches:
+    the connector at 0.1 x the adapters' lr (2e-5 against 2e-4), nothing else scaled."""
+    from lavis_ds.config import load_config
+    from lavis_ds.optim.param_groups import build_param_groups
+    from run_utils import REPO
+
+    recipe = load_config(REPO / "projects/llava/stage2_finetune_lora.yaml", world_size=4, check_files=False)
+    switches = {k: recipe.model[k] for k in ("freeze_llm", "get_lora", "lora_target_modules")}
+    model = registry.get_model_class("llava").from_config(
+        tiny_section("llava", tiny_tokenizer_dir, tiny_bert_tokenizer_dir, **switches, vision_tower={
+            **registry.get_model_class("llava").default_config("tiny")["vision_tower"], "freeze": True}))
+    groups = build_param_groups(model, 0.0, dict(recipe.run.lr_scales))
+    scaled = {id(p) for g in groups if g["lr_scale"] == 0.1 for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in scaled}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert recipe.run.init_lr * 0.1 == pytest.approx(2e-5)
+    assert names == {n for n in trainable if n.startswith("connector.")} and names
+    assert all("lora_" in n for n in trainable - names)
