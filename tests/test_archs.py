@@ -186,3 +186,48 @@ def test_config_reports_what_building_the_parts_would_refuse(tmp_path, tiny_toke
                      {"connector": {"qformer_tokenizer": str(tmp_path / "nowhere")}})
     with pytest.raises(ConfigError, match=r"model\.connector\.qformer_tokenizer: .*nowhere' does not exist"):
         load_config(path)
+
+
+def test_users_connector_under_imports_trains_in_a_tiny_llava(tmp_path, tiny_tokenizer_dir):
+    """docs/models.md's example: tests/user_connector.py registers avgpool2x2_mlp; a run names it under
+    `imports:` and as model.connector; the config check accepts it and the built model learns."""
+    from lavis_ds.build import build_model
+    from lavis_ds.config import load_config
+
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"connector": {"name": "avgpool2x2_mlp", "hidden": 32}})
+    cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"imports": ["user_connector"], **cfg}))
+    model = build_model(load_config(path, check_files=False).model)
+    assert type(model.connector).__name__ == "AvgPoolMlp" and model.tokens_per_image == 4  # 16 patches pooled 2x2
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    samples = batch(model)
+    losses = []
+    for _ in range(5):
+        loss = model(samples)["loss"]
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None for p in model.connector.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_llava_lora_recipes_lr_scales_put_the_connector_at_a_tenth(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
+    """projects/llava/stage2_finetune_lora.yaml's run.lr_scales on a tiny llava with the recipe's LoRA switches:
+    the connector at 0.1 x the adapters' lr (2e-5 against 2e-4), nothing else scaled."""
+    from lavis_ds.config import load_config
+    from lavis_ds.optim.param_groups import build_param_groups
+    from run_utils import REPO
+
+    recipe = load_config(REPO / "projects/llava/stage2_finetune_lora.yaml", world_size=4, check_files=False)
+    switches = {k: recipe.model[k] for k in ("freeze_llm", "get_lora", "lora_target_modules")}
+    model = registry.get_model_class("llava").from_config(
+        tiny_section("llava", tiny_tokenizer_dir, tiny_bert_tokenizer_dir, **switches, vision_tower={
+            **registry.get_model_class("llava").default_config("tiny")["vision_tower"], "freeze": True}))
+    groups = build_param_groups(model, 0.0, dict(recipe.run.lr_scales))
+    scaled = {id(p) for g in groups if g["lr_scale"] == 0.1 for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in scaled}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert recipe.run.init_lr * 0.1 == pytest.approx(2e-5)
+    assert names == {n for n in trainable if n.startswith("connector.")} and names
+    assert all("lora_" in n for n in trainable - names)
