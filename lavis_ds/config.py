@@ -37,6 +37,7 @@ from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
+from lavis_ds.objectives.config import objective_problems, option_section_keys
 from lavis_ds.runners import DEFAULT_RUNNER
 from lavis_ds.runners.hooks import hook_problems
 
@@ -300,7 +301,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
 
     run = plain["run"]
     check_section(run, fields_of(RunConfig), "run", errors,
-                  extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY})
+                  extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY} | option_section_keys())
+    errors.extend(objective_problems(run))  # run.task and the options section named after it
     if isinstance(run.get("adam_betas"), list) and not valid_betas(run["adam_betas"]):  # a non-list: a type error
         errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {run['adam_betas']!r}")
     training = {name: section for name, section in plain["datasets"].items()

@@ -1,0 +1,97 @@
+"""What a preference objective asks the model: image features once per pair, answer log-probs of both sides.
+
+A pair micro-batch (``lavis_ds.datasets.preference.PairDataset.collater``) holds B pairs: their shared prompt
+turns (``instruction``, and ``output``: the answers of the earlier turns), their images (``image``,
+``num_images``) and the two last answers (``chosen``, ``rejected``). ``side_batch`` lays it out as one
+sequence micro-batch of 2B samples, the B chosen sides then the B rejected sides, in which only each
+sample's last answer is supervised (the earlier answers are prompt). The vision tower runs once, on the B
+pairs' images; both sides take the same features, and one LLM forward scores all 2B answers.
+
+The model interface is ``image_features(samples)`` and ``answer_logps(samples, image_features)`` of the
+shared vision-LLM core (``lavis_ds.models.vision_llm``). STAND-IN: until a model has them, ``image_features``
+and ``answer_logps`` below compute the same from the model's public parts (``image_embeds``, ``prepare_batch``,
+``llm_model``) and its private ``_embed``; they go when the core lands.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lavis_ds.common.errors import LavisDsError
+
+IGNORE_INDEX = -100  # lavis_ds.models.prompt.IGNORE_INDEX (common to every model of the zoo)
+
+
+def side_batch(pairs: dict[str, Any]) -> dict[str, Any]:
+    """The 2B sequence samples of B pairs: chosen sides, then rejected sides, sharing prompt turns and images."""
+    history = pairs.get("output") or [[] for _ in pairs["instruction"]]
+    image = pairs.get("image")
+    return {
+        "instruction": [list(turns) for turns in pairs["instruction"]] * 2,
+        "output": ([list(h) + [c] for h, c in zip(history, pairs["chosen"], strict=True)]
+                   + [list(h) + [r] for h, r in zip(history, pairs["rejected"], strict=True)]),
+        "num_images": list(pairs["num_images"]) * 2,
+        # the pixels are not run twice (answer_logps takes the features); the layout check counts them
+        "image": None if image is None else torch.cat([image, image]),
+    }
+
+
+def last_answer_labels(labels: Tensor, turns: list[int], where: list[str] | None = None) -> Tensor:
+    """``labels`` with only each row's last supervised span kept: its last answer and end-of-turn token.
+
+    Answer spans are separated by unsupervised template tokens (the next turn's header), so the last run of
+    supervised labels is the last answer, unless truncation cut it away: then the row has fewer runs than
+    ``turns`` and this raises, naming the pair (``where``).
+    """
+    supervised = labels != IGNORE_INDEX
+    starts = supervised & ~torch.nn.functional.pad(supervised, (1, 0))[:, :-1]  # a run starts here
+    runs = starts.sum(1)
+    short = [i for i, (n, t) in enumerate(zip(runs.tolist(), turns, strict=True)) if n < t]
+    if short:
+        names = [where[i] if where else f"sample {i}" for i in short]
+        raise LavisDsError(f"{', '.join(names)}: the last answer does not fit in model.max_txt_len (it was cut away); "
+                           f"raise model.max_txt_len or shorten the prompt")
+    run_index = starts.cumsum(1)  # which run each position is in (0 before the first)
+    keep = supervised & (run_index == runs.unsqueeze(1))
+    return labels.masked_fill(~keep, IGNORE_INDEX)
+
+
+def prepare_sides(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, Any]:
+    """The side batch tokenized by the model on the host, last answers supervised only (``last_answer_labels``)."""
+    sides = model.prepare_batch(side_batch(pairs))
+    turns = [len(turns) for turns in sides["instruction"]]
+    index = pairs.get("index")
+    where = None if index is None else [f"pair {int(i)} ({side})" for side in ("chosen", "rejected") for i in index]
+    return {**sides, "labels": last_answer_labels(sides["labels"], turns, where)}
+
+
+def image_features(model: torch.nn.Module, pairs: dict[str, Any]) -> Tensor:
+    """Projected image features of the pairs' images, ``[N, queries, hidden]``: the vision pass, once."""
+    if hasattr(model, "image_features"):
+        return model.image_features(pairs)
+    # STAND-IN (see the module docstring). dummy=True: every rank runs the towers (ZeRO-3/FSDP gather collectively)
+    return model.image_embeds(pairs.get("image"), dummy=True)
+
+
+def answer_logps(model: torch.nn.Module, sides: dict[str, Any], features: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logp_sum [2B], num_tokens [2B])`` of each side's supervised tokens, both sides in one forward."""
+    if hasattr(model, "answer_logps"):
+        return model.answer_logps(sides, image_features=features)
+    # STAND-IN (see the module docstring): Blip2Qwen.forward's embedding, then log-softmax at supervised positions.
+    device = model.llm_proj.weight.device
+    input_ids, labels = sides["input_ids"].to(device), sides["labels"].to(device)
+    has_images = sum(sides["num_images"]) > 0
+    embeds = model._embed(input_ids, features if has_images else features[:0])
+    if not has_images:
+        embeds = embeds + features.sum() * 0  # the blank image's features, in the graph (Blip2Qwen.image_embeds)
+    logits = model.llm_model(inputs_embeds=embeds, attention_mask=sides["attention_mask"].to(device),
+                             use_cache=False).logits
+    targets = labels[:, 1:]
+    supervised = targets != IGNORE_INDEX
+    rows = supervised.nonzero()[:, 0]
+    token_logps = -F.cross_entropy(logits[:, :-1][supervised].float(), targets[supervised], reduction="none")
+    logp_sum = torch.zeros(len(labels), device=device, dtype=torch.float32).index_add(0, rows, token_logps)
+    return logp_sum, supervised.sum(1)

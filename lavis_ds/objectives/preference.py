@@ -1,0 +1,157 @@
+"""The preference objectives: ``dpo`` (sigmoid, ipo, hinge; optional RPO term), reference-free ``simpo`` and ``orpo``.
+
+Each trains on pair micro-batches (``lavis_ds.datasets.preference``): it runs the vision tower once on the
+pairs' images and scores the chosen and rejected answers in one forward (``model_calls``), then applies its
+pure loss function (``losses``). The unit of the preference term is the pair; an SFT term on the chosen
+answers (``dpo``'s ``rpo_alpha``, ORPO's NLL) is a sum over their tokens. Both are divided by the global batch's
+count of their unit (``base``), so the loss is TRL's mean over pairs and its token-mean NLL whatever the split.
+
+Logged, as TRL names them: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
+``logps/chosen``, ``logps/rejected`` (means over the global batch's pairs), and ``nll`` for an SFT term.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import torch
+from torch import Tensor
+
+from lavis_ds.common.errors import LavisDsError
+from lavis_ds.common.registry import registry
+from lavis_ds.common.schema import Range
+from lavis_ds.objectives import model_calls
+from lavis_ds.objectives.base import PAIRS, TOKENS, Objective, ObjectiveOutput
+from lavis_ds.objectives.losses import DpoLossType, PairLosses, dpo_losses, orpo_losses, simpo_losses
+
+Positive = Range(gt=0)
+
+# Batch keys of the reference log-probs (TRL's names), filled by the reference pass before the step.
+REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
+
+
+class PreferenceObjective(Objective):
+    """What every pairwise objective shares: the model calls, the counts, the metrics. Subclasses say the loss."""
+
+    DATA = "pairs"
+    UNITS = (PAIRS, TOKENS)
+
+    def sft_weight(self) -> float:
+        """Weight of the SFT term on the chosen answers (0: none)."""
+        return 0.0
+
+    def prepare(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        if "sides" in batch:
+            return batch
+        return {**batch, "sides": model_calls.prepare_sides(model, batch)}
+
+    def counts(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, int]:
+        counts = {PAIRS: len(batch["chosen"])}
+        if self.sft_weight():
+            labels = batch["sides"]["labels"][: counts[PAIRS], 1:]
+            counts[TOKENS] = int((labels != model_calls.IGNORE_INDEX).sum())
+        return counts
+
+    def pair_losses(self, chosen: Tensor, rejected: Tensor, chosen_tokens: Tensor, rejected_tokens: Tensor,
+                    batch: dict[str, Any]) -> PairLosses:
+        raise NotImplementedError
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> ObjectiveOutput:
+        batch = self.prepare(model, batch)
+        features = model_calls.image_features(model, batch)
+        pairs = len(batch["chosen"])
+        features = torch.cat([features, features])  # both sides of every pair: the same features, encoded once
+        logps, tokens = model_calls.answer_logps(model, batch["sides"], features)
+        return self.from_logps(logps[:pairs], logps[pairs:], tokens[:pairs], tokens[pairs:], batch)
+
+    def from_logps(self, chosen: Tensor, rejected: Tensor, chosen_tokens: Tensor, rejected_tokens: Tensor,
+                   batch: dict[str, Any]) -> ObjectiveOutput:
+        """The loss terms and metrics of B pairs from their answers' summed log-probs and token counts."""
+        result = self.pair_losses(chosen, rejected, chosen_tokens, rejected_tokens, batch)
+        loss_sums = {PAIRS: result.losses.sum()}
+        metrics = pair_metrics(result, chosen, rejected)
+        if self.sft_weight():
+            nll = -chosen.sum()  # the chosen answers' summed token NLL: an SFT term, per token
+            loss_sums[TOKENS] = self.sft_weight() * nll
+            metrics["nll"] = (TOKENS, nll.detach())
+        return ObjectiveOutput(loss_sums, metrics)
+
+
+def pair_metrics(result: PairLosses, chosen: Tensor, rejected: Tensor) -> dict[str, tuple[str, Tensor]]:
+    """TRL's logged names, each summed over the micro-batch's pairs (divided by the global pairs, like the loss)."""
+    c, r = result.chosen_rewards, result.rejected_rewards
+    sums = {"rewards/chosen": c.sum(), "rewards/rejected": r.sum(), "rewards/margins": (c - r).sum(),
+            "rewards/accuracies": (c > r).float().sum(), "logps/chosen": chosen.detach().sum(),
+            "logps/rejected": rejected.detach().sum()}
+    return {name: (PAIRS, value.detach().double()) for name, value in sums.items()}
+
+
+@registry.register_objective("dpo")
+class Dpo(PreferenceObjective):
+    """Direct Preference Optimization against a reference model, and its IPO and hinge variants."""
+
+    def __init__(self, beta: Annotated[float, Positive] = 0.1, loss_type: DpoLossType = "sigmoid",
+                 rpo_alpha: Annotated[float | None, Range(ge=0)] = None):
+        """
+        Args:
+            beta: KL weight (IPO: its tau). TRL's, LLaMA-Factory's and ms-swift's default: 0.1.
+            loss_type: ``sigmoid`` (DPO), ``ipo``, or ``hinge``.
+            rpo_alpha: Weight of an SFT term on the chosen answers (RPO; ms-swift's ``--rpo_alpha``, TRL's
+                ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, rpo_alpha]``): their token-mean NLL.
+        """
+        self.beta, self.loss_type, self.rpo_alpha = beta, loss_type, rpo_alpha
+
+    def sft_weight(self) -> float:
+        return self.rpo_alpha or 0.0
+
+    def pair_losses(self, chosen, rejected, chosen_tokens, rejected_tokens, batch) -> PairLosses:
+        missing = [key for key in (REF_CHOSEN, REF_REJECTED) if key not in batch]
+        if missing:
+            raise LavisDsError(f"run.task: dpo needs the reference model's log-probs of each pair ({', '.join(missing)} "
+                               f"missing from the batch); the reference pass fills them before the step")
+        ref_chosen = torch.as_tensor(batch[REF_CHOSEN]).to(chosen)
+        ref_rejected = torch.as_tensor(batch[REF_REJECTED]).to(rejected)
+        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
+                          chosen_tokens, rejected_tokens)
+
+
+@registry.register_objective("simpo")
+class Simpo(PreferenceObjective):
+    """SimPO: reference-free, on log-probs averaged per answer token, with a target margin."""
+
+    def __init__(self, beta: Annotated[float, Positive] = 0.1, gamma: float | None = None,
+                 simpo_gamma: float | None = None, sft_alpha: Annotated[float, Range(ge=0)] = 0.0):
+        """
+        Args:
+            beta: Reward scale (TRL's CPO default 0.1; the SimPO paper uses 2.0-2.5).
+            gamma: Target reward margin (``gamma / beta`` in log-prob units); default 0.5, TRL's.
+            simpo_gamma: TRL's and LLaMA-Factory's spelling of ``gamma`` (give one of the two).
+            sft_alpha: Weight of an SFT term on the chosen answers (TRL's ``cpo_alpha``): CPO-SimPO.
+        """
+        if gamma is not None and simpo_gamma is not None and gamma != simpo_gamma:
+            raise ValueError(f"gamma={gamma} and simpo_gamma={simpo_gamma} are one setting in two spellings; give one")
+        self.beta, self.sft_alpha = beta, sft_alpha
+        self.gamma = next((g for g in (gamma, simpo_gamma) if g is not None), 0.5)
+
+    def sft_weight(self) -> float:
+        return self.sft_alpha
+
+    def pair_losses(self, chosen, rejected, chosen_tokens, rejected_tokens, batch) -> PairLosses:
+        return simpo_losses(chosen, rejected, chosen_tokens, rejected_tokens, self.beta, self.gamma)
+
+
+@registry.register_objective("orpo")
+class Orpo(PreferenceObjective):
+    """ORPO: the chosen answers' NLL plus ``beta`` times the odds-ratio loss; reference-free."""
+
+    def __init__(self, beta: Annotated[float, Positive] = 0.1):
+        """
+        Args:
+            beta: Weight of the odds-ratio term (ORPO's lambda; TRL's default 0.1).
+        """
+        self.beta = beta
+
+    def sft_weight(self) -> float:
+        return 1.0
+
+    def pair_losses(self, chosen, rejected, chosen_tokens, rejected_tokens, batch) -> PairLosses:
+        return orpo_losses(chosen, rejected, chosen_tokens, rejected_tokens, self.beta)
