@@ -76,8 +76,9 @@ def orpo_losses(chosen_logps: Tensor, rejected_logps: Tensor, chosen_tokens: Ten
     """ORPO's odds-ratio term (reference-free), ``-beta * logsigmoid(log odds(chosen) - log odds(rejected))`` on
     log-probs averaged per answer token (TRL ``ORPOTrainer.odds_ratio_loss``, negated: TRL subtracts it from the
     NLL). The NLL term of ORPO is the SFT term on the chosen answers, normalised per token by the caller."""
-    chosen_avg = (chosen_logps / _tokens(chosen_tokens)).float()
-    rejected_avg = (rejected_logps / _tokens(rejected_tokens)).float()
+    # at least fp32, as TRL computes it: log(1 - p) of an average near 0 needs the precision
+    chosen_avg = _at_least_fp32(chosen_logps / _tokens(chosen_tokens))
+    rejected_avg = _at_least_fp32(rejected_logps / _tokens(rejected_tokens))
     log_odds = (chosen_avg - rejected_avg) - (log1mexp(chosen_avg) - log1mexp(rejected_avg))
     losses = -beta * F.logsigmoid(log_odds)
     return PairLosses(losses, beta * chosen_avg.detach(), beta * rejected_avg.detach())
@@ -91,3 +92,7 @@ def log1mexp(x: Tensor) -> Tensor:
 def _tokens(count: Tensor) -> Tensor:
     """Token counts as a divisor: an answer truncated to nothing counts one, so its average is 0, not NaN."""
     return count.to(torch.float32 if not torch.is_floating_point(count) else count.dtype).clamp(min=1)
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
