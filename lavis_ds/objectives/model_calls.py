@@ -61,6 +61,12 @@ def last_answer_labels(labels: Tensor, turns: list[int], where: list[str] | None
 
 def prepare_sides(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, Any]:
     """The side batch tokenized by the model on the host, last answers supervised only (``last_answer_labels``)."""
+    systems = [s for s in pairs.get("system") or [] if s]
+    if systems and not getattr(model, "PER_SAMPLE_SYSTEM", False):
+        # Not dropped silently: the pair was judged with this system prompt.
+        raise LavisDsError(f"a pair has its own system prompt ({systems[0][:60]!r}...), which this model cannot "
+                           f"take per sample (its system turn is model.system_prompt); remove the records' system "
+                           f"turns (and set model.system_prompt to that text if all pairs share it)")
     sides = model.prepare_batch(side_batch(pairs))
     turns = [len(turns) for turns in sides["instruction"]]
     index = pairs.get("index")
