@@ -302,7 +302,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     run = plain["run"]
     check_section(run, fields_of(RunConfig), "run", errors,
                   extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY} | option_section_keys())
-    errors.extend(objective_problems(run))  # run.task and the options section named after it
+    runner_class = reg.runners.get(run["runner"]) if run.get("runner") in reg.runners else None
+    errors.extend(objective_problems(run, runner_class))  # run.task and the options section named after it
     if isinstance(run.get("adam_betas"), list) and not valid_betas(run["adam_betas"]):  # a non-list: a type error
         errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {run['adam_betas']!r}")
     training = {name: section for name, section in plain["datasets"].items()

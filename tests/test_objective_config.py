@@ -15,11 +15,20 @@ def cfg_path(tmp_path):
     return write_yaml(tmp_path / "run.yaml", tiny_config(tmp_path / "out", tmp_path / "demo"))
 
 
-def test_dpo_options_are_read_from_the_section_named_after_it(cfg_path):
-    cfg = load_config(cfg_path, ["run.task=dpo", "run.dpo.beta=0.2", "run.dpo.loss_type=ipo"], check_files=False)
-    objective = build_objective(cfg.run)
+def test_dpo_options_are_read_from_the_section_named_after_it():
+    run = {"task": "dpo", "dpo": {"beta": 0.2, "loss_type": "ipo"}}
+    assert objective_problems(run) == []
+    objective = build_objective(run)
     assert isinstance(objective, Dpo) and (objective.beta, objective.loss_type, objective.rpo_alpha) == (0.2, "ipo",
                                                                                                      None)
+
+
+def test_a_runner_that_does_not_run_objectives_refuses_a_preference_task(cfg_path):
+    """Not silently trained as SFT: until the runner calls objectives, a pairwise task is one named problem."""
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg_path, ["run.task=dpo", "run.dpo.beta=0.2"], check_files=False)
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith("run.task: 'dpo' trains on preference pairs, which the runner ")
 
 
 def test_default_and_lavis_task_names_are_sft(cfg_path):

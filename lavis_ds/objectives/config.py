@@ -30,8 +30,10 @@ def option_section_keys() -> set[str]:
     return set(objectives)
 
 
-def objective_problems(run: Mapping[str, Any]) -> list[str]:
-    """What is wrong with ``run.task`` and its options section, each naming its key path; [] if it builds."""
+def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> list[str]:
+    """What is wrong with ``run.task`` and its options section, each naming its key path; [] if it builds.
+    ``runner``: the run's runner class, which must say it calls objectives (``RUNS_OBJECTIVES``) to train one
+    other than the model's own next-token loss."""
     task = run.get("task") or DEFAULT_OBJECTIVE
     if not isinstance(task, str):
         return [f"run.task: expected an objective's name, got {task!r}; known: {', '.join(objectives)}"]
@@ -53,6 +55,10 @@ def objective_problems(run: Mapping[str, Any]) -> list[str]:
     if not isinstance(section, Mapping):
         return problems + [f"run.{key}: expected a mapping of {key}'s options, got {section!r}"]
     cls = objectives.get(task)
+    if runner is not None and cls.DATA != "sequences" and not getattr(runner, "RUNS_OBJECTIVES", False):
+        problems.append(f"run.task: {task!r} trains on preference pairs, which the runner "
+                        f"{getattr(runner, '__name__', runner)} does not run yet (it trains the model's next-token "
+                        f"loss); the objective, its data and its checks are in place, the runner's part is not")
     before = len(problems)
     check_section(dict(section), fields_of(cls), f"run.{key}", problems)
     if len(problems) == before:
