@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from lavis_ds.datasets.instruction import InstructionDataset
-from lavis_ds.datasets.llava import GPT, HUMAN, _pairs as conversation_pairs
+from lavis_ds.datasets.llava import GPT, HUMAN, conversation_pairs
 from lavis_ds.datasets.records import BadRecord, PairRecord, record_where
 
 ROLES = {"human": HUMAN, "user": HUMAN, "gpt": GPT, "assistant": GPT, "system": "system"}
