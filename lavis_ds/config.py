@@ -37,7 +37,7 @@ from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
-from lavis_ds.objectives.config import objective_problems, option_section_keys
+from lavis_ds.objectives.config import data_problems, objective_problems, option_section_keys
 from lavis_ds.runners import DEFAULT_RUNNER
 from lavis_ds.runners.hooks import hook_problems
 
@@ -309,6 +309,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     training = {name: section for name, section in plain["datasets"].items()
                 if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
+    errors.extend(data_problems(run, {name: builder_class(section.get("builder", name))
+                                      for name, section in training.items()}))
     errors.extend(_image_size_problems(training))
     errors.extend(_model_image_size_problems(plain["datasets"], plain["model"]))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):

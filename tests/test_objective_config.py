@@ -27,8 +27,9 @@ def test_a_runner_that_does_not_run_objectives_refuses_a_preference_task(cfg_pat
     """Not silently trained as SFT: until the runner calls objectives, a pairwise task is one named problem."""
     with pytest.raises(ConfigError) as info:
         load_config(cfg_path, ["run.task=dpo", "run.dpo.beta=0.2"], check_files=False)
-    assert len(info.value.problems) == 1
-    assert info.value.problems[0].startswith("run.task: 'dpo' trains on preference pairs, which the runner ")
+    assert [p for p in info.value.problems if p.startswith("run.")] == [next(
+        p for p in info.value.problems if p.startswith("run.task: 'dpo' trains on preference pairs, which the runner "
+                                                       "DeepSpeedRunner does not run yet"))]
 
 
 def test_default_and_lavis_task_names_are_sft(cfg_path):
@@ -81,3 +82,21 @@ def test_lavis_style_registration_of_a_users_objective():
             "run.my_test_objective.wieght: unknown key; did you mean 'weight'?"]
     finally:
         objectives._entries.pop("my_test_objective")
+
+
+def test_the_objective_and_the_training_data_must_agree_on_pairs(tmp_path):
+    cfg = tiny_config(tmp_path / "out", tmp_path / "demo")
+    cfg["datasets"]["prefs"] = {"builder": "preference_pairs", "pair_format": "swift",
+                                "build_info": {"annotations": {"train": {"storage": "pairs.jsonl"}},
+                                               "images": {"storage": str(tmp_path)}},
+                                "vis_processor": {"train": {"name": "blip2_image_train", "image_size": 64},
+                                                  "eval": {"name": "blip2_image_eval", "image_size": 64}}}
+    path = write_yaml(tmp_path / "run.yaml", cfg)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, check_files=False)
+    assert info.value.problems == ["datasets.prefs: makes pairs but run.task 'sft' trains on sequences "
+                                   "(instruction samples)"]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["run.task=simpo"], check_files=False)
+    assert "datasets.demo_shapes: makes sequences but run.task 'simpo' trains on pairs (a preference_pairs " \
+           "section)" in info.value.problems

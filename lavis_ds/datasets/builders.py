@@ -392,6 +392,7 @@ class PreferencePairsBuilder(BaseDatasetBuilder):
 
     OPTIONS = PairOptions
     dataset_cls = PairDataset
+    SAMPLES = "pairs"  # what its samples are: the objective (run.task) must train on them
 
     def parse_file(self) -> ParseFile:
         return pair_parser(self.options().pair_format)

@@ -73,3 +73,16 @@ def build_objective(run: Mapping[str, Any]) -> Objective:
     """The objective a checked ``run`` section names, built from its options section."""
     task = run.get("task") or DEFAULT_OBJECTIVE
     return objectives.get(task).from_config(run.get(options_key(task)) or {})
+
+
+def data_problems(run: Mapping[str, Any], training_builders: Mapping[str, type]) -> list[str]:
+    """Training datasets whose samples the objective cannot train on: pairs for a next-token objective, or
+    instruction samples for a pairwise one. ``training_builders``: ``{section name: builder class}`` of the
+    sections that train; a builder says what it makes in ``SAMPLES`` ("sequences" unless it says "pairs")."""
+    task = run.get("task") or DEFAULT_OBJECTIVE
+    if not isinstance(task, str) or task not in objectives:
+        return []  # reported by objective_problems
+    wanted = objectives.get(task).DATA
+    return [f"datasets.{name}: makes {getattr(cls, 'SAMPLES', 'sequences')} but run.task {task!r} trains on "
+            f"{wanted}" + (" (a preference_pairs section)" if wanted == "pairs" else " (instruction samples)")
+            for name, cls in training_builders.items() if getattr(cls, "SAMPLES", "sequences") != wanted]
