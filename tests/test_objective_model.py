@@ -58,8 +58,9 @@ def test_answer_logps_equal_the_sft_loss_of_the_last_answer(model, pairs):
 def test_one_vision_pass_per_pair_and_one_llm_forward(model, pairs):
     calls = []
     model.visual_encoder.register_forward_hook(lambda module, args, out: calls.append(("vit", args[0].shape[0])))
-    model.llm_model.register_forward_hook(lambda module, args, kwargs, out: calls.append(
-        ("llm", kwargs["inputs_embeds"].shape[0])), with_kwargs=True)
+    # the LLM's token embedding runs once per LLM forward (whichever head computes the log-probs)
+    model.llm_model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: calls.append(("llm", args[0].shape[0])))
     ref = {"ref_chosen_logps": torch.zeros(2), "ref_rejected_logps": torch.zeros(2)}
     Dpo(beta=0.1)(model, {**pairs, **ref})
     assert calls == [("vit", 2), ("llm", 4)]  # 2 pairs: their 2 images once, then 2 x 2 sides in one forward
