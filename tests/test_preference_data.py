@@ -148,7 +148,7 @@ def test_builder_and_collater_give_each_pair_its_image_once(image_root):
 
 def test_builder_check_names_an_unknown_pair_format(image_root):
     problems = _builder(image_root, "rlaif_v.json", "rlaif").check()
-    assert any("pair_format: expected 'sharegpt' | 'swift' | 'rlaif_v' | 'rlhf_v', got 'rlaif'" in p
+    assert any("pair_format: expected 'sharegpt' | 'swift' | 'rlaif_v' | 'rlhf_v' | 'vlfeedback', got 'rlaif'" in p
                for p in problems), problems
 
 
@@ -158,3 +158,18 @@ def test_text_only_pairs_collate_without_images(image_root):
     assert batch["image"].shape[0] == 0 and batch["num_images"] == [0, 0]
     assert len(batch["output"][1]) == 2 and batch["system"] == [None, None]
     assert torch.is_tensor(batch["index"])
+
+
+def test_vlfeedback_pairs_its_best_and_worst_rated_completion_and_names_a_tie(image_root, tmp_path):
+    import json
+
+    with pytest.raises(BadRecordsError, match=r"vlfeedback.json: record 1 \(id 'demo-1', image "
+                                              r"'shapes/blue_square.png'\): no single best and worst completion "
+                                              r"\(mean ratings \[4.33, 4.33\]\)"):
+        _load("vlfeedback.json", "vlfeedback", image_root)
+    first = json.loads((FIXTURES / "vlfeedback.json").read_text())[0]
+    (tmp_path / "one.json").write_text(json.dumps([first]))
+    (pair,) = RecordLoader(pair_parser("vlfeedback")).load([tmp_path / "one.json"], image_root).records
+    assert (pair.images, pair.chosen, pair.rejected) == (("shapes/red_circle.png",), "A red circle.",
+                                                         "A blue triangle.")
+    assert pair.instructions == (f"{IMAGE_PLACEHOLDER} What shape is in the image?",)

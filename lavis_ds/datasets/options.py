@@ -74,6 +74,7 @@ class CocoCaptionOptions(SectionOptions):
 @dataclass(frozen=True)
 class PairOptions(SectionOptions):
     """Plus ``pair_format``: how the annotation files write a preference pair (``lavis_ds.datasets.preference``):
-    ``sharegpt`` (LLaMA-Factory's ranking format), ``swift`` (ms-swift's RLHF format), ``rlaif_v``, ``rlhf_v``."""
+    ``sharegpt`` (LLaMA-Factory's ranking format), ``swift`` (ms-swift's RLHF format), ``rlaif_v``, ``rlhf_v``,
+    ``vlfeedback``."""
 
-    pair_format: Literal["sharegpt", "swift", "rlaif_v", "rlhf_v"] = "sharegpt"
+    pair_format: Literal["sharegpt", "swift", "rlaif_v", "rlhf_v", "vlfeedback"] = "sharegpt"

@@ -14,6 +14,8 @@ Each record becomes one pair: shared prompt turns and images, a chosen and a rej
   as a path or ``{"path": ...}``); ``ds_name``, ``origin_dataset``, ``origin_split``, ``idx`` are metadata.
 - RLHF-V-Dataset (openbmb): ``text``, a JSON string of ``{"question", "chosen", "rejected"}``, and the image
   as RLAIF-V has it.
+- VLFeedback (MMInstruction): ``prompt``, ``img_path`` and ``completions`` rated by GPT-4V in three aspects;
+  its best and worst completion by mean rating make the pair.
 
 Images are marked with ``<image>`` as in LLaVA data (``lavis_ds.datasets.llava``: one per image, one image may
 go unmarked and is put in front of the first question). The two sides of a pair share their images and prompt
@@ -203,8 +205,47 @@ def parse_rlhf_v(raw: Any, source: Path, position: int) -> PairRecord:
     return _qa_pair(fields, "'text'", raw, source, position)
 
 
+VLFEEDBACK_ASPECTS = ("Helpfulness", "Visual Faithfulness", "Ethical Considerations")
+
+
+def parse_vlfeedback(raw: Any, source: Path, position: int) -> PairRecord:
+    """One VLFeedback record (``prompt``, ``img_path``, ``completions`` of ``{model, response, annotations}`` rated
+    1-5 in three aspects by GPT-4V): the pair of its best and worst completion by mean rating. A record whose
+    completions all rate the same, or whose best or worst is tied, has no pair to give and is named."""
+    where = record_where(source, position, record_id=raw.get("id") if isinstance(raw, dict) else None)
+    if not isinstance(raw, dict):
+        raise BadRecord(where, f"expected an object with prompt, img_path, completions; got {type(raw).__name__}")
+    _missing(raw, ("prompt", "img_path", "completions"), where, "a VLFeedback record rates completions of a prompt")
+    images = _images(raw, "img_path", where)
+    where = record_where(source, position, record_id=raw.get("id"), image=images[0] if images else None)
+    completions = raw["completions"]
+    if not isinstance(completions, list) or len(completions) < 2:
+        raise BadRecord(where, f"'completions' must list at least two rated responses, got {completions!r}"[:300])
+    scored = sorted(((_mean_rating(c, f"completions[{i}]", where), i) for i, c in enumerate(completions)),
+                    reverse=True)
+    (best, b), (worst, w) = scored[0], scored[-1]
+    if best == worst or scored[1][0] == best or scored[-2][0] == worst:
+        raise BadRecord(where, f"no single best and worst completion (mean ratings "
+                               f"{[round(score, 2) for score, _ in scored]}): the record gives no pair")
+    return _pair([(0, HUMAN, raw["prompt"])], _answer(completions[b].get("response"), f"completions[{b}].response",
+                                                      where),
+                 _answer(completions[w].get("response"), f"completions[{w}].response", where), images, source,
+                 position, where, record_id=raw.get("id"))
+
+
+def _mean_rating(completion: Any, key: str, where: str) -> float:
+    """The mean of a completion's three aspect ratings (strings in the published file)."""
+    try:
+        annotations = completion["annotations"]
+        return sum(float(annotations[aspect]["Rating"]) for aspect in VLFEEDBACK_ASPECTS) / len(VLFEEDBACK_ASPECTS)
+    except (KeyError, TypeError, ValueError):
+        raise BadRecord(where, f"{key}: expected annotations with a numeric Rating for each of "
+                               f"{', '.join(VLFEEDBACK_ASPECTS)}") from None
+
+
 PAIR_FORMATS: dict[str, Callable[[Any, Path, int], PairRecord]] = {
-    "sharegpt": parse_sharegpt_ranking, "swift": parse_swift_rlhf, "rlaif_v": parse_rlaif_v, "rlhf_v": parse_rlhf_v}
+    "sharegpt": parse_sharegpt_ranking, "swift": parse_swift_rlhf, "rlaif_v": parse_rlaif_v, "rlhf_v": parse_rlhf_v,
+    "vlfeedback": parse_vlfeedback}
 
 
 def parse_pair_file(raw: Any, source: Path, pair_format: str) -> Iterator[PairRecord | BadRecord]:
