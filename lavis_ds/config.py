@@ -300,8 +300,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
         _check_dataset(name, section, errors)
 
     run = plain["run"]
-    check_section(run, fields_of(RunConfig), "run", errors,
-                  extra_keys={cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY} | option_section_keys())
+    options_sections = {cls.OPTIONS_KEY for cls in _runners().values() if cls.OPTIONS_KEY} | option_section_keys()
+    check_section(run, fields_of(RunConfig), "run", errors, extra_keys=options_sections)
     runner_class = reg.runners.get(run["runner"]) if run.get("runner") in reg.runners else None
     errors.extend(objective_problems(run, runner_class))  # run.task and the options section named after it
     if isinstance(run.get("adam_betas"), list) and not valid_betas(run["adam_betas"]):  # a non-list: a type error

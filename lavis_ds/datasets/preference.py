@@ -195,7 +195,8 @@ def parse_rlhf_v(raw: Any, source: Path, position: int) -> PairRecord:
     """One RLHF-V-Dataset record: its ``text`` is a JSON string of question, chosen, rejected."""
     where = record_where(source, position)
     if not isinstance(raw, dict) or "text" not in raw:
-        raise BadRecord(where, f"expected an object with 'text' (JSON of question, chosen, rejected), got {raw!r}"[:300])
+        raise BadRecord(where, f"expected an object with 'text' (JSON of question, chosen, rejected), "
+                               f"got {raw!r}"[:300])
     text = raw["text"]
     try:
         fields = json.loads(text) if isinstance(text, str) else text

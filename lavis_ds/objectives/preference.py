@@ -106,8 +106,9 @@ class Dpo(PreferenceObjective):
     def pair_losses(self, chosen, rejected, chosen_tokens, rejected_tokens, batch) -> PairLosses:
         missing = [key for key in (REF_CHOSEN, REF_REJECTED) if key not in batch]
         if missing:
-            raise LavisDsError(f"run.task: dpo needs the reference model's log-probs of each pair ({', '.join(missing)} "
-                               f"missing from the batch); the reference pass fills them before the step")
+            raise LavisDsError(f"run.task: dpo needs the reference model's log-probs of each pair "
+                               f"({', '.join(missing)} missing from the batch); the reference pass fills them before "
+                               f"the step")
         ref_chosen = torch.as_tensor(batch[REF_CHOSEN]).to(chosen)
         ref_rejected = torch.as_tensor(batch[REF_REJECTED]).to(rejected)
         return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
