@@ -111,7 +111,7 @@ def _file_problems(cfg: DictConfig, structural: list[str], parsed_files: ParsedF
             problems += builder.check()
         except (OSError, ValueError) as e:
             problems.append(f"datasets.{name}: {e}")
-    return problems + _missing_model_files(cfg.model)
+    return problems + _missing_model_files(cfg.model, model_class(cfg.model.get("arch")))
 
 
 def import_user_modules(modules: Iterable[str], source: str = "config") -> None:
@@ -312,7 +312,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(data_problems(run, {name: builder_class(section.get("builder", name))
                                       for name, section in training.items()}))
     errors.extend(_image_size_problems(training))
-    errors.extend(_model_image_size_problems(plain["datasets"], plain["model"]))
+    errors.extend(_model_image_size_problems(plain["datasets"], model, cls))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
@@ -326,7 +326,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(metric_problems(run, plain["datasets"]))
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
-    errors.extend(packing_problems(run, model))
+    errors.extend(packing_problems(run, model, cls))
     errors.extend(hook_problems(run.get("hooks")))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):
@@ -417,9 +417,10 @@ def _image_size_problems(training: dict[str, dict]) -> list[str]:
             for name, size in sizes.items() if size != sizes[first]]
 
 
-def _model_image_size_problems(datasets: dict, model: dict) -> list[str]:
-    """Every image processor must make the size the vision tower is built for (its position embedding)."""
-    expected = model.get("image_size")
+def _model_image_size_problems(datasets: dict, model: dict, cls: type | None) -> list[str]:
+    """Every image processor must make the size the vision tower is built for (its position embedding): the size
+    the model class reads from its section (``image_size_of``)."""
+    expected = cls.image_size_of(model) if cls is not None else None
     if not isinstance(expected, int):
         return []
     problems = []
@@ -437,12 +438,12 @@ def _model_image_size_problems(datasets: dict, model: dict) -> list[str]:
     return problems
 
 
-def _missing_model_files(model: DictConfig) -> list[str]:
-    """Local files and folders the model reads (weights, tokenizer) must exist before any rank starts loading."""
-    # vit_pretrained is loaded whatever load_pretrained says (LAVIS always loads eva_vit_g.pth).
-    keys = ["tokenizer", "llm_model", "vit_pretrained"] + (["pretrained"] if model.get("load_pretrained") else [])
-    return [f"model.{key}: {model[key]!r} does not exist" for key in keys
-            if model.get(key) and not Path(os.path.expanduser(model[key])).exists()]
+def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:
+    """Local files and folders the model reads (weights, tokenizer) must exist before any rank starts loading: the
+    ones the model class names (``files_of``)."""
+    files = cls.files_of(OmegaConf.to_container(model, resolve=True)) if cls is not None else {}
+    return [f"model.{key}: {path!r} does not exist" for key, path in files.items()
+            if not Path(os.path.expanduser(path)).exists()]
 
 
 def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str]:
@@ -491,12 +492,12 @@ def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str])
     return {"batch_unit": "tokens", "global_batch_size": given // rows}
 
 
-def packing_problems(run: dict, model: dict) -> list[str]:
+def packing_problems(run: dict, model: dict, cls: type | None = None) -> list[str]:
     """run.packing and a token budget need a row length that holds the longest sample the model makes
-    (model.max_txt_len)."""
+    (its class's ``text_length_of``: model.max_txt_len)."""
     if not run.get("packing") and batch_unit(run) != "tokens":
         return []
-    rows, longest = run.get("max_seq_len"), model.get("max_txt_len")
+    rows, longest = run.get("max_seq_len"), (cls.text_length_of(model) if cls is not None else None)
     if rows is None and run.get("packing"):
         return ["run.packing: set run.max_seq_len, the tokens of a packed row (at least model.max_txt_len"
                 + (f", {longest})" if isinstance(longest, int) else ")")]

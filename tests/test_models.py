@@ -57,7 +57,7 @@ def test_every_preset_validates_and_builds(name, model_type, tiny_tokenizer_dir)
     errors: list[str] = []
     check_section(cfg, fields_of(cls), "model", errors, extra_keys=COMMON_KEYS)
     assert errors == []
-    if "tokenizer" in inspect.signature(cls.__init__).parameters:
+    if "tokenizer" in fields_of(cls):
         cfg["tokenizer"] = str(tiny_tokenizer_dir)
     # Full-size presets are built on the meta device: shapes without 8B parameters of memory.
     with torch.device("cpu" if model_type == "tiny" else "meta"):
@@ -81,21 +81,28 @@ def plain_annotation(tp) -> bool:
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_constructor_arguments_are_plain_keyword_only_with_defaults(name):
+    """Every constructor of the chain a model's ``**kwargs`` forwards to (what the config validator reads)."""
     cls = model_registry.get(name)
-    hints = typing.get_type_hints(cls.__init__)
-    params = [p for name, p in inspect.signature(cls.__init__).parameters.items() if name != "self"]
-    assert params
-    for p in params:
-        assert p.kind is p.KEYWORD_ONLY, p.name
-        assert p.default is not p.empty, p.name
-        assert plain_annotation(hints[p.name]), (p.name, hints[p.name])
+    constructors = [vars(c)["__init__"] for c in cls.__mro__ if "__init__" in vars(c) and c is not object]
+    for init in constructors:
+        hints = typing.get_type_hints(init)
+        params = [p for name, p in inspect.signature(init).parameters.items() if name != "self"]
+        assert params
+        for p in params:
+            if p.kind is p.VAR_KEYWORD:
+                continue  # forwarded to the next constructor, checked in its turn
+            assert p.kind is p.KEYWORD_ONLY, p.name
+            assert p.default is not p.empty, p.name
+            assert plain_annotation(hints[p.name]), (p.name, hints[p.name])
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
 
 
 def test_minigpt4qwen_keys_are_constructor_arguments():
     keys = {"vit_model", "image_size", "drop_path_rate", "use_grad_checkpoint", "vit_precision", "freeze_vit",
             "unfreeze_pos_embed", "num_query_token", "freeze_qformer", "freeze_queries", "freeze_proj", "llm_model",
             "freeze_llm", "get_lora", "lora_r", "lora_alpha", "lora_dropout", "max_txt_len"}
-    assert keys <= set(inspect.signature(Blip2Qwen.__init__).parameters)
+    assert keys <= set(fields_of(Blip2Qwen))
 
 
 def test_unknown_model_type_lists_valid_types():

@@ -42,8 +42,6 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
 MERGED_LLM_DIR = "llm"
-# The submodule merge_lora() turns into a plain Hugging Face model.
-LLM_PREFIX = "llm_model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -211,13 +209,13 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Pat
     llm = model.merge_lora()
     llm.save_pretrained(out / MERGED_LLM_DIR)
     model.llm_tokenizer.save_pretrained(out / MERGED_LLM_DIR)  # with the tokens the model added: HF-ready
-    # The model rebuilt from this export loads the merged LLM instead of building the random one: llm_proj
-    # goes into the file even when it was frozen, so that it never depends on how the LLM gets built.
-    kept = {name: t for name, t in weights.items() if not name.startswith(LLM_PREFIX)}
+    # The model rebuilt from this export loads the merged LLM instead of building the random one: the connector
+    # (the model names it) goes into the file even when it was frozen, so that it never depends on how the LLM
+    # gets built.
+    kept = {name: t for name, t in weights.items() if not name.startswith(model.LLM_PREFIX)}
     kept |= {name: p.detach().float() for name, p in model.named_parameters()
-             if name.startswith("llm_proj.") and name not in kept}
-    merged_cfg = model_cfg | {"llm_model": MERGED_LLM_DIR, "tokenizer": MERGED_LLM_DIR, "llm_config": None,
-                              "llm_precision": "auto", "get_lora": False, "freeze_llm": True}
+             if name.startswith(model.CONNECTOR_PREFIXES) and name not in kept}
+    merged_cfg = model_cfg | model.merged_llm_settings(MERGED_LLM_DIR)
     return kept, merged_cfg
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
 
@@ -31,7 +32,12 @@ def eval_processors(folder: str | Path) -> tuple[Callable, Callable | None]:
         if "vis_processor" in section:
             text = section.get("text_processor")
             return build_processor(section.vis_processor.eval), build_processor(text.eval) if text else None
-    return build_processor({"name": "blip2_image_eval", "image_size": int(cfg.model.image_size)}), None
+    import lavis_ds.models  # noqa: F401  (registers the models)
+    from lavis_ds.common.registry import registry
+
+    model_cls = registry.get_model_class(cfg.model.arch)  # the model says what size its tower takes
+    size = model_cls.image_size_of(OmegaConf.to_container(cfg.model, resolve=True))
+    return build_processor({"name": "blip2_image_eval", "image_size": int(size)}), None
 
 
 def cast_dtype(model: nn.Module) -> torch.dtype | None:

@@ -33,7 +33,7 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
     """The Gradio page for one loaded model (not launched)."""
     import gradio as gr
 
-    context = getattr(model.llm_model.config, "max_position_embeddings", 2048)
+    context = getattr(model.llm_config, "max_position_embeddings", 2048)
 
     def session_of(session: ChatSession | None) -> ChatSession:
         # Created on first use: a gr.State default is deep-copied per tab, and the model must not be.

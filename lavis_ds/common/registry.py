@@ -112,6 +112,9 @@ metrics = Registry("metric")
 hooks = Registry("hook")
 # Training objectives; LAVIS calls them tasks (`run.task`).
 objectives = Registry("objective")
+# Parts that composed architectures are built from (lavis_ds.models.towers, lavis_ds.models.connectors).
+vision_towers = Registry("vision tower")
+connectors = Registry("connector")
 
 
 class _LavisStyle:
@@ -142,6 +145,10 @@ class _LavisStyle:
     get_task_class = staticmethod(objectives.get)
     register_objective_alias = staticmethod(objectives.register_alias)
     register_task_alias = staticmethod(objectives.register_alias)
+    register_vision_tower = staticmethod(vision_towers.register)
+    register_connector = staticmethod(connectors.register)
+    get_vision_tower_class = staticmethod(vision_towers.get)
+    get_connector_class = staticmethod(connectors.get)
 
 
 registry = _LavisStyle()

@@ -48,18 +48,32 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     # run.batch_unit: tokens: the exact tokens of text-only samples, to fit the length estimate the plan uses
     "count": (Need("prepare_batch", "prepare_batch({'instruction', 'output', 'num_images'}) -> "
                                     "{'attention_mask', ...}"),),
-    # export --merge-lora: the LLM as a plain Hugging Face model, and its tokenizer
+    # export --merge-lora: the LLM as a plain Hugging Face model, its tokenizer, and what goes beside it
     "merge": (Need("merge_lora", "merge_lora() -> transformers.PreTrainedModel"),
-              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)")),
+              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
+              Need("LLM_PREFIX", "LLM_PREFIX = the state_dict prefix of the LLM merge_lora returns"),
+              Need("CONNECTOR_PREFIXES", "CONNECTOR_PREFIXES = prefixes of parameters written even when frozen"),
+              Need("merged_llm_settings", "merged_llm_settings(folder) -> the model: keys that load the merged LLM")),
+    # chat, the web page, batch inference and the Hugging Face processor export: the prompt and the LLM's limits
+    "chat": (Need("prompt", "prompt (a models.prompt.ChatPrompt: generation_prompt, image_token_id, ...)"),
+             Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
+             Need("llm_config", "llm_config (the LLM's transformers config: max_position_embeddings, ...)"),
+             Need("stop_token_ids", "stop_token_ids() -> list[int]"),
+             Need("pad_id", "pad_id (the tokenizer's pad token id)"),
+             Need("image_size_of", "image_size_of(section) -> the image side its tower takes")),
+    # show_sample: the prompt a model: section builds, without weights
+    "show_sample": (Need("prompt_from_config", "prompt_from_config(section) -> models.prompt.ChatPrompt"),),
 }
 
 
 def missing(cls: type, uses: Iterable[str]) -> list[Need]:
     """The contract's needs of ``uses`` (keys of CONTRACT) that model class ``cls`` does not provide."""
     lacking = []
+    # An attribute the constructor sets is declared by a class annotation (``prompt: ChatPrompt``).
+    declared = {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
     for use in uses:
         for need in CONTRACT[use]:
-            own = getattr(cls, need.name, None)
+            own = getattr(cls, need.name, None) or (need.name in declared)
             if not own or (need.name == "forward" and own is nn.Module.forward):
                 lacking.append(need)
     return lacking
@@ -77,6 +91,26 @@ class BaseModel(nn.Module):
     NESTED_SCHEMAS: dict[str, Any] = {}
     # model_types of other frameworks this model cannot load -> (the preset to use instead, why)
     REPLACED_MODEL_TYPES: dict[str, tuple[str, str]] = {}
+    # keys of the `model:` section naming local files or folders the model reads (checked before any rank loads)
+    FILE_KEYS: tuple[str, ...] = ()
+
+    # What the config loader asks the class about a merged `model:` section, before anything is built.
+    @classmethod
+    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
+        """The image side the model's vision tower takes (the image processors must make it); None: no say."""
+        return None
+
+    @classmethod
+    def text_length_of(cls, section: Mapping[str, Any]) -> int | None:
+        """The longest token sequence the model makes of a sample (it truncates there); None: no say."""
+        return None
+
+    @classmethod
+    def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
+        """Key -> local path of each file or folder ``section`` makes the model read: ``FILE_KEYS``, and
+        ``pretrained`` when ``load_pretrained`` is true."""
+        keys = list(cls.FILE_KEYS) + (["pretrained"] if section.get("load_pretrained") else [])
+        return {key: section[key] for key in keys if section.get(key)}
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:

@@ -1,0 +1,93 @@
+"""The language-model loss without ``[B, T, vocab]`` logits: the LM head at the supervised positions only, in chunks.
+
+A causal LM's forward applies its output head to every position. With Qwen's 151,936-token
+vocabulary that tensor (and its gradient) is gigabytes, though only the answers are
+supervised. Here the LLM's decoder gives the hidden states, the supervised ones are picked
+(token t predicts token t+1), and the head (``get_output_embeddings()``: an ``nn.Linear``, a
+``TokenRowsHead``, or a peft-wrapped layer) runs on them chunk by chunk, each chunk's
+cross-entropy in fp32. The head is called as a module, never read as ``.weight``: ZeRO-3 gathers
+parameters in module hooks, and FSDP2 unshards the root's parameters (head included) for the
+root's forward.
+
+``token_logps`` returns the log-probability of every supervised target and the batch row it sits
+in; the loss is minus their sum, and ``lavis_ds.models.vision_llm`` groups them by sample for
+preference objectives.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from lavis_ds.models.llm import base_llm
+from lavis_ds.models.prompt import IGNORE_INDEX
+
+# Families whose causal-LM forward is `head(decoder(...))`, optionally followed by a final logit soft-capping
+# (Gemma 2's `final_logit_softcapping`, reproduced below). Any other family (e.g. Cohere's `logit_scale`,
+# Granite's `logits_scaling`, or an architecture not checked against its transformers source) falls back to the
+# full-logits path of its own forward, which is exact whatever it does.
+HEAD_ONLY_FAMILIES = frozenset({"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2"})
+
+
+def head_loss_supported(llm: PreTrainedModel) -> bool:
+    """Whether the supervised-positions path reproduces ``llm``'s own logits exactly (``HEAD_ONLY_FAMILIES``)."""
+    return getattr(llm.config, "model_type", None) in HEAD_ONLY_FAMILIES and llm.get_output_embeddings() is not None
+
+
+def output_logits(llm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """``llm``'s logits for ``hidden`` (final-norm outputs of its decoder), as its own forward computes them."""
+    logits = llm.get_output_embeddings()(hidden)
+    cap = getattr(llm.config, "final_logit_softcapping", None)
+    if cap is not None:  # Gemma 2, in the logits' dtype, operation for operation as transformers does it
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
+
+
+def supervised_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(where, targets)``: the ``[B, T-1]`` mask of positions whose next token is supervised, and those tokens."""
+    shifted = labels[:, 1:]
+    where = shifted != IGNORE_INDEX
+    return where, shifted[where]
+
+
+def token_logps(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, torch.Tensor],
+                labels: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability (fp32) of each supervised target, and the batch row of each, in row-major order.
+
+    Args:
+        llm: The causal LM as the model holds it (a transformers model, or a peft wrapper around one: the LoRA
+            layers sit inside the wrapped model's modules, so its decoder and head run them).
+        inputs_embeds: ``[B, T, H]`` input embeddings (image features spliced in).
+        layout: ``attention_mask`` (padded rows) or ``position_ids`` (packed rows).
+        labels: ``[B, T]`` with ``IGNORE_INDEX`` where nothing is supervised.
+        chunk_size: Supervised positions per head call; 0 applies the model's own forward to every position (the
+            full ``[B, T, V]`` logits; the path of families ``head_loss_supported`` rejects).
+    """
+    where, targets = supervised_targets(labels)
+    rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(where)[where]
+    inner = base_llm(llm)
+    if chunk_size <= 0 or not head_loss_supported(inner):
+        logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
+        picked = logits[:, :-1][where].float()
+        return -F.cross_entropy(picked, targets, reduction="none"), rows
+    hidden = inner.get_decoder()(inputs_embeds=inputs_embeds, use_cache=False, **layout).last_hidden_state
+    picked = hidden[:, :-1][where]
+    logps = [-F.cross_entropy(output_logits(inner, part).float(), goal, reduction="none")
+             for part, goal in zip(picked.split(chunk_size), targets.split(chunk_size))]
+    # No supervised token at all: an empty result that still depends on the hidden states (the graph reaches every
+    # trainable part, as the engines' gradient reduction expects).
+    return (torch.cat(logps) if logps else picked.sum(-1).float() * 0), rows
+
+
+def full_logits_loss(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, Any],
+                     labels: torch.Tensor) -> torch.Tensor:
+    """The summed token loss from the model's own ``[B, T, V]`` logits: the reference path (``loss_chunk_size: 0``)."""
+    logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
+    where, targets = supervised_targets(labels)
+    # Only supervised positions are upcast to fp32 (a bf16 log-softmax over 150k classes is too coarse).
+    return F.cross_entropy(logits[:, :-1][where].float(), targets, reduction="sum")

@@ -1,0 +1,450 @@
+"""The architecture-neutral half of a vision-LLM: the chat LLM, its prompt, the batch, the splice, loss and generate.
+
+An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only its image path:
+
+- ``encode_images(images [N, 3, H, W], samples) -> [N, tokens_per_image, llm_hidden]``; ``samples`` is the
+  prepared batch (InstructBLIP reads the instruction from it). Under packing the images arrive in packed order:
+  ``samples["order"]`` lists the sample of each packed sample.
+- ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, the classmethods
+  ``tokens_per_image_of(section)`` and ``image_size_of(section)``.
+- ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
+- optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
+
+Its constructor takes its own keyword-only arguments plus ``**llm_args`` (this class's arguments: the config
+validator follows ``**kwargs`` up the MRO, so it sees every key with its type and default) and builds in this order,
+the order its parameters (and the engines' flat optimizer states) take:
+
+    super().__init__(**llm_args)      # the tokenizer and the LLM-side settings
+    ... the parts that do not need the LLM (the tower) ...
+    hidden = self.build_llm()         # self.llm_model, grad checkpointing; returns the LLM width
+    ... the parts that do (the projection to ``hidden``), freezing its own parts ...
+    self.finish_build()               # the prompt, the LLM's freezing, LoRA, trainable token rows
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from lavis_ds.common.schema import fields_of
+from lavis_ds.models.base import BaseModel
+from lavis_ds.models.eva_vit import DTYPES
+from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
+                                 num_token_ids, prepare_tokenizer, train_token_rows)
+from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems
+from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
+from lavis_ds.models.packing import pack
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch
+from lavis_ds.models.vision_llm_batch import packed_image_order, sample_of_positions
+
+logger = logging.getLogger(__name__)
+
+
+class VisionLLM(BaseModel):
+    """Image features spliced into a chat LLM at the image placeholder tokens; subclasses give the image path."""
+
+    PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+    # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
+    FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
+    # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a
+    # Hugging Face folder and the rest beside it).
+    LLM_PREFIX = "llm_model."
+    # Parameters built from the LLM's width (the connector): export writes them even when frozen, so that a model
+    # rebuilt on the merged LLM never depends on how the LLM was built. Subclasses name theirs.
+    CONNECTOR_PREFIXES: tuple[str, ...] = ()
+    # Set by the constructor (the model contract's "chat" and "merge" needs, models.base.CONTRACT).
+    tokens_per_image: int
+    image_size: int
+    llm_tokenizer: Any  # a transformers tokenizer, the prompt's tokens added
+    prompt: ChatPrompt
+    pad_id: int
+    end_of_turn_id: int
+
+    def __init__(
+        self,
+        *,
+        llm_model: str | None = None,
+        llm_config: dict[str, Any] | None = None,
+        llm_precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto",
+        tokenizer: str | None = None,
+        freeze_llm: bool = True,
+        llm_grad_checkpoint: bool = False,
+        get_lora: bool = False,
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.05,
+        lora_target_modules: list[str] | None = None,
+        max_txt_len: int = 512,
+        system_prompt: str | None = "You are a helpful assistant.",
+        image_token: str = "<|image_pad|>",
+        chat_template_kwargs: dict[str, Any] | None = None,
+        loss_chunk_size: int = 1024,
+    ):
+        """
+        Args:
+            llm_model: Local Hugging Face folder of a causal LM (Qwen2.5, Qwen3, Llama 3.x, ...) to load
+                with ``AutoModelForCausalLM.from_pretrained``. None builds a randomly initialised LLM
+                from ``llm_config`` (tests, demos, meta-device checks).
+            llm_config: Config arguments for the random-init LLM: ``model_type`` (default ``qwen2``) picks
+                the transformers architecture, the rest are its config's keys; ignored when ``llm_model``
+                is given. ``vocab_size`` defaults to the tokenizer's size.
+            llm_precision: LLM parameter dtype; ``auto`` = the checkpoint's dtype (fp32 for random init).
+            tokenizer: Local tokenizer folder; defaults to ``llm_model``. ChatML tokens and ``image_token``
+                it lacks are added (see ``lavis_ds.models.llm``); the tokenizer as used is what
+                ``save_run_files`` writes to the run's output_dir.
+            freeze_llm: Freeze the LLM (required with ``get_lora``: only the adapters train).
+            llm_grad_checkpoint: Recompute each LLM decoder layer in backward instead of keeping its
+                activations (most of the memory of a frozen-LLM run, see docs/memory.md), frozen or not.
+            get_lora: Add LoRA adapters (peft) to the LLM.
+            lora_r: LoRA rank.
+            lora_alpha: LoRA scaling numerator.
+            lora_dropout: Dropout on the LoRA input.
+            lora_target_modules: LLM module names to adapt (a name or dotted suffix of a linear layer in
+                the decoder blocks; others raise, listing the valid ones); default every linear layer of the
+                LLM's decoder blocks (the names its family gives them).
+            max_txt_len: Longest training sequence in tokens, image placeholders included.
+            system_prompt: Text of the system message; null sends none (for templates without a system role,
+                such as Gemma's).
+            image_token: Placeholder token; added to the tokenizer if missing (the LLM embeddings grow
+                only if its id has no row; its row never trains: image features replace it).
+            chat_template_kwargs: Variables for the tokenizer's chat template, e.g. ``enable_thinking: false``
+                (Qwen3) or ``date_string`` (Llama 3.x, which otherwise writes today's date into every prompt).
+            loss_chunk_size: Supervised positions per LM-head call in the loss (``lavis_ds.models.lm_loss``);
+                0 computes the LLM's full ``[B, T, vocab]`` logits instead (families the chunked path cannot
+                reproduce always do).
+        """
+        super().__init__()
+        if loss_chunk_size < 0:
+            raise ValueError(f"loss_chunk_size must be >= 0 (0: full logits), got {loss_chunk_size}")
+        self.llm_args = dict(llm_model=llm_model, llm_config=llm_config, llm_precision=llm_precision,
+                             freeze_llm=freeze_llm, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
+                             lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
+                             max_txt_len=max_txt_len, system_prompt=system_prompt, image_token=image_token,
+                             chat_template_kwargs=chat_template_kwargs or {})
+        self.llm_grad_checkpoint = llm_grad_checkpoint
+        self.loss_chunk_size = loss_chunk_size
+        # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
+        self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token)
+
+    # ----------------------------------------------------------------- building (the subclass calls these)
+    def build_llm(self) -> int:
+        """Build ``self.llm_model`` (placed as the runner building this model asks: whole, partitioned from the
+        start, or empty until process 0 sends its shards; ``lavis_ds.models.llm_placement``); returns its width."""
+        path, config, precision = (self.llm_args[k] for k in ("llm_model", "llm_config", "llm_precision"))
+        if path is not None and config:
+            logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
+        architecture = None if path is not None else llm_config(config or {},
+                                                                vocab_size=num_token_ids(self.llm_tokenizer))
+        self.llm_model = build_llm(path, architecture, None if precision == "auto" else DTYPES[precision],
+                                   self.llm_tokenizer)
+        if self.llm_grad_checkpoint:
+            # Non-reentrant: gradients reach the image path through the LLM's inputs even when every
+            # LLM weight is frozen, and dropout replays the same mask in the recomputation.
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.llm_model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                self.llm_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.llm_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return self.llm_model.config.hidden_size
+
+    def finish_build(self) -> None:
+        """The prompt, then the LLM's freezing, LoRA and trainable token rows (after the image path: LoRA's
+        initialisation draws random numbers, and the image path's must come first)."""
+        args = self.llm_args
+        self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
+                                 self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"])
+        self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
+        self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
+        if args["get_lora"] and not args["freeze_llm"]:
+            raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
+        if args["freeze_llm"] and not args["get_lora"]:
+            self.freeze_module("llm_model")
+        # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
+        if args["get_lora"]:
+            targets = args["lora_target_modules"]
+            targets = lora_target_names(self.llm_model) if targets is None else targets
+            self.llm_model = add_lora(self.llm_model, args["lora_r"], args["lora_alpha"], args["lora_dropout"],
+                                      targets)
+        new_chatml = [t for t in self._added_tokens if t in CHATML_TOKENS]
+        if args["freeze_llm"] and new_chatml:
+            # A frozen LLM never saw these tokens: without trained rows the chat format means nothing.
+            logger.warning("the tokenizer lacked %s: their embedding and output rows train (only those rows)",
+                           ", ".join(new_chatml))
+            train_token_rows(base_llm(self.llm_model), self.llm_tokenizer.convert_tokens_to_ids(new_chatml))
+        if self.llm_grad_checkpoint:
+            self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
+
+    # ----------------------------------------------------------------- what the config asks of the class
+    @classmethod
+    def settings_of(cls, section: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments a ``model:`` section gives, defaults filled in (no weights read)."""
+        args = {name: default for name, (_, default) in fields_of(cls).items()}
+        args.update((key, value) for key, value in section.items() if key in args)
+        return args
+
+    @classmethod
+    def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
+        """Image placeholders per image in the prompt that ``section`` builds. Subclasses say."""
+        raise NotImplementedError(f"{cls.__name__} does not say how many tokens an image takes")
+
+    @classmethod
+    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
+        """The image side the vision tower of ``section`` takes: ``image_size`` (subclasses whose tower fixes it
+        say otherwise)."""
+        return cls.settings_of(section).get("image_size")
+
+    @classmethod
+    def text_length_of(cls, section: Mapping[str, Any]) -> int:
+        """The longest training sequence in tokens (the model truncates there): ``max_txt_len``."""
+        return cls.settings_of(section)["max_txt_len"]
+
+    @classmethod
+    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        """What the constructor would refuse, found before anything is built (same rules as the build)."""
+        problems = []
+        if section.get("get_lora") and not section.get("freeze_llm", True):
+            problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
+        if not section.get("tokenizer") and not section.get("llm_model"):
+            problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
+        if not section.get("llm_model"):
+            problems += llm_config_problems(section.get("llm_config"))
+        return problems
+
+    @classmethod
+    def prompt_from_config(cls, section: Mapping[str, Any]) -> ChatPrompt:
+        """The prompt a ``model:`` section builds, from its tokenizer alone, without any weights
+        (``lavis_ds.show_sample``); the same tokens as the model's own ``prompt``."""
+        args = cls.settings_of(section)
+        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"])
+        return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
+                          args["max_txt_len"], args["chat_template_kwargs"] or {})
+
+    # ----------------------------------------------------------------- the LLM as a whole
+    @property
+    def llm_config(self) -> Any:
+        """The LLM's transformers config (``hidden_size``, ``vocab_size``, ``max_position_embeddings``, ...)."""
+        return base_llm(self.llm_model).config
+
+    def vision_blocks(self) -> list[nn.Module]:
+        """The image path's transformer blocks (the tower's, a Q-Former's layers). Subclasses say."""
+        return []
+
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The image path's blocks, then the LLM's decoder layers: the units a sharding engine gathers one at a
+        time. What is left (embeddings, norms, heads, queries, projection) belongs to the model as a whole."""
+        return [*self.vision_blocks(), *decoder_layers(base_llm(self.llm_model))]
+
+    def train(self, mode: bool = True) -> "VisionLLM":
+        super().train(mode)
+        if self.llm_grad_checkpoint and hasattr(self, "llm_model"):
+            # Transformers checkpoints a decoder layer only while that layer is in training mode, and a
+            # frozen LLM stays in eval. The layers' own flag follows the model; their submodules (the
+            # attention's dropout) keep eval, so a frozen LLM still adds no noise.
+            for layer in decoder_layers(base_llm(self.llm_model)):
+                layer.training = mode
+        return self
+
+    def merge_lora(self) -> PreTrainedModel:
+        """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it
+        folded in; for export.
+
+        LoRA adapters are merged into the base weights (peft ``merge_and_unload``) and trained token rows (ChatML
+        tokens the tokenizer lacked) are written into the embedding and output matrices. The plain model replaces
+        ``self.llm_model`` (this model keeps working, with the same outputs) and is returned. Call it on a model
+        outside the training engine whose trained weights are loaded (partitioned parameters are refused).
+        """
+        self.llm_model = merge_llm(self.llm_model)
+        return self.llm_model
+
+    @staticmethod
+    def merged_llm_settings(folder: str) -> dict[str, Any]:
+        """The ``model:`` keys that make this model load the merged LLM saved in ``folder`` (``merge_lora``,
+        ``save_pretrained`` with the tokenizer) instead of building its own."""
+        return {"llm_model": folder, "tokenizer": folder, "llm_config": None, "llm_precision": "auto",
+                "get_lora": False, "freeze_llm": True}
+
+    def save_run_files(self, output_dir: str | Path) -> None:
+        """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included, for export and inference."""
+        self.llm_tokenizer.save_pretrained(Path(output_dir) / "tokenizer")
+
+    def stop_token_ids(self) -> list[int]:
+        """Where generation stops: a turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...);
+        a base model's tokenizer may name another eos (<|endoftext|>): stop at either."""
+        eos = self.llm_tokenizer.eos_token_id
+        return list(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
+
+    # ----------------------------------------------------------------- the batch
+    def batch_fields(self, samples: dict[str, Any]) -> dict[str, Any]:
+        """More host-side fields the image path needs (e.g. InstructBLIP's ``qformer_input_ids``), one entry per
+        sample in sample order, computed by ``prepare_batch`` on the host. Default: none."""
+        return {}
+
+    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
+        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added
+        (and ``batch_fields``). A batch that has ``labels`` is already prepared and returned as given.
+
+        ``pack_to``: lay the samples end to end in rows of at most that many tokens instead of padding each
+        (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``)."""
+        if "labels" in samples:
+            return samples
+        examples = [self.prompt.training_example(ins, out, n) for ins, out, n in
+                    zip(samples["instruction"], samples["output"], image_counts(samples), strict=True)]
+        extra = self.batch_fields(samples)
+        if pack_to is not None:
+            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX)}
+        input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
+        labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
+        return {**samples, **extra, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def supervised_tokens(self, samples: dict[str, Any]) -> int:
+        """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
+        return int((samples["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    # ----------------------------------------------------------------- forward
+    def image_embeds(self, image: torch.Tensor | None, dummy: bool, samples: dict[str, Any] | None = None
+                     ) -> torch.Tensor:
+        """Features of every image of a batch, ``[N, tokens_per_image, llm_hidden]`` in the LLM embedding dtype
+        (``image`` is the flat ``[N, 3, H, W]`` of all samples' images in order; the tower runs once on it).
+
+        A batch with no image (text-only samples only) gives ``[0, ...]``, or with ``dummy`` the features of
+        one blank image, which the caller adds to its embeddings times zero (``forward``). Why run the towers
+        for nothing: ZeRO-3 and FSDP gather a module's parameters when it runs, as a collective, so every rank
+        must run the same modules in each forward or the ranks wait for each other forever; and the trainable
+        parts (projection, queries) then get a gradient - zero - on every rank, as the engines' gradient
+        reduction expects. Skipping the towers only where no rank has an image would need a collective per
+        micro-batch; the blank image costs one image's tower pass, only in image-free micro-batches.
+        """
+        samples = samples if samples is not None else {}
+        dtype = self._embedding_dtype()
+        if image is not None and image.shape[0]:
+            return self.encode_images(image, samples).to(dtype)
+        device = self._device() if image is None else image.device
+        if not dummy:
+            return torch.zeros((0, self.tokens_per_image, self.llm_config.hidden_size), device=device, dtype=dtype)
+        blank = torch.zeros((1, 3, self.image_size, self.image_size), device=device)
+        return self.encode_images(blank, samples).to(dtype)
+
+    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
+        """``images [N, 3, H, W]`` -> ``[N, tokens_per_image, llm_hidden]``: the architecture's image path."""
+        raise NotImplementedError(f"{type(self).__name__} must define encode_images")
+
+    def image_features(self, samples: dict[str, Any]) -> torch.Tensor:
+        """The image features of a prepared batch (packed order under packing; a blank image's when it has none),
+        to pass to ``answer_logps`` for several batches that share the images (a preference pair)."""
+        image = samples.get("image")
+        if image is not None and "position_ids" in samples:
+            image = image[packed_image_order(samples).to(image.device)]
+        return self.image_embeds(image, dummy=True, samples=samples)
+
+    def _inputs(self, samples: dict[str, Any], image_features: torch.Tensor | None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """``(inputs_embeds, layout, labels)`` of a prepared batch on the model's device."""
+        image = samples.get("image")
+        device = self._device() if image is None else image.device
+        input_ids, labels = samples["input_ids"].to(device), samples["labels"].to(device)
+        if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
+            layout = {"position_ids": samples["position_ids"].to(device)}
+        else:
+            layout = {"attention_mask": samples["attention_mask"].to(device)}
+        features = self.image_features(samples) if image_features is None else image_features
+        has_images = image is not None and image.shape[0] > 0
+        inputs_embeds = self._embed(input_ids, features if has_images else features[:0])
+        if not has_images:
+            # The dummy image's features times zero: in the graph, out of the numbers (see image_embeds).
+            inputs_embeds = inputs_embeds + features.sum() * 0
+        return inputs_embeds, layout, labels
+
+    def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Mean cross-entropy over the supervised tokens of the micro-batch.
+
+        Returns:
+            ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (the summed token losses, also
+            differentiable: the runner divides it by the supervised tokens of the whole step under
+            ``run.loss_reduction: tokens``) and ``num_tokens`` (supervised tokens).
+        """
+        samples = self.prepare_batch(samples)
+        inputs_embeds, layout, labels = self._inputs(samples, None)
+        if self.loss_chunk_size and head_loss_supported(base_llm(self.llm_model)):
+            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunk_size)[0].sum()
+        else:
+            token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels)
+        num_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        # A batch whose answers were all truncated away gives loss 0 (and zero gradients), not NaN.
+        loss = token_losses / num_tokens.clamp(min=1)
+        return {"loss": loss, "loss_sum": token_losses, "num_tokens": num_tokens}
+
+    def answer_logps(self, samples: dict[str, Any], image_features: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: the summed log-probability (fp32) of its supervised tokens, and how many there are.
+
+        Args:
+            samples: A batch, prepared (``prepare_batch``, padded or packed) or not.
+            image_features: ``image_features(samples)`` computed already (a preference pair's chosen and rejected
+                answers share their images: one vision pass for both); None computes them.
+
+        Returns:
+            ``(logp_sum [B], num_tokens [B])`` in sample order (the order of ``samples["instruction"]``).
+        """
+        samples = self.prepare_batch(samples)
+        inputs_embeds, layout, labels = self._inputs(samples, image_features)
+        logps, rows = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunk_size)
+        owner, num_samples = sample_of_positions(samples, rows, labels)
+        logp_sum = torch.zeros(num_samples, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
+        counts = torch.zeros(num_samples, dtype=torch.long, device=logps.device).index_add(
+            0, owner, torch.ones_like(owner))
+        return logp_sum, counts
+
+    @torch.no_grad()
+    def generate(self, samples: dict[str, Any], num_beams: int = 1, max_new_tokens: int = 30,
+                 synced_gpus: bool = False, **generate_kwargs: Any) -> list[str]:
+        """Answer the last instruction of each sample (greedy or beam search).
+
+        ``samples``: ``image`` (every sample's images in order, ``[N, 3, H, W]``; may be
+        empty or left out for text-only samples), ``instruction`` (turns per sample),
+        optionally ``output`` (the answers of the earlier turns) and ``num_images`` (images
+        per sample, default 1 each; each image has its ``<ImageHere>`` marker in the
+        sample's turns, one image may go unmarked). ``synced_gpus`` must be true under
+        ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
+        Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
+        """
+        image = samples.get("image")
+        answers = samples.get("output") or [()] * len(samples["instruction"])
+        num_images = image_counts(samples)
+        prompts = [self.prompt.generation_prompt(ins, out, n)
+                   for ins, out, n in zip(samples["instruction"], answers, num_images, strict=True)]
+        input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
+        device = self._device() if image is None else image.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+
+        # Parameters of this root module (query tokens, ...): an engine that shards them gathers them for generate
+        # (which is not forward) itself. Sharded ranks run the towers even without an image (image_embeds).
+        image_embeds = self.image_embeds(image, dummy=synced_gpus, samples=samples)
+        inputs_embeds = self._embed(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
+        # The placeholder is never a word: generating it would feed its meaningless row back in.
+        options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
+                       eos_token_id=self.stop_token_ids(), pad_token_id=self.pad_id, synced_gpus=synced_gpus,
+                       suppress_tokens=[self.prompt.image_token_id])
+        options.update(generate_kwargs)
+        # With only inputs_embeds, generate returns just the new tokens.
+        new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
+        return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def _embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings with each placeholder run replaced by its image's features."""
+        embeds = self.llm_model.get_input_embeddings()(input_ids)
+        is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
+        # masked_scatter fills positions in row-major order: sample by sample, left to right,
+        # and ChatPrompt guarantees exactly tokens_per_image placeholders per image (image_counts
+        # checked that the batch holds each sample's images), so the flat images (in sample
+        # order, each sample's in marker order) land in their runs; a sample without images has no run.
+        return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))
+
+    def _embedding_dtype(self) -> torch.dtype:
+        return self.llm_model.get_input_embeddings().weight.dtype
+
+    def _device(self) -> torch.device:
+        return self.llm_model.get_input_embeddings().weight.device
