@@ -94,7 +94,7 @@ def train(args: argparse.Namespace) -> int:
         del parsed_files  # the datasets hold what they use; the rest (files of unused splits) can go
         if dist.is_main_process():
             # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
-            runner.model.save_run_files(cfg.run.output_dir)
+            runner.engine.model.save_run_files(cfg.run.output_dir)
         runner.evaluate_only() if cfg.run.evaluate else runner.train()
     finally:  # however the run ends; a killed one leaves the file, which the next run takes over
         if lock is not None:

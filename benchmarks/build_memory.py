@@ -91,6 +91,7 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
     from lavis_ds.build import build_datasets, build_model
     from lavis_ds.common.registry import registry
     from lavis_ds.config import load_config
+    from lavis_ds.runners import Trainer
 
     cfg = load_config(cfg_path, [f"run.runner={runner_name}"], world_size=int(os.environ["WORLD_SIZE"]))
     runner_class = registry.get_runner_class(runner_name)
@@ -102,7 +103,7 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
     with PeakRSS() as rss:
         with PeakRSS() as building:
             model = build_model(cfg.model, cfg.run.seed, placement)
-        runner = runner_class(cfg, model, datasets)
+        runner = Trainer.from_config(cfg, model, datasets)
         runner.setup()  # wraps the model: the engine's start is part of what is measured
     mine = {"built": building.peak - rss.before, "peak": rss.peak - rss.before, "after": rss.after - rss.before,
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

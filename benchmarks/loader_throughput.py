@@ -99,15 +99,14 @@ def build_runner(cfg_path: Path):
     runner = build(cfg)
     runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer here, as train() does
-    runner.module.train()
+    runner.engine.module.train()
     return runner
 
 
 def step_time(runner, steps: int) -> float:
     """Median seconds of the runner's optimizer step on micro-batches read beforehand."""
-    runner.sampler.set_position(0, 0)
-    loader = iter(runner.train_loader)
-    batches = [[next(loader) for _ in range(runner.accum)] for _ in range(min(4, runner.steps_per_epoch))]
+    loader = runner.data.epoch(0, 0)
+    batches = [runner.data.next_step(loader) for _ in range(min(4, runner.data.steps_per_epoch))]
     times = []
     for i in range(3 + steps):
         start = time.perf_counter()
@@ -121,9 +120,11 @@ def loader_rate(runner, dataset, workers: int, batches: int) -> tuple[float, flo
     from lavis_ds.datasets.samplers import StepBatchSampler
 
     runner.run.num_workers = workers
-    sampler = StepBatchSampler(len(dataset), runner.micro_batch, 1, 1, 0, seed=runner.run.seed)
+    from lavis_ds.runners.data import make_loader
+
+    sampler = StepBatchSampler(len(dataset), runner.plan.micro_batch, 1, 1, 0, seed=runner.run.seed)
     start = time.perf_counter()
-    iterator = iter(runner._loader(dataset, sampler))
+    iterator = iter(make_loader(dataset, sampler, runner.run))
     next(iterator)
     first_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -160,9 +161,9 @@ def main(argv=None) -> None:
         cfg = tiny_config(Path(tmp) / "out", storage, stage=2, micro=args.micro, max_epoch=100, log_freq=1000)
         runner = build_runner(write_yaml(Path(tmp) / "run.yaml", cfg))
         step = step_time(runner, args.steps)
-        need = runner.micro_batch * runner.accum / step
+        need = runner.plan.micro_batch * runner.plan.accum / step
         print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; tiny BLIP2-Qwen demo step "
-              f"(micro-batch {runner.micro_batch}, 64-pixel images, one process): {step * 1000:.0f} ms -> it "
+              f"(micro-batch {runner.plan.micro_batch}, 64-pixel images, one process): {step * 1000:.0f} ms -> it "
               f"consumes {need:.0f} samples/s")
         print(f"{'image':>6} {'workers':>8} {'first batch s':>14} {'samples/s':>10} {'x the tiny step needs':>22} "
               f"{'load':>5}")

@@ -74,14 +74,12 @@ def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
 def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:
     """``steps`` optimizer steps of micro-batches, prepared on the host, and per step (supervised tokens, token
     positions that hold a token, all positions, samples)."""
-    runner.sampler.set_position(0, 0)
-    loader = iter(runner.train_loader)
+    loader = runner.data.epoch(0, 0)
     batches, counts = [], []
     for _ in range(steps):
-        step = [next(loader) for _ in range(runner.accum)]
-        runner.prepare_micro_batches(step)
+        step = runner.data.next_step(loader)
         batches.append(step)
-        counts.append((sum(runner.module.supervised_tokens(b) for b in step),
+        counts.append((sum(runner.engine.module.supervised_tokens(b) for b in step),
                        sum(int(b["attention_mask"].sum()) for b in step),
                        sum(b["input_ids"].numel() for b in step), sum(len(b["instruction"]) for b in step)))
     return batches, counts

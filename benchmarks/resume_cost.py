@@ -295,7 +295,7 @@ class ReplayControl:
         cfg = load_config(cfg_path, world_size=nproc)
         run = OmegaConf.to_container(cfg.run)
         records = build_datasets(cfg.datasets)[DATASET]["train"]
-        # as RunnerBase builds its training set, sampler and DataLoader
+        # as TrainData builds its training set, sampler and DataLoader
         self.dataset = SeededDataset(records, run["seed"])
         self.sampler = StepBatchSampler(len(self.dataset), MICRO_BATCH, 1, nproc, 0, seed=run["seed"])
         self.loader = DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=records.collater,

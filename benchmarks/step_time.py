@@ -12,14 +12,17 @@ the ZeRO stage and dtype set from the command line), the same optimizer groups (
 runner's: no weight decay on biases and norms; `--raw-groups one` gives the raw loop a
 single group instead, which is other math and, under ZeRO, fewer flat buffers) and the
 same micro-batches. The
-micro-batches are read once from the runner's DataLoader before anything is timed and
-reused by both loops in the same order, so data loading is excluded from both.
+micro-batches are read once from the runner's DataLoader and prepared by the model on the host
+(`prepare_batch`: tokenizing, as the runner's data side does before each step) before anything
+is timed, and reused by both loops in the same order, so data loading is excluded from both.
 
 What one timed step is (wall clock, `time.perf_counter`, on every rank):
-  runner  `runner.run_step(micro_batches)`: the real loop's step - lr from the scheduler,
-          cast + forward + `engine.backward` + `engine.step` per micro-batch, the loss
-          all_reduce, scheduler step, counters, hooks (progress bar, metrics.jsonl and
-          TensorBoard every `run.log_freq` steps on rank 0).
+  runner  `runner.run_step(micro_batches)`: the real loop's step - the token counts and the
+          step's agreement (stop signals, failures and the supervised tokens, one
+          all_reduce), lr from the scheduler, cast + forward + `engine.backward` +
+          `engine.step` per micro-batch, the loss all_reduce, scheduler step, counters,
+          hooks (progress bar, metrics.jsonl and TensorBoard every `run.log_freq` steps
+          on rank 0).
   raw     per micro-batch: cast float tensors to the engine's device/dtype, `engine(batch)`,
           `engine.backward(loss)`, `engine.step()`. Nothing else.
 
@@ -75,10 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_runner(args: argparse.Namespace, output_dir: str):
-    """The DeepSpeedRunner of the YAML, its hooks set up as `train()` would, no resume."""
+    """The trainer of the YAML on its engine, its hooks set up as `train()` would, no resume."""
     from lavis_ds.build import build_datasets, build_model
     from lavis_ds.config import load_config
     from lavis_ds.common.registry import registry
+    from lavis_ds.runners import Trainer
 
     options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0", f"run.runner={args.runner}",
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
@@ -87,11 +91,10 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                f"run.deepspeed_config.bf16.enabled={str(args.dtype == 'bf16').lower()}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
     registry.get_runner_class(cfg.run.runner).init_process_group()
-    runner = registry.get_runner_class(cfg.run.runner)(cfg, build_model(cfg.model, cfg.run.seed),
-                                                       build_datasets(cfg.datasets))
+    runner = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
     runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
-    runner.module.train()  # as train() leaves it before its loop
+    runner.engine.module.train()  # as train() leaves it before its loop
     return runner
 
 
@@ -213,9 +216,8 @@ def main(argv=None) -> int:
     runner = build_runner(args, output_dir)
 
     # Read once, before anything is timed: data loading is in neither loop.
-    runner.sampler.set_position(0, 0)
-    loader = iter(runner.train_loader)
-    steps = [[next(loader) for _ in range(runner.accum)] for _ in range(min(args.distinct, runner.steps_per_epoch))]
+    loader = runner.data.epoch(0, 0)
+    steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
 
     raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
     loops = {"runner": runner.run_step, "raw": raw(runner.cfg, args)}
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps({**summary, **_work_per_step(runner, steps), "engine": args.runner,
                                              "stage": args.stage, "dtype": args.dtype,
-                                             "world_size": runner.world_size, "global_batch": runner.global_batch}))
+                                             "world_size": runner.world_size, "global_batch": runner.plan.global_batch}))
     return 0
 
 
@@ -249,8 +251,8 @@ def _work_per_step(runner, steps: list[list[dict]]) -> dict:
     from lavis_ds.common.hardware import peak_memory_bytes
     from lavis_ds.runners.throughput import count_tokens
 
-    counts = [count_tokens(runner.module, step) for step in steps]
-    flop_model = runner.module.flop_model()
+    counts = [count_tokens(step) for step in steps]
+    flop_model = runner.engine.module.flop_model()
     flops = [flop_model.training_flops(c.images, c.tokens, c.squared_tokens) for c in counts]
     return {"samples": statistics.fmean(c.samples for c in counts), "tokens": statistics.fmean(c.tokens for c in counts),
             "supervised": statistics.fmean(c.supervised for c in counts), "flops": statistics.fmean(flops),
@@ -267,7 +269,7 @@ def _report(args, runner, per_rank: list[dict]) -> None:
     ms = 1e3
     engine = "FSDP2" if args.runner == "runner_fsdp" else f"ZeRO-{args.stage}"
     print(f"\nstep time: {args.runner} ({engine}) {args.dtype}, {runner.world_size} processes, micro-batch "
-          f"{runner.micro_batch} x accumulation {runner.accum} (global batch {runner.global_batch}); "
+          f"{runner.plan.micro_batch} x accumulation {runner.plan.accum} (global batch {runner.plan.global_batch}); "
           f"{args.warmup} warm-up steps, then {args.steps} timed steps per loop in alternating blocks of "
           f"{args.block}; data loading excluded")
     print(f"{'loop':<8}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'median of block means ms':>27}")

@@ -27,10 +27,13 @@ def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = 
 
 
 def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
-    """The run's runner on its model and datasets. Its engine starts, and the checkpoint to resume from is
-    chosen, in ``runner.setup()``, which ``train()`` and ``evaluate_only()`` call first."""
-    runner_class = registry.get_runner_class(cfg.run.runner)
-    # The runner that will shard the model says where its LLM is built (e.g. partitioned from the start).
-    model = build_model(cfg.model, cfg.run.seed, runner_class.model_placement(cfg))
+    """The run's trainer (``runners.Trainer``) holding the engine ``run.runner`` names, on its model and datasets.
+    The checkpoint to resume from is chosen, and the engine wrapped, in ``trainer.setup()``, which ``train()`` and
+    ``evaluate_only()`` call first."""
+    from lavis_ds.runners import Trainer
+
+    engine_class = registry.get_runner_class(cfg.run.runner)
+    # The engine that will shard the model says where its LLM is built (e.g. partitioned from the start).
+    model = build_model(cfg.model, cfg.run.seed, engine_class.model_placement(cfg))
     datasets = build_datasets(cfg.datasets, parsed_files)
-    return runner_class(cfg, model, datasets)
+    return Trainer.from_config(cfg, model, datasets)

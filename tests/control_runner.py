@@ -19,18 +19,26 @@ import torch
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from plain_runner import PlainRunner
+from plain_runner import PlainEngine
 
 
 @registry.register_runner("runner_control_test")
-class ControlRunner(PlainRunner):
-    def forward_backward(self, micro_batches):
-        losses = super().forward_backward(micro_batches)
+class ControlEngine(PlainEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = 0  # optimizer steps taken (applied or skipped), as the loop counts them
+
+    def forward_backward(self, micro_batches, loss_weight):
+        losses = super().forward_backward(micro_batches, loss_weight)
         step, rank = (int(x) for x in os.environ.get("CONTROL_NAN_AT", "0:-1").split(":"))
-        if step == self.state.global_step + 1 and rank == self.rank:
+        if step == self.steps + 1 and rank == self.rank:
             losses = losses.clone()
             losses[0] = float("nan")
         return losses
+
+    def optimizer_step(self, apply=True):
+        self.steps += 1
+        return super().optimizer_step(apply)
 
     def checkpoint_layout(self):
         return {"runner": "runner_control_test"}
@@ -53,4 +61,5 @@ class ControlRunner(PlainRunner):
         state = ckpt.load_file(self._state_file(Path(load_dir) / tag))
         self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["lavis_ds"]["train_state"]["global_step"]
         return state

@@ -26,7 +26,7 @@ from pathlib import Path
 
 # What every training process imports, imported once by the server.
 PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train", "lavis_ds",
-           "lavis_ds.runners.deepspeed.runner", "lavis_ds.runners.fsdp.runner",
+           "lavis_ds.runners.deepspeed.engine", "lavis_ds.runners.fsdp.engine",
            "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.apps.export",
            "lavis_ds.apps.generate", "forked"]
 TRAIN = "train:main"  # the default target: train.py's main()

@@ -64,22 +64,24 @@ def report_for(cfg, partitioned: bool) -> dict:
 
     from lavis_ds.build import build_datasets, build_model
     from lavis_ds.common.registry import registry
+    from lavis_ds.runners import Trainer
 
     runner_class = registry.get_runner_class(cfg.run.runner)
     placement = runner_class.model_placement(cfg) if partitioned else contextlib.nullcontext()
     model = build_model(cfg.model, cfg.run.seed, placement)
     built = held(base_llm_params(model))
-    runner = runner_class(cfg, model, build_datasets(cfg.datasets))
+    runner = Trainer.from_config(cfg, model, build_datasets(cfg.datasets))
     runner.setup()  # wraps the model
-    wrapped = held(base_llm_params(runner.module))
-    runner.module.train()
+    engine = runner.engine
+    wrapped = held(base_llm_params(engine.module))
+    engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
-    losses = [float(runner.forward_backward([fixed_batch()])[0])]
-    runner.optimizer_step()
-    runner.module.eval()
+    losses = [float(engine.forward_backward([fixed_batch()], None)[0])]
+    engine.optimizer_step()
+    engine.module.eval()
     with torch.no_grad():
-        losses.append(float(runner.forward(fixed_batch())["loss"]))
-    del runner, model
+        losses.append(float(engine.forward(fixed_batch())["loss"]))
+    del runner, engine, model
     gc.collect()
     return {"built": built, "wrapped": wrapped, "losses": losses}
 

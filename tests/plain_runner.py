@@ -1,7 +1,7 @@
 """A test engine: the shared loop on the bare model and torch's AdamW, in one process, no process group.
 
-It exists to show that `runners/base.py` needs no engine, and to test the loop and its hooks
-in-process, in seconds. Registered as `runner_plain_test`; name this module under `imports:`.
+It exists to show that the trainer (`runners/trainer.py`) needs no real engine, and to test the loop and its
+hooks in-process, in seconds. Registered as `runner_plain_test`; name this module under `imports:`.
 """
 from __future__ import annotations
 
@@ -11,23 +11,25 @@ import torch
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.base import RunnerBase
+from lavis_ds.runners.engine import Engine, micro_batch_loss
 
 STATE_FILE = "plain.pt"
 
 
 @registry.register_runner("runner_plain_test")
-class PlainRunner(RunnerBase):
-    def wrap(self, model, param_groups):
-        return torch.optim.AdamW(param_groups, lr=self.run.init_lr)
+class PlainEngine(Engine):
+    def wrap(self, param_groups, plan):
+        self.plan = plan
+        self.optimizer = torch.optim.AdamW(param_groups, lr=self.run.init_lr)
+        return self.optimizer
 
     def forward(self, batch):
         return self.model(batch)
 
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, loss_weight):
         losses = []
         for batch in micro_batches:
-            loss = self.micro_batch_loss(self.forward(batch))
+            loss = micro_batch_loss(self.forward(batch), loss_weight)
             (loss / len(micro_batches)).backward()
             losses.append(loss.detach().double())
         return torch.stack(losses)

@@ -375,12 +375,39 @@ def test_file_problems_come_with_structural_ones(tmp_path):
 
 
 def test_runner_subclass_forwarding_its_arguments_is_a_valid_runner(tmp_path):
-    from lavis_ds.runners import DeepSpeedRunner
+    from lavis_ds.runners import DeepSpeedEngine
 
     @registry.register_runner("test_compat_forwarding_runner")
-    class ForwardingRunner(DeepSpeedRunner):
+    class ForwardingRunner(DeepSpeedEngine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
 
     cfg = _demo_run(tmp_path, runner="test_compat_forwarding_runner")
     assert load_config(write_yaml(tmp_path / "x.yaml", cfg)).run.runner == "test_compat_forwarding_runner"
+
+
+@pytest.mark.parametrize("given, resume", [
+    ({"resume_ckpt_load_dir": "out/checkpoints", "resume_ckpt_tag": "step_4"}, "out/checkpoints/step_4"),
+    ({"resume_ckpt_load_dir": "out/checkpoints", "resume_ckpt_tag": None}, "out/checkpoints"),
+    ({"resume_ckpt_load_dir": None, "resume_ckpt_tag": None}, None),
+])
+def test_minigpt4qwen_resume_folder_and_tag_are_translated_into_run_resume(given, resume):
+    from lavis_ds.common import lavis_compat
+
+    cfg = {"run": dict(given)}
+    problems, notes = lavis_compat.translate(cfg)
+    assert problems == [] and cfg["run"].get("resume") == resume
+    assert not {"resume_ckpt_load_dir", "resume_ckpt_tag"} & set(cfg["run"])  # no key of its own left
+    assert any("-> run.resume" in note for note in notes) == (resume is not None)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"resume_ckpt_tag": "step_4"}, r"run\.resume_ckpt_tag='step_4' names a checkpoint inside "
+                                    r"run\.resume_ckpt_load_dir, which is not set"),
+    ({"resume_ckpt_load_dir": "a", "resume": "b"}, r"run\.resume_ckpt_load_dir='a' and run\.resume='b' disagree"),
+])
+def test_minigpt4qwen_resume_folder_that_cannot_be_translated_is_named(given, message):
+    from lavis_ds.common import lavis_compat
+
+    problems, _ = lavis_compat.translate({"run": dict(given)})
+    assert len(problems) == 1 and re.search(message, problems[0]), problems

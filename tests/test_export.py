@@ -130,7 +130,7 @@ def check(folder):
     vis, text = eval_processors(folder)
     val = InstructionDataset(storage / "annotations" / "val.json", storage / "images", vis, text)
     totals = torch.zeros(2, dtype=torch.float64)
-    for batches in rank_batches(len(val)):  # RunnerBase.evaluate_loss: per-rank sums, then all_reduce
+    for batches in rank_batches(len(val)):  # runners.evaluation.evaluate_loss: per-rank sums, then all_reduce
         rank_totals = torch.zeros(2, dtype=torch.float64)
         for indices in batches:
             batch, context = as_trained(model, val.collater([val[i] for i in indices]))

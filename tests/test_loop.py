@@ -94,14 +94,14 @@ def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path,
         monkeypatch.setattr(comm, name, _no_collective(name))
 
     runner = _runner(tmp_path, demo_storage, "copy")  # run.resume: auto
-    assert newest.is_dir() and runner.resume_from is None and runner.hooks == []
+    assert newest.is_dir() and runner.plan is None and len(runner.hooks) == 0
 
     monkeypatch.undo()
     runner.setup()
     assert not newest.exists() and (checkpoints / f"{newest.name}{ckpt.DAMAGED_SUFFIX}").is_dir()
-    assert runner.resume_from == (checkpoints, "step_6")
+    assert runner.plan.source == (checkpoints, "step_6")
     runner.setup()  # once: nothing more is set aside, nothing is rebuilt
-    assert runner.resume_from == (checkpoints, "step_6")
+    assert runner.plan.source == (checkpoints, "step_6")
 
 
 def _no_collective(name: str):

@@ -38,7 +38,7 @@ def test_lavis_spelling_reaches_the_global_registries():
     import lavis_ds  # noqa: F401
     from lavis_ds.common.registry import registry
 
-    assert registry.get_runner_class("runner_deepspeed").__name__ == "DeepSpeedRunner"
+    assert registry.get_runner_class("runner_deepspeed").__name__ == "DeepSpeedEngine"
     assert registry.get_lr_scheduler_class("linear_warmup_cosine_lr").__name__ == "LinearWarmupCosineLR"
     with pytest.raises(KeyError, match="Did you mean 'linear_warmup_step_lr'"):
         registry.get_lr_scheduler_class("linear_warmup_stp_lr")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -127,7 +126,8 @@ def test_the_vision_side_is_counted_per_image_for_none_or_several(tiny_model_con
     batch = {"image": torch.randn(2, 3, 64, 64), "num_images": [0, 2],
              "instruction": [["What color is the ball?"], ["<Img><ImageHere></Img> <Img><ImageHere></Img> Same?"]],
              "output": [["It is red."], ["No, the second one is darker."]]}
-    counts = throughput.count_tokens(model, [batch])
+    batch = model.prepare_batch(batch)  # on the host, as the loop's data side prepares every micro-batch
+    counts = throughput.count_tokens([batch])
     assert (counts.samples, counts.images) == (2, 2)
     padded_len = batch["input_ids"].shape[1]
     flops = model.flop_model()
@@ -142,7 +142,8 @@ def test_tokens_are_counted_on_the_cpu_and_the_forward_reuses_them(tiny_model_co
     model = Blip2Qwen.from_config(tiny_model_config)
     batch, untouched = _batch(), _batch()
     untouched["image"] = batch["image"]
-    counts = throughput.count_tokens(model, [batch])
+    batch = model.prepare_batch(batch)
+    counts = throughput.count_tokens([batch])
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     assert batch["input_ids"].device.type == "cpu" and lengths[0] > lengths[1]
     assert counts == throughput.TokenCounts(samples=2, images=2, positions=2 * lengths[0], tokens=sum(lengths),
@@ -169,8 +170,8 @@ def test_the_peak_table_by_device_name(name, peak):
 
 
 def test_the_peak_comes_from_run_peak_tflops_else_the_device():
-    assert throughput.peak_tflops(OmegaConf.create({"peak_tflops": 42.5, "precision": "fp32"})) == (42.5, None)
-    peak, note = throughput.peak_tflops(OmegaConf.create({"peak_tflops": None, "precision": "bf16"}))
+    assert throughput.peak_tflops(42.5, "fp32") == (42.5, None)
+    peak, note = throughput.peak_tflops(None, "bf16")
     assert peak is None and "MFU is not logged" in note and "run.peak_tflops" in note  # this machine: a CPU
 
 
@@ -203,8 +204,8 @@ def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list
     """Train in-process; (the logged steps, each step's micro-batches' attention masks, the runner)."""
     masks = []
 
-    def recording(model, micro_batches):
-        counts = count_tokens(model, micro_batches)
+    def recording(micro_batches):
+        counts = count_tokens(micro_batches)
         masks.append([batch["attention_mask"] for batch in micro_batches])
         return counts
 
@@ -235,7 +236,7 @@ def test_a_run_logs_tokens_padding_memory_and_no_mfu_on_a_cpu(tmp_path, demo_sto
 def test_mfu_is_achieved_flops_over_run_peak_tflops(tmp_path, demo_storage, monkeypatch):
     peak = 0.5  # TFLOP/s, made up for a CPU
     steps, masks, runner = _train(tmp_path, demo_storage, monkeypatch, peak_tflops=peak)
-    flop_model = runner.module.flop_model()
+    flop_model = runner.engine.module.flop_model()
     for step, step_masks in zip(steps, masks):
         lengths = [int(n) for mask in step_masks for n in mask.sum(dim=1)]
         flops = sum(flop_model.per_sample(n)["total"].training for n in lengths)

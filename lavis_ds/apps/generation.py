@@ -47,7 +47,7 @@ def cast_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def as_trained(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
-    """``(batch, context)`` to run ``model`` on ``batch`` as DeepSpeedRunner ran it in training.
+    """``(batch, context)`` to run ``model`` on ``batch`` as the DeepSpeed engine ran it in training.
 
     A model whose parameters are all bf16 (or fp16) gets float inputs in that dtype and
     runs under autocast (as the runner feeds its engine); any other model gets the batch

@@ -111,6 +111,7 @@ def translate(cfg: dict, twins: list[Twin] = ()) -> tuple[list[str], list[str]]:
                 run.pop(key)
                 problems.append(f"run.{key}: not supported; {instead}")
         _map_precision(model, run, twins, problems, mapped)
+        _map_resume_folder(run, problems, mapped, ignored)
         for key, target in MAPPED_RUN_KEYS.items():
             if key not in run:
                 continue
@@ -148,6 +149,23 @@ def _put(run: dict, target: tuple[str, ...], value: Any, source: str, problems: 
         return False
     node[leaf] = value
     return True
+
+
+def _map_resume_folder(run: dict, problems: list[str], mapped: list[str], ignored: list[str]) -> None:
+    """MiniGPT4Qwen's ``resume_ckpt_load_dir`` (a checkpoints folder) and ``resume_ckpt_tag`` (one checkpoint in it)
+    -> ``run.resume``: the checkpoint ``<load_dir>/<tag>``, or the newest complete one in ``<load_dir>``."""
+    given = [key for key in ("resume_ckpt_load_dir", "resume_ckpt_tag") if key in run]
+    load_dir, tag = run.pop("resume_ckpt_load_dir", None), run.pop("resume_ckpt_tag", None)
+    if load_dir is None:
+        ignored.extend(f"run.{key} (null)" for key in given if tag is None)
+        if tag is not None:
+            problems.append(f"run.resume_ckpt_tag={tag!r} names a checkpoint inside run.resume_ckpt_load_dir, which "
+                            "is not set; give both, or the checkpoint folder as run.resume")
+        return
+    source = "run.resume_ckpt_load_dir" + (" + run.resume_ckpt_tag" if tag else "")
+    value = f"{str(load_dir).rstrip('/')}/{tag}" if tag else str(load_dir)
+    if _put(run, ("resume",), value, source, problems):
+        mapped.append(f"{source} -> run.resume = {value!r}")
 
 
 def _map_precision(model: dict | None, run: dict, twins: list[Twin], problems: list[str],

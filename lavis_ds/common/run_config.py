@@ -55,8 +55,6 @@ class RunConfig:
     # newest complete checkpoints to keep, plus the best by `best_metric`; 0 = all
     keep_last: Annotated[int, NonNegative] = 0
     resume: Any = "auto"  # "auto" | false | path to a checkpoint
-    resume_ckpt_load_dir: str | None = None  # MiniGPT4Qwen spelling of `resume`
-    resume_ckpt_tag: str | None = None
     evaluate: bool = False  # evaluate only, no training
     train_splits: list[str] = field(default_factory=lambda: ["train"])
     valid_splits: list[str] = field(default_factory=list)
@@ -94,7 +92,7 @@ class RunConfig:
     # optional hooks after the built-in ones, in run order: registered names, or {name: ..., <its options>}
     # (trackers: tensorboard, mlflow, wandb; a user's own under `imports:`). docs/hooks.md
     hooks: list[str | dict[str, Any]] = field(default_factory=lambda: ["tensorboard"])
-    # Each runner's own options section is a run key too, named by the runner (RunnerBase.OPTIONS_KEY).
+    # Each runner's own options section is a run key too, named by the runner (Engine.OPTIONS_KEY).
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -119,7 +117,7 @@ NEUTRAL_KEYS = ("batch_size_train", "accum_grad_iters", "global_batch_size", "gr
 class Twin:
     """A neutral run key's setting written in a runner's own options section in its engine's words (the
     DeepSpeed JSON's micro-batch key for ``run.batch_size_train``). Runners name theirs
-    (``RunnerBase.option_twins``); the config loader maps them onto the run key, whichever runner runs."""
+    (``Engine.option_twins``); the config loader maps them onto the run key, whichever runner runs."""
 
     key: str  # the run key
     path: str  # where the user wrote it: run.<options section>.<key path>

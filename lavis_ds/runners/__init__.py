@@ -1,13 +1,15 @@
-"""Runners: the shared training loop and the engines behind it.
+"""Runners: the shared training loop and the engines it holds.
 
-``base`` (the loop and evaluation: ``RunnerBase``), ``engine`` (what an engine provides), ``resume`` (which
-checkpoint a run continues), ``handover`` (continuing another engine's checkpoint), ``hooks``, ``checkpoint``
-(the step_<N> folder protocol), ``faults``; one package per engine: ``deepspeed/`` and ``fsdp/``.
+``trainer`` (the loop: ``Trainer``), ``engine`` (what an engine provides: ``Engine``), ``resume`` (which checkpoint
+a run continues: a ``ResumePlan``), ``handover`` (continuing another engine's checkpoint), ``data`` (the training
+data and evaluation batches), ``evaluation``, ``losses``, ``hooks``, ``checkpoint`` (the step_<N> folder protocol),
+``faults``; one package per engine, each registered as a runner (``run.runner``): ``deepspeed/`` and ``fsdp/``.
 """
-from lavis_ds.runners.base import RunnerBase
-from lavis_ds.runners.deepspeed import DeepSpeedRunner
-from lavis_ds.runners.fsdp import FSDPRunner
+from lavis_ds.runners.deepspeed import DeepSpeedEngine
+from lavis_ds.runners.engine import Engine
+from lavis_ds.runners.fsdp import FSDPEngine
+from lavis_ds.runners.trainer import Trainer
 
 DEFAULT_RUNNER = "runner_deepspeed"  # the engine of a run that names none (run.runner)
 
-__all__ = ["RunnerBase", "DeepSpeedRunner", "FSDPRunner", "DEFAULT_RUNNER"]
+__all__ = ["Engine", "Trainer", "DeepSpeedEngine", "FSDPEngine", "DEFAULT_RUNNER"]

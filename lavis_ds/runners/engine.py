@@ -1,21 +1,18 @@
-"""What an engine provides to the shared loop: the methods and class attributes a runner subclass defines.
+"""What an engine is to the trainer: it wraps the model, runs forward/backward and the optimizer step, and checks,
+saves and loads checkpoints. ``runners/trainer.py`` (the loop) holds one; each engine package defines one,
+registered as a runner (``run.runner`` names it).
 
-A runner is ``RunnerBase`` (the loop, ``runners/base.py``) on top of an ``Engine``: how to wrap the model
-(``wrap``), accumulate the gradients of a step (``forward_backward``) and apply them (``optimizer_step``),
-run a forward pass and generate, and check, save and load a checkpoint. The class methods read the
-engine's own options section and prepare the process before any runner exists (the config loader and
-``train.py`` call them). The methods under "switching engines" let a run continue another engine's
-checkpoint (``runners/handover.py`` is the shared part).
-
-An engine's methods may use what ``RunnerBase.__init__`` sets (``cfg``, ``run``, ``model``, ``datasets``,
-``rank``, ``world_size``, ``output_dir``, ``checkpoint_dir``) and, from ``wrap`` on, what ``RunnerBase.setup``
-settles first: ``resume_from``, ``elastic``, ``micro_batch``, ``accum`` and ``global_batch``.
+The class methods read the engine's own options section and prepare the process before any trainer exists (the
+config loader and ``train.py`` call them). An engine is built with plain assignments (no disk, no collective);
+the trainer decides which checkpoint to resume and the batch layout first (``resume.ResumePlan``, for which it
+asks the engine to ``check_checkpoint``), then hands that plan to ``wrap``. The methods under "switching
+engines" let a run continue another engine's checkpoint (``runners/handover.py`` is the shared part).
 """
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -24,9 +21,19 @@ from lavis_ds.common import dist
 from lavis_ds.common.run_config import Twin
 from lavis_ds.runners import checkpoint as ckpt
 
+if TYPE_CHECKING:
+    from lavis_ds.runners.resume import ResumePlan
+
+
+def micro_batch_loss(out: dict, loss_weight: float | None) -> torch.Tensor:
+    """The loss an engine backpropagates for one micro-batch (the model's output): its summed token losses times
+    the step's ``loss_weight`` (``run.loss_reduction: tokens``, ``losses.step_loss_weight``), or, without a
+    weight, the model's own per-micro-batch mean. Engines average these over micro-batches and ranks."""
+    return out["loss"] if loss_weight is None else out["loss_sum"] * loss_weight
+
 
 class Engine:
-    """The engine interface: a runner subclass overrides what it needs; the defaults say what is optional."""
+    """The engine interface: an engine class overrides what it needs; the defaults say what is optional."""
 
     # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
     MODEL_NEEDS: tuple[str, ...] = ()
@@ -37,7 +44,7 @@ class Engine:
 
     @classmethod
     def read_options(cls, value: Any) -> tuple[dict | None, list[str]]:
-        """This runner's options section as the YAML gives it, as a mapping (None if unusable), and problems.
+        """This engine's options section as the YAML gives it, as a mapping (None if unusable), and problems.
         Read for every run that has the section, whichever runner it chose. Default: a mapping, or nothing."""
         if value is None:
             return {}, []
@@ -47,7 +54,7 @@ class Engine:
 
     @classmethod
     def option_twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
-        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) that this runner's options section sets
+        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) that this engine's options section sets
         in its engine's own words, and problems with those values. The config loader maps them onto the run
         keys whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ...
         Default: none."""
@@ -80,8 +87,16 @@ class Engine:
         """Start torch.distributed for this process (after ``prepare_process``)."""
         dist.init_distributed()
 
-    def wrap(self, model: torch.nn.Module, param_groups: list[dict]):
-        """Build the engine around ``model``; return the optimizer whose param_groups carry the lr."""
+    def __init__(self, run: DictConfig, model: torch.nn.Module, checkpoint_dir: Path):
+        """Plain assignments: ``wrap`` builds the engine, once the trainer has planned the resume."""
+        self.run, self.model, self.checkpoint_dir = run, model, Path(checkpoint_dir)
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        self.plan: ResumePlan | None = None  # wrap's: the checkpoint to continue and the batch layout
+        self.optimizer = None  # wrap's: the optimizer whose param_groups carry the lr
+
+    def wrap(self, param_groups: list[dict], plan: ResumePlan):
+        """Build the engine around the model for ``plan`` (the checkpoint it will load, the batch layout); return the
+        optimizer whose param_groups carry the lr."""
         raise NotImplementedError
 
     def forward(self, batch: dict) -> dict:
@@ -95,9 +110,9 @@ class Engine:
         """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
         return {}
 
-    def forward_backward(self, micro_batches: list[dict]) -> torch.Tensor:
-        """Forward and backward every micro-batch, accumulating gradients; return this rank's losses (float64,
-        on the device)."""
+    def forward_backward(self, micro_batches: list[dict], loss_weight: float | None) -> torch.Tensor:
+        """Forward and backward every micro-batch (its loss: ``micro_batch_loss(out, loss_weight)``), accumulating
+        gradients; return this rank's losses (float64, on the device)."""
         raise NotImplementedError
 
     def optimizer_step(self, apply: bool = True) -> dict:
@@ -112,8 +127,8 @@ class Engine:
     def save_checkpoint(self, tag: str, client_state: dict) -> None:
         raise NotImplementedError
 
-    def load_checkpoint(self, load_dir: Path, tag: str | None) -> dict:
-        """Load engine state; return the client state saved with it."""
+    def load_checkpoint(self, load_dir: Path, tag: str) -> dict:
+        """Load engine state (after ``wrap``); return the client state saved with it."""
         raise NotImplementedError
 
     @property
@@ -123,27 +138,27 @@ class Engine:
 
     @classmethod
     def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this runner
+        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this engine
         wrote, read in one process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
         raise ckpt.CheckpointError(f"{tag_dir}: {cls.__name__} checkpoints cannot be exported")
 
-    # ------------------------------------ switching engines: what a runner provides
-    # A checkpoint written by another runner continues here when both engines keep AdamW's state per
-    # parameter in fp32: the runner that wrote it reads it out (handover_shapes, read_handover), this one
-    # says whether it can take it exactly (takeover_problem) and loads it (in its load_checkpoint). The shared
-    # part (whose checkpoint it is, the checks both sides make) is runners/handover.py.
+    # ------------------------------------ switching engines: what an engine provides
+    # A checkpoint written by another engine continues here when both keep AdamW's state per parameter in
+    # fp32: the engine that wrote it reads it out (handover_shapes, read_handover), this one says whether it
+    # can take it exactly (takeover_problem) and loads it (in its load_checkpoint). The shared part (whose
+    # checkpoint it is, the checks both sides make) is runners/handover.py.
     @classmethod
     def handover_shapes(cls, tag_dir: Path, rank: int) -> dict[str, tuple]:
-        """For another runner resuming ``tag_dir``, which this runner wrote: the trained parameters' names and
+        """For another engine resuming ``tag_dir``, which this one wrote: the trained parameters' names and
         shapes, or a CheckpointError if the checkpoint cannot carry over exactly. Default: it cannot."""
         raise ckpt.CheckpointError(f"{tag_dir} was written by {cls.__name__}, whose checkpoints do not carry over "
                                    f"to another engine")
 
     @classmethod
     def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
-        """The trained state of ``tag_dir`` (which this runner wrote) for another runner. Collective: every rank
+        """The trained state of ``tag_dir`` (which this engine wrote) for another engine. Collective: every rank
         calls it; ``needed``: whether this rank uses the result (None may come back if not); ``scratch``: a
-        folder for temporary files, removed again. A runner that overrides ``handover_shapes`` overrides this too."""
+        folder for temporary files, removed again. An engine that overrides ``handover_shapes`` overrides this too."""
         raise NotImplementedError(f"{cls.__name__} hands its checkpoints over (handover_shapes) but does not "
                                   "read them out: define read_handover")
 

@@ -1,11 +1,13 @@
 """What stops a run, decided by every rank together: signals, samples that fail to load, non-finite losses.
 
 A rank that stops alone leaves the others blocked in their next collective. So the
-loop asks once per optimizer step, before the forward, with one all-reduce of two
-small integers (`agree`): has any rank received SIGTERM/SIGINT, has any rank failed
-to load its micro-batches? Every rank then stops at the same step, and a failure
+loop asks once per optimizer step, before the forward, with one all-reduce of a few
+small integers (`agree_on_step`): has any rank received SIGTERM/SIGINT, has any rank failed
+to load its micro-batches? The step's supervised tokens, which the loss normalisation
+needs, ride in the same all-reduce. Every rank then stops at the same step, and a failure
 travels to every rank with its message (printed once, by the rank that failed).
-Non-finite losses ride on the loss all-reduce every step already makes.
+Non-finite losses ride on the loss all-reduce every step already makes. Between steps
+(after hooks, around saves) `agree` asks the same about a failure alone.
 """
 from __future__ import annotations
 
@@ -88,6 +90,21 @@ def agree(stop: int, error: BaseException | None = None) -> int:
     if flags[1]:
         raise_together(error)
     return int(flags[0])
+
+
+def agree_on_step(stop: int, error: BaseException | None, tokens: int | None) -> tuple[int, int | None]:
+    """Collective, once per optimizer step: ``agree`` and this rank's ``tokens`` summed over every rank, in one
+    all-reduce (None: this step counts none). Raises as ``agree`` does.
+
+    A sum carries everything: per stop signal the number of ranks that received it (the first of STOP_SIGNALS
+    received anywhere wins, as SIGTERM's save wins over SIGINT's exit in ``agree``'s max), the failed ranks, the
+    tokens."""
+    flags = [int(stop == signum) for signum in STOP_SIGNALS] + [int(error is not None), tokens or 0]
+    totals = comm.all_reduce(torch.tensor(flags, dtype=torch.int64)).tolist()
+    if totals[len(STOP_SIGNALS)]:
+        raise_together(error)
+    signum = next((signum for signum, ranks in zip(STOP_SIGNALS, totals) if ranks), 0)
+    return signum, None if tokens is None else totals[-1]
 
 
 def raise_together(error: BaseException | None) -> None:

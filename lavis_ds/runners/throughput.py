@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 
@@ -36,18 +35,14 @@ class TokenCounts:
         return TokenCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
-def count_tokens(model: torch.nn.Module, micro_batches: list[dict]) -> TokenCounts | None:
+def count_tokens(micro_batches: list[dict]) -> TokenCounts | None:
     """This rank's token counts of one optimizer step's micro-batches, made on the CPU.
 
     Counted from a micro-batch's ``attention_mask`` and ``labels``, which the model's ``prepare_batch`` adds on the
-    host before the step (the loop prepares every micro-batch first; one that is not prepared yet is prepared
-    here, in place, so that its forward does not tokenize again). None if the model's batches have no tokens.
+    host before the step (``data.TrainData.prepare``). None if the model's batches have no tokens.
     """
-    prepare = getattr(model, "prepare_batch", None)
     total = TokenCounts()
     for batch in micro_batches:
-        if not ("attention_mask" in batch and "labels" in batch) and prepare is not None:
-            batch.update(prepare(batch))
         if not ("attention_mask" in batch and "labels" in batch):
             return None
         total += _counts(batch)
@@ -60,26 +55,27 @@ def _counts(tokens: dict[str, torch.Tensor]) -> TokenCounts:
     lengths = torch.as_tensor(tokens["sample_lengths"]) if "sample_lengths" in tokens else mask.sum(dim=1)
     # The loss reads the labels shifted by one (token t predicts t + 1): count the tokens it counts.
     supervised = (tokens["labels"][:, 1:] != IGNORE_INDEX).sum()
+    # One host conversion for the three sums (each int() of a tensor is a call into torch of its own).
+    total, squared, supervised = torch.stack([lengths.sum(), (lengths * lengths).sum(), supervised]).tolist()
     image = tokens.get("image")
     return TokenCounts(samples=len(lengths), images=0 if image is None else int(image.shape[0]),
-                       positions=mask.numel(), tokens=int(lengths.sum()),
-                       supervised=int(supervised), squared_tokens=int((lengths * lengths).sum()))
+                       positions=mask.numel(), tokens=total, supervised=supervised, squared_tokens=squared)
 
 
-def peak_tflops(run: Any) -> tuple[float | None, str | None]:
+def peak_tflops(given: float | None, precision: str | None) -> tuple[float | None, str | None]:
     """The peak TFLOP/s per device that MFU divides by, and why there is none (a note for the log) if none.
 
-    ``run.peak_tflops`` if set; else the device's dense bf16 peak (``common.hardware``) for a bf16/fp16 run.
-    An fp32 run gets none by itself: its matmuls do not run at the bf16 rate.
+    ``given`` (run.peak_tflops) if set; else the device's dense bf16 peak (``common.hardware``) for a bf16/fp16
+    run (``precision``: run.precision). An fp32 run gets none by itself: its matmuls do not run at the bf16 rate.
     """
-    if run.get("peak_tflops"):
-        return float(run.peak_tflops), None
+    if given:
+        return float(given), None
     name = device_name()
     unset = "set run.peak_tflops (the device's peak TFLOP/s for this precision) to log it"
     if name == "CPU":
         return None, f"MFU is not logged: there is no peak FLOP/s table for CPUs; {unset}"
-    if run.get("precision") not in ("bf16", "fp16"):
-        return None, (f"MFU is not logged: this run computes in {run.get('precision')} and the table "
+    if precision not in ("bf16", "fp16"):
+        return None, (f"MFU is not logged: this run computes in {precision} and the table "
                       f"holds bf16 peaks; {unset}")
     peak = peak_bf16_tflops(name)
     if peak is None:
@@ -95,11 +91,17 @@ class ThroughputMeter:
     evaluations and saves is left out.
     """
 
-    def start(self, runner) -> None:
+    def __init__(self, peak: float | None = None, precision: str | None = None) -> None:
+        """``peak``, ``precision``: run.peak_tflops and run.precision (``peak_tflops``)."""
+        self.peak, self.precision = peak, precision
+        self.flops, self.peak_tflops, self.note = None, None, None  # start()'s
+        self.seconds, self.steps, self.counts, self.since = 0.0, 0, TokenCounts(), 0.0  # _reset()'s
+
+    def start(self, module: torch.nn.Module, rank: int) -> None:
         """Before training: what the model costs per sample, the device's peak, a clean slate."""
-        flop_model = getattr(runner.module, "flop_model", None)
+        flop_model = getattr(module, "flop_model", None)
         self.flops = flop_model() if flop_model is not None else None
-        self.peak_tflops, self.note = peak_tflops(runner.run)
+        self.peak_tflops, self.note = peak_tflops(self.peak, self.precision)
         self._reset()
 
     def mark(self) -> None:
@@ -122,7 +124,7 @@ class ThroughputMeter:
         seconds = max(self.seconds, 1e-9)
         # A token budget fills each step with as many samples as fit: count them where the batches tell.
         counted = all(counts is not None for counts, _ in gathered)
-        samples = sum(counts.samples for counts, _ in gathered) if counted else self.steps * runner.global_batch
+        samples = sum(counts.samples for counts, _ in gathered) if counted else self.steps * runner.plan.global_batch
         record = {"samples_per_sec": samples / seconds,
                   "peak_memory_gib": max(memory for _, memory in gathered) / 2**30}
         if counted:

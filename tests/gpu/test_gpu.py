@@ -102,6 +102,7 @@ def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
     from lavis_ds.build import build_runner
     from lavis_ds.common import dist
     from lavis_ds.config import load_config
+    from lavis_ds.runners.losses import check_losses
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     dist.set_single_process_defaults()
@@ -111,13 +112,12 @@ def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
         cfg = _config(tmp_path / f"a{accum}", demo_storage, "fsdp", accum=accum)
         runner = build_runner(load_config(write_yaml(tmp_path / f"a{accum}.yaml", cfg)))
         runner.setup()  # the engine and the data order, as train() starts
-        batches = iter(runner.train_loader)
-        micro = [next(batches) for _ in range(accum)]
+        micro = runner.data.next_step(runner.data.epoch(0, 0))  # prepared on the host, as the loop's
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                runner.check_losses(runner.forward_backward(micro))
+                check_losses(runner, runner.engine.forward_backward(micro, None))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[accum] = sum("lavis_ds" in w.filename for w in caught)

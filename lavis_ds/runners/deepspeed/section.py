@@ -45,7 +45,7 @@ AUTO_COMPUTED = {
 
 
 # run key -> the DeepSpeed key that says the same thing (a YAML written for DeepSpeed keeps its batch,
-# clipping, precision and AdamW settings under every runner: RunnerBase.option_twins)
+# clipping, precision and AdamW settings under every runner: Engine.option_twins)
 TWIN_KEYS = {
     "batch_size_train": "train_micro_batch_size_per_gpu",
     "accum_grad_iters": "gradient_accumulation_steps",

@@ -4,7 +4,7 @@ A hook reacts to events of the run; every method is optional. While an event is 
 hook never calls into another hook or into ``runner.save()``: it *logs* a record
 (``runner.hooks.log``) and *asks* for a checkpoint (``runner.request_save``). After every hook has
 handled the event, the records logged meanwhile go to every hook's ``log``, in the order they were
-logged, and then the loop cuts the checkpoint that was asked for, once (``RunnerBase.call_hooks``),
+logged, and then the loop cuts the checkpoint that was asked for, once (``Trainer.call_hooks``),
 whose ``after_save`` goes to every hook in its turn. So no handler runs inside another one, and the
 numbers of a step are in metrics.jsonl (and the trackers) before a checkpoint of that step exists.
 """
@@ -114,7 +114,7 @@ class HookList:
         return failure
 
     def request_save(self, reason: str) -> None:
-        """Ask for a checkpoint of the current step, cut once the event is dispatched (``RunnerBase.call_hooks``)."""
+        """Ask for a checkpoint of the current step, cut once the event is dispatched (``Trainer.call_hooks``)."""
         if self.event not in SAVE_EVENTS:
             raise RuntimeError(f"a checkpoint was requested ({reason}) during {self.event or 'no event'}; a hook "
                                f"asks for one in {', '.join(SAVE_EVENTS)} (its step is then settled)")

@@ -30,9 +30,28 @@ BUILTIN_HOOKS = ("metrics_log", "validation", "checkpointer", "best_checkpoint",
 
 
 def build_hooks(runner) -> HookList:
-    """The built-in hooks, then those of `run.hooks` (validated when the config was loaded)."""
+    """The built-in hooks, with their settings from `run`, then those of `run.hooks` (validated when the config
+    was loaded)."""
+    settings = builtin_settings(runner.run)
+    builtin = [hook_registry.get(name)(**settings.get(name, {})) for name in BUILTIN_HOOKS]
     listed = [hook_registry.get(name)(**options) for name, options in hook_specs(runner.run.get("hooks"))]
-    return HookList(runner, [hook_registry.get(name)() for name in BUILTIN_HOOKS] + listed)
+    return HookList(runner, builtin + listed)
+
+
+def builtin_settings(run) -> dict[str, dict[str, Any]]:
+    """The constructor arguments of each built-in hook, from the `run` section (a hook reads no `run` key itself)."""
+    run = OmegaConf.to_container(run, resolve=True) if OmegaConf.is_config(run) else dict(run)
+    return {
+        "metrics_log": {"log_freq": run["log_freq"], "peak_tflops": run.get("peak_tflops"),
+                        "precision": run.get("precision")},
+        "validation": {"valid_splits": run["valid_splits"], "val_freq_steps": run["val_freq_steps"],
+                       "val_metrics": run.get("val_metrics") or []},
+        "checkpointer": {"save_freq_steps": run["save_freq_steps"]},
+        "best_checkpoint": {"metric": run.get("best_metric"), "valid_splits": run["valid_splits"],
+                            "keep_last": run["keep_last"]},
+        "test_generation": {"test_splits": run["test_splits"], "test_metrics": run.get("test_metrics") or [],
+                            "num_log_samples": run["num_log_samples"]},
+    }
 
 
 def hook_specs(hooks: Any) -> list[tuple[str, dict]]:

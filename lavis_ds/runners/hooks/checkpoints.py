@@ -14,12 +14,15 @@ from lavis_ds.runners.hooks.base import Hook
 @hook_registry.register("checkpointer")
 class Checkpointer(Hook):
     """Asks for a checkpoint every `run.save_freq_steps` optimizer steps, at each epoch end, and when SIGTERM
-    stops the run; the loop cuts it once every hook has seen the event (``RunnerBase.call_hooks``), so the
+    stops the run; the loop cuts it once every hook has seen the event (``Trainer.call_hooks``), so the
     validation of that step (at any place in the list) is done and logged before it."""
 
+    def __init__(self, save_freq_steps: int = 0) -> None:
+        self.save_freq_steps = save_freq_steps  # run.save_freq_steps (0: at epoch ends only)
+
     def after_step(self, runner, metrics: dict) -> None:
-        freq = runner.run.save_freq_steps
-        at_epoch_end = runner.state.step_in_epoch == runner.steps_per_epoch  # after_epoch asks for that one
+        freq = self.save_freq_steps
+        at_epoch_end = runner.state.step_in_epoch == runner.data.steps_per_epoch  # after_epoch asks for that one
         if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
             runner.request_save("run.save_freq_steps")
 
@@ -45,16 +48,15 @@ class BestCheckpoint(Hook):
 
     SCORE_FILE = "lavis_ds_score.json"
 
-    def __init__(self) -> None:
+    def __init__(self, metric: str | None = None, valid_splits: tuple[str, ...] = (), keep_last: int = 0) -> None:
+        """``metric``: run.best_metric (None: the first valid split's loss); ``keep_last``: run.keep_last (0: keep
+        every checkpoint)."""
+        self.valid_splits, self.keep_last = tuple(valid_splits), keep_last
+        self.metric = metric or (f"{self.valid_splits[0]}/loss" if self.valid_splits else None)
         self.latest: dict = {}  # {"step": N, "scores": {"val/loss": ..., "val/caption/CIDEr": ...}}
 
-    def metric(self, runner) -> str | None:
-        if runner.run.best_metric:
-            return runner.run.best_metric
-        return f"{runner.run.valid_splits[0]}/loss" if runner.run.valid_splits else None
-
     def log(self, runner, record: dict) -> None:
-        if record.get("split") not in runner.run.valid_splits:
+        if record.get("split") not in self.valid_splits:
             return
         if self.latest.get("step") != record["step"]:
             self.latest = {"step": record["step"], "scores": {}}
@@ -64,12 +66,12 @@ class BestCheckpoint(Hook):
     def after_save(self, runner, tag_dir: Path) -> None:
         if runner.rank != 0:
             return
-        metric, latest = self.metric(runner), self.latest
+        metric, latest = self.metric, self.latest
         if metric and latest.get("step") == runner.state.global_step and metric in latest["scores"]:
             info = {"metric": metric, "value": latest["scores"][metric], "higher_is_better": higher_is_better(metric)}
             (Path(tag_dir) / self.SCORE_FILE).write_text(json.dumps(info, indent=2))
-        if runner.run.keep_last:
-            ckpt.prune(runner.checkpoint_dir, runner.run.keep_last, keep=self.best(runner.checkpoint_dir, metric))
+        if self.keep_last:
+            ckpt.prune(runner.checkpoint_dir, self.keep_last, keep=self.best(runner.checkpoint_dir, metric))
 
     def best(self, ckpt_dir: Path, metric: str | None) -> Path | None:
         """The complete checkpoint with the best recorded ``metric`` (None if none has a score for it)."""

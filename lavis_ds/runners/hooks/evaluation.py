@@ -13,21 +13,23 @@ from lavis_ds.common.errors import OutputError
 from lavis_ds.common.registry import hooks as hook_registry
 from lavis_ds.metrics import build_metric
 from lavis_ds.metrics.selection import TEST, VALID, log_key, metric_names
+from lavis_ds.runners.evaluation import evaluate_loss, generate_split
 from lavis_ds.runners.hooks.base import Hook
 
 
-def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
+def score_split(runner, split: str, phase: str, metrics: list[str]) -> tuple[dict, list[dict]]:
     """Generate a split, score it with its metrics (rank 0), write its predictions file; (scores, results).
+    ``metrics``: the run's for ``phase`` (run.val_metrics or run.test_metrics), where a section names none.
 
     Every rank generates its shard (ZeRO-3 forwards are collective); the metrics and the file are
     made once, on rank 0, from the gathered results.
     """
-    results = runner.generate_split(split)
+    results = generate_split(runner, split)
     scores: dict = {"num_samples": len(results)}
     if runner.rank != 0:
         return scores, results
     sections = list(dict.fromkeys(r["dataset"] for r in results))
-    run = OmegaConf.to_container(runner.run, resolve=True)
+    run = _run_metrics(phase, metrics)
     for section in sections:
         rows = [r for r in results if r["dataset"] == section]
         names = metric_names(run, OmegaConf.to_container(runner.cfg.datasets[section], resolve=True), phase)
@@ -41,6 +43,11 @@ def score_split(runner, split: str, phase: str) -> tuple[dict, list[dict]]:
     except OutputError as e:  # rank 0 only: every rank stops at the next agreement (HookList.defer)
         runner.hooks.defer(e)
     return scores, results
+
+
+def _run_metrics(phase: str, metrics: list[str]) -> dict:
+    """The run's metrics of ``phase`` under the key ``metric_names`` reads them from."""
+    return {"test_metrics" if phase == TEST else "val_metrics": list(metrics)}
 
 
 def write_predictions(path: Path, results: list[dict]) -> None:
@@ -67,9 +74,14 @@ class Validation(Hook):
     through ``runner.hooks.log``: metrics.jsonl, the trackers and the best-checkpoint scoring read them there.
     """
 
+    def __init__(self, valid_splits: tuple[str, ...] = (), val_freq_steps: int = 0,
+                 val_metrics: tuple[str, ...] = ()) -> None:
+        """run.valid_splits, run.val_freq_steps (0: at epoch ends only), run.val_metrics."""
+        self.valid_splits, self.val_freq_steps, self.val_metrics = tuple(valid_splits), val_freq_steps, list(val_metrics)
+
     def after_step(self, runner, metrics: dict) -> None:
-        freq = runner.run.val_freq_steps
-        at_epoch_end = runner.state.step_in_epoch == runner.steps_per_epoch  # after_epoch validates that one
+        freq = self.val_freq_steps
+        at_epoch_end = runner.state.step_in_epoch == runner.data.steps_per_epoch  # after_epoch validates that one
         if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
             self.validate(runner)
 
@@ -80,15 +92,15 @@ class Validation(Hook):
         self.validate(runner)
 
     def validate(self, runner) -> None:
-        if not runner.run.valid_splits:
+        if not self.valid_splits:
             return
-        run = OmegaConf.to_container(runner.run, resolve=True)
+        run = _run_metrics(VALID, self.val_metrics)
         datasets = OmegaConf.to_container(runner.cfg.datasets, resolve=True)
-        for split in runner.run.valid_splits:
-            record = {"split": split, **runner.evaluate_loss(split)}
-            if any(metric_names(run, datasets[name], VALID) for name, per_split in runner.datasets.items()
+        for split in self.valid_splits:
+            record = {"split": split, **evaluate_loss(runner, split)}
+            if any(metric_names(run, datasets[name], VALID) for name, per_split in runner.data.datasets.items()
                    if split in per_split):
-                record.update(score_split(runner, split, VALID)[0])
+                record.update(score_split(runner, split, VALID, self.val_metrics)[0])
             runner.hooks.log({"step": runner.state.global_step, "epoch": runner.state.epoch, **record})
 
 
@@ -97,6 +109,11 @@ class TestGeneration(Hook):
     """Generate answers for `run.test_splits`; log their metrics (`run.test_metrics` or the section's `metrics`)
     with a few samples, and write the predictions file."""
 
+    def __init__(self, test_splits: tuple[str, ...] = (), test_metrics: tuple[str, ...] = ("exact_match",),
+                 num_log_samples: int = 5) -> None:
+        """run.test_splits, run.test_metrics, run.num_log_samples (generated samples logged per split)."""
+        self.test_splits, self.test_metrics, self.num_log_samples = tuple(test_splits), list(test_metrics), num_log_samples
+
     def after_train(self, runner) -> None:
         self.test(runner)
 
@@ -104,9 +121,9 @@ class TestGeneration(Hook):
         self.test(runner)
 
     def test(self, runner) -> None:
-        for split in runner.run.test_splits:
-            scores, results = score_split(runner, split, TEST)
-            samples = results[: runner.run.num_log_samples]
+        for split in self.test_splits:
+            scores, results = score_split(runner, split, TEST, self.test_metrics)
+            samples = results[: self.num_log_samples]
             runner.hooks.log({"step": runner.state.global_step, "epoch": runner.state.epoch, "split": split,
                               **scores, "samples": samples})
         comm.barrier()

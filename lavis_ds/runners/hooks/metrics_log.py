@@ -19,20 +19,23 @@ class MetricsLog(Hook):
     share, peak memory, MFU), summed over the ranks at the logged step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log_freq: int = 10, peak_tflops: float | None = None, precision: str | None = None) -> None:
+        """run.log_freq (optimizer steps between logged records); run.peak_tflops and run.precision: what the
+        logged MFU divides by (``throughput.peak_tflops``)."""
+        self.log_freq = log_freq
         self.writer, self.bar = None, None
-        self.meter = ThroughputMeter()
+        self.meter = ThroughputMeter(peak_tflops, precision)
 
     def before_train(self, runner) -> None:
         if runner.rank == 0:
             resumed = runner.state.global_step if runner.state.global_step else None
             try:
                 self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
-            except OutputError as e:  # every rank stops right after before_train (RunnerBase.call_hooks)
+            except OutputError as e:  # every rank stops right after before_train (Trainer.call_hooks)
                 runner.hooks.defer(e)
             self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
                             dynamic_ncols=True, mininterval=1.0)
-        self.meter.start(runner)
+        self.meter.start(runner.engine.module, runner.rank)
 
     def after_step(self, runner, metrics: dict) -> None:
         metrics = dict(metrics)
@@ -40,7 +43,7 @@ class MetricsLog(Hook):
         if runner.rank == 0:
             self.bar.update(1)
         step = runner.state.global_step
-        if step % runner.run.log_freq and step != runner.total_steps:
+        if step % self.log_freq and step != runner.total_steps:
             return
         throughput = self.meter.report(runner)  # collective: every rank takes the same steps
         if runner.rank != 0:
@@ -48,7 +51,8 @@ class MetricsLog(Hook):
         record = {"step": step, "epoch": runner.state.epoch, **metrics, **throughput}
         runner.hooks.log(record)
         if record["loss"] is not None:  # None: a skipped step (non-finite loss)
-            self.bar.set_postfix(_postfix(record))
+            # Shown at the bar's next refresh (every second at most), not by a write of its own on this step.
+            self.bar.set_postfix(_postfix(record), refresh=False)
 
     def log(self, runner, record: dict) -> None:
         try:

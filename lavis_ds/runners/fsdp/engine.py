@@ -10,7 +10,6 @@ by N processes loads on M (DCP reshards).
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,8 +23,9 @@ from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.base import RunnerBase
+from lavis_ds.runners.engine import Engine, micro_batch_loss
 from lavis_ds.runners.fsdp import checkpoint as fsdp_ckpt
+from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -43,8 +43,8 @@ class FSDPOptions:
 
 
 @registry.register_runner("runner_fsdp")
-class FSDPRunner(RunnerBase):
-    """Runs the loop on ``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
+class FSDPEngine(Engine):
+    """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
     MODEL_NEEDS = ("shard",)  # repeated_blocks(): the units fully_shard wraps one by one
     OPTIONS_KEY = "fsdp"
@@ -67,14 +67,13 @@ class FSDPRunner(RunnerBase):
                             "runner_fsdp does not have); use bf16, or the DeepSpeed runner")
         return problems
 
-    @functools.cached_property
-    def options(self) -> FSDPOptions:
-        """``run.fsdp`` (read before wrap too: checkpoints are checked first)."""
-        return FSDPOptions(**(self.run.get("fsdp") or {}))
-
-    @functools.cached_property
-    def settings(self) -> TrainingSettings:
-        return training_settings(OmegaConf.to_container(self.run, resolve=True), self.world_size)
+    def __init__(self, run, model, checkpoint_dir):
+        super().__init__(run, model, checkpoint_dir)
+        self.options = FSDPOptions(**(run.get("fsdp") or {}))  # read before wrap too: checkpoints are checked first
+        self.settings: TrainingSettings = training_settings(OmegaConf.to_container(run, resolve=True), self.world_size)
+        self.dtype = DTYPES[self.settings.precision]
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
 
     @classmethod
     def model_placement(cls, cfg):
@@ -85,10 +84,10 @@ class FSDPRunner(RunnerBase):
 
         return llm_placement(Rank0Placement()) if dist.world_size() > 1 else contextlib.nullcontext()
 
-    def wrap(self, model, param_groups):
+    def wrap(self, param_groups, plan):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        self.dtype = DTYPES[self.settings.precision]
+        self.plan, model = plan, self.model
         from_rank0 = self._built_on_rank0(model)
         if not from_rank0:
             model.to(self.device)  # fully_shard shards what is on the device (a no-op on CPU)
@@ -124,8 +123,9 @@ class FSDPRunner(RunnerBase):
         sharded = dict(model.named_parameters())
         groups = [{**group, "params": [sharded[name] for name in names]} for group, names in zip(param_groups, group_names)]
         betas, eps = self.run.get("adam_betas"), self.run.get("adam_eps")
-        return torch.optim.AdamW(groups, lr=self.run.init_lr, **({"betas": tuple(betas)} if betas else {}),
-                                 **({"eps": eps} if eps is not None else {}))
+        self.optimizer = torch.optim.AdamW(groups, lr=self.run.init_lr, **({"betas": tuple(betas)} if betas else {}),
+                                           **({"eps": eps} if eps is not None else {}))
+        return self.optimizer
 
     @staticmethod
     def _built_on_rank0(model) -> bool:
@@ -150,26 +150,16 @@ class FSDPRunner(RunnerBase):
                 "precision": self.settings.precision, "precision_mode": self.options.precision_mode}
 
     # ------------------------------------------------------------------ steps
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-    def _to_device(self, batch: dict) -> dict:
-        return to_compute(batch, self.device, self.dtype)  # as under DeepSpeed's bf16 engine
-
-    def _autocast(self):
-        return autocast(self.device, self.dtype)
-
     def forward(self, batch):
-        with self._autocast():
-            return self.model(self._to_device(batch))
+        with autocast(self.device, self.dtype):
+            return self.model(to_compute(batch, self.device, self.dtype))  # as under DeepSpeed's bf16 engine
 
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, loss_weight):
         losses = []
         for i, batch in enumerate(micro_batches):
             # Gradients are reduce-scattered once per optimizer step, at its last micro-batch.
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss = self.micro_batch_loss(self.forward(batch))
+            loss = micro_batch_loss(self.forward(batch), loss_weight)
             (loss / len(micro_batches)).backward()  # the mean over micro-batches, as DeepSpeed scales it
             losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
         return torch.stack(losses)
@@ -192,8 +182,9 @@ class FSDPRunner(RunnerBase):
         # here; each block gathers its own. Every rank keeps stepping until all are done.
         self.model.unshard()
         try:
-            with self._autocast():
-                return self.model.generate(self._to_device(batch), synced_gpus=self.world_size > 1, **kwargs)
+            with autocast(self.device, self.dtype):
+                return self.model.generate(to_compute(batch, self.device, self.dtype), synced_gpus=self.world_size > 1,
+                                           **kwargs)
         finally:
             self.model.reshard()
 
@@ -223,9 +214,8 @@ class FSDPRunner(RunnerBase):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         tag_dir = Path(load_dir) / tag
-        source = self.foreign_writer(tag_dir)
-        if source is not None:
-            return self._take_over(source, tag_dir)
+        if self.plan.handover_from is not None:
+            return self._take_over(self.plan.handover_from, tag_dir)
         state = self._state()  # the shapes and shards to read into (DCP reshards to them)
         dcp.load(state, checkpoint_id=str(tag_dir))
         # Frozen weights are not in the checkpoint: they come from where the model loaded them.
@@ -233,7 +223,7 @@ class FSDPRunner(RunnerBase):
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
         return ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE)
 
-    def _take_over(self, source: type[RunnerBase], tag_dir: Path) -> dict:
+    def _take_over(self, source: type[Engine], tag_dir: Path) -> dict:
         """Continue another engine's run: its fp32 weights and Adam moments, parameter by parameter. Process 0
         reads them whole; every other process receives its shards from it, one tensor at a time."""
         import torch.distributed as torch_dist
@@ -259,13 +249,13 @@ class FSDPRunner(RunnerBase):
         set_model_state_dict(self.model, weights, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
         client_state = comm.broadcast_object(handover.client_state if handover is not None else None)
-        self.report_takeover(tag_dir)
+        report_takeover(self, tag_dir)
         return client_state
 
     def check_checkpoint(self, tag_dir, same_world):
-        source = self.foreign_writer(tag_dir)
+        source = foreign_writer(self, tag_dir)
         if source is not None:
-            self.check_takeover(tag_dir, source)
+            check_takeover(self, tag_dir, source)
             return
         marker = ckpt.read_marker(tag_dir)
         saved = fsdp_ckpt.saved_shapes(fsdp_ckpt.read_index(tag_dir))

@@ -15,7 +15,6 @@ from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common.registry import registry
 from lavis_ds.common.run_config import with_batch_layout
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.base import RunnerBase
 from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
 from lavis_ds.runners.deepspeed import section
 from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
@@ -23,11 +22,13 @@ from lavis_ds.runners.deepspeed.checkpoint import layout_of
 from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
 from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
+from lavis_ds.runners.engine import Engine, micro_batch_loss
+from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 
 @registry.register_runner("runner_deepspeed")
-class DeepSpeedRunner(RunnerBase):
-    """Runs the loop on a `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
+class DeepSpeedEngine(Engine):
+    """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
     OPTIONS_KEY = "deepspeed_config"  # the DeepSpeed JSON, inline or as the path of a .json file
     CHECKPOINT_FILES = ("*model_states.pt",)
@@ -96,86 +97,71 @@ class DeepSpeedRunner(RunnerBase):
             return contextlib.nullcontext()
         return zero3_construction(ds_config)
 
-    def wrap(self, model, param_groups):
-        # Imported here, not at the top: `import lavis_ds` registers this runner, and loading an
+    def __init__(self, run, model, checkpoint_dir):
+        super().__init__(run, model, checkpoint_dir)
+        self.layout = layout_of(run.deepspeed_config)  # ZeRO stage and precision this run asks for
+        self.engine = None  # wrap()'s: DeepSpeed's engine around the model
+        self.dtype = torch.float32  # wrap()'s: the engine's compute dtype
+        self.universal = False  # wrap()'s: the checkpoint to resume loads through DeepSpeed's universal form
+
+    def wrap(self, param_groups, plan):
+        # Imported here, not at the top: `import lavis_ds` registers this engine, and loading an
         # exported model for inference (lavis_ds.apps.export) must not need DeepSpeed.
         import deepspeed
         from omegaconf import OmegaConf
 
         _check_precision_supported(self.layout["precision"])  # after the checks of the checkpoint to resume
+        self.plan = plan
         run = OmegaConf.to_container(self.run, resolve=True)
-        # The batch layout the runner settled on (a resume on another world size changes the accumulation).
-        ds_config = build_deepspeed_config(with_batch_layout(run, self.micro_batch, self.accum, self.global_batch),
+        # The batch layout of the plan (a resume on another world size changes the accumulation).
+        ds_config = build_deepspeed_config(with_batch_layout(run, plan.micro_batch, plan.accum, plan.global_batch),
                                            self.world_size)
         # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
         # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision
-        # (check_checkpoint has refused the changes that cannot convert).
-        tag_dir = self.resume_from[0] / self.resume_from[1] if self.resume_from and self.resume_from[1] else None
-        self.source = self.foreign_writer(tag_dir) if tag_dir else None  # another engine's checkpoint to continue
-        self.universal = self.elastic or self.source is not None or self._layout_changed()
+        # (check_checkpoint has refused the changes that cannot convert), or another engine's checkpoint.
+        self.universal = plan.elastic or plan.handover_from is not None or self._layout_changed(plan.tag_dir)
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
         ds_config, note = adam_for_this_machine(ds_config, on_gpu=torch.cuda.is_available())
         if note and self.rank == 0:
             print(note, flush=True)
-        _cast_unpartitioned(model, layout_of(ds_config)["precision"])
-        self.engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
+        _cast_unpartitioned(self.model, layout_of(ds_config)["precision"])
+        self.engine, optimizer, _, _ = deepspeed.initialize(model=self.model, model_parameters=param_groups,
                                                             config=ds_config)
-        self.zero_stage = self.engine.zero_optimization_stage()
-        if self.engine.bfloat16_enabled():
-            self.dtype = torch.bfloat16
-        elif self.engine.fp16_enabled():
-            self.dtype = torch.float16
-        else:
-            self.dtype = torch.float32
-        # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm.
-        self._plain_optimizer = self.zero_stage == 0 and self.dtype == torch.float32
+        self.dtype = (torch.bfloat16 if self.engine.bfloat16_enabled() else
+                      torch.float16 if self.engine.fp16_enabled() else torch.float32)
         # DeepSpeed's exclude_frozen_parameters walks named_parameters(), which names a tied weight once:
         # the other name (lm_head.weight of a tied Qwen2.5-0.5B/1.5B/3B) kept the frozen embedding matrix
         # in every checkpoint. This drops every name of every frozen parameter.
-        self.engine.module_state_dict = functools.partial(_without_frozen, self.engine.module_state_dict, model)
+        self.engine.module_state_dict = functools.partial(_without_frozen, self.engine.module_state_dict, self.model)
+        self.optimizer = optimizer
         return optimizer
-
-    @property
-    def layout(self) -> dict:
-        return layout_of(self.run.deepspeed_config)
 
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_deepspeed", **self.layout}
 
-    def _layout_changed(self) -> bool:
+    def _layout_changed(self, tag_dir: Path | None) -> bool:
         """Whether the checkpoint to resume has another ZeRO stage or precision than this run (and say so)."""
-        if self.resume_from is None or self.resume_from[1] is None:
+        if tag_dir is None:
             return False
-        tag_dir = self.resume_from[0] / self.resume_from[1]
         saved, now = ds_ckpt.saved_layout(tag_dir), self.layout
         changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if saved[key] != now[key]]
         if changed and self.rank == 0:
             print(f"resuming through DeepSpeed's universal checkpoint: {' and '.join(changed)}", flush=True)
         return bool(changed)
 
-    def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-
     @property
     def module(self):
         return self.engine.module
 
-    def _to_engine(self, batch: dict) -> dict:
-        return to_compute(batch, self.engine.device, self.dtype)  # bf16/fp16 engines hold a cast module
-
-    def _autocast(self):
-        return autocast(self.engine.device, self.dtype)
-
     def forward(self, batch):
-        with self._autocast():
-            return self.engine(self._to_engine(batch))
+        with autocast(self.engine.device, self.dtype):  # bf16/fp16 engines hold a cast module
+            return self.engine(to_compute(batch, self.engine.device, self.dtype))
 
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, loss_weight):
         losses = []
         for i, batch in enumerate(micro_batches):
-            loss = self.micro_batch_loss(self.forward(batch))
+            loss = micro_batch_loss(self.forward(batch), loss_weight)
             self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
             if i < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
@@ -185,8 +171,9 @@ class DeepSpeedRunner(RunnerBase):
     def optimizer_step(self, apply=True):
         # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm:
         # the gradients are all-reduced now and zeroed by step().
-        grad_norm = self._grad_norm() if self._plain_optimizer and apply else None
-        with contextlib.nullcontext() if apply else self._without_update():
+        plain_optimizer = self.engine.zero_optimization_stage() == 0 and self.dtype == torch.float32
+        grad_norm = _grad_norm(self.engine.module) if plain_optimizer and apply else None
+        with contextlib.nullcontext() if apply else _without_update(self.engine.basic_optimizer):
             self.engine.step()  # the accumulation boundary
         if not apply:
             return {"grad_norm": None}
@@ -196,31 +183,21 @@ class DeepSpeedRunner(RunnerBase):
             grad_norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else None}
 
-    @contextlib.contextmanager
-    def _without_update(self):
-        """DeepSpeed steps as usual (reductions, clearing the gradients, its counters), but the torch
-        optimizer inside every ZeRO/precision wrapper changes nothing: no weight, no Adam moment, no step count."""
-        optimizer = self.engine.basic_optimizer
-        optimizer.step = lambda *args, **kwargs: None
-        try:
-            yield
-        finally:
-            del optimizer.step
-
     def generate(self, batch, **kwargs):
         # Under ZeRO-3 every rank must join every forward until all are done.
-        synced = self.zero_stage == 3 and self.world_size > 1
-        with self._autocast(), gathered_root(self.engine.module):
-            return self.engine.module.generate(self._to_engine(batch), synced_gpus=synced, **kwargs)
+        synced = self.engine.zero_optimization_stage() == 3 and self.world_size > 1
+        with autocast(self.engine.device, self.dtype), gathered_root(self.engine.module):
+            return self.engine.module.generate(to_compute(batch, self.engine.device, self.dtype), synced_gpus=synced,
+                                               **kwargs)
 
     def save_checkpoint(self, tag, client_state):
         self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state,
                                     exclude_frozen_parameters=True)
 
     def check_checkpoint(self, tag_dir, same_world):
-        source = self.foreign_writer(tag_dir)
+        source = foreign_writer(self, tag_dir)
         if source is not None:
-            self.check_takeover(tag_dir, source)
+            check_takeover(self, tag_dir, source)
             return
         stage = self.layout["zero_stage"]
         files = ds_ckpt.files_of_rank(tag_dir, self.rank, same_world)
@@ -243,14 +220,14 @@ class DeepSpeedRunner(RunnerBase):
             raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))
 
     def load_checkpoint(self, load_dir: Path, tag):
-        tag_dir, scratch = Path(load_dir) / tag, self.checkpoint_dir / "universal"
-        if self.source is not None:  # another engine's: its per-parameter state, written as a universal copy
-            handover = self.source.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
+        tag_dir, scratch, source = Path(load_dir) / tag, self.checkpoint_dir / "universal", self.plan.handover_from
+        if source is not None:  # another engine's: its per-parameter state, written as a universal copy
+            handover = source.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank,
                                               write=functools.partial(self._write_handover, handover))
         elif self.universal:
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank)
-        hyper = self._hyper_parameters()
+        hyper = _hyper_parameters(self.engine.optimizer)
         # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
@@ -266,8 +243,8 @@ class DeepSpeedRunner(RunnerBase):
             if self.rank == 0:
                 ds_ckpt.remove_universal_copy(Path(load_dir) / tag)
         replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
-        if self.source is not None:
-            self.report_takeover(tag_dir)
+        if source is not None:
+            report_takeover(self, tag_dir)
         return client_state
 
     def _write_handover(self, handover: ckpt.Handover, folder: Path) -> None:
@@ -276,14 +253,10 @@ class DeepSpeedRunner(RunnerBase):
             # What DeepSpeed's own save records and its load reads back (a universal load takes no weights from it).
             "param_shapes": self.engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
             "dp_world_size": handover.client_state["lavis_ds"].get("world_size", self.world_size),
-            "global_steps": handover.step, "global_samples": handover.step * self.global_batch, "skipped_steps": 0}
+            "global_steps": handover.step, "global_samples": handover.step * self.plan.global_batch,
+            "skipped_steps": 0}
         # This engine's own hyper-parameters: a universal load sets them from the file.
-        ds_ckpt.write_universal(folder, handover, model_states, self._hyper_parameters())
-
-    def _hyper_parameters(self) -> list[dict]:
-        """Each optimizer param group's settings (lr, weight decay, lr_scale, betas, ...) without its tensors."""
-        return [{key: value for key, value in group.items() if key != "params"}
-                for group in self.engine.optimizer.param_groups]
+        ds_ckpt.write_universal(folder, handover, model_states, _hyper_parameters(self.engine.optimizer))
 
     # ------------------------------------------------ continued by another engine
     def takeover_problem(self):
@@ -335,6 +308,27 @@ class DeepSpeedRunner(RunnerBase):
         if rank == 0:
             ds_ckpt.remove_universal_copy(universal)
         return handover
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+@contextlib.contextmanager
+def _without_update(optimizer):
+    """DeepSpeed steps as usual (reductions, clearing the gradients, its counters), but ``optimizer``, the torch
+    optimizer inside every ZeRO/precision wrapper, changes nothing: no weight, no Adam moment, no step count."""
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+def _hyper_parameters(optimizer) -> list[dict]:
+    """Each optimizer param group's settings (lr, weight decay, lr_scale, betas, ...) without its tensors."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).

@@ -1,0 +1,94 @@
+"""Where a runner's optimizer step spends its time beyond the engine's own work, phase by phase.
+
+    torchrun --nproc_per_node=2 benchmarks/step_profile.py [--runner runner_fsdp] [--stage 3] [--steps 100]
+
+The runner and its micro-batches are built as in ``benchmarks/step_time.py`` (same flags). Each phase the loop's
+``run_step`` goes through is timed on every step (``time.perf_counter`` around the call, rank 0 reported): the
+token counts, the model's supervised-token count, the step's agreement (one all-reduce), reseeding, forward +
+backward, the loss check (one all-reduce), the optimizer step, the scheduler, the after_step hooks; and the
+whole step. Medians over the steps, in milliseconds; "rest" is, per step, the whole step minus its phases (the
+loop's own lines: lr, counters, the wrappers themselves).
+Timings are printed, never asserted.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_time  # noqa: E402  (puts the repository on sys.path)
+
+from lavis_ds.common import comm, dist  # noqa: E402
+
+
+def timed(times: dict[str, list[float]], name: str, function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            times.setdefault(name, []).append(time.perf_counter() - start)
+    return wrapper
+
+
+def instrument(runner, times: dict[str, list[float]]) -> None:
+    """Time every phase of ``runner.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
+    from lavis_ds.runners import faults, throughput, trainer
+
+    throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
+    for name in ("supervised_tokens", "seed_everything", "check_losses"):
+        setattr(trainer, name, timed(times, name, getattr(trainer, name)))
+    faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
+    engine = runner.engine
+    engine.forward_backward = timed(times, "forward_backward", engine.forward_backward)
+    engine.optimizer_step = timed(times, "optimizer_step", engine.optimizer_step)
+    runner.scheduler.step = timed(times, "scheduler", runner.scheduler.step)
+    runner.call_hooks = timed(times, "after_step hooks", runner.call_hooks)
+
+
+def main(argv=None) -> int:
+    args = step_time.parse_args(argv)
+    dist.set_single_process_defaults()
+    import logging
+    import shutil
+    import tempfile
+
+    import deepspeed
+
+    import lavis_ds  # noqa: F401
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_profile_")
+    runner = step_time.build_runner(args, output_dir)
+    loader = runner.data.epoch(0, 0)
+    steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
+    for i in range(args.warmup):
+        runner.run_step(steps[i % len(steps)])
+    times: dict[str, list[float]] = {}
+    instrument(runner, times)
+    step = timed(times, "whole step", runner.run_step)
+    comm.barrier()
+    for i in range(args.steps):
+        step(steps[i % len(steps)])
+    runner.close()
+    shutil.rmtree(output_dir, ignore_errors=True)
+    if dist.is_main_process():
+        medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+        whole = medians.pop("whole step")
+        print(f"\nrun_step phases, {args.runner} stage {args.stage} {args.dtype}, rank 0, median ms over {args.steps} "
+              f"steps:")
+        for name, value in medians.items():
+            print(f"  {name:<22}{value:>8.3f}")
+        phases = [values for name, values in times.items() if name != "whole step"]
+        rest = [w - sum(p[i] for p in phases) for i, w in enumerate(times["whole step"])]
+        print(f"  {'rest':<22}{statistics.median(rest) * 1e3:>8.3f}\n  {'whole step':<22}{whole:>8.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
