@@ -449,6 +449,7 @@ def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:
 def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str]:
     """What the model class lacks of the model contract (``models.base.CONTRACT``) for this run: training, the
     generation its test splits and validation metrics need, and what the runner calls (``MODEL_NEEDS``)."""
+    from lavis_ds.common.registry import objectives as objective_registry
     from lavis_ds.models.base import missing
 
     uses = {"train": "run.train_splits" if not run.get("evaluate") and run.get("train_splits") else None,
@@ -456,6 +457,9 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
                          "run.val_metrics" if run.get("val_metrics") else None)}
     uses["pack"] = "run.packing" if run.get("packing") else None
     uses["count"] = "run.batch_unit: tokens" if batch_unit(run) == "tokens" else None
+    task = run.get("task")
+    pairwise = isinstance(task, str) and task in objective_registry and objective_registry.get(task).DATA == "pairs"
+    uses["pairs"] = f"run.task: {task}" if pairwise else None
     uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.MODEL_NEEDS})
     return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]

@@ -38,9 +38,8 @@ def _sft_loss_sum(model, image, instructions, outputs):
 
 @torch.no_grad()
 def test_answer_logps_equal_the_sft_loss_of_the_last_answer(model, pairs):
-    sides = model_calls.prepare_sides(model, pairs)
-    features = model_calls.image_features(model, pairs)
-    logps, tokens = model_calls.answer_logps(model, sides, torch.cat([features, features]))
+    batch = model_calls.prepare_pairs(model, pairs)
+    logps, tokens = model_calls.answer_logps(model, batch, model_calls.image_features(model, batch))
     # pair 0, one turn: the chosen side's log-prob is minus the SFT loss of that conversation
     loss, count = _sft_loss_sum(model, pairs["image"][:1], pairs["instruction"][0], [pairs["chosen"][0]])
     assert float(logps[0]) == pytest.approx(-loss, rel=1e-5) and int(tokens[0]) == count
@@ -81,7 +80,7 @@ def test_objective_trains_the_bridge_and_logs_trl_metrics(model, pairs, objectiv
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
             "logps/rejected"} <= set(out.metric_sums)
     if objective.sft_weight():  # the SFT term's unit: the chosen answers' supervised tokens
-        chosen_labels = batch["sides"]["labels"][:2, 1:]
+        chosen_labels = batch["labels"][:2, 1:]
         assert counts[TOKENS] == int((chosen_labels != IGNORE_INDEX).sum()) > 0
 
 

@@ -38,6 +38,11 @@ class ObjectiveOutput:
     loss_sums: dict[str, Tensor]
     metric_sums: dict[str, tuple[str, Tensor]] = field(default_factory=dict)
 
+    def as_dict(self) -> dict[str, Any]:
+        """Plain nested dicts, as a model's forward returns them (FSDP2 and ZeRO-3 find the tensors of a forward's
+        output through dicts, tuples and lists, not through a dataclass)."""
+        return {"loss_sums": dict(self.loss_sums), "metric_sums": dict(self.metric_sums)}
+
 
 class Objective:
     """Base of every objective. A subclass sets ``UNITS`` and implements ``counts`` and ``__call__``.
@@ -54,9 +59,25 @@ class Objective:
     def from_config(cls, section: Mapping[str, Any] | None = None) -> Objective:
         return cls(**dict(section or {}))
 
-    def prepare(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        """The micro-batch as the host prepares it before the step (tokenized), so ``counts`` needs no device."""
+    def prepare(self, model: torch.nn.Module, batch: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
+        """The micro-batch as the host prepares it before the step (tokenized), so ``counts`` needs no device.
+
+        A batch the objective scores itself names it under ``"objective"``: the model's ``forward`` then calls
+        the objective (inside the root module's forward, where sharded engines have gathered its parameters).
+        ``pack_to``: ``run.packing``'s row length, for objectives that pack."""
         return batch
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """Once, with the starting weights, before an engine wraps the model. Default: nothing."""
+
+    def before_train(self, trainer: Any, resuming: bool) -> None:
+        """Once, after the engine wrapped the model and before a checkpoint is restored into it (the weights are
+        still the starting ones; ``resuming``: a checkpoint will be). Collective. Default: nothing."""
+
+    def counted(self, run: Any, model: torch.nn.Module) -> bool:
+        """Whether the loop weights each micro-batch's loss sums by the global batch's unit counts (``counts``);
+        otherwise each micro-batch's own mean is averaged (``run.loss_reduction: mean``). Default: always."""
+        return True
 
     def counts(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, int]:
         """``{unit: how many this prepared micro-batch holds}``, for every unit of ``UNITS`` in use."""
@@ -64,6 +85,28 @@ class Objective:
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> ObjectiveOutput:
         raise NotImplementedError
+
+    def record(self, output: ObjectiveOutput) -> ObjectiveOutput:
+        """Keep ``output``'s metric sums for ``take_metric_sums`` (the engines return only the loss)."""
+        # set here, not in a constructor: a user's objective need not call ours
+        vars(self).setdefault("pending", []).append(output.metric_sums)
+        return output
+
+    def take_metric_sums(self) -> dict[str, tuple[str, Tensor]]:
+        """The metric sums of every call since the last take, summed per name (on the device: no host sync)."""
+        totals: dict[str, tuple[str, Tensor]] = {}
+        for sums in getattr(self, "pending", []):
+            for name, (unit, value) in sums.items():
+                totals[name] = (unit, value.detach().double() + (totals[name][1] if name in totals else 0))
+        self.pending = []
+        return totals
+
+
+def metric_means(sums: dict[str, tuple[str, Tensor]], totals: list[float], global_counts: Mapping[str, int]
+                 ) -> dict[str, float]:
+    """Each metric's sum over every rank (``totals``, in the order of ``sums``) divided by its unit's global count."""
+    return {name: total / max(int(global_counts.get(unit, 0)), 1)
+            for (name, (unit, _)), total in zip(sums.items(), totals, strict=True)}
 
 
 def global_loss(outputs: list[ObjectiveOutput], counts: list[dict[str, int]]) -> tuple[Tensor, dict[str, float]]:

@@ -57,8 +57,8 @@ def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> li
     cls = objectives.get(task)
     if runner is not None and cls.DATA != "sequences" and not getattr(runner, "RUNS_OBJECTIVES", False):
         problems.append(f"run.task: {task!r} trains on preference pairs, which the runner "
-                        f"{getattr(runner, '__name__', runner)} does not run yet (it trains the model's next-token "
-                        f"loss); the objective, its data and its checks are in place, the runner's part is not")
+                        f"{getattr(runner, '__name__', runner)} does not run (it trains the model's next-token "
+                        f"loss); use a runner that calls objectives (RUNS_OBJECTIVES)")
     before = len(problems)
     check_section(dict(section), fields_of(cls), f"run.{key}", problems)
     if len(problems) == before:

@@ -8,16 +8,15 @@ sample's last answer is supervised (the earlier answers are prompt). The vision 
 pairs' images; both sides take the same features, and one LLM forward scores all 2B answers.
 
 The model interface is ``image_features(samples)`` and ``answer_logps(samples, image_features)`` of the
-shared vision-LLM core (``lavis_ds.models.vision_llm``). STAND-IN: until a model has them, ``image_features``
-and ``answer_logps`` below compute the same from the model's public parts (``image_embeds``, ``prepare_batch``,
-``llm_model``) and its private ``_embed``; they go when the core lands.
+shared vision-LLM core (``lavis_ds.models.vision_llm``). ``prepare_pairs`` lays the pair micro-batch out flat
+on the host: the 2B sides' token fields (``input_ids``, ``attention_mask``, ``labels``) beside the B pairs'
+images, so that moving a batch to the device (``common.precision.to_compute``) moves every tensor it holds.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lavis_ds.common.errors import LavisDsError
@@ -59,8 +58,14 @@ def last_answer_labels(labels: Tensor, turns: list[int], where: list[str] | None
     return labels.masked_fill(~keep, IGNORE_INDEX)
 
 
-def prepare_sides(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, Any]:
-    """The side batch tokenized by the model on the host, last answers supervised only (``last_answer_labels``)."""
+def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, Any]:
+    """The pair micro-batch prepared on the host: the 2B sides tokenized by the model (chosen sides, then rejected
+    sides; last answers supervised only, ``last_answer_labels``) and the B pairs' own images, once.
+
+    Keys: the sides' (``input_ids``, ``attention_mask``, ``labels``, ``instruction``, ``output``, and the model's
+    ``batch_fields``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and the other
+    keys of ``pairs``, and ``num_pairs``.
+    """
     systems = [s for s in pairs.get("system") or [] if s]
     if systems and not getattr(model, "PER_SAMPLE_SYSTEM", False):
         # Not dropped silently: the pair was judged with this system prompt.
@@ -71,33 +76,18 @@ def prepare_sides(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
     turns = [len(turns) for turns in sides["instruction"]]
     index = pairs.get("index")
     where = None if index is None else [f"pair {int(i)} ({side})" for side in ("chosen", "rejected") for i in index]
-    return {**sides, "labels": last_answer_labels(sides["labels"], turns, where)}
+    labels = last_answer_labels(sides["labels"], turns, where)
+    return {**pairs, **sides, "labels": labels, "image": pairs.get("image"), "num_images": list(pairs["num_images"]),
+            "num_pairs": len(pairs["chosen"])}
 
 
-def image_features(model: torch.nn.Module, pairs: dict[str, Any]) -> Tensor:
-    """Projected image features of the pairs' images, ``[N, queries, hidden]``: the vision pass, once."""
-    if hasattr(model, "image_features"):
-        return model.image_features(pairs)
-    # STAND-IN (see the module docstring). dummy=True: every rank runs the towers (ZeRO-3/FSDP gather collectively)
-    return model.image_embeds(pairs.get("image"), dummy=True)
+def image_features(model: torch.nn.Module, batch: dict[str, Any]) -> Tensor:
+    """Projected image features of the pairs' images for both sides, ``[2N, queries, hidden]``: the vision pass
+    runs once, on the pairs' N images; the chosen and the rejected sides take the same features."""
+    features = model.image_features(batch)
+    return torch.cat([features, features])
 
 
-def answer_logps(model: torch.nn.Module, sides: dict[str, Any], features: Tensor) -> tuple[Tensor, Tensor]:
+def answer_logps(model: torch.nn.Module, batch: dict[str, Any], features: Tensor) -> tuple[Tensor, Tensor]:
     """``(logp_sum [2B], num_tokens [2B])`` of each side's supervised tokens, both sides in one forward."""
-    if hasattr(model, "answer_logps"):
-        return model.answer_logps(sides, image_features=features)
-    # STAND-IN (see the module docstring): Blip2Qwen.forward's embedding, then log-softmax at supervised positions.
-    device = model.llm_proj.weight.device
-    input_ids, labels = sides["input_ids"].to(device), sides["labels"].to(device)
-    has_images = sum(sides["num_images"]) > 0
-    embeds = model._embed(input_ids, features if has_images else features[:0])
-    if not has_images:
-        embeds = embeds + features.sum() * 0  # the blank image's features, in the graph (Blip2Qwen.image_embeds)
-    logits = model.llm_model(inputs_embeds=embeds, attention_mask=sides["attention_mask"].to(device),
-                             use_cache=False).logits
-    targets = labels[:, 1:]
-    supervised = targets != IGNORE_INDEX
-    rows = supervised.nonzero()[:, 0]
-    token_logps = -F.cross_entropy(logits[:, :-1][supervised].float(), targets[supervised], reduction="none")
-    logp_sum = torch.zeros(len(labels), device=device, dtype=torch.float32).index_add(0, rows, token_logps)
-    return logp_sum, supervised.sum(1)
+    return model.answer_logps(batch, image_features=features)

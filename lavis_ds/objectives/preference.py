@@ -22,11 +22,11 @@ from lavis_ds.common.schema import Range
 from lavis_ds.objectives import model_calls
 from lavis_ds.objectives.base import PAIRS, TOKENS, Objective, ObjectiveOutput
 from lavis_ds.objectives.losses import DpoLossType, PairLosses, dpo_losses, orpo_losses, simpo_losses
+from lavis_ds.objectives.reference import (REF_CHOSEN, REF_REJECTED, ReferenceKind, adapter_reference_logps,
+                                           precomputed_store, resolve_kind)
 
 Positive = Range(gt=0)
 
-# Batch keys of the reference log-probs (TRL's names), filled by the reference pass before the step.
-REF_CHOSEN, REF_REJECTED = "ref_chosen_logps", "ref_rejected_logps"
 
 
 class PreferenceObjective(Objective):
@@ -39,29 +39,35 @@ class PreferenceObjective(Objective):
         """Weight of the SFT term on the chosen answers (0: none)."""
         return 0.0
 
-    def prepare(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        if "sides" in batch:
-            return batch
-        return {**batch, "sides": model_calls.prepare_sides(model, batch)}
+    def prepare(self, model: torch.nn.Module, batch: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
+        """Both sides tokenized (``model_calls.prepare_pairs``), the batch naming this objective to score it."""
+        if "num_pairs" not in batch:
+            batch = model_calls.prepare_pairs(model, batch)
+        return {**batch, "objective": self}
 
     def counts(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, int]:
-        counts = {PAIRS: len(batch["chosen"])}
+        counts = {PAIRS: int(batch["num_pairs"])}
         if self.sft_weight():
-            labels = batch["sides"]["labels"][: counts[PAIRS], 1:]
+            labels = batch["labels"][: counts[PAIRS], 1:]
             counts[TOKENS] = int((labels != model_calls.IGNORE_INDEX).sum())
         return counts
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> ObjectiveOutput:
+        if "num_pairs" not in batch:  # called on a collated batch (a test, a script): prepared here
+            batch = model_calls.prepare_pairs(model, batch)
+        features = model_calls.image_features(model, batch)  # the vision pass once; both sides take the features
+        logps, tokens = model_calls.answer_logps(model, batch, features)
+        pairs = int(batch["num_pairs"])
+        batch = {**batch, **self.reference_logps(model, batch, features)}
+        return self.record(self.from_logps(logps[:pairs], logps[pairs:], tokens[:pairs], tokens[pairs:], batch))
+
+    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any], features: Tensor) -> dict[str, Tensor]:
+        """The reference model's log-probs this step computes itself (none: reference-free, or precomputed)."""
+        return {}
 
     def pair_losses(self, chosen: Tensor, rejected: Tensor, chosen_tokens: Tensor, rejected_tokens: Tensor,
                     batch: dict[str, Any]) -> PairLosses:
         raise NotImplementedError
-
-    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> ObjectiveOutput:
-        batch = self.prepare(model, batch)
-        features = model_calls.image_features(model, batch)
-        pairs = len(batch["chosen"])
-        features = torch.cat([features, features])  # both sides of every pair: the same features, encoded once
-        logps, tokens = model_calls.answer_logps(model, batch["sides"], features)
-        return self.from_logps(logps[:pairs], logps[pairs:], tokens[:pairs], tokens[pairs:], batch)
 
     def from_logps(self, chosen: Tensor, rejected: Tensor, chosen_tokens: Tensor, rejected_tokens: Tensor,
                    batch: dict[str, Any]) -> ObjectiveOutput:
@@ -90,25 +96,54 @@ class Dpo(PreferenceObjective):
     """Direct Preference Optimization against a reference model, and its IPO and hinge variants."""
 
     def __init__(self, beta: Annotated[float, Positive] = 0.1, loss_type: DpoLossType = "sigmoid",
-                 rpo_alpha: Annotated[float | None, Range(ge=0)] = None):
+                 rpo_alpha: Annotated[float | None, Range(ge=0)] = None, reference: ReferenceKind = "auto"):
         """
         Args:
             beta: KL weight (IPO: its tau). TRL's, LLaMA-Factory's and ms-swift's default: 0.1.
             loss_type: ``sigmoid`` (DPO), ``ipo``, or ``hinge``.
             rpo_alpha: Weight of an SFT term on the chosen answers (RPO; ms-swift's ``--rpo_alpha``, TRL's
                 ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, rpo_alpha]``): their token-mean NLL.
+            reference: How the reference model's log-probs are had, without a second copy of the model:
+                ``adapters`` (the same model with its LoRA adapters disabled, in the same step: exact when only
+                fresh adapters train), ``precomputed`` (one pass over the pairs before training, stored in the run
+                folder), or ``auto`` (adapters where exact, else precomputed). See ``objectives.reference``.
         """
         self.beta, self.loss_type, self.rpo_alpha = beta, loss_type, rpo_alpha
+        self.reference = reference
 
     def sft_weight(self) -> float:
         return self.rpo_alpha or 0.0
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """``auto`` settled on the starting weights, before an engine wraps them (``reference.resolve_kind``)."""
+        self.reference = resolve_kind(self.reference, model)
+
+    def before_train(self, trainer: Any, resuming: bool) -> None:
+        """``precomputed``: the reference pass over the training and validation pairs, or its stored result."""
+        if self.reference != "precomputed":
+            return
+        self.store = precomputed_store(trainer, resuming)
+
+    def prepare(self, model: torch.nn.Module, batch: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
+        store = getattr(self, "store", None)
+        if store is not None and REF_CHOSEN not in batch:
+            batch = {**batch, **store.lookup(batch)}
+        return super().prepare(model, batch, pack_to)
+
+    def reference_logps(self, model, batch, features) -> dict[str, Tensor]:
+        if REF_CHOSEN in batch:  # precomputed, looked up when the batch was prepared
+            return {}
+        if self.reference == "adapters":
+            return adapter_reference_logps(model, batch, features)
+        return {}
 
     def pair_losses(self, chosen, rejected, chosen_tokens, rejected_tokens, batch) -> PairLosses:
         missing = [key for key in (REF_CHOSEN, REF_REJECTED) if key not in batch]
         if missing:
             raise LavisDsError(f"run.task: dpo needs the reference model's log-probs of each pair "
-                               f"({', '.join(missing)} missing from the batch); the reference pass fills them before "
-                               f"the step")
+                               f"({', '.join(missing)} missing from the batch): run.dpo.reference is "
+                               f"{self.reference!r}; the trainer resolves 'auto' and runs the reference pass "
+                               f"before training (objectives.reference)")
         ref_chosen = torch.as_tensor(batch[REF_CHOSEN]).to(chosen)
         ref_rejected = torch.as_tensor(batch[REF_REJECTED]).to(rejected)
         return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,

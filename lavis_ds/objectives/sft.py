@@ -22,8 +22,17 @@ class NextTokenSft(Objective):
     def __init__(self) -> None:
         """SFT has no options (``run.sft`` may be left out or empty)."""
 
-    def prepare(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        return model.prepare_batch(batch) if hasattr(model, "prepare_batch") else batch
+    def prepare(self, model: torch.nn.Module, batch: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
+        # The model scores the batch itself (no "objective" key): its forward's next-token loss.
+        if not hasattr(model, "prepare_batch"):
+            return batch
+        return model.prepare_batch(batch, **({} if pack_to is None else {"pack_to": pack_to}))
+
+    def counted(self, run: Any, model: torch.nn.Module) -> bool:
+        """``run.loss_reduction: tokens`` and a model that prepares its batches on the host and counts their
+        supervised tokens; else the per-micro-batch mean (``loss_reduction: mean``, or a model that cannot)."""
+        return (run.loss_reduction == "tokens" and getattr(model, "supervised_tokens", None) is not None
+                and hasattr(model, "prepare_batch"))
 
     def counts(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, int]:
         return {TOKENS: int(model.supervised_tokens(batch))}
