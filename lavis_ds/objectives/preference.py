@@ -39,6 +39,11 @@ class PreferenceObjective(Objective):
         """Weight of the SFT term on the chosen answers (0: none)."""
         return 0.0
 
+    def setup(self, model: torch.nn.Module) -> None:
+        """Dropout off (TRL's ``disable_dropout``, on by default): a pair's two answers, and the policy and the
+        reference, are then scored by the same function, so the first step's rewards are 0 as DPO assumes."""
+        disable_dropout(model)
+
     def prepare(self, model: torch.nn.Module, batch: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
         """Both sides tokenized (``model_calls.prepare_pairs``), the batch naming this objective to score it."""
         if "num_pairs" not in batch:
@@ -82,6 +87,17 @@ class PreferenceObjective(Objective):
         return ObjectiveOutput(loss_sums, metrics)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of ``model`` set to 0: ``nn.Dropout`` (peft's LoRA dropout too), timm's stochastic depth
+    (``drop_prob``) and the attention dropout transformers' attention modules read from ``attention_dropout``."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("drop_prob", "attention_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
 def pair_metrics(result: PairLosses, chosen: Tensor, rejected: Tensor) -> dict[str, tuple[str, Tensor]]:
     """TRL's logged names, each summed over the micro-batch's pairs (divided by the global pairs, like the loss)."""
     c, r = result.chosen_rewards, result.rejected_rewards
@@ -115,7 +131,9 @@ class Dpo(PreferenceObjective):
         return self.rpo_alpha or 0.0
 
     def setup(self, model: torch.nn.Module) -> None:
-        """``auto`` settled on the starting weights, before an engine wraps them (``reference.resolve_kind``)."""
+        """Dropout off, and ``auto`` settled on the starting weights before an engine wraps them
+        (``reference.resolve_kind``)."""
+        super().setup(model)
         self.reference = resolve_kind(self.reference, model)
 
     def before_train(self, trainer: Any, resuming: bool) -> None:

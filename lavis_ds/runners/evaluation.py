@@ -57,8 +57,9 @@ def evaluate_loss(trainer, split: str) -> dict:
     totals = comm.all_reduce(values.double()).tolist()
     loss_totals, unit_counts = totals[:len(units)], dict(zip(units, totals[len(units):2 * len(units)]))
     loss = sum(total / max(unit_counts[unit], 1) for unit, total in zip(units, loss_totals))
-    result = {"loss": loss, **({"num_tokens": int(unit_counts[TOKENS])} if TOKENS in unit_counts else {}),
-              **({"num_pairs": int(unit_counts[PAIRS])} if PAIRS in unit_counts else {})}
+    names = {TOKENS: "num_tokens", PAIRS: "num_pairs"}
+    result = {"loss": loss, **{names.get(unit, f"num_{unit}"): int(count) for unit, count in unit_counts.items()
+                               if count or unit == units[0]}}
     return {**result, **metric_means(metric_sums, totals[2 * len(units):], unit_counts)}
 
 
