@@ -7,7 +7,9 @@ answers (``dpo``'s ``rpo_alpha``, ORPO's NLL) is a sum over their tokens. Both a
 count of their unit (``base``), so the loss is TRL's mean over pairs and its token-mean NLL whatever the split.
 
 Logged, as TRL names them: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
-``logps/chosen``, ``logps/rejected`` (means over the global batch's pairs), and ``nll`` for an SFT term.
+``logps/chosen``, ``logps/rejected`` (means over the global batch's pairs), and ``nll`` for an SFT term; and
+``logps/accuracies``, the share of pairs whose chosen answer the model itself finds likelier (its own preference,
+comparable between models, where ``rewards/accuracies`` is relative to the reference).
 """
 from __future__ import annotations
 
@@ -102,7 +104,8 @@ def pair_metrics(result: PairLosses, chosen: Tensor, rejected: Tensor) -> dict[s
     """TRL's logged names, each summed over the micro-batch's pairs (divided by the global pairs, like the loss)."""
     c, r = result.chosen_rewards, result.rejected_rewards
     sums = {"rewards/chosen": c.sum(), "rewards/rejected": r.sum(), "rewards/margins": (c - r).sum(),
-            "rewards/accuracies": (c > r).float().sum(), "logps/chosen": chosen.detach().sum(),
+            "rewards/accuracies": (c > r).float().sum(), "logps/accuracies": (chosen > rejected).float().sum(),
+            "logps/chosen": chosen.detach().sum(),
             "logps/rejected": rejected.detach().sum()}
     return {name: (PAIRS, value.detach().double()) for name, value in sums.items()}
 

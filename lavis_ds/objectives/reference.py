@@ -151,9 +151,11 @@ class ReferenceStore:
         values = torch.tensor([self.logps[key] for key in keys], dtype=torch.float64)
         return {REF_CHOSEN: values[:, 0], REF_REJECTED: values[:, 1]}
 
-    def compute(self, engine: Any, scorer: Any, dataset: Any, batch_size: int, rank: int, world_size: int) -> None:
-        """The pass (collective): every pair of ``dataset`` scored by ``engine`` with ``scorer``, in parts of
-        ``PASS_PART`` pairs per rank; parts already stored are read, not recomputed. Rank 0 writes."""
+    def compute(self, engine: Any, scorer: Any, dataset: Any, batch_size: int, rank: int, world_size: int,
+                name: str) -> dict[str, tuple[float, float]]:
+        """The pass over one split (collective): every pair of ``dataset`` scored by ``engine`` with ``scorer``, in
+        parts of ``PASS_PART`` pairs per rank (``<name>_part_<k>.pt``); parts already stored are read, not
+        recomputed. Rank 0 writes. Returns the split's log-probs (also added to ``logps``)."""
         from lavis_ds.runners.data import part_of  # the runner's data side; imported here: objectives sit below it
 
         collate = part_of(dataset, 0)[1].collater
@@ -163,10 +165,9 @@ class ReferenceStore:
         comm.barrier()
         logps: dict[str, tuple[float, float]] = {}
         for part, start in enumerate(range(0, len(dataset), size)):
-            path = self.folder / f"part_{part:05d}.pt"
+            path = self.folder / f"{name}_part_{part:05d}.pt"
             stored = read_part(path)
-            agreed = comm.all_gather_object(stored is not None)
-            if all(agreed):
+            if all(comm.all_gather_object(stored is not None)):
                 logps.update(stored)
                 continue
             end = min(start + size, len(dataset))
@@ -185,10 +186,21 @@ class ReferenceStore:
             if rank == 0:
                 write_atomically(path, part_logps)
             comm.barrier()
+        self.logps.update(logps)
+        return logps
+
+    def finish(self, rank: int, summary: dict[str, dict]) -> None:
+        """The complete store and its summary (per split: pairs, the starting model's preference accuracy), written
+        by rank 0 once every split is scored."""
         if rank == 0:
-            write_atomically(self.complete_file, logps)
+            (self.folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            write_atomically(self.complete_file, self.logps)
         comm.barrier()
-        self.logps = logps
+
+
+def preference_accuracy(logps: dict[str, tuple[float, float]]) -> float:
+    """The share of pairs whose chosen answer the scored model finds likelier (``logps/accuracies``)."""
+    return sum(chosen > rejected for chosen, rejected in logps.values()) / max(len(logps), 1)
 
 
 def precomputed_store(trainer: Any, resuming: bool) -> ReferenceStore:
@@ -209,9 +221,16 @@ def precomputed_store(trainer: Any, resuming: bool) -> ReferenceStore:
                            f"start the run again (run.resume: false) or restore that file")
     splits = [s for s in (*run.train_splits, *(run.get("valid_splits") or ()))
               if any(s in per_split for per_split in trainer.data.datasets.values())]
-    dataset = concat(trainer.data.datasets, list(dict.fromkeys(splits)))
+    summary = {}
     with torch.no_grad(), eval_mode(module):
-        store.compute(trainer.engine, ReferenceScorer(), dataset, run.batch_size_eval, trainer.rank, trainer.world_size)
+        for split in dict.fromkeys(splits):
+            scored = store.compute(trainer.engine, ReferenceScorer(), concat(trainer.data.datasets, [split]),
+                                   run.batch_size_eval, trainer.rank, trainer.world_size, split)
+            summary[split] = {"pairs": len(scored), "logps/accuracies": preference_accuracy(scored)}
+            if trainer.rank == 0:
+                print(f"lavis_ds: reference pass, {split}: the starting model prefers the chosen answer of "
+                      f"{summary[split]['logps/accuracies']:.3f} of {len(scored)} pairs", flush=True)
+    store.finish(trainer.rank, summary)
     return store
 
 
