@@ -93,6 +93,7 @@ class TensorBoard(Tracker):
     def __init__(self, log_dir: str | None = None) -> None:
         super().__init__()
         self.log_dir = log_dir
+        self.writer = None  # start()'s SummaryWriter
 
     def start(self, runner, config: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -128,6 +129,7 @@ class MLflow(Tracker):
                  tags: dict[str, str] | None = None) -> None:
         super().__init__()
         self.tracking_uri, self.experiment, self.run_name, self.tags = tracking_uri, experiment, run_name, tags or {}
+        self.client, self.run_id = None, None  # start()'s MlflowClient and the run it writes to
 
     def start(self, runner, config: dict) -> None:
         from mlflow.tracking import MlflowClient
@@ -198,6 +200,7 @@ class Wandb(Tracker):
         self.init_args = {"project": project, "entity": entity, "name": name, "group": group, "tags": tags,
                           "notes": notes, "mode": mode}
         self.dir = dir
+        self.run = None  # start()'s wandb run
 
     def start(self, runner, config: dict) -> None:
         import wandb

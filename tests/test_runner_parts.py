@@ -1,0 +1,67 @@
+"""The runner is built from parts: every attribute a runner class keeps is declared in its constructor, and the
+loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lavis_ds  # noqa: F401  (fills the registries)
+from lavis_ds.runners.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = [*sorted((REPO / "lavis_ds" / "runners").rglob("*.py")), REPO / "tests" / "plain_runner.py",
+           REPO / "tests" / "ddp_engine.py", REPO / "tests" / "control_runner.py"]
+
+
+def _self_attributes(function: ast.FunctionDef) -> set[str]:
+    """The attributes ``function`` assigns on ``self`` (``self.x = ...``, ``self.x, self.y = ...``, ``as self.x``)."""
+    found = set()
+    for node in ast.walk(function):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            targets = [node.optional_vars]
+        for target in targets:
+            for leaf in ast.walk(target):
+                if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
+                    found.add(leaf.attr)
+    return found
+
+
+def _classes() -> dict[str, tuple[list[str], set[str], dict[str, set[str]]]]:
+    """Every class of the runner's sources: (its bases' names, what its __init__ and class body declare,
+    what each other method assigns on self)."""
+    classes = {}
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = [item for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            declared = {target.id for item in node.body if isinstance(item, (ast.Assign, ast.AnnAssign))
+                        for target in (item.targets if isinstance(item, ast.Assign) else [item.target])
+                        if isinstance(target, ast.Name)}
+            declared |= {name for m in methods if m.name == "__init__" for name in _self_attributes(m)}
+            others = {m.name: _self_attributes(m) for m in methods if m.name != "__init__"}
+            classes[node.name] = ([b.id if isinstance(b, ast.Name) else b.attr for b in node.bases], declared, others)
+    return classes
+
+
+def test_no_runner_attribute_appears_after_the_constructor():
+    classes = _classes()
+
+    def declared(name: str) -> set[str]:
+        bases, own, _ = classes.get(name, ([], set(), {}))
+        return own.union(*(declared(base) for base in bases))
+
+    late = {f"{name}.{method}: self.{attr}" for name, (_, _, methods) in classes.items()
+            for method, attrs in methods.items() for attr in attrs - declared(name)}
+    assert "Trainer" in classes and "DeepSpeedEngine" in classes and "FSDPEngine" in classes  # the scan sees them
+    assert late == set()
+
+
+def test_the_loop_holds_its_parts_in_a_class_of_about_25_members():
+    attributes = _classes()["Trainer"][1]
+    members = {name for name in dir(Trainer) if not name.startswith("__")} | attributes
+    assert {"engine", "data", "hooks", "plan"} <= members and len(members) <= 26, sorted(members)
+    assert Trainer.__mro__ == (Trainer, object)  # composed, not inherited
