@@ -26,7 +26,7 @@ def eval_mode(module: torch.nn.Module):
 def evaluate_loss(trainer, split: str) -> dict:
     """A split's loss over all ranks, normalised as the objective's training loss (``objectives.base``: each term
     over its unit's count in the split), and the objective's metrics (e.g. DPO's rewards on held-out pairs)."""
-    engine, objective, model = trainer.engine, trainer.objective, trainer.engine.model
+    engine, objective, model = trainer.engine, trainer.data.objective, trainer.engine.model
     units = objective.UNITS
     sums, counts = [], []  # kept on the engine's device: no host synchronisation per batch
     objective.take_metric_sums()  # nothing of the training steps' left

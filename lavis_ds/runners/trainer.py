@@ -45,7 +45,6 @@ class Trainer:
         """Plain assignments (no disk, no collectives): ``setup`` does the rest, once every rank is here."""
         self.cfg, self.run = cfg, cfg.run
         self.engine, self.data = engine, data
-        self.objective = data.objective  # prepares each micro-batch (TrainData) and scores it (run.task)
         self.rank, self.world_size = engine.rank, engine.world_size
         self.output_dir = Path(self.run.output_dir)
         self.state = TrainState()
@@ -82,9 +81,9 @@ class Trainer:
         plan = plan_resume(self.engine, self.run, self.checkpoint_dir)
         self.data.build(plan.micro_batch, plan.accum)
         groups = build_param_groups(self.engine.model, self.run.weight_decay, dict(self.run.lr_scales))
-        self.objective.setup(self.engine.model)  # the starting weights, before the engine shards them
+        self.data.objective.setup(self.engine.model)  # the starting weights, before the engine shards them
         self.optimizer = self.engine.wrap(groups, plan)
-        self.objective.before_train(self, resuming=plan.source is not None)  # e.g. DPO's reference pass
+        self.data.objective.before_train(self, resuming=plan.source is not None)  # e.g. DPO's reference pass
         self.scheduler = registry.get_lr_scheduler_class(self.run.lr_sched).from_config(
             self.optimizer, self.run, total_steps=max(1, self.total_steps),
             steps_per_epoch=max(1, self.data.steps_per_epoch))
@@ -125,7 +124,7 @@ class Trainer:
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
         losses = self.engine.forward_backward(micro_batches, loss_weight)  # gradients accumulated, not applied yet
         # a non-finite loss stops the run here, or skips the update; the objective's metrics in the same all-reduce
-        metrics = check_losses(self, losses, self.objective.take_metric_sums(), counts)
+        metrics = check_losses(self, losses, self.data.objective.take_metric_sums(), counts)
         metrics.update(self.engine.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
@@ -142,7 +141,7 @@ class Trainer:
         tokens, pairs) over every rank.
         """
         tokens = throughput.count_tokens(micro_batches)  # on the CPU, from the prepared batches
-        objective, model = self.objective, self.engine.model
+        objective, model = self.data.objective, self.engine.model
         mine = unit_counts(objective, model, micro_batches) if objective.counted(self.run, model) else None
         signum, step_counts = faults.agree_on_step(self.signals.received, self.data.take_failure()
                                                    or self.hooks.take_failure(), mine)
