@@ -1,6 +1,8 @@
 """run.task and its options section, checked with the rest of the config; LAVIS's task names keep working."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lavis_ds.common.errors import ConfigError
@@ -107,3 +109,12 @@ def test_the_objective_and_the_training_data_must_agree_on_pairs(tmp_path):
         load_config(path, ["run.task=simpo"], check_files=False)
     assert "datasets.demo_shapes: makes sequences but run.task 'simpo' trains on pairs (a preference_pairs " \
            "section)" in info.value.problems
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"packing": True}, r"run.packing: packs samples end to end, which run.task 'dpo' does not do"),
+    ({"batch_unit": "tokens"}, r"run.batch_unit: fills micro-batches to a token budget, which run.task 'dpo' does not"),
+])
+def test_pairs_are_not_packed_nor_filled_to_a_token_budget(option, message):
+    problems = objective_problems({"task": "dpo", **option})
+    assert len(problems) == 1 and re.match(message, problems[0]), problems

@@ -51,7 +51,7 @@ def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> li
                 if isinstance(run.get(other), Mapping) and run[other]]
     section = run.get(key)
     if section is None:
-        return problems
+        return problems + pairwise_run_problems(run, objectives.get(task))
     if not isinstance(section, Mapping):
         return problems + [f"run.{key}: expected a mapping of {key}'s options, got {section!r}"]
     cls = objectives.get(task)
@@ -59,6 +59,7 @@ def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> li
         problems.append(f"run.task: {task!r} trains on preference pairs, which the runner "
                         f"{getattr(runner, '__name__', runner)} does not run (it trains the model's next-token "
                         f"loss); use a runner that calls objectives (RUNS_OBJECTIVES)")
+    problems += pairwise_run_problems(run, cls)
     before = len(problems)
     check_section(dict(section), fields_of(cls), f"run.{key}", problems)
     if len(problems) == before:
@@ -67,6 +68,17 @@ def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> li
         except ValueError as e:
             problems.append(f"run.{key}: {e}")
     return problems
+
+
+def pairwise_run_problems(run: Mapping[str, Any], cls: type) -> list[str]:
+    """Run settings a pairwise objective does not take: its two sides are scored padded, side by side."""
+    if cls.DATA != "pairs":
+        return []
+    return [f"run.{key}: {what}, which run.task {run.get('task')!r} does not do (its pairs are padded, both sides in "
+            f"one forward); remove it" for key, value, what in (
+                ("packing", run.get("packing"), "packs samples end to end"),
+                ("batch_unit", run.get("batch_unit") == "tokens", "fills micro-batches to a token budget"))
+            if value]
 
 
 def build_objective(run: Mapping[str, Any]) -> Objective:
