@@ -165,8 +165,9 @@ class Dpo(PreferenceObjective):
                                f"({', '.join(missing)} missing from the batch): run.dpo.reference is "
                                f"{self.reference!r}; the trainer resolves 'auto' and runs the reference pass "
                                f"before training (objectives.reference)")
-        ref_chosen = torch.as_tensor(batch[REF_CHOSEN]).to(chosen)
-        ref_rejected = torch.as_tensor(batch[REF_REJECTED]).to(rejected)
+        # fp32 at least (lists of floats from the precomputed store, or the adapter-disabled model's fp32 log-probs)
+        ref_chosen = torch.as_tensor(batch[REF_CHOSEN], dtype=torch.float64).to(chosen)
+        ref_rejected = torch.as_tensor(batch[REF_REJECTED], dtype=torch.float64).to(rejected)
         return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
                           chosen_tokens, rejected_tokens)
 

@@ -148,8 +148,9 @@ class ReferenceStore:
                                f"(the pair's text or pixels differ from the reference pass's: a random train "
                                f"image processor, or a changed file); the reference pass scores each pair once, "
                                f"so the train vis_processor must be deterministic (blip2_image_eval)")
-        values = torch.tensor([self.logps[key] for key in keys], dtype=torch.float64)
-        return {REF_CHOSEN: values[:, 0], REF_REJECTED: values[:, 1]}
+        # Python floats, not tensors: moving a batch to the device casts its float tensors to a bf16/fp16 engine's
+        # dtype (common.precision.to_compute), which would round the log-probs to 3 digits
+        return {REF_CHOSEN: [self.logps[key][0] for key in keys], REF_REJECTED: [self.logps[key][1] for key in keys]}
 
     def compute(self, engine: Any, scorer: Any, dataset: Any, batch_size: int, rank: int, world_size: int,
                 name: str) -> dict[str, tuple[float, float]]:
