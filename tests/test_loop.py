@@ -1,5 +1,5 @@
 """The shared loop and its hooks, in-process on a single-process test engine (tests/plain_runner.py):
-runners/base.py needs no engine, no launcher and no process group."""
+the trainer (runners/trainer.py) needs no real engine, no launcher and no process group."""
 from __future__ import annotations
 
 import json
