@@ -97,6 +97,19 @@ def test_the_reference_pass_is_stored_in_the_run_folder(curves):
     assert len(stores) == 1 and not list(out.glob("reference_logps/*/*.tmp"))
 
 
+def test_the_preference_metrics_reach_tensorboard(curves):
+    """What metrics.jsonl has, TensorBoard has: training steps and the held-out pairs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(curves["folders"]["8x1"] / "tb"))
+    events.Reload()
+    logged = {m["step"]: m for m in curves["8x1"] if "split" not in m}
+    for name in ("rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/accuracies", "logps/rejected"):
+        train = {e.step: e.value for e in events.Scalars(f"train/{name}")}
+        assert train == pytest.approx({step: m[name] for step, m in logged.items()}, rel=1e-6), name
+        assert len(events.Scalars(f"val/{name}")) >= 1
+
+
 def test_a_killed_dpo_run_continues_bit_for_bit_and_on_one_process(tmp_path, demo_storage):
     """ZeRO-2 on 2 processes, SIGKILLed after a random step and rerun = the same run uninterrupted; then its epoch-end
     checkpoint continued on 1 process (the global batch kept: accumulation doubles) takes the same steps."""
