@@ -3,7 +3,7 @@ the ranks that failed to load, the step's supervised tokens).
 
     torchrun --nproc_per_node=2 benchmarks/stop_agreement.py [--calls 2000]
 
-Times `lavis_ds.runners.faults.agree_on_step(0, None, tokens)` - the exact call the loop makes once per
+Times `lavis_ds.runners.faults.agree_on_step(0, None, [tokens])` - the exact call the loop makes once per
 optimizer step - back to back on every rank after a warm-up, and prints the median and 90th percentile
 per call on rank 0. Compare with a step of the tiny demo model (~0.3 s on 2 CPU processes,
 docs/benchmarks.md) or of a real model (seconds). Printed, never asserted: shared machines are noisy.
@@ -26,11 +26,11 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_distributed()
     for _ in range(100):
-        faults.agree_on_step(0, None, 1000)
+        faults.agree_on_step(0, None, [1000])
     times = []
     for _ in range(args.calls):
         start = time.perf_counter()
-        faults.agree_on_step(0, None, 1000)
+        faults.agree_on_step(0, None, [1000])
         times.append(time.perf_counter() - start)
     if torch_dist.get_rank() == 0:
         times.sort()

@@ -37,6 +37,7 @@ from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds import run_checks
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
+from lavis_ds.objectives.config import data_problems, objective_problems, option_section_keys
 from lavis_ds.runners import DEFAULT_RUNNER
 from lavis_ds.runners.hooks import hook_problems
 
@@ -272,13 +273,18 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
         _check_dataset(name, section, errors)
 
     run = plain["run"]
-    check_section(run, fields_of(RunConfig), "run", errors,
-                  extra_keys={cls.OPTIONS_KEY for cls in run_checks.runners_by_name().values() if cls.OPTIONS_KEY})
+    options_sections = ({cls.OPTIONS_KEY for cls in run_checks.runners_by_name().values() if cls.OPTIONS_KEY}
+                        | option_section_keys())
+    check_section(run, fields_of(RunConfig), "run", errors, extra_keys=options_sections)
+    runner_class = reg.runners.get(run["runner"]) if run.get("runner") in reg.runners else None
+    errors.extend(objective_problems(run, runner_class))  # run.task and the options section named after it
     if isinstance(run.get("adam_betas"), list) and not valid_betas(run["adam_betas"]):  # a non-list: a type error
         errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {run['adam_betas']!r}")
     training = {name: section for name, section in plain["datasets"].items()
                 if isinstance(section, dict) and _trains(section, run.get("train_splits") or [])}
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
+    errors.extend(data_problems(run, {name: builder_class(section.get("builder", name))
+                                      for name, section in training.items()}))
     errors.extend(_image_size_problems(training))
     errors.extend(_model_image_size_problems(plain["datasets"], model, cls))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
@@ -381,6 +387,7 @@ def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:
 def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str]:
     """What the model class lacks of the model contract (``models.base.CONTRACT``) for this run: training, the
     generation its test splits and validation metrics need, and what the runner calls (``MODEL_NEEDS``)."""
+    from lavis_ds.common.registry import objectives as objective_registry
     from lavis_ds.models.base import missing
 
     uses = {"train": "run.train_splits" if not run.get("evaluate") and run.get("train_splits") else None,
@@ -388,6 +395,9 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
                          "run.val_metrics" if run.get("val_metrics") else None)}
     uses["pack"] = "run.packing" if run.get("packing") else None
     uses["count"] = "run.batch_unit: tokens" if batch_unit(run) == "tokens" else None
+    task = run.get("task")
+    pairwise = isinstance(task, str) and task in objective_registry and objective_registry.get(task).DATA == "pairs"
+    uses["pairs"] = f"run.task: {task}" if pairwise else None
     uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.MODEL_NEEDS})
     return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]

@@ -65,7 +65,13 @@ def show(args: argparse.Namespace) -> str:
         raise IndexError(f"--index {args.index}: datasets.{name} split {args.split!r} has {len(dataset)} samples")
     sample = dataset[args.index]
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    return describe(prompt, sample, f"datasets.{name} {args.split}[{args.index}]", _image_name(dataset, sample), color)
+    where, image = f"datasets.{name} {args.split}[{args.index}]", _image_name(dataset, sample)
+    if "chosen" in sample:  # a preference pair: both sides, each with its last answer supervised (as DPO scores it)
+        return "\n\n".join(describe(prompt, {"instruction": sample["instruction"],
+                                               "output": [*sample["output"], sample[side]]},
+                                      f"{where} ({side})", image, color, last_answer_only=True)
+                             for side in ("chosen", "rejected"))
+    return describe(prompt, sample, where, image, color)
 
 
 def prompt_of(cfg) -> ChatPrompt:
@@ -97,9 +103,18 @@ def dataset_of(cfg, split: str, name: str | None, parsed_files) -> tuple[str, An
     raise KeyError(f"--split {split!r}: no split of that name in datasets {', '.join(names)}")
 
 
-def describe(prompt: ChatPrompt, sample: dict[str, Any], where: str, image: str | None, color: bool) -> str:
-    """The header, the marked-up prompt and the token counts of one sample."""
+def describe(prompt: ChatPrompt, sample: dict[str, Any], where: str, image: str | None, color: bool,
+             last_answer_only: bool = False) -> str:
+    """The header, the marked-up prompt and the token counts of one sample. ``last_answer_only``: only the last
+    answer supervised, the earlier ones prompt (a side of a preference pair)."""
     ids, labels = prompt.training_example(sample["instruction"], sample["output"])
+    if last_answer_only:
+        import torch
+
+        from lavis_ds.objectives.model_calls import last_answer_labels
+
+        turns = [len(sample["output"])]
+        labels = last_answer_labels(torch.tensor([labels]), turns, [where])[0].tolist()
     full, _ = dataclasses.replace(prompt, max_len=sys.maxsize).training_example(sample["instruction"], sample["output"])
     supervised = sum(label != IGNORE_INDEX for label in labels)
     image_tokens = ids.count(prompt.image_token_id)

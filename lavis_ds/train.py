@@ -65,7 +65,7 @@ def train(args: argparse.Namespace) -> int:
     from lavis_ds.build import build_runner
     from lavis_ds.common.device import check_one_gpu_per_process, configure_numerics
     from lavis_ds.config import load_config
-    from lavis_ds.common.registry import registry
+    from lavis_ds.common import registry as reg
     from lavis_ds.runners import faults
     from lavis_ds.datasets.loading import ParsedFiles
     from lavis_ds.runners.shared_folder import not_shared_error
@@ -75,7 +75,7 @@ def train(args: argparse.Namespace) -> int:
     cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]),
                       parsed_files=parsed_files)
     configure_numerics(cfg.run.tf32, cfg.run.deterministic)  # before any kernel runs
-    runner_class = registry.get_runner_class(cfg.run.runner)
+    runner_class = reg.runners.get(cfg.run.runner)
     runner_class.prepare_process(cfg)
     runner_class.init_process_group()  # binds this process's GPU first (common.device)
     check_one_gpu_per_process()  # named here, before NCCL would stop at "Duplicate GPU detected"

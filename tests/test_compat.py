@@ -104,8 +104,10 @@ def test_instruction_tuning_yaml_maps_every_lavis_run_key():
     assert dict(cfg.run.generate) == {"max_new_tokens": 100, "min_new_tokens": 1, "num_beams": 5}
     # accum_grad_iters and grad_norm_clip are lavis_ds's engine-neutral keys too; the rest were mapped or dropped
     assert (cfg.run.accum_grad_iters, cfg.run.grad_norm_clip, cfg.run.precision) == (16, 1.0, "bf16")
-    for key in ("amp", "resume_ckpt_path", "task", "device"):
+    for key in ("amp", "resume_ckpt_path", "device"):
         assert key not in cfg.run
+    # MiniGPT4Qwen's task name is kept: an alias of next-token SFT in the objective registry
+    assert registry.get_task_class(cfg.run.task) is registry.get_objective_class("sft")
     assert "fsdp" not in cfg.run  # LAVIS's `fsdp: False`, dropped; the key is runner_fsdp's options section here
 
 

@@ -68,3 +68,23 @@ def test_bad_index_or_split_is_named(run_yaml, capsys):
     assert "--index 99: datasets.demo_shapes split 'train' has 8 samples" in capsys.readouterr().err
     assert main(["--cfg-path", str(cfg), "--split", "nope"]) == 2
     assert "--split 'nope': no split of that name in datasets demo_shapes" in capsys.readouterr().err
+
+
+def test_a_preference_pair_shows_both_sides_with_their_last_answers_supervised(run_yaml, capsys, tmp_path):
+    from lavis_ds.datasets.demo_pairs import ensure_demo_pairs
+
+    cfg_path, storage = run_yaml
+    ensure_demo_pairs(storage)
+    pairs = json.loads((storage / "pairs" / "train.json").read_text())
+    index = next(i for i, p in enumerate(pairs) if len(p["conversations"]) > 1)  # a multi-turn pair
+    cfg = tiny_config(tmp_path / "out", storage, task="dpo")
+    cfg["datasets"] = {"demo_shape_pairs": {"build_info": {"storage": str(storage), "num_train": 8, "num_val": 2,
+                                                           "num_test": 2}}}
+    out = shown(capsys, "--cfg-path", str(write_yaml(tmp_path / "dpo.yaml", cfg)), "--index", str(index))
+    chosen, rejected = out.split("\n\nsample: ")
+    assert f"sample: datasets.demo_shape_pairs train[{index}] (chosen)" in chosen
+    assert rejected.startswith(f"datasets.demo_shape_pairs train[{index}] (rejected)")
+    earlier = pairs[index]["conversations"][1]["value"]  # an earlier answer: prompt of both sides, not supervised
+    for side, text in (("chosen", chosen), ("rejected", "sample: " + rejected)):
+        assert marked(text) == [f"{pairs[index][side]['value']}<|im_end|>"]
+        assert f"{earlier}<|im_end|>" in text

@@ -110,7 +110,7 @@ def load_samples(path: Path, format_name: str, image_root: Path, image_processor
     reference (the parser makes one record per caption, as training wants); every
     other record is one sample.
     """
-    from lavis_ds.common.registry import registry
+    from lavis_ds.common import registry as reg
     from lavis_ds.datasets import builders  # noqa: F401  (registers the builders)
     from lavis_ds.datasets.instruction import InstructionDataset
     from lavis_ds.datasets.loading import ALL_KINDS, BadRecordsError, RecordLoader, describe_bad
@@ -118,7 +118,7 @@ def load_samples(path: Path, format_name: str, image_root: Path, image_processor
     if format_name not in FORMATS:
         raise ValueError(f"--format {format_name!r} is not one of {', '.join(FORMATS)}")
     options = {"prompt": caption_prompt} if caption_prompt is not None else {}
-    builder = registry.get_builder_class(format_name)(options, section_name=f"--format {format_name}")
+    builder = reg.builders.get(format_name)(options, section_name=f"--format {format_name}")
     loader = RecordLoader(builder.parse_file(), skip=ALL_KINDS if skip_bad_records else ())
     try:
         dataset = InstructionDataset([path], image_root, image_processor, text_processor, loader=loader)

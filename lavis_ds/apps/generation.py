@@ -34,9 +34,9 @@ def eval_processors(folder: str | Path) -> tuple[Callable, Callable | None]:
             text = section.get("text_processor")
             return build_processor(section.vis_processor.eval), build_processor(text.eval) if text else None
     import lavis_ds.models  # noqa: F401  (registers the models)
-    from lavis_ds.common.registry import registry
+    from lavis_ds.common import registry as reg
 
-    model_cls = registry.get_model_class(cfg.model.arch)  # the model says what size its tower takes
+    model_cls = reg.models.get(cfg.model.arch)  # the model says what size its tower takes
     size = model_cls.image_size_of(OmegaConf.to_container(cfg.model, resolve=True))
     return build_processor({"name": "blip2_image_eval", "image_size": int(size)}), None
 

@@ -61,7 +61,6 @@ IGNORED: dict[tuple[str, str], tuple[Callable[[Any, dict], bool], str]] = {
         lambda v, s: not v,
         "a LAVIS generation prompt is not used: the ChatML prompt is built from the data; set the system "
         "turn with model.system_prompt"),
-    ("run", "task"): (lambda v, s: True, ""),  # one task: instruction tuning
     ("run", "device"): (lambda v, s: True, ""),  # DeepSpeed's accelerator decides
     ("run", "world_size"): (lambda v, s: True, ""),  # the launcher decides
     ("run", "dist_url"): (lambda v, s: True, ""),

@@ -112,6 +112,8 @@ lr_schedulers = Registry("lr scheduler")
 runners = Registry("runner")
 metrics = Registry("metric")
 hooks = Registry("hook")
+# Training objectives; LAVIS calls them tasks (`run.task`).
+objectives = Registry("objective")
 # Parts that composed architectures are built from (lavis_ds.models.towers, lavis_ds.models.connectors).
 vision_towers = Registry("vision tower")
 connectors = Registry("connector")
@@ -139,6 +141,12 @@ class _LavisStyle:
     get_metric_class = staticmethod(metrics.get)
     get_hook_class = staticmethod(hooks.get)
     register_hook_alias = staticmethod(hooks.register_alias)
+    register_objective = staticmethod(objectives.register)
+    register_task = staticmethod(objectives.register)  # LAVIS's name for an objective
+    get_objective_class = staticmethod(objectives.get)
+    get_task_class = staticmethod(objectives.get)
+    register_objective_alias = staticmethod(objectives.register_alias)
+    register_task_alias = staticmethod(objectives.register_alias)
     register_vision_tower = staticmethod(vision_towers.register)
     register_connector = staticmethod(connectors.register)
     get_vision_tower_class = staticmethod(vision_towers.get)

@@ -23,6 +23,9 @@ class RunConfig:
     """Schema of `run:`. Field names are the YAML keys; see docs/config.md."""
 
     output_dir: str
+    # the training objective (LAVIS's key): a registered objective, options in the run section of its name
+    # (run.task: dpo, run.dpo: {beta: 0.1}); unset: sft. LAVIS's task names (image_text_pretrain, ...) mean sft
+    task: str | None = None
     runner: str | None = None  # a registered runner; unset: the default engine (lavis_ds.runners.DEFAULT_RUNNER)
     lr_sched: str = "linear_warmup_cosine_lr"
     init_lr: Annotated[float, NonNegative] = 1e-4

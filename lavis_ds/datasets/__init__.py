@@ -7,6 +7,7 @@ from lavis_ds.datasets.builders import (
     build_processor,
 )
 from lavis_ds.datasets.demo_builder import DemoShapesBuilder
+from lavis_ds.datasets.demo_pairs import DemoShapePairsBuilder
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes, generate_demo_shapes
 from lavis_ds.datasets.instruction import IMAGE_PLACEHOLDER, InstructionDataset, InstructionRecord, UnreadableImageError
 from lavis_ds.datasets.video import UnreadableVideoError

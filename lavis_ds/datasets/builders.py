@@ -44,7 +44,8 @@ from lavis_ds.datasets.coco_caption import parse_coco_caption_file
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES, InstructionDataset, parse_instruction_file
 from lavis_ds.datasets.llava import llava_parser
 from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
-from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, SectionOptions
+from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, PairOptions, SectionOptions
+from lavis_ds.datasets.preference import PairDataset, pair_parser
 from lavis_ds.processors.base import BaseProcessor
 
 logger = logging.getLogger(__name__)
@@ -384,6 +385,19 @@ class LlavaConversationBuilder(BaseDatasetBuilder):
 
     def parse_file(self) -> ParseFile:
         return llava_parser(self.options().skip_text_only)
+
+
+@reg.builders.register("preference_pairs")
+class PreferencePairsBuilder(BaseDatasetBuilder):
+    """Preference pairs (chosen and rejected answers to one prompt) in LLaMA-Factory's, ms-swift's, RLAIF-V's or
+    RLHF-V's format (``pair_format``) + the image folder; see :mod:`lavis_ds.datasets.preference`."""
+
+    OPTIONS = PairOptions
+    dataset_cls = PairDataset
+    SAMPLES = "pairs"  # what its samples are: the objective (run.task) must train on them
+
+    def parse_file(self) -> ParseFile:
+        return pair_parser(self.options().pair_format)
 
 
 @reg.builders.register("coco_caption")

@@ -81,7 +81,7 @@ def parse_llava_record(raw: Any, source: Path, position: int, skip_text_only: bo
     if "conversations" not in raw:
         raise BadRecord(where, f"missing key 'conversations' (record has {sorted(raw)})")
     turns = _checked_turns(raw["conversations"], where)
-    instructions, outputs = _pairs(turns, where, len(images))
+    instructions, outputs = conversation_pairs(turns, where, len(images))
     return InstructionRecord(images, instructions, outputs, source, position, record_id=record_id)
 
 
@@ -142,8 +142,8 @@ def _question(text: str, with_image: bool) -> str:
     return text
 
 
-def _pairs(turns: list[tuple[int, str, str]], where: str,
-           num_images: int = 1) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def conversation_pairs(turns: list[tuple[int, str, str]], where: str,
+                       num_images: int = 1) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Alternating human/gpt turns -> (instructions, outputs), the image placeholders where ``<image>`` was."""
     for n, (i, role, _) in enumerate(turns):
         expected = HUMAN if n % 2 == 0 else GPT

@@ -49,6 +49,8 @@ def read_json(path: Path) -> Any:
     """
     if not path.is_file():
         raise FileNotFoundError(f"annotation file {path} does not exist")
+    if path.suffix == ".jsonl":  # one record per line (ms-swift's and LLaMA-Factory's datasets): read as a list
+        return _read_json_lines(path)
     data = path.read_bytes()
     try:
         return orjson.loads(data)
@@ -60,6 +62,19 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text: {e}") from None
+
+
+def _read_json_lines(path: Path) -> list:
+    """A ``.jsonl`` file as the list of its records (blank lines skipped); a bad line is named by its number."""
+    records = []
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    records.append(orjson.loads(line))
+                except orjson.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {number} is not valid JSON: {e}") from None
+    return records
 
 
 @contextlib.contextmanager

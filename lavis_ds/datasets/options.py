@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from lavis_ds.datasets.coco_caption import DEFAULT_CAPTION_PROMPT, caption_instruction
 from lavis_ds.datasets.loading import ALL_KINDS
@@ -68,3 +69,12 @@ class CocoCaptionOptions(SectionOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         caption_instruction(self.prompt)  # raises "prompt: ..." for an empty or double-image prompt
+
+
+@dataclass(frozen=True)
+class PairOptions(SectionOptions):
+    """Plus ``pair_format``: how the annotation files write a preference pair (``lavis_ds.datasets.preference``):
+    ``sharegpt`` (LLaMA-Factory's ranking format), ``swift`` (ms-swift's RLHF format), ``rlaif_v``, ``rlhf_v``,
+    ``vlfeedback``."""
+
+    pair_format: Literal["sharegpt", "swift", "rlaif_v", "rlhf_v", "vlfeedback"] = "sharegpt"

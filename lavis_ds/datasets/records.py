@@ -94,6 +94,25 @@ class InstructionRecord:
                                             if wanted == 1 else ""))
 
 
+@dataclass(frozen=True, slots=True)
+class PairRecord(InstructionRecord):
+    """One preference pair: the chosen conversation as an instruction record (prompt turns, earlier answers, and
+    the chosen last answer as its last output) plus the rejected last answer. Both sides share the prompt turns,
+    the earlier answers and the images."""
+
+    rejected: str = ""
+    system: str | None = None  # the record's own system prompt, if its format has one
+
+    @property
+    def chosen(self) -> str:
+        return self.outputs[-1]
+
+    @property
+    def history(self) -> tuple[str, ...]:
+        """The answers of the earlier turns (prompt for both sides)."""
+        return self.outputs[:-1]
+
+
 class BadRecord(ValueError):
     """Why one annotation record cannot be used.
 

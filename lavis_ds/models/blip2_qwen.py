@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import Blip2QFormerConfig, Blip2QFormerModel
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.connectors.qformer import FP32LayerNorm  # ln_vision: statistics in fp32 (LAVIS's)
 from lavis_ds.models.eva_vit import EvaViT, Precision
 from lavis_ds.models import flops
@@ -37,7 +37,7 @@ VIT_KEYS_SET_AT_TOP_LEVEL = {"img_size": "image_size", "drop_path_rate": "drop_p
                              "pretrained": "vit_pretrained", "load_pretrained": "vit_pretrained"}
 
 
-@registry.register_model("blip2_qwen")
+@reg.models.register("blip2_qwen")
 class Blip2Qwen(VisionLLM):
     """BLIP-2 vision tower and Q-Former bridged into a chat LLM (Qwen2.5 by default) by one linear projection."""
 
@@ -212,4 +212,4 @@ class Blip2Qwen(VisionLLM):
 
 
 # MiniGPT4Qwen's name for the same architecture (Coobiw/MPP-LLaVA: `arch: minigpt4qwen`).
-registry.register_model_alias("minigpt4qwen", "blip2_qwen")
+reg.models.register_alias("minigpt4qwen", "blip2_qwen")

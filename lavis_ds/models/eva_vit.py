@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from timm.models.eva import Eva
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.pretrained import load_eva_vit
 
@@ -20,7 +20,7 @@ Precision = Literal["fp32", "fp16", "bf16"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-@registry.register_model("eva_vit_g")
+@reg.models.register("eva_vit_g")
 class EvaViT(BaseModel, Eva):
     """EVA ViT as BLIP-2 uses it: features of every token after the last block, no final norm.
 

@@ -7,11 +7,11 @@ weights it reads: such a folder, or LAVIS's InstructBLIP ``.pth`` (``lavis_ds.mo
 """
 from __future__ import annotations
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.composed import ComposedVisionLLM
 
 
-@registry.register_model("instructblip")
+@reg.models.register("instructblip")
 class InstructBlip(ComposedVisionLLM):
     """EVA-ViT-g and InstructBLIP's Q-Former (instruction beside the queries) into any chat LLM."""
 

@@ -7,11 +7,11 @@ folder, or LLaVA's stage-1 ``mm_projector.bin`` (``lavis_ds.models.published``).
 """
 from __future__ import annotations
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.composed import ComposedVisionLLM
 
 
-@registry.register_model("llava")
+@reg.models.register("llava")
 class Llava(ComposedVisionLLM):
     """A vision tower (CLIP by default) and a projector (``mlp2x_gelu`` by default) into any chat LLM."""
 

@@ -393,7 +393,14 @@ class VisionLLM(BaseModel):
             ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (the summed token losses, also
             differentiable: the runner divides it by the supervised tokens of the whole step under
             ``run.loss_reduction: tokens``) and ``num_tokens`` (supervised tokens).
+
+            A batch an objective prepared for itself (``samples["objective"]``, e.g. preference pairs) is scored by
+            that objective instead (``lavis_ds.objectives``: its loss and metric sums). It runs here, inside the
+            root module's forward, so that FSDP2 and ZeRO-3 have gathered the root's own parameters for it.
         """
+        objective = samples.get("objective")
+        if objective is not None:
+            return objective(self, samples).as_dict()
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, None)
         if self._head_at_supervised_positions():

@@ -15,6 +15,7 @@ from lavis_ds.common.seeding import SeededDataset
 from lavis_ds.datasets.lengths import approximate_length, counted_by, token_length_of
 from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler, TokenBudgetSampler
+from lavis_ds.objectives import Objective, build_objective
 from lavis_ds.runners import faults
 
 
@@ -23,9 +24,11 @@ class TrainData:
     one optimizer step's micro-batches, prepared for the model."""
 
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, datasets: dict[str, dict], rank: int,
-                 world_size: int):
-        """Plain assignments and the mixing of the training splits (no disk, no collectives)."""
+                 world_size: int, objective: Objective | None = None):
+        """Plain assignments and the mixing of the training splits (no disk, no collectives). ``objective``: what
+        prepares each micro-batch and scores it (default: the one ``run.task`` names)."""
         self.run, self.model, self.datasets = cfg.run, model, datasets
+        self.objective = objective if objective is not None else build_objective(cfg.run)
         self.max_txt_len = cfg.model.get("max_txt_len")
         self.rank, self.world_size = rank, world_size
         self.train_set = None
@@ -80,13 +83,10 @@ class TrainData:
             return []
 
     def prepare(self, micro_batches: list[dict]) -> list[dict]:
-        """What the model does on the host before a step, once per micro-batch (``prepare_batch``: tokenizing;
-        with ``run.packing``, laying the samples end to end in rows of ``run.max_seq_len`` tokens)."""
-        prepare = getattr(self.model, "prepare_batch", None)
-        if prepare is None:
-            return micro_batches
-        packing = {"pack_to": self.run.max_seq_len} if self.run.packing else {}
-        return [prepare(batch, **packing) for batch in micro_batches]
+        """What the objective does on the host before a step, once per micro-batch (``Objective.prepare``: the
+        model's tokenizing; with ``run.packing``, laying the samples end to end in rows of ``run.max_seq_len``)."""
+        pack_to = self.run.max_seq_len if self.run.packing else None
+        return [self.objective.prepare(self.model, batch, pack_to) for batch in micro_batches]
 
     def take_failure(self) -> LavisDsError | None:
         failure, self.failure = self.failure, None

@@ -25,16 +25,24 @@ if TYPE_CHECKING:
     from lavis_ds.runners.resume import ResumePlan
 
 
-def micro_batch_loss(out: dict, loss_weight: float | None) -> torch.Tensor:
-    """The loss an engine backpropagates for one micro-batch (the model's output): its summed token losses times
-    the step's ``loss_weight`` (``run.loss_reduction: tokens``, ``losses.step_loss_weight``), or, without a
-    weight, the model's own per-micro-batch mean. Engines average these over micro-batches and ranks."""
-    return out["loss"] if loss_weight is None else out["loss_sum"] * loss_weight
+def micro_batch_loss(out: dict, loss_weight: dict[str, float] | None) -> torch.Tensor:
+    """The loss an engine backpropagates for one micro-batch (the model's output): each of its summed loss terms
+    (``loss_sums`` per unit, as an objective returns them; a model's next-token ``loss_sum`` is the ``tokens``
+    term) times the step's weight of its unit (``losses.step_loss_weights``), or, without weights, the model's own
+    per-micro-batch mean. Engines average these over micro-batches and ranks."""
+    if loss_weight is None:
+        return out["loss"]
+    sums = out.get("loss_sums") or {"tokens": out["loss_sum"]}
+    return sum(value * loss_weight[unit] for unit, value in sums.items())
 
 
 class Engine:
     """The engine interface: an engine class overrides what it needs; the defaults say what is optional."""
 
+    # The shared loop prepares and weights each micro-batch as the objective (run.task) says, and a batch that names
+    # its objective is scored by it inside the model's forward: an engine that backpropagates micro_batch_loss of
+    # its forward runs every objective. One that computes a loss of its own sets False (pairwise tasks refused).
+    RUNS_OBJECTIVES = True
     # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
     MODEL_NEEDS: tuple[str, ...] = ()
     OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
@@ -110,7 +118,7 @@ class Engine:
         """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
         return {}
 
-    def forward_backward(self, micro_batches: list[dict], loss_weight: float | None) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[dict], loss_weight: dict[str, float] | None) -> torch.Tensor:
         """Forward and backward every micro-batch (its loss: ``micro_batch_loss(out, loss_weight)``), accumulating
         gradients; return this rank's losses (float64, on the device)."""
         raise NotImplementedError

@@ -92,19 +92,21 @@ def agree(stop: int, error: BaseException | None = None) -> int:
     return int(flags[0])
 
 
-def agree_on_step(stop: int, error: BaseException | None, tokens: int | None) -> tuple[int, int | None]:
-    """Collective, once per optimizer step: ``agree`` and this rank's ``tokens`` summed over every rank, in one
-    all-reduce (None: this step counts none). Raises as ``agree`` does.
+def agree_on_step(stop: int, error: BaseException | None, counts: list[int] | None
+                  ) -> tuple[int, list[int] | None]:
+    """Collective, once per optimizer step: ``agree`` and this rank's ``counts`` (the objective's units of the
+    step: supervised tokens, pairs) summed over every rank, in one all-reduce (None: this step counts none).
+    Raises as ``agree`` does.
 
     A sum carries everything: per stop signal the number of ranks that received it (the first of STOP_SIGNALS
     received anywhere wins, as SIGTERM's save wins over SIGINT's exit in ``agree``'s max), the failed ranks, the
-    tokens."""
-    flags = [int(stop == signum) for signum in STOP_SIGNALS] + [int(error is not None), tokens or 0]
+    counts."""
+    flags = [int(stop == signum) for signum in STOP_SIGNALS] + [int(error is not None)] + list(counts or [])
     totals = comm.all_reduce(torch.tensor(flags, dtype=torch.int64)).tolist()
     if totals[len(STOP_SIGNALS)]:
         raise_together(error)
     signum = next((signum for signum, ranks in zip(STOP_SIGNALS, totals) if ranks), 0)
-    return signum, None if tokens is None else totals[-1]
+    return signum, None if counts is None else totals[len(STOP_SIGNALS) + 1:]
 
 
 def raise_together(error: BaseException | None) -> None:

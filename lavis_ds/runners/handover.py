@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.common.registry import runners as runner_registry
 from lavis_ds.runners import checkpoint as ckpt
 
@@ -30,7 +30,7 @@ def foreign_writer(engine: Engine, tag_dir: Path) -> type[Engine] | None:
     if writer not in runner_registry:
         raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
                                    f"(known: {', '.join(runner_registry)}); list its module under `imports:`")
-    source = registry.get_runner_class(writer)
+    source = reg.runners.get(writer)
     return None if isinstance(engine, source) else source
 
 

@@ -1,5 +1,5 @@
-"""A step's losses as the loop handles them: the weight that normalises a micro-batch's summed token loss, and
-the check of the step's losses on every rank before the update is applied."""
+"""A step's losses as the loop handles them: the weights that normalise a micro-batch's summed loss terms (per unit
+of the objective: tokens, pairs), and the check of the step's losses on every rank before the update is applied."""
 from __future__ import annotations
 
 import math
@@ -8,37 +8,34 @@ import torch
 
 from lavis_ds.common import comm
 from lavis_ds.common.errors import report
+from lavis_ds.objectives import Objective, micro_batch_weights
+from lavis_ds.objectives.base import metric_means
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners import faults
 from lavis_ds.runners.data import image_name
 
 
-def can_weigh_by_tokens(run, model: torch.nn.Module) -> bool:
-    """Whether the step's loss is its summed token losses over its supervised tokens (``run.loss_reduction:
-    tokens`` and a model that prepares its batches on the host and counts their supervised tokens)."""
-    return (run.loss_reduction == "tokens" and getattr(model, "supervised_tokens", None) is not None
-            and hasattr(model, "prepare_batch"))
+def unit_counts(objective: Objective, model: torch.nn.Module, micro_batches: list[dict]) -> list[int]:
+    """This rank's count of each of the objective's units (``UNITS`` order) in a step's prepared micro-batches."""
+    counts = [objective.counts(model, batch) for batch in micro_batches]
+    return [sum(int(c.get(unit, 0)) for c in counts) for unit in objective.UNITS]
 
 
-def supervised_tokens(model: torch.nn.Module, micro_batches: list[dict]) -> int | None:
-    """This rank's supervised tokens of a step's prepared micro-batches (None: the model cannot count them)."""
-    counts = [model.supervised_tokens(batch) for batch in micro_batches]
-    return None if None in counts else sum(counts)
+def step_loss_weights(global_counts: dict[str, int] | None, accum: int, world_size: int) -> dict[str, float] | None:
+    """What each micro-batch's summed loss term of each unit is multiplied by (``engine.micro_batch_loss``), from
+    the units of the whole step over every rank (None: the per-micro-batch mean instead).
+
+    Every engine averages its micro-batch losses over micro-batches and ranks, so a micro-batch's term is
+    ``sum * accum * world_size / count``: their mean is the step's summed term over its count, the same number
+    and gradient however the global batch is split (``objectives.micro_batch_weights``)."""
+    return None if global_counts is None else micro_batch_weights(global_counts, accum, world_size)
 
 
-def step_loss_weight(step_tokens: int | None, accum: int, world_size: int) -> float | None:
-    """``run.loss_reduction: tokens``: what each micro-batch's summed token loss is multiplied by
-    (``engine.micro_batch_loss``), from the supervised tokens of the whole step over every rank (None: the
-    per-micro-batch mean instead).
-
-    Every engine averages its micro-batch losses over micro-batches and ranks, so a micro-batch's loss is
-    ``loss_sum * accum * world_size / tokens``: their mean is the step's summed loss over its tokens, the
-    same number and gradient however the global batch is split."""
-    return None if step_tokens is None else accum * world_size / max(step_tokens, 1)
-
-
-def check_losses(trainer, losses: torch.Tensor) -> dict:
-    """The step's mean loss over every rank and micro-batch; a NaN/inf one is named and handled here.
+def check_losses(trainer, losses: torch.Tensor, metric_sums: dict | None = None,
+                 global_counts: dict[str, int] | None = None) -> dict:
+    """The step's mean loss over every rank and micro-batch, and the objective's metrics (``metric_sums`` summed
+    over every rank in the same all-reduce, divided by ``global_counts`` of their units); a NaN/inf loss is named
+    and handled here.
 
     One all-reduce tells every rank whether any loss was non-finite, before any rank
     applies the update: `run.on_nonfinite: stop` raises on all of them (the weights and
@@ -46,9 +43,13 @@ def check_losses(trainer, losses: torch.Tensor) -> dict:
     """
     # One all-reduce per optimizer step; ``losses`` stayed on the engine's device until here, so this
     # copy to the host is the step's only synchronisation after the forward the loop itself makes.
-    totals = comm.all_reduce(torch.stack([losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)])).tolist()
+    metric_sums = metric_sums or {}
+    values = [losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]
+    values += [value.to(losses) for _, value in metric_sums.values()]
+    totals = comm.all_reduce(torch.stack(values)).tolist()
     if totals[1] == 0:
-        return {"loss": totals[0] / (len(losses) * trainer.world_size)}
+        return {"loss": totals[0] / (len(losses) * trainer.world_size),
+                **metric_means(metric_sums, totals[2:], global_counts or {})}
     where = describe_nonfinite(trainer, losses)
     if trainer.run.on_nonfinite == "stop":
         latest = ckpt.latest_complete(trainer.checkpoint_dir)

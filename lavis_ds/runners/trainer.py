@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lavis_ds.common import comm
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.common.seeding import derive_seed, seed_everything
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
@@ -30,7 +30,7 @@ from lavis_ds.runners import faults, throughput
 from lavis_ds.runners.data import TrainData
 from lavis_ds.runners.engine import Engine
 from lavis_ds.runners.hooks import HookList, build_hooks
-from lavis_ds.runners.losses import can_weigh_by_tokens, check_losses, step_loss_weight, supervised_tokens
+from lavis_ds.runners.losses import check_losses, step_loss_weights, unit_counts
 from lavis_ds.runners.resume import ResumePlan, TrainState, plan_resume, restore
 
 # Events every rank dispatches together, after which the ranks agree on a failure one of them deferred (after_step
@@ -57,7 +57,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: DictConfig, model: torch.nn.Module, datasets: dict[str, dict]) -> Trainer:
         """The trainer of a config: the engine ``run.runner`` names, around ``model``; ``datasets`` to train on."""
-        engine = registry.get_runner_class(cfg.run.runner)(cfg.run, model, Path(cfg.run.output_dir) / "checkpoints")
+        engine = reg.runners.get(cfg.run.runner)(cfg.run, model, Path(cfg.run.output_dir) / "checkpoints")
         return cls(cfg, engine, TrainData(cfg, model, datasets, engine.rank, engine.world_size))
 
     @property
@@ -81,8 +81,10 @@ class Trainer:
         plan = plan_resume(self.engine, self.run, self.checkpoint_dir)
         self.data.build(plan.micro_batch, plan.accum)
         groups = build_param_groups(self.engine.model, self.run.weight_decay, dict(self.run.lr_scales))
+        self.data.objective.setup(self.engine.model)  # the starting weights, before the engine shards them
         self.optimizer = self.engine.wrap(groups, plan)
-        self.scheduler = registry.get_lr_scheduler_class(self.run.lr_sched).from_config(
+        self.data.objective.before_train(self, resuming=plan.source is not None)  # e.g. DPO's reference pass
+        self.scheduler = reg.lr_schedulers.get(self.run.lr_sched).from_config(
             self.optimizer, self.run, total_steps=max(1, self.total_steps),
             steps_per_epoch=max(1, self.data.steps_per_epoch))
         self.hooks = build_hooks(self)
@@ -116,36 +118,40 @@ class Trainer:
     def run_step(self, micro_batches: list[dict]) -> None:
         """One optimizer step on this rank's prepared micro-batches, once every rank agreed to take it: its lr,
         the counters, the hooks."""
-        tokens, loss_weight = self.agree_on_step(micro_batches)
+        tokens, loss_weight, counts = self.agree_on_step(micro_batches)
         lr = self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
         losses = self.engine.forward_backward(micro_batches, loss_weight)  # gradients accumulated, not applied yet
-        metrics = check_losses(self, losses)  # a non-finite loss stops the run here, or skips the update
+        # a non-finite loss stops the run here, or skips the update; the objective's metrics in the same all-reduce
+        metrics = check_losses(self, losses, self.data.objective.take_metric_sums(), counts)
         metrics.update(self.engine.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr, "tokens": tokens})
 
-    def agree_on_step(self, micro_batches: list[dict]) -> tuple[throughput.TokenCounts | None, float | None]:
-        """This rank's token counts of the step and the weight of each micro-batch's summed loss
-        (``losses.step_loss_weight``), once every rank agreed to take the step.
+    def agree_on_step(self, micro_batches: list[dict]
+                      ) -> tuple[throughput.TokenCounts | None, dict[str, float] | None, dict[str, int] | None]:
+        """This rank's token counts of the step, the weight of each micro-batch's summed loss terms per unit
+        (``losses.step_loss_weights``) and the step's global count of each unit, once every rank agreed to take it.
 
         One all-reduce of a few integers carries what ends a run early - a signal any rank received, a sample
-        that failed to load or a hook's failure on any rank - and the step's supervised tokens over every rank.
+        that failed to load or a hook's failure on any rank - and the step's units (the objective's: supervised
+        tokens, pairs) over every rank.
         """
         tokens = throughput.count_tokens(micro_batches)  # on the CPU, from the prepared batches
-        mine = supervised_tokens(self.engine.model, micro_batches) if can_weigh_by_tokens(
-            self.run, self.engine.model) else None
-        signum, step_tokens = faults.agree_on_step(self.signals.received, self.data.take_failure()
+        objective, model = self.data.objective, self.engine.model
+        mine = unit_counts(objective, model, micro_batches) if objective.counted(self.run, model) else None
+        signum, step_counts = faults.agree_on_step(self.signals.received, self.data.take_failure()
                                                    or self.hooks.take_failure(), mine)
         if signum:
             self.call_hooks("on_stop", signum)  # the Checkpointer asks for a save on SIGTERM
             stopped = faults.Stopped(signum, _stop_message(self, signum))
             stopped.quiet = self.rank != 0  # every rank stops here; one says so
             raise stopped
-        return tokens, step_loss_weight(step_tokens, len(micro_batches), self.world_size)
+        counts = None if step_counts is None else dict(zip(objective.UNITS, step_counts, strict=True))
+        return tokens, step_loss_weights(counts, len(micro_batches), self.world_size), counts
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""

@@ -8,7 +8,7 @@ A connector that reads the instruction (InstructBLIP's Q-Former) sets ``NEEDS_IN
 implements ``prepare(samples)``: the host-side preparation (tokenizing each image's instruction) whose
 result ``forward`` receives as its second argument.
 
-To add a connector, subclass :class:`Connector`, register it with ``registry.register_connector("name")``
+To add a connector, subclass :class:`Connector`, register it with ``@reg.connectors.register("name")`` (``from lavis_ds.common import registry as reg``)
 in a module listed under ``imports:``, and give it keyword-only constructor arguments (its config keys).
 """
 from __future__ import annotations

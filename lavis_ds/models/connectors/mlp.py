@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.connectors.base import Connector
 from lavis_ds.models.flops import Flops, Tally
 from lavis_ds.models.parts import PartError, read_safetensors
@@ -37,7 +37,7 @@ def load_projector(connector: nn.Module, path: str) -> None:
         raise PartError(str(e)) from None
 
 
-@registry.register_connector("mlp2x_gelu")
+@reg.connectors.register("mlp2x_gelu")
 class Mlp2xGelu(Connector):
     """LLaVA-1.5's projector: ``linear_1`` (vision -> LLM width), GELU, ``linear_2`` (transformers' names)."""
 
@@ -75,7 +75,7 @@ class Mlp2xGelu(Connector):
         load_projector(self, path)
 
 
-@registry.register_connector("linear")
+@reg.connectors.register("linear")
 class LinearConnector(Connector):
     """One linear layer (LLaVA-1.0's projector)."""
 

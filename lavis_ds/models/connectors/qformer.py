@@ -18,7 +18,7 @@ from torch import nn
 from transformers import (Blip2QFormerConfig, Blip2QFormerModel, InstructBlipQFormerConfig,
                           InstructBlipQFormerModel)
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.connectors.base import Connector
 from lavis_ds.models.connectors.instruction import image_instructions, load_qformer_tokenizer, tokenize_instructions
 from lavis_ds.models.flops import Flops, Tally
@@ -41,7 +41,7 @@ class FP32LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
-@registry.register_connector("qformer")
+@reg.connectors.register("qformer")
 class QFormerConnector(Connector):
     """BLIP-2: ``num_query_token`` learned queries cross-attend to the normalised tower features."""
 
@@ -139,7 +139,7 @@ class QFormerConnector(Connector):
             raise PartError(str(e)) from None
 
 
-@registry.register_connector("instruct_qformer")
+@reg.connectors.register("instruct_qformer")
 class InstructQFormerConnector(QFormerConnector):
     """InstructBLIP: the instruction's BERT tokens enter the Q-Former beside the queries."""
 

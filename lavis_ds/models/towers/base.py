@@ -6,7 +6,7 @@ A tower is a :class:`VisionTower`: an ``nn.Module`` that turns normalised images
 sharding engine wraps one by one), reads published weights with ``load_pretrained(path)``, and carries its
 ``processing``: the resize, mean/std and padding its weights were trained with.
 
-To add a tower, subclass :class:`VisionTower`, register it with ``registry.register_vision_tower("name")``
+To add a tower, subclass :class:`VisionTower`, register it with ``@reg.vision_towers.register("name")`` (``from lavis_ds.common import registry as reg``)
 in a module listed under ``imports:``, and give it keyword-only constructor arguments (its config keys).
 """
 from __future__ import annotations

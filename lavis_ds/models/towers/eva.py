@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.models.eva_vit import EvaViT, Precision
 from lavis_ds.models.flops import Flops, Tally, eva_vit
 from lavis_ds.models.parts import PartError
@@ -19,7 +19,7 @@ from lavis_ds.models.pretrained import load_checked, load_eva_vit
 from lavis_ds.models.towers.base import ImageProcessing, VisionTower
 
 
-@registry.register_vision_tower("eva_vit_g")
+@reg.vision_towers.register("eva_vit_g")
 class EvaTower(VisionTower):
     """EVA-ViT-g/14 (39 of 40 blocks, 1408 wide) as BLIP-2 and InstructBLIP use it; ``tiny`` for tests."""
 

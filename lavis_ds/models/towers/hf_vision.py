@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
-from lavis_ds.common.registry import registry, vision_towers
+from lavis_ds.common import registry as reg
+from lavis_ds.common.registry import vision_towers
 from lavis_ds.models.flops import Flops, Tally, attention_pooling, hf_vision_encoder
 from lavis_ds.models.parts import PartError, read_safetensors
 from lavis_ds.models.towers.base import CLIP_STD, CLIP_MEAN, ImageProcessing, VisionTower
@@ -204,7 +205,7 @@ class HfVisionTower(VisionTower):
         return next(p["hub_id"] for p in cls.PRESETS.values() if "hub_id" in p)
 
 
-@registry.register_vision_tower("clip")
+@reg.vision_towers.register("clip")
 class ClipTower(HfVisionTower):
     """CLIP ViT (``CLIPVisionModel``); LLaVA-1.5 uses ViT-L/14-336, penultimate layer, CLS dropped."""
 
@@ -222,7 +223,7 @@ class ClipTower(HfVisionTower):
         super().__init__(preset=preset, **kwargs)
 
 
-@registry.register_vision_tower("siglip")
+@reg.vision_towers.register("siglip")
 class SiglipTower(HfVisionTower):
     """SigLIP ViT (``SiglipVisionModel``): no CLS token, so its presets keep every patch (``full``)."""
 

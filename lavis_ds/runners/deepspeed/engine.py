@@ -12,7 +12,7 @@ import torch.distributed as torch_dist
 from lavis_ds.common import comm
 from lavis_ds.common.errors import ConfigError, InputError
 from lavis_ds.common.precision import autocast, to_compute
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import with_batch_layout
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
@@ -26,7 +26,7 @@ from lavis_ds.runners.engine import Engine, micro_batch_loss
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 
-@registry.register_runner("runner_deepspeed")
+@reg.runners.register("runner_deepspeed")
 class DeepSpeedEngine(Engine):
     """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
@@ -332,7 +332,7 @@ def _hyper_parameters(optimizer) -> list[dict]:
 
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
-registry.register_runner_alias("deepspeed_runner", "runner_deepspeed")
+reg.runners.register_alias("deepspeed_runner", "runner_deepspeed")
 
 
 def _check_precision_supported(precision: str) -> None:

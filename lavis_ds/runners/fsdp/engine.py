@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from lavis_ds.common import comm
 from lavis_ds.common.precision import autocast, to_compute
-from lavis_ds.common.registry import registry
+from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
@@ -42,7 +42,7 @@ class FSDPOptions:
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
 
 
-@registry.register_runner("runner_fsdp")
+@reg.runners.register("runner_fsdp")
 class FSDPEngine(Engine):
     """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
@@ -319,7 +319,7 @@ class FSDPEngine(Engine):
 
 
 # A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
-registry.register_runner_alias("fsdp_runner", "runner_fsdp")
+reg.runners.register_alias("fsdp_runner", "runner_fsdp")
 
 
 def _first_failure(error: BaseException) -> BaseException:

@@ -1,0 +1,93 @@
+"""What a preference objective asks the model: image features once per pair, answer log-probs of both sides.
+
+A pair micro-batch (``lavis_ds.datasets.preference.PairDataset.collater``) holds B pairs: their shared prompt
+turns (``instruction``, and ``output``: the answers of the earlier turns), their images (``image``,
+``num_images``) and the two last answers (``chosen``, ``rejected``). ``side_batch`` lays it out as one
+sequence micro-batch of 2B samples, the B chosen sides then the B rejected sides, in which only each
+sample's last answer is supervised (the earlier answers are prompt). The vision tower runs once, on the B
+pairs' images; both sides take the same features, and one LLM forward scores all 2B answers.
+
+The model interface is ``image_features(samples)`` and ``answer_logps(samples, image_features)`` of the
+shared vision-LLM core (``lavis_ds.models.vision_llm``). ``prepare_pairs`` lays the pair micro-batch out flat
+on the host: the 2B sides' token fields (``input_ids``, ``attention_mask``, ``labels``) beside the B pairs'
+images, so that moving a batch to the device (``common.precision.to_compute``) moves every tensor it holds.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lavis_ds.common.errors import LavisDsError
+
+IGNORE_INDEX = -100  # lavis_ds.models.prompt.IGNORE_INDEX (common to every model of the zoo)
+
+
+def side_batch(pairs: dict[str, Any]) -> dict[str, Any]:
+    """The 2B sequence samples of B pairs: chosen sides, then rejected sides, sharing prompt turns and images."""
+    history = pairs.get("output") or [[] for _ in pairs["instruction"]]
+    image = pairs.get("image")
+    return {
+        "instruction": [list(turns) for turns in pairs["instruction"]] * 2,
+        "output": ([list(h) + [c] for h, c in zip(history, pairs["chosen"], strict=True)]
+                   + [list(h) + [r] for h, r in zip(history, pairs["rejected"], strict=True)]),
+        "num_images": list(pairs["num_images"]) * 2,
+        # the pixels are not run twice (answer_logps takes the features); the layout check counts them
+        "image": None if image is None else torch.cat([image, image]),
+    }
+
+
+def last_answer_labels(labels: Tensor, turns: list[int], where: list[str] | None = None) -> Tensor:
+    """``labels`` with only each row's last supervised span kept: its last answer and end-of-turn token.
+
+    Answer spans are separated by unsupervised template tokens (the next turn's header), so the last run of
+    supervised labels is the last answer, unless truncation cut it away: then the row has fewer runs than
+    ``turns`` and this raises, naming the pair (``where``).
+    """
+    supervised = labels != IGNORE_INDEX
+    starts = supervised & ~torch.nn.functional.pad(supervised, (1, 0))[:, :-1]  # a run starts here
+    runs = starts.sum(1)
+    short = [i for i, (n, t) in enumerate(zip(runs.tolist(), turns, strict=True)) if n < t]
+    if short:
+        names = [where[i] if where else f"sample {i}" for i in short]
+        raise LavisDsError(f"{', '.join(names)}: the last answer does not fit in model.max_txt_len (it was cut away); "
+                           f"raise model.max_txt_len or shorten the prompt")
+    run_index = starts.cumsum(1)  # which run each position is in (0 before the first)
+    keep = supervised & (run_index == runs.unsqueeze(1))
+    return labels.masked_fill(~keep, IGNORE_INDEX)
+
+
+def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, Any]:
+    """The pair micro-batch prepared on the host: the 2B sides tokenized by the model (chosen sides, then rejected
+    sides; last answers supervised only, ``last_answer_labels``) and the B pairs' own images, once.
+
+    Keys: the sides' (``input_ids``, ``attention_mask``, ``labels``, ``instruction``, ``output``, and the model's
+    ``batch_fields``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and the other
+    keys of ``pairs``, and ``num_pairs``.
+    """
+    systems = [s for s in pairs.get("system") or [] if s]
+    if systems and not getattr(model, "PER_SAMPLE_SYSTEM", False):
+        # Not dropped silently: the pair was judged with this system prompt.
+        raise LavisDsError(f"a pair has its own system prompt ({systems[0][:60]!r}...), which this model cannot "
+                           f"take per sample (its system turn is model.system_prompt); remove the records' system "
+                           f"turns (and set model.system_prompt to that text if all pairs share it)")
+    sides = model.prepare_batch(side_batch(pairs))
+    turns = [len(turns) for turns in sides["instruction"]]
+    index = pairs.get("index")
+    where = None if index is None else [f"pair {int(i)} ({side})" for side in ("chosen", "rejected") for i in index]
+    labels = last_answer_labels(sides["labels"], turns, where)
+    return {**pairs, **sides, "labels": labels, "image": pairs.get("image"), "num_images": list(pairs["num_images"]),
+            "num_pairs": len(pairs["chosen"])}
+
+
+def image_features(model: torch.nn.Module, batch: dict[str, Any]) -> Tensor:
+    """Projected image features of the pairs' images for both sides, ``[2N, queries, hidden]``: the vision pass
+    runs once, on the pairs' N images; the chosen and the rejected sides take the same features."""
+    features = model.image_features(batch)
+    return torch.cat([features, features])
+
+
+def answer_logps(model: torch.nn.Module, batch: dict[str, Any], features: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logp_sum [2B], num_tokens [2B])`` of each side's supervised tokens, both sides in one forward."""
+    return model.answer_logps(batch, image_features=features)
