@@ -286,7 +286,8 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(data_problems(run, {name: builder_class(section.get("builder", name))
                                       for name, section in training.items()}))
     errors.extend(_image_size_problems(training))
-    errors.extend(_model_image_size_problems(plain["datasets"], model, cls))
+    if not any(e.startswith(("model.arch", "model.model_type")) for e in errors):  # else no preset gave the size
+        errors.extend(_model_image_size_problems(plain["datasets"], model, cls))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
