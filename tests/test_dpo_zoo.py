@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lavis_ds  # noqa: F401  (fills the registries)
+from archs import build_tiny
 from lavis_ds.common.registry import models
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.objectives import Dpo
@@ -16,13 +17,16 @@ from lavis_ds.objectives.reference import REF_CHOSEN, REF_REJECTED, ReferenceSco
 ARCHITECTURES = sorted(name for name in models if isinstance(models.get(name), type)
                        and issubclass(models.get(name), VisionLLM))
 IMG = "<Img><ImageHere></Img>"
+# Only LoRA trains: the image path frozen, in each architecture's keys (blip2_qwen's flat switches, a part's `freeze`).
+_FROZEN_PARTS = {"vision_tower": {"freeze": True}, "connector": {"freeze": True}}
+FROZEN_IMAGE_PATH = {arch: _FROZEN_PARTS for arch in ARCHITECTURES} | {
+    "blip2_qwen": dict(freeze_vit=True, freeze_qformer=True, freeze_queries=True, freeze_proj=True)}
 
 
-def tiny(arch: str, tokenizer_dir, **settings) -> VisionLLM:
-    cls = models.get(arch)
-    cfg = {**cls.default_config("tiny"), "tokenizer": str(tokenizer_dir), **settings}
+def tiny(arch: str, tokenizer_dir, files, **settings) -> VisionLLM:
+    """``arch``'s tiny preset (with the Q-Former tokenizer an instruction connector reads, made under ``files``)."""
     torch.manual_seed(0)
-    return cls.from_config(cfg)
+    return build_tiny(arch, tokenizer_dir, files, **settings)
 
 
 def pairs_for(model: VisionLLM) -> dict:
@@ -39,8 +43,8 @@ def test_the_zoo_is_found():
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_every_architecture_trains_with_dpo(arch, tiny_tokenizer_dir):
-    model = tiny(arch, tiny_tokenizer_dir)
+def test_every_architecture_trains_with_dpo(arch, tiny_tokenizer_dir, tmp_path):
+    model = tiny(arch, tiny_tokenizer_dir, tmp_path)
     objective = Dpo(beta=0.5, reference="precomputed")
     objective.setup(model)  # dropout off
     raw, scorer = pairs_for(model), ReferenceScorer()
@@ -61,9 +65,8 @@ def test_every_architecture_trains_with_dpo(arch, tiny_tokenizer_dir):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_lora_reference_is_the_model_with_its_adapters_disabled(arch, tiny_tokenizer_dir):
-    model = tiny(arch, tiny_tokenizer_dir, get_lora=True, freeze_llm=True, freeze_vit=True, freeze_qformer=True,
-                 freeze_queries=True, freeze_proj=True)
+def test_lora_reference_is_the_model_with_its_adapters_disabled(arch, tiny_tokenizer_dir, tmp_path):
+    model = tiny(arch, tiny_tokenizer_dir, tmp_path, get_lora=True, freeze_llm=True, **FROZEN_IMAGE_PATH[arch])
     trainable = [name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name]
     objective = Dpo(beta=0.5)
     if trainable:  # e.g. trained token rows: the adapter-disabled model is not the start

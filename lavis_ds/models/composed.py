@@ -45,6 +45,7 @@ class ComposedVisionLLM(VisionLLM):
     # The part sections an architecture uses when the config leaves one out (subclasses override).
     DEFAULT_PARTS: dict[str, dict[str, Any]] = {"vision_tower": {"name": "clip"}, "connector": {"name": "mlp2x_gelu"}}
     CONNECTOR_PREFIXES = ("connector.",)
+    PER_IMAGE_FIELDS = CONNECTOR_INPUT_KEYS
 
     def __init__(self, *, vision_tower: dict[str, Any] | None = None, connector: dict[str, Any] | None = None,
                  **llm_args: Any):

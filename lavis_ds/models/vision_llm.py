@@ -49,6 +49,9 @@ class VisionLLM(BaseModel):
     """Image features spliced into a chat LLM at the image placeholder tokens; subclasses give the image path."""
 
     PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+    # Keys ``batch_fields`` adds that hold one row per image, in image order (e.g. an instruction connector's BERT
+    # tokens): a batch whose samples share images (a preference pair's two sides) keeps one row per distinct image.
+    PER_IMAGE_FIELDS: tuple[str, ...] = ()
     # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
     FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
     # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a

@@ -73,6 +73,10 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
                            f"take per sample (its system turn is model.system_prompt); remove the records' system "
                            f"turns (and set model.system_prompt to that text if all pairs share it)")
     sides = model.prepare_batch(side_batch(pairs))
+    images = 0 if pairs.get("image") is None else pairs["image"].shape[0]
+    for key in getattr(model, "PER_IMAGE_FIELDS", ()):  # the sides' rows per image: chosen's first, then rejected's
+        if images and key in sides and sides[key].shape[0] == 2 * images:
+            sides[key] = sides[key][:images]  # the pair's images, once (both sides ask the same instruction of them)
     turns = [len(turns) for turns in sides["instruction"]]
     index = pairs.get("index")
     where = None if index is None else [f"pair {int(i)} ({side})" for side in ("chosen", "rejected") for i in index]
