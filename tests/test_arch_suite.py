@@ -75,7 +75,9 @@ def test_the_token_normalised_loss_of_split_micro_batches_is_the_whole_batchs(ar
     mean_of_means = (outs[0]["loss"] + outs[1]["loss"]) / 2
     assert not torch.allclose(mean_of_means, whole["loss"], rtol=1e-3)  # what the token rule is not
     for name, grad in expected.items():
-        assert torch.allclose(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-7), name
+        # On the tensor's own scale: fp32 sums in another order differ by ~1e-7 of it, a wrong weighting by ~1e-1.
+        error = float((model.get_parameter(name).grad - grad).abs().max())
+        assert error <= 1e-5 * float(grad.abs().max()) + 1e-12, (name, error, float(grad.abs().max()))
 
 
 def _split(batch: dict, at: int, second: bool = False) -> dict:
