@@ -75,9 +75,10 @@ def test_the_token_normalised_loss_of_split_micro_batches_is_the_whole_batchs(ar
     mean_of_means = (outs[0]["loss"] + outs[1]["loss"]) / 2
     assert not torch.allclose(mean_of_means, whole["loss"], rtol=1e-3)  # what the token rule is not
     for name, grad in expected.items():
-        # On the tensor's own scale: fp32 sums in another order differ by ~1e-7 of it, a wrong weighting by ~1e-1.
+        # On the tensor's own scale: fp32 sums in another order differ by ~1e-7 of it, a wrong weighting by ~1e-1;
+        # the floor is for gradients that are 0 in exact arithmetic (attention's key bias) and rounding here.
         error = float((model.get_parameter(name).grad - grad).abs().max())
-        assert error <= 1e-5 * float(grad.abs().max()) + 1e-12, (name, error, float(grad.abs().max()))
+        assert error <= 1e-5 * float(grad.abs().max()) + 1e-7, (name, error, float(grad.abs().max()))
 
 
 def _split(batch: dict, at: int, second: bool = False) -> dict:
