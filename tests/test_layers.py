@@ -12,7 +12,9 @@ ABOVE_COMMON = ("lavis_ds.models", "lavis_ds.datasets", "lavis_ds.runners", "lav
 # Where the word may stand: the engine's own package, the package that registers the runners and names the
 # default one, and the launcher glue: the process-group set-up that also serves the `deepspeed` launcher, the
 # GPU binding whose messages name that launcher's --num_gpus, and the train command, which takes its --local_rank.
-KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py", "train.py"}
+KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py", "train.py",
+                   # not DeepSpeed itself: MiniGPT4Qwen's task name `deepspeed_image_text_pretrain`, an alias of sft
+                   "objectives/sft.py"}
 
 
 # The export library: what `export.py` and the apps call to read checkpoints and write exports. Leaf modules:
