@@ -31,8 +31,10 @@ class NextTokenSft(Objective):
     def counted(self, run: Any, model: torch.nn.Module) -> bool:
         """``run.loss_reduction: tokens`` and a model that prepares its batches on the host and counts their
         supervised tokens; else the per-micro-batch mean (``loss_reduction: mean``, or a model that cannot)."""
-        return (run.loss_reduction == "tokens" and getattr(model, "supervised_tokens", None) is not None
-                and hasattr(model, "prepare_batch"))
+        from lavis_ds.models.base import BaseModel  # its supervised_tokens says None: "cannot count"
+
+        counts = getattr(type(model), "supervised_tokens", None) not in (None, BaseModel.supervised_tokens)
+        return run.loss_reduction == "tokens" and counts and hasattr(model, "prepare_batch")
 
     def counts(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, int]:
         return {TOKENS: int(model.supervised_tokens(batch))}
