@@ -75,6 +75,24 @@ class DemoShapePairsBuilder(DemoShapesBuilder):
         ensure_demo_shapes(self.storage, self.spec())
         ensure_demo_pairs(self.storage)
 
+    def generates(self) -> list[Path]:
+        """The demo's folder when its images or its pair files are still to be made (the build makes them)."""
+        pending = super().generates()
+        try:
+            missing_pairs = any(not path.is_file() for paths in self.annotation_files().values() for path in paths)
+        except ValueError:
+            return pending  # reported by check()
+        return pending or ([self.storage] if missing_pairs else [])
+
+    def check(self) -> list[str]:
+        """As the demo's; pair files not written yet are none of the section's problems (the build writes them)."""
+        try:
+            unwritten = [str(path) for paths in self.annotation_files().values() for path in paths
+                         if not path.is_file()]
+        except ValueError:
+            unwritten = []
+        return [problem for problem in super().check() if not any(path in problem for path in unwritten)]
+
     def parse_file(self) -> ParseFile:
         return pair_parser("sharegpt")
 
