@@ -25,9 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launcher sets for each process: a job gets them from its launcher (torchrun, forked.Job, or train.py's
+# single-process defaults), never from the test process, where an in-process run may have set them already.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
 def env() -> dict:
-    e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return e
+    e = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+    return dict(e, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 
 
 def train_args(cfg_path: Path, options: tuple[str, ...] = ()) -> list[str]:
