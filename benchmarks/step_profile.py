@@ -4,7 +4,7 @@
 
 The runner and its micro-batches are built as in ``benchmarks/step_time.py`` (same flags). Each phase the loop's
 ``run_step`` goes through is timed on every step (``time.perf_counter`` around the call, rank 0 reported): the
-token counts, the model's supervised-token count, the step's agreement (one all-reduce), reseeding, forward +
+token counts, the objective's unit counts (supervised tokens, pairs), the step's agreement (one all-reduce), reseeding, forward +
 backward, the loss check (one all-reduce), the optimizer step, the scheduler, the after_step hooks; and the
 whole step. Medians over the steps, in milliseconds; "rest" is, per step, the whole step minus its phases (the
 loop's own lines: lr, counters, the wrappers themselves).
@@ -41,7 +41,7 @@ def instrument(runner, times: dict[str, list[float]]) -> None:
     from lavis_ds.runners import faults, throughput, trainer
 
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
-    for name in ("supervised_tokens", "seed_everything", "check_losses"):
+    for name in ("unit_counts", "seed_everything", "check_losses"):
         setattr(trainer, name, timed(times, name, getattr(trainer, name)))
     faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
     engine = runner.engine
