@@ -18,7 +18,8 @@ from PIL import Image
 
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER
 from lavis_ds.apps.export import load_exported
-from lavis_ds.apps.generate import main, share_path
+from lavis_ds.apps.generate import main
+from lavis_ds.apps.predictions_file import share_path
 from lavis_ds.apps.generation import eval_processors, generate
 from run_utils import REPO, env, free_port, run_forked
 
