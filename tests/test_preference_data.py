@@ -14,15 +14,32 @@ from lavis_ds.datasets.loading import BadRecordsError, RecordLoader
 from lavis_ds.datasets.preference import PairDataset, pair_parser
 from lavis_ds.datasets.record_store import pack
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER, PairRecord
+from lavis_ds.models.prompt import chatml_segments, insert_image_placeholders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "preference"
+RLAIF_V_TOOLS = "RLAIF-V-Dataset_000_OmniLMM-12B_OmniLMM-12B_0"
+# openbmb/RLAIF-V-Dataset train[0] as quoted in huggingface/blog vdpo.md (SOURCES.md).
+LEATHER_Q = "Who is more likely to use these tools a leather crafter or a paper crafter?"
+LEATHER_CHOSEN = (
+    "A leather crafter is more likely to use these tools. The image shows various crafting tools, including scissors "
+    "and a hole punch, which are commonly used in leatherworking projects. Leather is a material that requires "
+    "cutting, shaping, and precise hole-punching techniques to create desired designs or patterns. In contrast, paper "
+    "crafters typically use different types of tools, such as adhesives, decorative papers, or specialized cutting "
+    "machines like the Silhouette Cameo, for their projects.")
+LEATHER_REJECTED = (
+    "A leather crafter is more likely to use these tools as they consist of a hole punch, scissors, and a knife. These "
+    "items are typically used in crafting projects involving fabric or leather materials for various designs and "
+    "patterns. Paper crafters may also benefit from some of these tools, but their primary focus would be on "
+    "paper-related projects, which might require different types of tools such as paper cutters or scrapbooking "
+    "supplies.")
 
 
 @pytest.fixture
 def image_root(tmp_path) -> Path:
     """The images the fixtures name, made here."""
     for name, colour in (("kitten.png", "orange"), ("puppy.png", "brown"), ("shapes/red_circle.png", "red"),
-                         ("shapes/blue_square.png", "blue")):
+                         ("shapes/blue_square.png", "blue"), (f"{RLAIF_V_TOOLS}.jpg", "tan"),
+                         ("train_countryside.jpg", "green")):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (32, 32), colour).save(tmp_path / name)
     return tmp_path
@@ -76,14 +93,36 @@ def test_swift_rejected_side_on_other_images_is_named(image_root):
                for b in info.value.bad)
 
 
-def test_rlaif_v_and_rlhf_v_records_load(image_root):
-    first, second = _load("rlaif_v.json", "rlaif_v", image_root)
-    assert first.images == ("shapes/red_circle.png",) and second.images == ("shapes/blue_square.png",)  # {"path"}
-    assert first.instructions == (f"{IMAGE_PLACEHOLDER} What shape is in the image?",)  # unmarked: image in front
-    assert (first.chosen, first.rejected, first.record_id) == ("A red circle on a white background.",
-                                                               "A blue square on a white background.", "0")
+def test_rlaif_v_quoted_records_load(image_root):
+    tools, train = _load("rlaif_v.json", "rlaif_v", image_root)
+    assert tools.images == (f"{RLAIF_V_TOOLS}.jpg",) and train.images == ("train_countryside.jpg",)  # {"path"} only
+    assert (tools.instructions, tools.chosen, tools.rejected) == (
+        (f"{IMAGE_PLACEHOLDER} {LEATHER_Q}",), LEATHER_CHOSEN, LEATHER_REJECTED)  # unmarked: the image goes in front
+    assert tools.record_id == "OmniLMM-12B_OmniLMM-12B_0" and tools.history == ()
+    assert train.instructions == (f"{IMAGE_PLACEHOLDER} What is the setting or environment in which the image "
+                                  f"takes place?",)
+    assert (train.chosen, train.rejected, train.record_id) == (
+        "The image depicts a train traveling on a track through a countryside setting with tall grass, trees, and "
+        "power lines in the background.",
+        "The image is set in an open area with train tracks, grassy fields, and trees in the background.", "not quoted")
+
+
+def test_rlaif_v_pair_as_the_model_sees_it(image_root):
+    sample = _builder(image_root, "rlaif_v.json", "rlaif_v").build()["train"][0]
+    assert (sample["instruction"], sample["output"], sample["chosen"], sample["rejected"], sample["system"]) == (
+        [f"{IMAGE_PLACEHOLDER} {LEATHER_Q}"], [], LEATHER_CHOSEN, LEATHER_REJECTED, None)
+    prompt = insert_image_placeholders(sample["instruction"], "<|image_pad|>", 2)
+    for answer in (sample["chosen"], sample["rejected"]):
+        text = "".join(piece for piece, _ in chatml_segments("You are a helpful assistant.", prompt, [answer]))
+        assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                        f"<Img><|image_pad|><|image_pad|></Img> {LEATHER_Q}<|im_end|>\n<|im_start|>assistant\n"
+                        f"{answer}<|im_end|>\n")
+
+
+def test_rlhf_v_text_json_loads(image_root):
     (pair,) = _load("rlhf_v.json", "rlhf_v", image_root)
-    assert (pair.chosen, pair.rejected) == ("The circle is red.", "The circle is blue.")
+    assert pair.instructions == (f"{IMAGE_PLACEHOLDER} What colour is the circle?",)
+    assert (pair.chosen, pair.rejected, pair.record_id) == ("The circle is red.", "The circle is blue.", 0)
 
 
 def test_missing_side_is_one_named_error(image_root):
@@ -160,16 +199,49 @@ def test_text_only_pairs_collate_without_images(image_root):
     assert torch.is_tensor(batch["index"])
 
 
-def test_vlfeedback_pairs_its_best_and_worst_rated_completion_and_names_a_tie(image_root, tmp_path):
+def test_vlfeedback_pairs_its_best_and_worst_rated_completion(image_root):
+    good, bad = RecordLoader(pair_parser("vlfeedback")).read(FIXTURES / "vlfeedback.json", image_root)
+    listed, parquet_layout = list(good)
+    assert (listed.images, listed.chosen, listed.rejected) == (("shapes/red_circle.png",), "A red circle.",
+                                                               "A blue triangle.")  # 5.0 vs 2.33 of four
+    assert listed.instructions == (f"{IMAGE_PLACEHOLDER} What shape is in the image?",)
+    # completions as one object of lists; 'N/A' ratings leave completion 0 out; 5.0 twice: the first listed wins
+    assert (parquet_layout.record_id, parquet_layout.chosen, parquet_layout.rejected) == ("demo-2", "One circle.",
+                                                                                          "Three squares.")
+    assert [b.where.rpartition(": ")[2] for b in bad] == ["record 1 (id 'demo-1', image 'shapes/blue_square.png')"]
+    assert bad[0].problem == ("its rated completions all have the same mean rating ([4.33, 4.33]): the record "
+                              "gives no pair")
+
+
+def _rated(response, *ratings):
+    aspects = ("Helpfulness", "Ethical Considerations", "Visual Faithfulness")
+    return {"model": "m", "response": response,
+            "annotations": {a: {"Rating": r, "Rationale": ""} for a, r in zip(aspects, ratings)}}
+
+
+@pytest.mark.parametrize("pair_format, record, message", [
+    ("rlhf_v", {"text": "{'question': 'Q'}", "image_path": "kitten.png"}, r"'text' is not valid JSON"),
+    ("rlhf_v", {"text": "[\"Q\", \"A\", \"B\"]", "image_path": "kitten.png"},
+     r"'text' must be an object with question, chosen, rejected; got \['Q', 'A', 'B'\]"),
+    ("rlaif_v", {"question": "Q", "chosen": None, "rejected": "B", "image": {"path": "kitten.png", "bytes": None}},
+     r"'chosen' must be a string, got NoneType: None"),
+    ("rlaif_v", {"question": "Q", "chosen": "A", "rejected": "B", "image": {"bytes": None, "path": None}},
+     r"no image path: give 'image_path', or 'image' as a path"),
+    ("vlfeedback", {"prompt": "Q", "img_path": "kitten.png",
+                    "completions": {"response": ["A", "B"], "annotations": [{}], "model": ["m", "n"]}},
+     r"'completions' as an object must hold lists of equal length.*\{'response': 2, 'annotations': 1, 'model': 2\}"),
+    ("vlfeedback", {"prompt": "Q", "img_path": "kitten.png",
+                    "completions": [_rated("A", "5", "5", "5"), _rated("B", "N/A", "5", "1")]},
+     r"1 of its 2 completions have a numeric Rating for each of Helpfulness"),
+    ("vlfeedback", {"prompt": "Q", "img_path": "kitten.png",
+                    "completions": [_rated("A", "5", "5", "5"), _rated(None, "1", "5", "1")]},
+     r"completions\[1\].response must be a string, got NoneType"),
+], ids=["rlhf-text-not-json", "rlhf-text-list", "rlaif-chosen-null", "rlaif-image-bytes-only",
+        "vlf-uneven-lists", "vlf-one-rated", "vlf-response-null"])
+def test_bad_dataset_records_are_named(tmp_path, image_root, pair_format, record, message):
     import json
 
-    with pytest.raises(BadRecordsError, match=r"vlfeedback.json: record 1 \(id 'demo-1', image "
-                                              r"'shapes/blue_square.png'\): no single best and worst completion "
-                                              r"\(mean ratings \[4.33, 4.33\]\)"):
-        _load("vlfeedback.json", "vlfeedback", image_root)
-    first = json.loads((FIXTURES / "vlfeedback.json").read_text())[0]
-    (tmp_path / "one.json").write_text(json.dumps([first]))
-    (pair,) = RecordLoader(pair_parser("vlfeedback")).load([tmp_path / "one.json"], image_root).records
-    assert (pair.images, pair.chosen, pair.rejected) == (("shapes/red_circle.png",), "A red circle.",
-                                                         "A blue triangle.")
-    assert pair.instructions == (f"{IMAGE_PLACEHOLDER} What shape is in the image?",)
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps([record]))
+    with pytest.raises(BadRecordsError, match=r"pairs.json: record 0.*: " + message):
+        RecordLoader(pair_parser(pair_format)).load([path], image_root)

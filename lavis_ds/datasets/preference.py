@@ -14,8 +14,9 @@ Each record becomes one pair: shared prompt turns and images, a chosen and a rej
   as a path or ``{"path": ...}``); ``ds_name``, ``origin_dataset``, ``origin_split``, ``idx`` are metadata.
 - RLHF-V-Dataset (openbmb): ``text``, a JSON string of ``{"question", "chosen", "rejected"}``, and the image
   as RLAIF-V has it.
-- VLFeedback (MMInstruction): ``prompt``, ``img_path`` and ``completions`` rated by GPT-4V in three aspects;
-  its best and worst completion by mean rating make the pair.
+- VLFeedback (MMInstruction): ``prompt``, ``img_path`` and ``completions`` rated by GPT-4V in three aspects (a
+  list of ``{model, response, annotations}``, or the parquet's one object of equal-length lists); its best and
+  worst completion by mean rating make the pair.
 
 Images are marked with ``<image>`` as in LLaVA data (``lavis_ds.datasets.llava``: one per image, one image may
 go unmarked and is put in front of the first question). The two sides of a pair share their images and prompt
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -169,19 +171,22 @@ def _image_path(raw: dict, where: str) -> tuple[str, ...]:
     return (value,)
 
 
+def _string(value: Any, key: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise BadRecord(where, f"{key} must be a string, got {type(value).__name__}: {value!r}"[:300])
+    return value
+
+
 def _qa_pair(fields: Any, key: str, raw: dict, source: Path, position: int) -> PairRecord:
     images = _image_path(raw, record_where(source, position, record_id=raw.get("idx")))
     where = record_where(source, position, record_id=raw.get("idx"), image=images[0])
     if not isinstance(fields, dict):
-        raise BadRecord(where, f"{key} must be an object with question, chosen, rejected; got {fields!r}")
+        raise BadRecord(where, f"{key} must be an object with question, chosen, rejected; got {fields!r}"[:300])
     _missing(fields, ("question", "chosen", "rejected"), where, f"a pair needs its question and both answers "
                                                                 f"(in {key})")
-    question = fields["question"]
-    if not isinstance(question, str):
-        raise BadRecord(where, f"'question' must be a string, got {question!r}")
-    return _pair([(0, HUMAN, question)], _answer(fields["chosen"], "chosen", where),
-                 _answer(fields["rejected"], "rejected", where), images, source, position, where,
-                 record_id=raw.get("idx"))
+    question, chosen, rejected = (_string(fields[k], repr(k), where) for k in ("question", "chosen", "rejected"))
+    return _pair([(0, HUMAN, question)], _answer(chosen, "chosen", where), _answer(rejected, "rejected", where),
+                 images, source, position, where, record_id=raw.get("idx"))
 
 
 def parse_rlaif_v(raw: Any, source: Path, position: int) -> PairRecord:
@@ -211,37 +216,61 @@ VLFEEDBACK_ASPECTS = ("Helpfulness", "Visual Faithfulness", "Ethical Considerati
 
 def parse_vlfeedback(raw: Any, source: Path, position: int) -> PairRecord:
     """One VLFeedback record (``prompt``, ``img_path``, ``completions`` of ``{model, response, annotations}`` rated
-    1-5 in three aspects by GPT-4V): the pair of its best and worst completion by mean rating. A record whose
-    completions all rate the same, or whose best or worst is tied, has no pair to give and is named."""
+    1-5 in three aspects by GPT-4V): the pair of its best and worst completion by mean rating.
+
+    A completion without three numeric ratings (``'N/A'``, missing, null) takes no part: the dataset's own training
+    code (vlf-silkie/VLFeedback ``run_dpo.py``) expects ratings that are not numbers and leaves such a completion
+    out of every pair too. Equal means go to the completion listed first. A record with fewer than two rated
+    completions, or whose rated completions all have the same mean, has no pair to give and is named."""
     where = record_where(source, position, record_id=raw.get("id") if isinstance(raw, dict) else None)
     if not isinstance(raw, dict):
         raise BadRecord(where, f"expected an object with prompt, img_path, completions; got {type(raw).__name__}")
     _missing(raw, ("prompt", "img_path", "completions"), where, "a VLFeedback record rates completions of a prompt")
     images = _images(raw, "img_path", where)
     where = record_where(source, position, record_id=raw.get("id"), image=images[0] if images else None)
-    completions = raw["completions"]
-    if not isinstance(completions, list) or len(completions) < 2:
-        raise BadRecord(where, f"'completions' must list at least two rated responses, got {completions!r}"[:300])
-    scored = sorted(((_mean_rating(c, f"completions[{i}]", where), i) for i, c in enumerate(completions)),
-                    reverse=True)
-    (best, b), (worst, w) = scored[0], scored[-1]
-    if best == worst or scored[1][0] == best or scored[-2][0] == worst:
-        raise BadRecord(where, f"no single best and worst completion (mean ratings "
-                               f"{[round(score, 2) for score, _ in scored]}): the record gives no pair")
-    return _pair([(0, HUMAN, raw["prompt"])], _answer(completions[b].get("response"), f"completions[{b}].response",
-                                                      where),
-                 _answer(completions[w].get("response"), f"completions[{w}].response", where), images, source,
-                 position, where, record_id=raw.get("id"))
+    prompt = _string(raw["prompt"], "'prompt'", where)
+    completions = _completion_list(raw["completions"], where)
+    rated = [(mean, i) for i, completion in enumerate(completions)
+             if (mean := _mean_rating(completion, f"completions[{i}]", where)) is not None]
+    if len(rated) < 2:
+        raise BadRecord(where, f"{len(rated)} of its {len(completions)} completions have a numeric Rating for each "
+                               f"of {', '.join(VLFEEDBACK_ASPECTS)}: the record gives no pair")
+    # max/min return the first of equal items: ties go to the completion listed first.
+    (best, b), (worst, w) = max(rated, key=lambda r: r[0]), min(rated, key=lambda r: r[0])
+    if best == worst:
+        raise BadRecord(where, f"its rated completions all have the same mean rating "
+                               f"({[round(mean, 2) for mean, _ in rated]}): the record gives no pair")
+    chosen, rejected = (_answer(_string(completions[i].get("response"), f"completions[{i}].response", where),
+                                f"completions[{i}].response", where) for i in (b, w))
+    return _pair([(0, HUMAN, prompt)], chosen, rejected, images, source, position, where, record_id=raw.get("id"))
 
 
-def _mean_rating(completion: Any, key: str, where: str) -> float:
-    """The mean of a completion's three aspect ratings (strings in the published file)."""
+def _completion_list(raw: Any, where: str) -> list:
+    """The completions as a list of ``{model, response, annotations}``. The published parquet stores them as one
+    object of equal-length lists (``datasets`` turns a sequence of structs into a struct of sequences), and so does
+    JSON written from it."""
+    if isinstance(raw, dict):
+        lengths = {key: len(value) if isinstance(value, list) else None for key, value in raw.items()}
+        if "response" not in raw or None in lengths.values() or len(set(lengths.values())) != 1:
+            raise BadRecord(where, f"'completions' as an object must hold lists of equal length, 'response' among "
+                                   f"them (as the published parquet does); got {lengths}")
+        return [dict(zip(raw, values)) for values in zip(*raw.values())]
+    if not isinstance(raw, list):
+        raise BadRecord(where, f"'completions' must be a list of rated responses, got {raw!r}"[:300])
+    return raw
+
+
+def _mean_rating(completion: Any, key: str, where: str) -> float | None:
+    """The mean of a completion's three aspect ratings (strings in the published file); None when one of them is
+    not a number ('N/A', missing, null)."""
+    if not isinstance(completion, dict):
+        raise BadRecord(where, f"{key} must be an object with response and annotations, got {completion!r}"[:300])
+    annotations = completion.get("annotations")
     try:
-        annotations = completion["annotations"]
-        return sum(float(annotations[aspect]["Rating"]) for aspect in VLFEEDBACK_ASPECTS) / len(VLFEEDBACK_ASPECTS)
+        ratings = [float(annotations[aspect]["Rating"]) for aspect in VLFEEDBACK_ASPECTS]
     except (KeyError, TypeError, ValueError):
-        raise BadRecord(where, f"{key}: expected annotations with a numeric Rating for each of "
-                               f"{', '.join(VLFEEDBACK_ASPECTS)}") from None
+        return None
+    return sum(ratings) / len(ratings) if all(map(math.isfinite, ratings)) else None
 
 
 PAIR_FORMATS: dict[str, Callable[[Any, Path, int], PairRecord]] = {
