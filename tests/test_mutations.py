@@ -132,7 +132,7 @@ def nan_project(folder: Path, storage: Path, out: Path, poisoned: int, nproc: in
         "datasets": {"demo_shapes": {"build_info": {"storage": str(storage), "num_train": 64, "num_val": 8,
                                                    "num_test": 8}}},
         "run": {"output_dir": str(out), "init_lr": 0.05, "max_epoch": 1, "log_freq": 1, "seed": 3,
-                "batch_size_train": 4, "deepspeed_config": {"zero_optimization": {"stage": 0}},
+                "batch_size_train": 4, "zero_stage": 0,
                 **run},
     })
 
@@ -409,7 +409,7 @@ def cases(storage: Path, base: Path) -> list[Case]:
              all_four),
         # (Stages 1-3 and fp32/bf16 convert through the universal checkpoint: tests/test_first_hour.py.)
         Case("ZeRO stage changed to one that cannot convert", lambda d: train_cmd(
-            copy_run(base, d, storage)[1], 0, "run.deepspeed_config.zero_optimization.stage=0"), 2,
+            copy_run(base, d, storage)[1], 0, "run.zero_stage=0"), 2,
              [r"step_16 was saved with ZeRO stage 2 in fp32 and this run asks for stage 0 in fp32",
               r"run\.resume=false"], all_four),
         Case("precision changed to one that cannot convert", lambda d: train_cmd(
