@@ -89,7 +89,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
     options = [f"run.output_dir={output_dir}", "run.resume=false", "run.save_freq_steps=0", f"run.runner={args.runner}",
                # total_steps only shapes the lr curve and the progress bar; make it outlast the benchmark
                "run.max_epoch=1000",
-               f"run.deepspeed_config.zero_optimization.stage={args.stage}",
+               f"run.zero_stage={args.stage}",
                f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
     registry.get_runner_class(cfg.run.runner).init_process_group()

@@ -7,10 +7,11 @@ from pathlib import Path
 import yaml
 
 
-def tiny_config(output_dir: Path, demo_storage: Path, stage: int = 2, dtype: str = "fp32", micro: int = 4,
+def tiny_config(output_dir: Path, demo_storage: Path, stage: int | None = 2, dtype: str = "fp32", micro: int = 4,
                 accum: int = 1, max_epoch: int = 1, clip: float | None = 1.0, sizes: tuple[int, int, int] | None = None,
                 **run) -> dict:
-    """A run of the tiny BLIP2-Qwen on a small demo_shapes copy, logging every step. ``stage``: the ZeRO stage;
+    """A run of the tiny BLIP2-Qwen on a small demo_shapes copy, logging every step. ``stage``: run.zero_stage
+    (None: unset, for a DeepSpeed section in ``run`` to give it);
     ``clip``: run.grad_norm_clip (None: unset); ``sizes``: the demo's (num_train, num_val, num_test), by default
     what ``demo_storage`` holds (its DONE file), or (128, 16, 8) for data the build is yet to generate;
     ``run``: more run keys."""
@@ -27,7 +28,7 @@ def tiny_config(output_dir: Path, demo_storage: Path, stage: int = 2, dtype: str
             "max_epoch": max_epoch, "log_freq": 1, "seed": 7, "batch_size_eval": 8,
             "batch_size_train": micro, "accum_grad_iters": accum, "precision": dtype,
             **({} if clip is None else {"grad_norm_clip": clip}),
-            "deepspeed_config": {"zero_optimization": {"stage": stage}},
+            **({} if stage is None else {"zero_stage": stage}),
             **run,
         },
     }

@@ -3,7 +3,7 @@ runners' sections, the token budget and packing, the splits. ``lavis_ds.config``
 from __future__ import annotations
 
 from lavis_ds.common import registry as reg
-from lavis_ds.common.run_config import NEUTRAL_KEYS, Twin, batch_unit, resolve_twins, training_settings
+from lavis_ds.common.run_config import NEUTRAL_KEYS, ZERO_KEYS, Twin, batch_unit, resolve_twins, training_settings
 
 
 def runners_by_name() -> dict[str, type]:
@@ -26,13 +26,19 @@ def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
 
 
 def foreign_options_notes(run: dict, chosen: type) -> list[str]:
-    """Another runner's options section in this run: what of it this runner uses (its twins of the run keys)."""
-    notes = []
+    """Another runner's options section or own run keys in this run: what of them this runner uses (the twins of
+    the neutral run keys) and what it does not."""
+    notes, seen = [], set(chosen.OWN_RUN_KEYS)
     for name, runner in runners_by_name().items():
+        own = [f"run.{key}={run[key]!r}" for key in runner.OWN_RUN_KEYS if key not in seen and run.get(key) is not None]
+        seen.update(runner.OWN_RUN_KEYS)
+        if own:
+            notes.append(f"{', '.join(own)}: read by {name} only; {reg.runners.canonical(run['runner'])} does not "
+                         f"use {'it' if len(own) == 1 else 'them'}")
         key = runner.OPTIONS_KEY
         if key is None or key == chosen.OPTIONS_KEY or not isinstance(run.get(key), dict) or not run[key]:
             continue
-        used = {twin.path.split(".")[2] for twin in runner.option_twins(run[key])[0]}
+        used = {twin.path.split(".")[2] for twin in runner.option_twins(run[key])[0] if twin.key in NEUTRAL_KEYS}
         unused = sorted(k for k in run[key] if k not in used)
         if unused:
             notes.append(f"run.{key} is {name}'s section; {reg.runners.canonical(run['runner'])} reads only what it "
@@ -63,7 +69,7 @@ def neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | No
     run.batch_size_train's); None if they cannot be resolved."""
     twins, problems = option_twins(run)
     errors.extend(problems)
-    written = tuple(f"run.{key}" for key in NEUTRAL_KEYS) + tuple(twin.path for twin in twins)
+    written = tuple(f"run.{key}" for key in NEUTRAL_KEYS + ZERO_KEYS) + tuple(twin.path for twin in twins)
     if problems or any(e.startswith(written) for e in errors):
         return None
     try:

@@ -271,7 +271,8 @@ def test_user_subclass_registered_through_imports_trains(tmp_path):
 def _demo_run(tmp_path, **run):
     storage = tmp_path / "demo"
     ensure_demo_shapes(storage, DemoShapesSpec(num_train=16, num_val=8, num_test=8))
-    return tiny_config(tmp_path / "out", storage, clip=None, **run)  # the JSON's "auto" clipping: DeepSpeed's default
+    # the JSON's "auto" clipping: DeepSpeed's default; its ZeRO stage: the JSON's
+    return tiny_config(tmp_path / "out", storage, stage=None if "deepspeed_config" in run else 2, clip=None, **run)
 
 
 def test_hf_ds_config_file_with_autos_is_filled_from_the_run(tmp_path, monkeypatch, caplog):

@@ -5,12 +5,16 @@ import json
 import re
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 import lavis_ds  # noqa: F401
 from lavis_ds.config import ConfigError, load_config
 from run_utils import REPO, run_train, write_yaml
 
 PROJECT_YAMLS = sorted((REPO / "projects").rglob("*.yaml"))
+# The one shipped YAML that says its DeepSpeed settings in DeepSpeed's words, to show a DeepSpeed JSON as it is
+DEEPSPEED_SPELLED = REPO / "projects/minigpt4qwen/zero2_offload.yaml"
 
 
 @pytest.fixture
@@ -32,7 +36,7 @@ def _cfg(tmp_path, ann, tokenizer_dir, **edits):
             # The tiny model's ViT takes 64 px images.
             "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
-                "batch_size_train": 1, "deepspeed_config": {"zero_optimization": {"stage": 2}}},
+                "batch_size_train": 1, "zero_stage": 2},
     }
     for dotted, value in edits.items():
         *parents, leaf = dotted.split(".")
@@ -63,6 +67,8 @@ def test_defaults_merge_under_the_user_and_options_override(instruction_data, ti
     ("model.arch=blip2_qwn", r"model\.arch: Unknown model 'blip2_qwn'\. Did you mean 'blip2_qwen'\?"),
     ("run.deepspeed_config.zero_optimization.stage=5",
      r"run\.deepspeed_config\.zero_optimization\.stage: 5 is not a ZeRO stage; valid: 0, 1, 2, 3"),
+    ("run.zero_stage=5", r"run\.zero_stage: expected 0 \| 1 \| 2 \| 3 \| None, got 5"),
+    ("run.offload_params=cpu", r"run\.offload_params: expected bool \| null, got 'cpu'"),
     ("run.accum_grad_iters=1 run.global_batch_size=64",
      r"run\.global_batch_size=64 but batch_size_train=1 x accum_grad_iters=1 x world size 1 = 1"),
     ("run.deepspeed_config.train_micro_batch_size_per_gpu=2",
@@ -132,6 +138,11 @@ def test_every_project_yaml_loads_and_validates(path):
     # Structure only: the full-size YAMLs name weight folders that exist on the user's machine, not here.
     cfg = load_config(path, world_size=2 if "demo" in path.parts else 4, check_files=False)
     assert cfg.model.arch and cfg.run.output_dir
+    # One spelling per setting: the ZeRO stage is run.zero_stage, and it is what DeepSpeed is handed.
+    run = yaml.safe_load(path.read_text())["run"]
+    assert ("deepspeed_config" in run) == (path == DEEPSPEED_SPELLED), f"{path}: spells its ZeRO settings otherwise"
+    stage = run["deepspeed_config"]["zero_optimization"]["stage"] if path == DEEPSPEED_SPELLED else run["zero_stage"]
+    assert cfg.run.deepspeed_config.zero_optimization.stage == stage
 
 
 def test_replacing_a_default_processor_drops_its_default_arguments(instruction_data, tiny_tokenizer_dir):
@@ -154,7 +165,7 @@ def test_a_deepspeed_yaml_switched_to_fsdp_keeps_its_batch_precision_and_adam_se
     those keys (config.yaml records them), and what runner_fsdp does not read of it is named."""
     tmp_path, ann = instruction_data
     path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{
-        "run.runner": "runner_fsdp",
+        "run.runner": "runner_fsdp", "run.zero_stage": None, "run.deepspeed_config.zero_optimization": {"stage": 2},
         "run.deepspeed_config.gradient_accumulation_steps": 4, "run.deepspeed_config.gradient_clipping": 0.5,
         "run.deepspeed_config.bf16": {"enabled": True},
         "run.deepspeed_config.optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.95], "eps": 1e-6}}})
@@ -174,6 +185,45 @@ def test_a_deepspeed_yaml_switched_to_fsdp_keeps_its_batch_precision_and_adam_se
     assert list(ds.optimizer.params.betas) == [0.8, 0.95] and ds.bf16.enabled is True
 
 
+# (run keys, the same in DeepSpeed's words): the ZeRO stage and offload
+ZERO_SPELLINGS = {
+    "stage 3, both offloaded": ({"run.zero_stage": 3, "run.offload_optimizer": True, "run.offload_params": True},
+                                {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    "stage 1, no offload": ({"run.zero_stage": 1, "run.offload_optimizer": False},
+                            {"stage": 1, "offload_optimizer": {"device": "none"}}),
+    # a run key and what only the DeepSpeed section can say about the same offload
+    "with pin_memory": ({"run.offload_optimizer": True,
+                         "run.deepspeed_config.zero_optimization": {"offload_optimizer": {"pin_memory": True}}},
+                        {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+}
+
+
+@pytest.mark.parametrize("native, deepspeed", ZERO_SPELLINGS.values(), ids=ZERO_SPELLINGS.keys())
+def test_the_zero_keys_and_their_deepspeed_spelling_hand_deepspeed_one_config(instruction_data, tiny_tokenizer_dir,
+                                                                              native, deepspeed):
+    tmp_path, ann = instruction_data
+
+    def handed(**edits):
+        run = load_config(_cfg(tmp_path, ann, tiny_tokenizer_dir, **edits), world_size=2).run
+        return OmegaConf.to_container(run.deepspeed_config)
+
+    as_run_keys = handed(**native)
+    assert as_run_keys == handed(**{"run.zero_stage": None, "run.deepspeed_config.zero_optimization": deepspeed})
+    assert as_run_keys == handed(**{**native, "run.deepspeed_config.zero_optimization": deepspeed})  # both, agreeing
+    assert as_run_keys["zero_optimization"] == deepspeed  # nothing added, nothing lost
+    assert as_run_keys.get("zero_force_ds_cpu_optimizer", False) == (deepspeed["offload_optimizer"]["device"] == "cpu")
+
+
+def test_the_zero_keys_under_runner_fsdp_are_named_as_unused(instruction_data, tiny_tokenizer_dir, caplog):
+    tmp_path, ann = instruction_data
+    path = _cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.runner": "runner_fsdp", "run.offload_optimizer": True})
+    with caplog.at_level("WARNING"):
+        run = load_config(path).run
+    assert "run.zero_stage=2, run.offload_optimizer=True: read by runner_deepspeed only; runner_fsdp does not use " \
+           "them" in caplog.text
+    assert "deepspeed_config" not in run  # nothing of DeepSpeed's is made for an FSDP run
+
+
 @pytest.mark.parametrize("edits, message", [
     ({"run.adam_betas": [0.9, 0.999], "run.deepspeed_config.optimizer": {"params": {"betas": [0.8, 0.95]}}},
      r"run\.adam_betas=\[0\.9, 0\.999\] and run\.deepspeed_config\.optimizer\.params\.betas=\[0\.8, 0\.95\] disagree"),
@@ -188,6 +238,15 @@ def test_a_deepspeed_yaml_switched_to_fsdp_keeps_its_batch_precision_and_adam_se
      r"run\.deepspeed_config\.optimizer\.params\.eps: expected a number > 0, got 'tiny'"),
     ({"run.deepspeed_config.gradient_accumulation_steps": "four"},
      r"run\.deepspeed_config\.gradient_accumulation_steps: expected a positive integer, got 'four'"),
+    ({"run.zero_stage": 3, "run.deepspeed_config.zero_optimization": {"stage": 2}},
+     r"^run\.zero_stage=3 and run\.deepspeed_config\.zero_optimization\.stage=2 disagree; they are the same setting, "
+     r"give one$"),
+    ({"run.offload_optimizer": False, "run.deepspeed_config.zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+     r"^run\.offload_optimizer=False and run\.deepspeed_config\.zero_optimization\.offload_optimizer\.device='cpu' "
+     r"disagree"),
+    ({"run.zero_stage": 3, "run.offload_params": True,
+      "run.deepspeed_config.zero_optimization": {"offload_param": {"device": "none"}}},
+     r"^run\.offload_params=True and run\.deepspeed_config\.zero_optimization\.offload_param\.device='none' disagree"),
 ])
 @pytest.mark.parametrize("runner", ["runner_deepspeed", "runner_fsdp"])
 def test_a_neutral_key_and_its_twin_that_disagree_are_named_under_every_runner(instruction_data, tiny_tokenizer_dir,

@@ -31,7 +31,7 @@ def valid_config(tmp_path, tiny_tokenizer_dir):
             "build_info": {"annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}},
             "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
-                "batch_size_train": 1, "deepspeed_config": {"zero_optimization": {"stage": 2}}},
+                "batch_size_train": 1, "zero_stage": 2},
     }
     path = write_yaml(tmp_path / "run.yaml", cfg)
     load_config(path)  # the baseline is valid: every failure below comes from its one mutation
@@ -64,6 +64,7 @@ MUTATIONS = {
                           rf"^{DS}\.gradient_clipping: expected a number >= 0 \(0: no clipping\), got -1$"),
     "ZeRO stage 4": (f"{DS}.zero_optimization.stage=4",
                      rf"^{DS}\.zero_optimization\.stage: 4 is not a ZeRO stage; valid: 0, 1, 2, 3$"),
+    "ZeRO stage true": ("run.zero_stage=true", r"^run\.zero_stage: expected 0 \| 1 \| 2 \| 3 \| None, got True$"),
     # typos at every depth
     "top level": ("modle.arch=x", r"^<top level>\.modle: unknown key; did you mean 'model'\?$"),
     "model": ("model.freeze_qformr=true", r"^model\.freeze_qformr: unknown key; did you mean 'freeze_qformer'\?$"),
@@ -159,16 +160,18 @@ def test_lavis_keys_that_map_are_accepted_and_said_once(valid_config, caplog):
 # ---------------------------------------------------------------------------- settings that do nothing
 
 
-def test_offload_param_below_zero3_is_a_warning(valid_config, caplog):
-    offload = [f"{DS}.zero_optimization.offload_param.device=cpu"]
+@pytest.mark.parametrize("offload, where", [(f"{DS}.zero_optimization.offload_param.device=cpu",
+                                             f"{DS}.zero_optimization.offload_param"),
+                                            ("run.offload_params=true", "run.offload_params")])
+def test_offload_param_below_zero3_is_a_warning(valid_config, caplog, offload, where):
+    """The warning names the spelling the run used."""
     with caplog.at_level(logging.WARNING, logger="lavis_ds"):
-        load_config(valid_config, offload)
+        load_config(valid_config, [offload])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(w.startswith(f"{DS}.zero_optimization.offload_param: has no effect at ZeRO stage 2") and "stage 3" in w
-               for w in warnings), warnings
+    assert any(w.startswith(f"{where}: has no effect at ZeRO stage 2") and "stage 3" in w for w in warnings), warnings
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lavis_ds"):
-        load_config(valid_config, offload + [f"{DS}.zero_optimization.stage=3"])
+        load_config(valid_config, [offload, "run.zero_stage=3"])
     assert not any("offload_param" in r.getMessage() for r in caplog.records)
 
 

@@ -248,7 +248,7 @@ def _run_yaml(tmp_path, tokenizer_dir, datasets: dict) -> Path:
     cfg = {"model": {"arch": "blip2_qwen", "model_type": "tiny", "tokenizer": str(tokenizer_dir), "image_size": 16},
            "datasets": datasets,
            "run": {"output_dir": str(tmp_path / "out"),
-                   "batch_size_train": 1, "deepspeed_config": {"zero_optimization": {"stage": 0}}}}
+                   "batch_size_train": 1, "zero_stage": 0}}
     return write_yaml(tmp_path / "run.yaml", cfg)
 
 

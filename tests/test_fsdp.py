@@ -126,8 +126,8 @@ def test_fsdp_checkpoint_is_a_lean_dcp_folder_with_the_protocol(fp32_runs):
     files = {p.name for p in tag_dir.iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "client_state.pt", "rng_state_rank0.pt",
             "rng_state_rank1.pt", "lavis_ds_complete.json"} <= files
-    assert "run.deepspeed_config is runner_deepspeed's section; runner_fsdp reads only what it says about the run " \
-           "keys (batch, clipping, precision, AdamW's betas/eps); not used: zero_optimization" in proc.stderr + proc.stdout
+    # the run names a ZeRO stage (tiny_config's run.zero_stage), which FSDP does not read: one line says so
+    assert "run.zero_stage=3: read by runner_deepspeed only; runner_fsdp does not use it" in proc.stderr + proc.stdout
 
 
 def test_export_reads_an_fsdp_checkpoint_as_it_reads_a_deepspeed_one(fp32_runs, tmp_path):

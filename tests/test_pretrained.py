@@ -254,7 +254,7 @@ def test_missing_files_are_reported_at_config_time_with_their_key(tiny_tokenizer
             "annotations": {"train": {"storage": str(ann)}}, "images": {"storage": str(tmp_path / "images")}},
             "vis_processor": {"train": {"image_size": 64}, "eval": {"image_size": 64}}}},
         "run": {"output_dir": str(tmp_path / "out"),
-                "batch_size_train": 1, "deepspeed_config": {"zero_optimization": {"stage": 2}}},
+                "batch_size_train": 1, "zero_stage": 2},
     })
     with pytest.raises(ConfigError) as info:
         load_config(cfg)

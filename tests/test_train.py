@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import demo_storage_fixture
 from lavis_ds.models import Blip2Qwen
@@ -70,8 +71,10 @@ def test_optimizer_offload_trains_and_resumes_bit_for_bit(tmp_path, demo_storage
     """ZeRO-Offload steps DeepSpeedCPUAdam, whose C++ kernel keeps beta powers outside the checkpoint."""
     out = tmp_path / "offload"
     cfg = tiny_config(out, demo_storage, stage=2, max_epoch=2, save_freq_steps=5)
-    cfg["run"]["deepspeed_config"]["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cfg["run"]["offload_optimizer"] = True
     run_train(write_yaml(tmp_path / "offload.yaml", cfg), timeout=900)
+    handed = yaml.safe_load((out / "config.yaml").read_text())["run"]["deepspeed_config"]
+    assert handed["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}  # the run key reached DeepSpeed
     uninterrupted = train_steps(out)
     losses = [m["loss"] for m in uninterrupted]
     assert all(math.isfinite(x) for x in losses) and _falls(losses)

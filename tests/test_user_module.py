@@ -50,7 +50,7 @@ def test_user_module_registers_a_model_that_trains_through_train_py(tmp_path):
         "datasets": {"demo_shapes": {"build_info": {"storage": str(storage), "num_train": 64,
                                                    "num_val": 8, "num_test": 8}}},
         "run": {"output_dir": str(out), "init_lr": 0.05, "max_epoch": 4, "log_freq": 1, "valid_splits": ["val"],
-                "batch_size_train": 8, "deepspeed_config": {"zero_optimization": {"stage": 1}}},
+                "batch_size_train": 8, "zero_stage": 1},
     })
     run_train(cfg, nproc=2, cwd=tmp_path)  # the user's package is found from the working directory
 

@@ -3,7 +3,9 @@
 Micro-batch, accumulation, global batch, clipping, precision and AdamW's betas/eps are engine-neutral
 `run` keys. A runner's own options section may set the same things in its engine's words (a YAML
 written for DeepSpeed keeps working under every runner): each runner names those twins, the config
-loader maps them onto the run keys, and a value given both ways must agree.
+loader maps them onto the run keys, and a value given both ways must agree. The ZeRO keys (stage,
+offload) are run keys too, read by the DeepSpeed engine only; their twins in the DeepSpeed section
+are checked the same way.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class RunConfig:
     precision: Literal["fp32", "bf16", "fp16", None] = None  # training precision; unset: a twin's, or fp32
     adam_betas: tuple[float, float] | None = None  # AdamW's (beta1, beta2); unset: (0.9, 0.999)
     adam_eps: Annotated[float | None, Positive] = None  # AdamW's eps; unset: 1e-8
+    # the DeepSpeed engine's ZeRO settings (ZERO_KEYS); unset: what its JSON section says, else stage 0, no offload
+    zero_stage: Literal[0, 1, 2, 3, None] = None
+    offload_optimizer: bool | None = None  # optimizer states and step in CPU RAM (DeepSpeedCPUAdam); stages 1-3
+    offload_params: bool | None = None  # parameters in CPU RAM between uses; stage 3
     batch_size_eval: Annotated[int, AtLeastOne] = 8
     num_workers: Annotated[int, NonNegative] = 0
     seed: Annotated[int, NonNegative] = 42  # numpy takes seeds in [0, 2**32)
@@ -111,12 +117,15 @@ class TrainingSettings:
 
 NEUTRAL_KEYS = ("batch_size_train", "accum_grad_iters", "global_batch_size", "grad_norm_clip", "precision",
                 "adam_betas", "adam_eps")
+# Run keys of the DeepSpeed engine alone, with twins in its section; other engines leave them unread (a log line
+# says so), and the DeepSpeed engine writes them into the JSON it is handed.
+ZERO_KEYS = ("zero_stage", "offload_optimizer", "offload_params")
 
 
 @dataclass(frozen=True)
 class Twin:
-    """A neutral run key's setting written in a runner's own options section in its engine's words (the
-    DeepSpeed JSON's micro-batch key for ``run.batch_size_train``). Runners name theirs
+    """A neutral run key's (or a ZeRO key's) setting written in a runner's own options section in its engine's
+    words (the DeepSpeed JSON's micro-batch key for ``run.batch_size_train``). Runners name theirs
     (``Engine.option_twins``); the config loader maps them onto the run key, whichever runner runs."""
 
     key: str  # the run key
@@ -136,10 +145,10 @@ def valid_betas(value: Any) -> bool:
 
 
 def resolve_twins(run: dict, twins: list[Twin]) -> tuple[dict, dict[str, str]]:
-    """``run`` with every unset neutral key taken from a twin, and where each value so taken was written;
+    """``run`` with every unset neutral or ZeRO key taken from a twin, and where each value so taken was written;
     ValueError naming two settings that disagree."""
     run, taken = dict(run), {}
-    for key in NEUTRAL_KEYS:
+    for key in NEUTRAL_KEYS + ZERO_KEYS:
         for twin in (t for t in twins if t.key == key):
             mine = run.get(key)
             if mine is not None and not twin.agrees(mine):

@@ -121,8 +121,8 @@ def matches(value: Any, tp: Any) -> bool:
         return True
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is Literal:
-        return value in args
+    if origin is Literal:  # true is not 1, nor false 0 (a ZeRO stage)
+        return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in args)
     if origin in (Union, types.UnionType):
         return any(matches(value, a) for a in args)
     if tp is type(None):

@@ -46,6 +46,8 @@ class Engine:
     # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
     MODEL_NEEDS: tuple[str, ...] = ()
     OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
+    # `run` keys that this engine alone reads (DeepSpeed's ZeRO stage): under another engine a log line names them
+    OWN_RUN_KEYS: tuple[str, ...] = ()
     # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
     # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.
     CHECKPOINT_FILES: tuple[str, ...] = ()
@@ -62,10 +64,10 @@ class Engine:
 
     @classmethod
     def option_twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
-        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) that this engine's options section sets
-        in its engine's own words, and problems with those values. The config loader maps them onto the run
-        keys whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ...
-        Default: none."""
+        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) and this engine's own run keys
+        (``OWN_RUN_KEYS``) that this engine's options section sets in its engine's own words, and problems with
+        those values. The config loader maps them onto the run keys whichever runner the run chose, so switching
+        ``run.runner`` keeps the batch, precision, ... Default: none."""
         return [], []
 
     @classmethod

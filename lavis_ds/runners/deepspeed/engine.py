@@ -13,10 +13,10 @@ from lavis_ds.common import comm
 from lavis_ds.common.errors import ConfigError, InputError
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common import registry as reg
-from lavis_ds.common.run_config import with_batch_layout
+from lavis_ds.common.run_config import ZERO_KEYS, with_batch_layout
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
-from lavis_ds.runners.deepspeed import section
+from lavis_ds.runners.deepspeed import section, zero_keys
 from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
 from lavis_ds.runners.deepspeed.checkpoint import layout_of
 from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
@@ -31,6 +31,7 @@ class DeepSpeedEngine(Engine):
     """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
     OPTIONS_KEY = "deepspeed_config"  # the DeepSpeed JSON, inline or as the path of a .json file
+    OWN_RUN_KEYS = ZERO_KEYS  # run.zero_stage, run.offload_optimizer, run.offload_params
     CHECKPOINT_FILES = ("*model_states.pt",)
 
     @classmethod
@@ -57,7 +58,7 @@ class DeepSpeedEngine(Engine):
         # What DeepSpeed will be handed ("auto" values filled, batch layout and precision completed).
         ds, notes = section.resolve_auto(run.get("deepspeed_config") or {}, run)
         run = {**run, "deepspeed_config": build_deepspeed_config({**run, "deepspeed_config": ds}, world_size)}
-        return run, notes + section.no_effect_warnings(run["deepspeed_config"])
+        return run, notes + zero_keys.no_effect_warnings(run["deepspeed_config"], run)
 
     @classmethod
     def prepare_process(cls, cfg):
@@ -65,7 +66,8 @@ class DeepSpeedEngine(Engine):
 
         # Before the process group: initialising it loads the shared-memory op on a CPU machine.
         ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=os.environ.get("LOCAL_RANK", "0") == "0")
-        problems = gpu_problems(dict(cfg.run.deepspeed_config), on_gpu=torch.cuda.is_available())
+        problems = gpu_problems(dict(cfg.run.deepspeed_config), on_gpu=torch.cuda.is_available(),
+                                where=zero_keys.spelled(cfg.run, "offload_optimizer"))
         if problems:
             raise ConfigError(problems, "run.deepspeed_config")
 
@@ -213,7 +215,7 @@ class DeepSpeedEngine(Engine):
                 f"{tag_dir} was saved with ZeRO stage {saved['zero_stage']} in {saved['precision']} and this run "
                 f"asks for stage {now['zero_stage']} in {now['precision']}. Resuming converts between ZeRO stages "
                 f"1-3 and between fp32 and bf16 only; resume with the settings it was saved with "
-                f"(run.deepspeed_config.zero_optimization.stage={saved['zero_stage']}, {saved['precision']}), or "
+                f"(run.zero_stage={saved['zero_stage']}, run.precision={saved['precision']}), or "
                 f"start afresh (--options run.resume=false, or another run.output_dir)")
         problems = ckpt.trainable_problems(tag_dir, ds_ckpt.saved_trainable(states), self.model)
         if problems:
@@ -263,7 +265,7 @@ class DeepSpeedEngine(Engine):
         stage, precision = self.layout["zero_stage"], self.layout["precision"]
         if stage == 0:
             return ("with ZeRO stage 0 cannot continue it (stage 0 loads no per-parameter optimizer states); use "
-                    "run.deepspeed_config.zero_optimization.stage 1, 2 or 3")
+                    "run.zero_stage 1, 2 or 3")
         if precision == "fp16":
             return ("in fp16 cannot continue it exactly (fp16's loss scaler has no state in another engine's "
                     "checkpoint); use run.precision fp32 or bf16")

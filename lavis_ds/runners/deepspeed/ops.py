@@ -75,10 +75,12 @@ def adam_for_this_machine(ds_config: dict, on_gpu: bool) -> tuple[dict, str | No
     return {**ds_config, "optimizer": {**optimizer, "params": params}}, note
 
 
-def gpu_problems(ds_config: dict, on_gpu: bool) -> list[str]:
-    """What this DeepSpeed config cannot run on this GPU machine (empty on a CPU machine)."""
+def gpu_problems(ds_config: dict, on_gpu: bool,
+                 where: str = "run.deepspeed_config.zero_optimization.offload_optimizer") -> list[str]:
+    """What this DeepSpeed config cannot run on this GPU machine (empty on a CPU machine); ``where``: the key that
+    asked for optimizer offload."""
     if on_gpu and _offloads_optimizer(ds_config) and not prebuilt("cpu_adam") and cuda_compiler() is None:
-        return ["run.deepspeed_config.zero_optimization.offload_optimizer: optimizer offload steps DeepSpeed's "
+        return [f"{where}: optimizer offload steps DeepSpeed's "
                 "CPU Adam, which is compiled against the CUDA toolkit on a GPU machine, and this machine has no CUDA "
                 "compiler (nvcc under CUDA_HOME). Install the CUDA toolkit (and set CUDA_HOME), or a DeepSpeed built "
                 "with DS_BUILD_CPU_ADAM=1, or train without offload_optimizer"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from lavis_ds.common.run_config import Twin, training_settings, valid_betas
 from lavis_ds.common.suggest import did_you_mean
+from lavis_ds.runners.deepspeed import zero_keys
 
 WHERE = "run.deepspeed_config"
 AUTO = "auto"
@@ -56,8 +57,9 @@ PRECISION_SWITCHES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}  # sec
 
 
 def option_twins(ds: dict) -> tuple[list[Twin], list[str]]:
-    """What the section says about the neutral run keys (its "auto" values say nothing: the run fills them)."""
-    twins, problems = [], []
+    """What the section says about the neutral run keys and the ZeRO keys (its "auto" values say nothing: the run
+    fills them)."""
+    twins, problems = zero_keys.twins(ds), []
     for key, ds_key in TWIN_KEYS.items():
         value = ds.get(ds_key)
         if value is None or value == AUTO:
@@ -179,23 +181,6 @@ def _leaves(node: Any) -> list:
     if isinstance(node, dict):
         return [leaf for v in node.values() for leaf in _leaves(v)]
     return [node]
-
-
-def no_effect_warnings(ds: dict) -> list[str]:
-    """Settings that are valid but change nothing in this configuration."""
-    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
-    stage = zero.get("stage", 0)
-    warnings = []
-    offload_param = zero.get("offload_param")
-    if isinstance(stage, int) and stage < 3 and isinstance(offload_param, dict) and \
-            offload_param.get("device", "none") not in ("none", None):
-        warnings.append(f"{WHERE}.zero_optimization.offload_param: has no effect at ZeRO stage {stage} (parameters "
-                        f"are offloaded at stage 3 only); use stage 3, or offload_optimizer to offload at stage 1-2")
-    if isinstance(stage, int) and stage == 0 and isinstance(zero.get("offload_optimizer"), dict) and \
-            zero["offload_optimizer"].get("device", "none") not in ("none", None):
-        warnings.append(f"{WHERE}.zero_optimization.offload_optimizer: has no effect at ZeRO stage 0; "
-                        f"use stage 1, 2 or 3")
-    return warnings
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -392,6 +377,7 @@ def build_deepspeed_config(run: dict, world_size: int) -> dict:
     for key, run_key in (("betas", "adam_betas"), ("eps", "adam_eps")):
         if run.get(run_key) is not None:
             params[key] = run[run_key]
+    zero_keys.apply(ds, run)
     ds.setdefault("steps_per_print", 10**9)  # our logger reports; DeepSpeed's own would duplicate it
     ds.setdefault("wall_clock_breakdown", False)
     offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
