@@ -1,8 +1,10 @@
 """Load one run YAML: import user modules, merge defaults, apply --options, validate.
 
 Order of precedence, lowest first: the model's default YAML for its `model_type`,
-the dataset builder's default YAML, the `RunConfig` defaults, the user's YAML,
-the `--options key=value` overrides. LAVIS / MiniGPT4Qwen keys are translated
+the dataset builder's default YAML (with the model's own image processors, if it names
+any: `lavis_ds.image_config`), the `RunConfig` defaults, the user's YAML,
+the `--options key=value` overrides; then what a `tower_image_*` processor leaves out is
+filled from the model's vision tower. LAVIS / MiniGPT4Qwen keys are translated
 first (`lavis_compat`), and each runner's options section is read by its runner (e.g. a
 DeepSpeed JSON file named by its path). What a runner's section says about the engine-neutral
 run keys (batch, precision, clipping, AdamW's betas/eps: its "twins") is mapped onto those keys
@@ -34,6 +36,7 @@ from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
+from lavis_ds.image_config import fill_tower_processing, image_problems, with_model_processors
 from lavis_ds import run_checks
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
@@ -77,6 +80,8 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
         cfg = _expand_home(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(errors + [f"interpolation: {e}"], source) from None
+    # The keys tower_image_* processors leave out are the model's tower's: config.yaml records what the run used.
+    fill_tower_processing(cfg, model_class(cfg.model.get("arch")))
     neutral = validate(cfg, errors, world_size)
     if not errors:
         # The neutral keys as resolved with their twins; then the engine completes its section as it will use it
@@ -216,7 +221,8 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
             datasets[name] = section
             continue
         # An unknown builder: its section is merged over the closest one's defaults and checked on.
-        defaults = builder_class(builder_name).default_config()
+        # A model that prepares its own images (its tower's processing) replaces the builder's image processors.
+        defaults = with_model_processors(builder_class(builder_name).default_config(), cls)
         datasets[name] = merge_section_defaults(defaults, section)
 
     run_defaults = {**{k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"},
@@ -285,9 +291,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(ratio_problems({name: section.get("sample_ratio") for name, section in training.items()}))
     errors.extend(data_problems(run, {name: builder_class(section.get("builder", name))
                                       for name, section in training.items()}))
-    errors.extend(_image_size_problems(training))
-    if not any(e.startswith(("model.arch", "model.model_type")) for e in errors):  # else no preset gave the size
-        errors.extend(_model_image_size_problems(plain["datasets"], model, cls))
+    errors.extend(image_problems(plain["datasets"], training, model, cls, [e for e in errors if e.startswith("model")]))
     for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
@@ -336,45 +340,6 @@ def _trains(section: dict, train_splits: list) -> bool:
     """Whether a dataset section contributes to training (generated data without `annotations`: assume so)."""
     annotations = (section.get("build_info") or {}).get("annotations")
     return not isinstance(annotations, dict) or any(split in annotations for split in train_splits)
-
-
-def _image_size_problems(training: dict[str, dict]) -> list[str]:
-    """Training batches stack the images of every training dataset: they must have one size."""
-    sizes = {}
-    for name, section in training.items():
-        proc = (section.get("vis_processor") or {}).get("train")
-        known = isinstance(proc, dict) and proc.get("name") in reg.processors
-        fields = fields_of(reg.processors.get(proc["name"])) if known else {}
-        if "image_size" in fields:  # a processor without the argument says nothing about the size
-            sizes[name] = proc.get("image_size", fields["image_size"][1])
-    first = next(iter(sizes), None)
-    return [f"datasets.{name}.vis_processor.train.image_size: {size} differs from datasets.{first}'s "
-            f"{sizes[first]}; datasets that train together must make images of one size (a batch mixes them)"
-            for name, size in sizes.items() if size != sizes[first]]
-
-
-def _model_image_size_problems(datasets: dict, model: dict, cls: type | None) -> list[str]:
-    """Every image processor must make the size the vision tower is built for (its position embedding): the size
-    the model class reads from its section (``image_size_of``)."""
-    expected = cls.image_size_of(model) if cls is not None else None
-    if not isinstance(expected, int):
-        return []
-    problems = []
-    for name, section in datasets.items():
-        processors = (section.get("vis_processor") or {}) if isinstance(section, dict) else {}
-        for stage, proc in processors.items():
-            if stage not in ("train", "eval"):
-                continue  # reported as an unknown key
-            known = isinstance(proc, dict) and proc.get("name") in reg.processors
-            fields = fields_of(reg.processors.get(proc["name"])) if known else {}
-            size = proc.get("image_size", fields["image_size"][1]) if "image_size" in fields else expected
-            if size != expected and "image_size" in model:
-                problems.append(f"datasets.{name}.vis_processor.{stage}.image_size: {size} but model.image_size is "
-                                f"{expected}; the vision tower takes images of model.image_size only")
-            elif size != expected:  # the tower's own section (or its published folder) fixes the size
-                problems.append(f"datasets.{name}.vis_processor.{stage}.image_size: {size} but the model's vision "
-                                f"tower takes {expected} px images only; set this image_size to {expected}")
-    return problems
 
 
 def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:

@@ -132,10 +132,10 @@ def test_image_free_batch_runs_the_blank_image_with_one_instruction(tiny_tokeniz
 
 
 # ----------------------------------------------------------------- the config check, before anything is built
-def write_run(tmp_path, arch: str, tokenizer, model: dict | None = None) -> str:
+def write_run(tmp_path, arch: str, tokenizer, model: dict | None = None, vis_processor: dict | None = None) -> str:
+    dataset = {"build_info": {"storage": str(tmp_path / "shapes"), "num_train": 4, "num_val": 2, "num_test": 2}}
     cfg = {"model": {"arch": arch, "model_type": "tiny", "tokenizer": str(tokenizer), **(model or {})},
-           "datasets": {"demo_shapes": {"build_info": {"storage": str(tmp_path / "shapes"), "num_train": 4,
-                                                      "num_val": 2, "num_test": 2}}},
+           "datasets": {"demo_shapes": {**dataset, **({"vis_processor": vis_processor} if vis_processor else {})}},
            "run": {"output_dir": str(tmp_path / "out"), "batch_size_train": 2}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -169,8 +169,12 @@ def test_config_mix_replaces_the_presets_part_section(tmp_path, tiny_tokenizer_d
     assert dict(cfg.model.vision_tower) == {"name": "siglip", "preset": "tiny",
                                             "vision_config": {"image_size": 64, "patch_size": 16}}
     assert dict(cfg.model.connector) == {"name": "mlp2x_gelu"}  # the preset's, untouched
-    # the tower fixes the image size: the datasets' processors must make it
+    # the tower fixes the image size: the datasets get it (the tower's own processing, filled in) ...
     path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"vision_tower": {"name": "siglip", "preset": "tiny"}})
+    assert load_config(path).datasets.demo_shapes.vis_processor.train.image_size == 56
+    # ... and a processor the YAML names must make it
+    path = write_run(tmp_path, "llava", tiny_tokenizer_dir, {"vision_tower": {"name": "siglip", "preset": "tiny"}},
+                     {"train": {"name": "tower_image_train", "image_size": 64}})
     with pytest.raises(ConfigError, match=r"vis_processor\.train\.image_size: 64 but the model's vision tower takes "
                                           r"56 px images only"):
         load_config(path)

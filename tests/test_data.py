@@ -29,6 +29,7 @@ from lavis_ds.processors import (
     Blip2ImageEvalProcessor,
     Blip2ImageTrainProcessor,
     BlipCaptionProcessor,
+    ImageProcessing,
     PlainTextProcessor,
 )
 
@@ -40,8 +41,17 @@ SMALL_DEMO = DemoShapesSpec(num_train=24, num_val=6, num_test=6, image_size=32, 
 @pytest.mark.parametrize("name", list(processor_registry))
 def test_every_registered_processor_builds_from_its_config_section(name):
     """Built from ``{name: ...}`` alone, each processor makes what its defaults say: a normalised image of its
-    default size, or the text without its surrounding spaces (a caption also lower-cased, without punctuation)."""
+    default size, or the text without its surrounding spaces (a caption also lower-cased, without punctuation).
+    A processor that does a vision tower's processing has no defaults: built alone it names what it lacks, and
+    with a tower's keys (what the config loader fills in) it makes that tower's images."""
     cls = processor_registry.get(name)
+    if getattr(cls, "FROM_TOWER", False):
+        with pytest.raises(ValueError, match=rf"^{name}: image_size, .* not set; they come from the model's vision"):
+            cls.from_config({"name": name})
+        processor = cls.from_config({"name": name, **ImageProcessing(40).processor_keys()})
+        out = processor(Image.new("RGB", (40, 30), (10, 20, 30)))
+        assert out.shape == (3, 40, 40) and out.dtype == torch.float32 and out.min() < 0
+        return
     processor = cls.from_config({"name": name})
     if "image" in name:
         size = fields_of(cls)["image_size"][1]

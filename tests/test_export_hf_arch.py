@@ -98,11 +98,12 @@ def _requests(paths: list[str]) -> list[dict]:
 
 def _lavis_ds_token_ids(model, request: dict, vis=None) -> list[list[int]]:
     """What lavis_ds.apps.generation generates, as the token ids its LLM's generate returned; ``vis``: the image
-    processor (default: what generate uses for a run without datasets)."""
+    processor (default: what generate uses for a run without datasets, the tower's processing)."""
+    from lavis_ds.apps.export_hf_processor import default_image_cfg
     from lavis_ds.apps.generation import generate
-    from lavis_ds.processors.image import Blip2ImageEvalProcessor
+    from lavis_ds.datasets.builders import build_processor
 
-    vis = vis or Blip2ImageEvalProcessor(image_size=model.image_size)
+    vis = vis or build_processor(default_image_cfg(model))
     images = torch.stack([vis(Image.open(path).convert("RGB")) for path in request["images"]])
     spec = request["lavis_ds"]
     returned = []
@@ -154,7 +155,8 @@ def _siglip(tokenizer_dir):
                        vision_feature_select_strategy="full")
 
 
-BUILDS = {"llava-clip": ("llava", lambda tok, bert: llava_model(tok)),
+# LLaVA-1.5's CLIP tower pads to a square (a CLIP crop of some sizes is a pixel off: docs/export-hf.md).
+BUILDS = {"llava-clip": ("llava", lambda tok, bert: llava_model(tok, pad_to_square=True)),
           "llava-siglip": ("llava", lambda tok, bert: _siglip(tok)),
           "instructblip": ("instructblip", lambda tok, bert: instructblip_model(tok, bert))}
 
@@ -227,6 +229,29 @@ def test_the_llava_folder_holds_what_vllm_and_lmms_eval_read(exports):
     assert text.count("<|image_pad|>") == 1
     ids = processor(images=[Image.new("RGB", (64, 64))], text=[text]).input_ids[0]
     assert ids.count(config.image_token_index) == 16
+
+
+@pytest.mark.parametrize("name, image_processor_class", [("llava-clip", "LlavaImageProcessor"),
+                                                         ("llava-siglip", "SiglipImageProcessor"),
+                                                         ("instructblip", "BlipImageProcessor")])
+def test_the_folder_s_image_processor_gives_the_pixels_lavis_ds_evaluates_with(exports, image_paths, name,
+                                                                                image_processor_class):
+    """The tower's processing (CLIP padded to a square, SigLIP's statistics, EVA's square resize), as the export
+    wrote it and transformers alone reads it, on images of other sizes and aspect ratios."""
+    from transformers import AutoProcessor
+
+    from lavis_ds.apps.export_hf_processor import default_image_cfg
+    from lavis_ds.datasets.builders import build_processor
+
+    *_, folder, model = exports[name]
+    theirs = AutoProcessor.from_pretrained(folder, backend="pil").image_processor
+    assert type(theirs).__name__.startswith(image_processor_class)
+    ours = build_processor(default_image_cfg(model))
+    assert ours.processing == model.vision_tower.processing
+    for path in image_paths:
+        image = Image.open(path).convert("RGB")
+        pixels = torch.as_tensor(np.asarray(theirs(image, return_tensors="pt").pixel_values[0]))
+        assert torch.allclose(pixels, ours(image), rtol=0, atol=1e-5), path
 
 
 def test_the_instructblip_folder_keeps_the_qformer_tokenizer_as_lavis_ds_uses_it(exports, tiny_bert_tokenizer_dir):

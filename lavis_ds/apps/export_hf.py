@@ -37,8 +37,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.apps import export_hf_blip, export_hf_llava
-from lavis_ds.apps.export_hf_checks import EVAL_IMAGE_PROCESSOR, HF_CLASSES, check_expressible
-from lavis_ds.apps.export_hf_processor import generation_config, save_processor
+from lavis_ds.apps.export_hf_checks import HF_CLASSES, check_expressible
+from lavis_ds.apps.export_hf_processor import default_image_cfg, generation_config, save_processor
 from lavis_ds.apps.export_io import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
                                      run_tokenizer, write_whole)
 
@@ -105,7 +105,7 @@ def trained_model(cfg: DictConfig, weights: dict[str, torch.Tensor], tag_dir: Pa
 
 def eval_image_processor(cfg: DictConfig) -> dict[str, Any] | None:
     """The eval image processor section lavis_ds.apps.generate uses (the first dataset's); None if the run has none
-    (generate then resizes to the model's square image size, ``blip2_image_eval``)."""
+    (generate then uses the model's own: ``export_hf_processor.default_image_cfg``)."""
     for section in (cfg.get("datasets") or {}).values():
         processor = (section.get("vis_processor") or {}).get("eval")
         if processor:
@@ -119,11 +119,11 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
     """Check ``model`` (merged, trained weights loaded), then write model, generation config, tokenizer and processor
     of its transformers class into ``out``.
 
-    ``image_cfg``: the eval image processor section (None: ``blip2_image_eval`` at the model's image size).
+    ``image_cfg``: the eval image processor section (None: the model's own, ``export_hf_processor.default_image_cfg``).
     ``trained_dtype``: the dtype training computed in (the checkpoint's ``fp32``/``bf16``/``fp16``).
     Returns notes: where the export computes differently from lavis_ds in ways that change no weight.
     """
-    image_cfg = image_cfg or {"name": EVAL_IMAGE_PROCESSOR, "image_size": model.image_size}
+    image_cfg = image_cfg or default_image_cfg(model)
     target = check_expressible(model, image_cfg)
     dtype = export_dtype(model, trained_dtype)
     if target == "llava":

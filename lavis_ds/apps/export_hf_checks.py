@@ -214,13 +214,13 @@ def _image_processor_problems(image_cfg: dict[str, Any] | None, square_only: boo
     """The eval image processor lavis_ds generates with must be one the export's image processor reproduces."""
     from lavis_ds.apps.export_hf_processor import image_processing_of
 
-    if image_cfg is None:  # lavis_ds generates with blip2_image_eval at the model's image size
+    if image_cfg is None:  # the model's own processing (export_hf_processor.default_image_cfg), checked when written
         return []
     processing = image_processing_of(image_cfg)
     if processing is None:
         return [f"the eval image processor {image_cfg.get('name')!r}; the export's image processors reproduce "
-                f"{EVAL_IMAGE_PROCESSOR} (square bicubic resize, normalise) and processors that carry a tower's "
-                "ImageProcessing only"]
+                f"{EVAL_IMAGE_PROCESSOR} (square bicubic resize, normalise), tower_image_eval (the tower's "
+                "processing) and other processors that carry an ImageProcessing only"]
     if square_only and (processing.resize != "squash" or processing.pad_to_square):
         return [f"the eval image processing {processing}; BlipImageProcessor reproduces a square resize without "
                 "padding only"]

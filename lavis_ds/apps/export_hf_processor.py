@@ -24,8 +24,6 @@ from typing import Any
 
 from torch import nn
 
-from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
-
 
 def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
@@ -60,21 +58,27 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -
 def image_processing_of(image_cfg: dict[str, Any]):
     """The eval image processor section as a tower's ``ImageProcessing`` (resize, mean/std, padding), else None.
 
-    ``blip2_image_eval`` is a square bicubic resize; a registered processor that carries an ``ImageProcessing``
-    (as ``processing``) says its own steps."""
-    from lavis_ds.models.towers.base import ImageProcessing
-
-    if image_cfg.get("name") == "blip2_image_eval":
-        mean, std = image_cfg.get("mean"), image_cfg.get("std")
-        return ImageProcessing(int(image_cfg.get("image_size", 224)), tuple(CLIP_MEAN if mean is None else mean),
-                               tuple(CLIP_STD if std is None else std), "squash", False)
+    Every registered image processor carries one (``processing``): ``blip2_image_eval`` a square bicubic resize,
+    ``tower_image_eval`` its tower's processing; one that augments (random crops, flips) is served by none."""
     from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.processors.image import ImageProcessing
 
     try:
-        processing = getattr(build_processor(image_cfg), "processing", None)
+        processor = build_processor(image_cfg)
     except (KeyError, ValueError, TypeError):
         return None
-    return processing if isinstance(processing, ImageProcessing) else None
+    processing = getattr(processor, "processing", None)
+    augments = getattr(processor, "augments", False)
+    return processing if isinstance(processing, ImageProcessing) and not augments else None
+
+
+def default_image_cfg(model: nn.Module) -> dict[str, Any]:
+    """The eval image processor section of a model whose run names none: what lavis_ds generates with then
+    (``lavis_ds.apps.generation.eval_processors``), the tower's processing for llava and instructblip."""
+    from lavis_ds.image_config import model_eval_processor
+
+    processing = getattr(getattr(model, "vision_tower", None), "processing", None)
+    return model_eval_processor(type(model), processing, model.image_size)
 
 
 def image_processor(processing, target: str = "blip2"):
@@ -112,11 +116,11 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     """Write the tokenizer, chat template and image processor as the target's processor into ``out``
     (``Blip2Processor``, ``InstructBlipProcessor`` with ``qformer_tokenizer/``, ``LlavaProcessor``).
 
-    ``image_cfg``: the eval image processor section (None: ``blip2_image_eval`` at the model's image size)."""
+    ``image_cfg``: the eval image processor section (None: the model's own, ``default_image_cfg``)."""
     from transformers import AutoTokenizer, Blip2Processor, InstructBlipProcessor, LlavaProcessor
 
     prompt = model.prompt
-    processing = image_processing_of(image_cfg or {"name": "blip2_image_eval", "image_size": model.image_size})
+    processing = image_processing_of(image_cfg or default_image_cfg(model))
     images = image_processor(processing, target)
     per_image = 1 if target == "llava" else prompt.num_image_tokens
     template = chat_template(prompt.system_prompt, prompt.image_token, per_image)

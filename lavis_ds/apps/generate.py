@@ -6,7 +6,8 @@
     torchrun --nproc_per_node=4 -m lavis_ds.apps.generate --model exports/demo --data test.json --out preds.jsonl
 
 Images go through the eval image processor of the export's first dataset section
-(``blip2_image_eval`` at the model's ``image_size`` if there is none), the prompt
+(if there is none: the model's own, its tower's processing for llava and instructblip, else
+``blip2_image_eval`` at the model's ``image_size``), the prompt
 through its eval text processor, as in the run's evaluation. A prompt without
 ``<ImageHere>`` gets the image in front (``<Img><ImageHere></Img> prompt``).
 

@@ -35,10 +35,12 @@ def eval_processors(folder: str | Path) -> tuple[Callable, Callable | None]:
             return build_processor(section.vis_processor.eval), build_processor(text.eval) if text else None
     import lavis_ds.models  # noqa: F401  (registers the models)
     from lavis_ds.common import registry as reg
+    from lavis_ds.image_config import model_eval_processor
 
-    model_cls = reg.models.get(cfg.model.arch)  # the model says what size its tower takes
-    size = model_cls.image_size_of(OmegaConf.to_container(cfg.model, resolve=True))
-    return build_processor({"name": "blip2_image_eval", "image_size": int(size)}), None
+    model_cls = reg.models.get(cfg.model.arch)  # the model says what its tower takes
+    section = OmegaConf.to_container(cfg.model, resolve=True)
+    processing, size = model_cls.image_processing_of(section), model_cls.image_size_of(section)
+    return build_processor(model_eval_processor(model_cls, processing, size)), None
 
 
 def cast_dtype(model: nn.Module) -> torch.dtype | None:

@@ -47,6 +47,7 @@ from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, R
 from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, PairOptions, SectionOptions
 from lavis_ds.datasets.preference import PairDataset, pair_parser
 from lavis_ds.processors.base import BaseProcessor
+from lavis_ds.processors.image import awaits_tower
 
 logger = logging.getLogger(__name__)
 
@@ -328,6 +329,8 @@ class BaseDatasetBuilder:
                 if stage not in PROCESSOR_STAGES:
                     problems.append(f"{self.where}.{kind}.{stage}: unknown key; valid keys: train, eval")
                     continue
+                if awaits_tower(proc_cfg):
+                    continue  # the config loader fills it from the model's tower, or says why it cannot
                 try:
                     build_processor(proc_cfg)
                 except (KeyError, ValueError, TypeError) as e:

@@ -101,10 +101,19 @@ class BaseModel(nn.Module):
     # keys of the `model:` section naming local files or folders the model reads (checked before any rank loads)
     FILE_KEYS: tuple[str, ...] = ()
 
+    # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
+    IMAGE_PROCESSORS: dict[str, str] = {}
+
     # What the config loader asks the class about a merged `model:` section, before anything is built.
     @classmethod
     def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
         """The image side the model's vision tower takes (the image processors must make it); None: no say."""
+        return None
+
+    @classmethod
+    def image_processing_of(cls, section: Mapping[str, Any]) -> Any:
+        """The ``processors.image.ImageProcessing`` the model's vision tower was trained with (size, mean/std,
+        resize, padding: what ``tower_image_*`` processors are filled with); None: no say."""
         return None
 
     @classmethod

@@ -26,6 +26,7 @@ from lavis_ds.models.eva_vit import EvaViT, Precision
 from lavis_ds.models import flops
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.vision_llm import VisionLLM
+from lavis_ds.processors.image import ImageProcessing
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,12 @@ class Blip2Qwen(VisionLLM):
     def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
         """One placeholder per Q-Former query: ``num_query_token``."""
         return cls.settings_of(section)["num_query_token"]
+
+    @classmethod
+    def image_processing_of(cls, section: Mapping[str, Any]) -> ImageProcessing:
+        """EVA-CLIP's: a square bicubic resize to ``image_size`` and CLIP's mean/std (what ``blip2_image_eval``
+        does; a ``tower_image_*`` processor is filled with it)."""
+        return ImageProcessing(cls.settings_of(section)["image_size"])
 
     def vision_blocks(self) -> list[nn.Module]:
         """The ViT blocks and the Q-Former layers."""

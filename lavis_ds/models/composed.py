@@ -11,13 +11,16 @@ an instruction-aware connector (InstructBLIP's Q-Former) gets its inputs from ``
 are subclasses that only name their default parts, presets and published-checkpoint formats; any tower
 with any connector trains by YAML (``arch: llava`` with ``vision_tower: {name: siglip}`` and
 ``connector: {name: qformer}``).
+
+Its datasets get the tower's own image processing (``IMAGE_PROCESSORS``: ``tower_image_train`` / ``tower_image_eval``,
+their keys filled from ``image_processing_of(section)`` when the config is loaded; ``lavis_ds.image_config``).
 """
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,6 +33,7 @@ from lavis_ds.models.prompt import image_counts
 from lavis_ds.models.published import load_published, settings_from_published
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.vision_llm_batch import packed_image_order
+from lavis_ds.processors.image import ImageProcessing
 
 # The keys of the model section that hold a part's section, and the registry each part's name is looked up in.
 PART_KINDS: dict[str, Registry] = {"vision_tower": vision_towers, "connector": connectors}
@@ -44,6 +48,8 @@ class ComposedVisionLLM(VisionLLM):
 
     # The part sections an architecture uses when the config leaves one out (subclasses override).
     DEFAULT_PARTS: dict[str, dict[str, Any]] = {"vision_tower": {"name": "clip"}, "connector": {"name": "mlp2x_gelu"}}
+    # A dataset that names no image processor gets the tower's own processing (filled in by the config loader).
+    IMAGE_PROCESSORS = {"train": "tower_image_train", "eval": "tower_image_eval"}
     CONNECTOR_PREFIXES = ("connector.",)
     PER_IMAGE_FIELDS = CONNECTOR_INPUT_KEYS
 
@@ -136,7 +142,7 @@ class ComposedVisionLLM(VisionLLM):
         if part_problems or any(not Path(p).expanduser().exists() for p in cls._part_files(section).values()):
             return problems + part_problems  # a missing file is reported by the file check, once
         try:
-            _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))
+            cls._geometry_of(section)
         except (PartError, ValueError, TypeError) as e:
             # A part names its own keys (`vision_tower.image_size`); here they sit in the model section.
             message = str(e)
@@ -146,15 +152,28 @@ class ComposedVisionLLM(VisionLLM):
     @classmethod
     def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
         """What the connector makes of the tower's tokens (the parts' structure built on the meta device)."""
-        return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))[1]
+        return cls._geometry_of(section).tokens_per_image
 
     @classmethod
     def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
         """The side the tower takes (its preset's, a published folder's config.json, or its ``image_size``)."""
         try:
-            return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))[0]
+            return cls._geometry_of(section).image_size
         except (PartError, ValueError, TypeError, KeyError):
             return None  # config_problems reports why
+
+    @classmethod
+    def image_processing_of(cls, section: Mapping[str, Any]) -> ImageProcessing | None:
+        """The tower's ``processing`` (size, mean/std, resize, padding), from its section alone: the structure built
+        on the meta device, a published folder's config.json read, no weights."""
+        try:
+            return cls._geometry_of(section).processing
+        except (PartError, ValueError, TypeError, KeyError):
+            return None  # config_problems reports why
+
+    @classmethod
+    def _geometry_of(cls, section: Mapping[str, Any]) -> "Geometry":
+        return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))
 
     @classmethod
     def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
@@ -218,11 +237,19 @@ def _part_section_problems(kind: Registry, section: Mapping[str, Any], path: str
     return errors
 
 
+class Geometry(NamedTuple):
+    """What the config side knows of a tower and connector pair without building it."""
+
+    image_size: int
+    tokens_per_image: int
+    processing: ImageProcessing
+
+
 @functools.lru_cache(maxsize=64)
-def _geometry(tower_json: str, connector_json: str) -> tuple[int, int]:
-    """``(image_size, tokens_per_image)`` of a tower and connector section, their structure built on the meta
-    device (no memory, no weights; a published tower folder's config.json is read). Connector files (a
-    tokenizer) are not read: the constructor never reads them."""
+def _geometry(tower_json: str, connector_json: str) -> Geometry:
+    """The image size, tokens per image and tower processing of a tower and connector section, their structure
+    built on the meta device (no memory, no weights; a published tower folder's config.json is read). Connector
+    files (a tokenizer) are not read: the constructor never reads them."""
     tower_section, connector_section = json.loads(tower_json), json.loads(connector_json)
     tower_cls = vision_towers.get(tower_section.pop("name"))
     connector_cls = connectors.get(connector_section.pop("name"))
@@ -234,4 +261,4 @@ def _geometry(tower_json: str, connector_json: str) -> tuple[int, int]:
         tower = (tower_cls.from_folder(pretrained, tower_section, "model.vision_tower") if pretrained
                  else tower_cls(**tower_section))
         connector = connector_cls(vision_width=tower.num_features, llm_width=8, **connector_section)
-    return tower.image_size, connector.tokens_per_image(tower.num_tokens)
+    return Geometry(tower.image_size, connector.tokens_per_image(tower.num_tokens), tower.processing)

@@ -147,7 +147,8 @@ class ReferenceStore:
             raise LavisDsError(f"{', '.join(names[:3])}: not in the reference log-probs of {self.complete_file} "
                                f"(the pair's text or pixels differ from the reference pass's: a random train "
                                f"image processor, or a changed file); the reference pass scores each pair once, "
-                               f"so the train vis_processor must be deterministic (blip2_image_eval)")
+                               f"so the train vis_processor must be deterministic (blip2_image_eval, or "
+                               f"tower_image_train without min_scale and hflip)")
         # Python floats, not tensors: moving a batch to the device casts its float tensors to a bf16/fp16 engine's
         # dtype (common.precision.to_compute), which would round the log-probs to 3 digits
         return {REF_CHOSEN: [self.logps[key][0] for key in keys], REF_REJECTED: [self.logps[key][1] for key in keys]}
