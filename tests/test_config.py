@@ -67,7 +67,7 @@ def test_defaults_merge_under_the_user_and_options_override(instruction_data, ti
     ("model.arch=blip2_qwn", r"model\.arch: Unknown model 'blip2_qwn'\. Did you mean 'blip2_qwen'\?"),
     ("run.deepspeed_config.zero_optimization.stage=5",
      r"run\.deepspeed_config\.zero_optimization\.stage: 5 is not a ZeRO stage; valid: 0, 1, 2, 3"),
-    ("run.zero_stage=5", r"run\.zero_stage: expected 0 \| 1 \| 2 \| 3 \| None, got 5"),
+    ("run.zero_stage=5", r"run\.zero_stage: expected 0 \| 1 \| 2 \| 3 \| null, got 5"),
     ("run.offload_params=cpu", r"run\.offload_params: expected bool \| null, got 'cpu'"),
     ("run.accum_grad_iters=1 run.global_batch_size=64",
      r"run\.global_batch_size=64 but batch_size_train=1 x accum_grad_iters=1 x world size 1 = 1"),

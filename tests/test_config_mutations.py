@@ -64,7 +64,7 @@ MUTATIONS = {
                           rf"^{DS}\.gradient_clipping: expected a number >= 0 \(0: no clipping\), got -1$"),
     "ZeRO stage 4": (f"{DS}.zero_optimization.stage=4",
                      rf"^{DS}\.zero_optimization\.stage: 4 is not a ZeRO stage; valid: 0, 1, 2, 3$"),
-    "ZeRO stage true": ("run.zero_stage=true", r"^run\.zero_stage: expected 0 \| 1 \| 2 \| 3 \| None, got True$"),
+    "ZeRO stage true": ("run.zero_stage=true", r"^run\.zero_stage: expected 0 \| 1 \| 2 \| 3 \| null, got True$"),
     # typos at every depth
     "top level": ("modle.arch=x", r"^<top level>\.modle: unknown key; did you mean 'model'\?$"),
     "model": ("model.freeze_qformr=true", r"^model\.freeze_qformr: unknown key; did you mean 'freeze_qformer'\?$"),

@@ -106,7 +106,7 @@ def test_every_problem_of_run_hooks_is_named_at_load_time(tmp_path, demo_storage
                                   "best_checkpoint, checkpointer, ")
     assert problems[2:] == [
         "run.hooks[1].tracking_ur: unknown key; did you mean 'tracking_uri'?",
-        "run.hooks[2].mode: expected 'online' | 'offline' | 'disabled' | None, got 'sometimes'",
+        "run.hooks[2].mode: expected 'online' | 'offline' | 'disabled' | null, got 'sometimes'",
         "run.hooks[3]: 'validation' is a built-in hook and always runs (metrics_log, validation, checkpointer, "
         "best_checkpoint, test_generation, training_clock, in that order); run.hooks lists the others",
         "run.hooks[4].name: required key is missing; a hook is a registered name or a mapping with `name` and its "

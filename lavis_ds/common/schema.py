@@ -104,7 +104,7 @@ def type_name(tp: Any) -> str:
     tp, _ = _strip_annotated(tp)
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
+        return " | ".join("null" if a is None else repr(a) for a in typing.get_args(tp))  # YAML spells None null
     if origin in (Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
