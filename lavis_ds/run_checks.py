@@ -15,11 +15,11 @@ def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
     """What the runners' options sections of ``run`` say about the neutral run keys, and problems with it."""
     twins, problems, seen = [], [], set()
     for runner in runners_by_name().values():
-        key = runner.OPTIONS_KEY
+        key = runner.config.KEY
         if key is None or key in seen or not isinstance(run.get(key), dict):
             continue
         seen.add(key)
-        more_twins, more_problems = runner.option_twins(run[key])
+        more_twins, more_problems = runner.config.twins(run[key])
         twins += more_twins
         problems += more_problems
     return twins, problems
@@ -29,10 +29,10 @@ def foreign_options_notes(run: dict, chosen: type) -> list[str]:
     """Another runner's options section in this run: what of it this runner uses (its twins of the run keys)."""
     notes = []
     for name, runner in runners_by_name().items():
-        key = runner.OPTIONS_KEY
-        if key is None or key == chosen.OPTIONS_KEY or not isinstance(run.get(key), dict) or not run[key]:
+        key = runner.config.KEY
+        if key is None or key == chosen.config.KEY or not isinstance(run.get(key), dict) or not run[key]:
             continue
-        used = {twin.path.split(".")[2] for twin in runner.option_twins(run[key])[0]}
+        used = {twin.path.split(".")[2] for twin in runner.config.twins(run[key])[0]}
         unused = sorted(k for k in run[key] if k not in used)
         if unused:
             notes.append(f"run.{key} is {name}'s section; {reg.runners.canonical(run['runner'])} reads only what it "
