@@ -87,7 +87,7 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
         # The neutral keys as resolved with their twins; then the engine completes its section as it will use it
         # (DeepSpeed: autos filled, batch layout). config.yaml records both.
         runner = reg.runners.get(cfg.run.runner)
-        run, runner_notes = runner.complete_config({**OmegaConf.to_container(cfg.run), **neutral}, world_size)
+        run, runner_notes = runner.config.complete({**OmegaConf.to_container(cfg.run), **neutral}, world_size)
         cfg.run = OmegaConf.create(run)
         runner_notes += run_checks.foreign_options_notes(run, runner)
         if dist.is_main_process():  # every rank loads the config; one says what it did
@@ -158,11 +158,12 @@ def _translate(user: DictConfig, errors: list[str]) -> tuple[DictConfig, list[st
     run = plain.get("run")
     if isinstance(run, dict):
         for runner in run_checks.runners_by_name().values():
-            if runner.OPTIONS_KEY in run:
-                section, problems = runner.read_options(run[runner.OPTIONS_KEY])
+            key = runner.config.KEY
+            if key in run:
+                section, problems = runner.config.read(run[key])
                 errors.extend(problems)
                 if section is not None:
-                    run[runner.OPTIONS_KEY] = section
+                    run[key] = section
     # what the runners' sections say about the run keys (their problems: reported by validate)
     twins, _ = run_checks.option_twins(run) if isinstance(run, dict) else ([], [])
     problems, notes = lavis_compat.translate(plain, twins)
@@ -279,7 +280,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
         _check_dataset(name, section, errors)
 
     run = plain["run"]
-    options_sections = ({cls.OPTIONS_KEY for cls in run_checks.runners_by_name().values() if cls.OPTIONS_KEY}
+    options_sections = ({cls.config.KEY for cls in run_checks.runners_by_name().values() if cls.config.KEY}
                         | option_section_keys())
     check_section(run, fields_of(RunConfig), "run", errors, extra_keys=options_sections)
     runner_class = reg.runners.get(run["runner"]) if run.get("runner") in reg.runners else None
@@ -299,7 +300,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     runner = run.get("runner")
     close = runner if runner in reg.runners else reg.runners.closest(str(runner))
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
-        errors.extend(reg.runners.get(close).config_problems({**run, **(neutral or {})}, world_size,
+        errors.extend(reg.runners.get(close).config.problems({**run, **(neutral or {})}, world_size,
                                                              neutral is not None))
     errors.extend(run_checks.split_problems(run, plain["datasets"]))
     errors.extend(metric_problems(run, plain["datasets"]))

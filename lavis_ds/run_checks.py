@@ -15,11 +15,11 @@ def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
     """What the runners' options sections of ``run`` say about the neutral run keys, and problems with it."""
     twins, problems, seen = [], [], set()
     for runner in runners_by_name().values():
-        key = runner.OPTIONS_KEY
+        key = runner.config.KEY
         if key is None or key in seen or not isinstance(run.get(key), dict):
             continue
         seen.add(key)
-        more_twins, more_problems = runner.option_twins(run[key])
+        more_twins, more_problems = runner.config.twins(run[key])
         twins += more_twins
         problems += more_problems
     return twins, problems
@@ -28,17 +28,18 @@ def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
 def foreign_options_notes(run: dict, chosen: type) -> list[str]:
     """Another runner's options section or own run keys in this run: what of them this runner uses (the twins of
     the neutral run keys) and what it does not."""
-    notes, seen = [], set(chosen.OWN_RUN_KEYS)
+    notes, seen = [], set(chosen.config.OWN_RUN_KEYS)
     for name, runner in runners_by_name().items():
-        own = [f"run.{key}={run[key]!r}" for key in runner.OWN_RUN_KEYS if key not in seen and run.get(key) is not None]
-        seen.update(runner.OWN_RUN_KEYS)
+        own = [f"run.{key}={run[key]!r}" for key in runner.config.OWN_RUN_KEYS
+               if key not in seen and run.get(key) is not None]
+        seen.update(runner.config.OWN_RUN_KEYS)
         if own:
             notes.append(f"{', '.join(own)}: read by {name} only; {reg.runners.canonical(run['runner'])} does not "
                          f"use {'it' if len(own) == 1 else 'them'}")
-        key = runner.OPTIONS_KEY
-        if key is None or key == chosen.OPTIONS_KEY or not isinstance(run.get(key), dict) or not run[key]:
+        key = runner.config.KEY
+        if key is None or key == chosen.config.KEY or not isinstance(run.get(key), dict) or not run[key]:
             continue
-        used = {twin.path.split(".")[2] for twin in runner.option_twins(run[key])[0] if twin.key in NEUTRAL_KEYS}
+        used = {twin.path.split(".")[2] for twin in runner.config.twins(run[key])[0] if twin.key in NEUTRAL_KEYS}
         unused = sorted(k for k in run[key] if k not in used)
         if unused:
             notes.append(f"run.{key} is {name}'s section; {reg.runners.canonical(run['runner'])} reads only what it "

@@ -4,6 +4,10 @@ Registered as ``runner_ddp_test``; a run names this module under ``imports:`` an
 Every process holds the whole model and steps torch's AdamW on it; DDP averages the gradients over the processes
 once per optimizer step (``no_sync`` for the micro-batches before the last). A checkpoint is one file written by
 process 0 (every process holds the same weights and optimizer state), read by all.
+
+The engine class does the training; what is read before or without an engine is held in parts
+(``lavis_ds/runners/engine.py``): here only ``checkpoints``, whose ``FILES`` let a folder be recognised as this
+engine's. It keeps the default ``config`` (no options section of its own).
 """
 from __future__ import annotations
 
@@ -15,14 +19,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, micro_batch_loss
+from lavis_ds.runners.engine import Engine, EngineCheckpoints, micro_batch_loss
 
 STATE_FILE = "ddp.pt"
 
 
+class DDPCheckpoints(EngineCheckpoints):
+    FILES = (STATE_FILE,)
+
+
 @registry.register_runner("runner_ddp_test")
 class DDPEngine(Engine):
-    CHECKPOINT_FILES = (STATE_FILE,)
+    checkpoints = DDPCheckpoints
 
     def __init__(self, run, model, checkpoint_dir):
         super().__init__(run, model, checkpoint_dir)

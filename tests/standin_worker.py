@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     from lavis_ds.common.errors import InputError
     from lavis_ds.apps.generate import Processes
     from lavis_ds.runners import faults
-    from lavis_ds.runners.fsdp import FSDPEngine
+    from lavis_ds.runners.fsdp.engine import built_on_rank0
     from lavis_ds.runners.shared_folder import not_shared_error
 
     out = Path(argv[0])
@@ -44,8 +44,8 @@ def main(argv: list[str]) -> int:
         results["own_error"] = str(e)
     with torch.device("meta" if rank == 1 else "cpu"):
         model = torch.nn.Linear(2, 2)
-    results["built_on_rank0"] = FSDPEngine._built_on_rank0(model)
-    results["built_on_rank0_whole"] = FSDPEngine._built_on_rank0(torch.nn.Linear(2, 2))
+    results["built_on_rank0"] = built_on_rank0(model)
+    results["built_on_rank0_whole"] = built_on_rank0(torch.nn.Linear(2, 2))
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     comm.barrier()

@@ -1,11 +1,18 @@
-"""The runner is built from parts: every attribute a runner class keeps is declared in its constructor, and the
-loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits)."""
+"""The runner is built from parts: every attribute a runner class keeps is declared in its constructor, the
+loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits), and so do the
+engines (their config section and checkpoint reading are parts they hold as class attributes)."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
+import pytest
+
 import lavis_ds  # noqa: F401  (fills the registries)
+from lavis_ds.common import registry as reg
+from lavis_ds.config import import_user_modules
+from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig
 from lavis_ds.runners.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,3 +72,39 @@ def test_the_loop_holds_its_parts_in_a_class_of_about_25_members():
     members = {name for name in dir(Trainer) if not name.startswith("__")} | attributes
     assert {"engine", "data", "hooks", "plan"} <= members and len(members) <= 26, sorted(members)
     assert Trainer.__mro__ == (Trainer, object)  # composed, not inherited
+
+
+def _members(cls: type, classes: dict) -> set[str]:
+    """Methods, class attributes and constructor attributes of ``cls``, its bases' included."""
+    def declared(name: str) -> set[str]:
+        bases, own, _ = classes.get(name, ([], set(), {}))
+        return own.union(*(declared(base) for base in bases))
+
+    return {name for name in dir(cls) if not name.startswith("__")} | declared(cls.__name__)
+
+
+@pytest.fixture
+def ddp_engine_imported():
+    """The user's engine imported as `imports: [ddp_engine]` does; it leaves the registry afterwards (pytest runs
+    every file in one process, and other files see the package's own runners)."""
+    entries = dict(reg.runners._entries)
+    import_user_modules(["ddp_engine"])
+    yield
+    reg.runners._entries.clear()
+    reg.runners._entries.update(entries)
+    sys.modules.pop("ddp_engine")  # a later import registers it again
+
+
+def test_every_engine_holds_its_config_and_checkpoints_parts_and_adds_few_members_to_the_interface(
+        ddp_engine_imported):
+    classes = _classes()
+    interface = _members(Engine, classes)
+    assert {"config", "checkpoints", "wrap", "forward_backward", "run", "plan"} <= interface
+    assert len(interface) <= 25, sorted(interface)
+    engines = reg.runners.distinct()
+    assert {"runner_deepspeed", "runner_fsdp", "runner_ddp_test"} <= set(engines)
+    for name, engine in engines.items():
+        assert issubclass(engine.config, EngineConfig) and issubclass(engine.checkpoints, EngineCheckpoints), name
+        added = _members(engine, classes) - interface  # what the engine keeps beyond the interface: its state
+        assert len(added) <= 5, (name, sorted(added))
+    assert engines["runner_fsdp"].config.KEY == "fsdp" and engines["runner_ddp_test"].checkpoints.FILES == ("ddp.pt",)

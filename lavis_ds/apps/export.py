@@ -16,7 +16,7 @@ training had them (random init from ``seed``, or the files named by ``pretrained
 ``vit_pretrained`` and ``llm_model``), then loads ``model.safetensors`` over it.
 
 Export reads the checkpoints of every runner, each through the runner that wrote it
-(``read_trained_weights``: DeepSpeed's of every ZeRO stage and precision, FSDP's DCP folders).
+(its ``checkpoints.read_trained_weights``: DeepSpeed's of every ZeRO stage and precision, FSDP's DCP folders).
 Loading an export needs no engine and no process group. Reading checkpoints and loading exports live in
 :mod:`lavis_ds.apps.export_io` (re-exported here), which imports no command-line module.
 

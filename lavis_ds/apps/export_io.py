@@ -79,7 +79,7 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
         raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
                           f"(known: {', '.join(runner_registry)})")
     # Each engine reads its own files (the DeepSpeed runner: its consolidation of the fp32 partitions).
-    weights, client_state, layout = runner_registry.get(writer).read_trained_weights(tag_dir)
+    weights, client_state, layout = runner_registry.get(writer).checkpoints.read_trained_weights(tag_dir)
     return weights, _info(tag_dir, client_state, writer, layout.get("zero_stage"), layout["precision"])
 
 

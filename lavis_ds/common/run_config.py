@@ -98,7 +98,7 @@ class RunConfig:
     # optional hooks after the built-in ones, in run order: registered names, or {name: ..., <its options>}
     # (trackers: tensorboard, mlflow, wandb; a user's own under `imports:`). docs/hooks.md
     hooks: list[str | dict[str, Any]] = field(default_factory=lambda: ["tensorboard"])
-    # Each runner's own options section is a run key too, named by the runner (Engine.OPTIONS_KEY).
+    # Each runner's own options section is a run key too, named by the runner (Engine.config.KEY).
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -126,7 +126,7 @@ ZERO_KEYS = ("zero_stage", "offload_optimizer", "offload_params")
 class Twin:
     """A neutral run key's (or a ZeRO key's) setting written in a runner's own options section in its engine's
     words (the DeepSpeed JSON's micro-batch key for ``run.batch_size_train``). Runners name theirs
-    (``Engine.option_twins``); the config loader maps them onto the run key, whichever runner runs."""
+    (``Engine.config.twins``); the config loader maps them onto the run key, whichever runner runs."""
 
     key: str  # the run key
     path: str  # where the user wrote it: run.<options section>.<key path>

@@ -140,10 +140,10 @@ def writer_of(tag_dir: Path) -> str:
 
 
 def _writers_by_files(folder: Path) -> list[str]:
-    """The registered runners whose checkpoint files (``Engine.CHECKPOINT_FILES``) ``folder`` holds, the
+    """The registered runners whose checkpoint files (``Engine.checkpoints.FILES``) ``folder`` holds, the
     most basic class first (a user's subclass writes its parent's files)."""
     found = [(name, cls) for name, cls in runner_registry.distinct().items()
-             if any(any(folder.glob(pattern)) for pattern in cls.CHECKPOINT_FILES)]
+             if any(any(folder.glob(pattern)) for pattern in cls.checkpoints.FILES)]
     return [name for name, cls in sorted(found, key=lambda found: len(found[1].__mro__))]
 
 

@@ -2,11 +2,20 @@
 saves and loads checkpoints. ``runners/trainer.py`` (the loop) holds one; each engine package defines one,
 registered as a runner (``run.runner`` names it).
 
-The class methods read the engine's own options section and prepare the process before any trainer exists (the
-config loader and ``train.py`` call them). An engine is built with plain assignments (no disk, no collective);
-the trainer decides which checkpoint to resume and the batch layout first (``resume.ResumePlan``, for which it
-asks the engine to ``check_checkpoint``), then hands that plan to ``wrap``. The methods under "switching
-engines" let a run continue another engine's checkpoint (``runners/handover.py`` is the shared part).
+An engine class holds two parts as class attributes, each with one job, both used before (or without) any
+engine instance:
+
+- ``config`` (an ``EngineConfig``): the engine's own options section under ``run:`` as the config loader reads,
+  checks and completes it, for every run that has the section, whichever runner it chose;
+- ``checkpoints`` (an ``EngineCheckpoints``): its checkpoint files read in one process with no engine built:
+  which files are its, the trained weights (for export), and its per-parameter state for another engine
+  continuing the run (``runners/handover.py`` is the shared part of switching engines).
+
+The engine class itself prepares the process (``prepare_process``, ``init_process_group``, ``model_placement``:
+``train.py`` and ``build.py`` call them before any trainer exists) and does the instance work. An engine is built
+with plain assignments (no disk, no collective); the trainer decides which checkpoint to resume and the batch
+layout first (``resume.ResumePlan``, for which it asks the engine to ``check_checkpoint``), then hands that plan
+to ``wrap``.
 """
 from __future__ import annotations
 
@@ -36,6 +45,75 @@ def micro_batch_loss(out: dict, loss_weight: dict[str, float] | None) -> torch.T
     return sum(value * loss_weight[unit] for unit, value in sums.items())
 
 
+class EngineConfig:
+    """An engine's options section under ``run:`` (``KEY``), as the config loader reads it. Default: none."""
+
+    KEY: str | None = None  # the section's key under `run:` (e.g. "fsdp")
+    # `run` keys that this engine alone reads (DeepSpeed's ZeRO stage): under another engine a log line names them
+    OWN_RUN_KEYS: tuple[str, ...] = ()
+
+    @classmethod
+    def read(cls, value: Any) -> tuple[dict | None, list[str]]:
+        """The section as the YAML gives it, as a mapping (None if unusable), and problems. Read for every run that
+        has the section, whichever runner it chose. Default: a mapping, or nothing."""
+        if value is None:
+            return {}, []
+        if isinstance(value, dict):
+            return value, []
+        return None, [f"run.{cls.KEY}: expected a mapping of this runner's options, got {value!r}"]
+
+    @classmethod
+    def twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
+        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) and this engine's own run keys
+        (``OWN_RUN_KEYS``) that the section ``options`` sets in its engine's own words, and problems with those
+        values. The config loader maps them onto the run keys
+        whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ... Default: none."""
+        return [], []
+
+    @classmethod
+    def problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
+        """Problems of the section in ``run`` (plain dict, its neutral keys resolved; ``settings_ok``: they are
+        valid), for the run's runner. Default: none."""
+        return []
+
+    @classmethod
+    def complete(cls, run: dict, world_size: int) -> tuple[dict, list[str]]:
+        """``run`` (valid) with the section completed as the engine will use it, and notes for the log."""
+        return run, []
+
+
+class EngineCheckpoints:
+    """An engine's checkpoint folders read in one process, without an engine (export, another engine resuming)."""
+
+    # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
+    # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.
+    FILES: tuple[str, ...] = ()
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint, read in one
+        process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
+        raise ckpt.CheckpointError(f"{tag_dir}: {ckpt.writer_of(tag_dir)} checkpoints cannot be exported")
+
+    # A checkpoint continues under another engine when both keep AdamW's state per parameter in fp32: its
+    # writer's part reads it out (handover_shapes, read_handover); the engine continuing it says whether it can
+    # take it exactly (Engine.takeover_problem) and loads it in its load_checkpoint.
+    @classmethod
+    def handover_shapes(cls, tag_dir: Path, rank: int) -> dict[str, tuple]:
+        """For another engine resuming ``tag_dir``: the trained parameters' names and shapes, or a CheckpointError
+        if the checkpoint cannot carry over exactly. Default: it cannot."""
+        raise ckpt.CheckpointError(f"{tag_dir} was written by {ckpt.writer_of(tag_dir)}, whose checkpoints do not "
+                                   f"carry over to another engine")
+
+    @classmethod
+    def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
+        """The trained state of ``tag_dir`` for another engine. Collective: every rank calls it; ``needed``: whether
+        this rank uses the result (None may come back if not); ``scratch``: a folder for temporary files, removed
+        again. A part that overrides ``handover_shapes`` overrides this too."""
+        raise NotImplementedError(f"{cls.__name__} hands its checkpoints over (handover_shapes) but does not "
+                                  "read them out: define read_handover")
+
+
 class Engine:
     """The engine interface: an engine class overrides what it needs; the defaults say what is optional."""
 
@@ -45,41 +123,8 @@ class Engine:
     RUNS_OBJECTIVES = True
     # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
     MODEL_NEEDS: tuple[str, ...] = ()
-    OPTIONS_KEY: str | None = None  # this engine's own options section under `run:` (e.g. "fsdp")
-    # `run` keys that this engine alone reads (DeepSpeed's ZeRO stage): under another engine a log line names them
-    OWN_RUN_KEYS: tuple[str, ...] = ()
-    # Glob patterns of the files this engine writes into a checkpoint folder: how a folder is recognised as
-    # a checkpoint before it is complete, and whose it is when its marker predates the `runner` field.
-    CHECKPOINT_FILES: tuple[str, ...] = ()
-
-    @classmethod
-    def read_options(cls, value: Any) -> tuple[dict | None, list[str]]:
-        """This engine's options section as the YAML gives it, as a mapping (None if unusable), and problems.
-        Read for every run that has the section, whichever runner it chose. Default: a mapping, or nothing."""
-        if value is None:
-            return {}, []
-        if isinstance(value, dict):
-            return value, []
-        return None, [f"run.{cls.OPTIONS_KEY}: expected a mapping of {cls.__name__}'s options, got {value!r}"]
-
-    @classmethod
-    def option_twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
-        """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) and this engine's own run keys
-        (``OWN_RUN_KEYS``) that this engine's options section sets in its engine's own words, and problems with
-        those values. The config loader maps them onto the run keys whichever runner the run chose, so switching
-        ``run.runner`` keeps the batch, precision, ... Default: none."""
-        return [], []
-
-    @classmethod
-    def config_problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
-        """Problems of this engine's own options section of ``run`` (plain dict, its neutral keys resolved;
-        ``settings_ok``: they are valid). Default: none."""
-        return []
-
-    @classmethod
-    def complete_config(cls, run: dict, world_size: int) -> tuple[dict, list[str]]:
-        """``run`` (valid) with this engine's section completed as the engine will use it, and notes for the log."""
-        return run, []
+    config: type[EngineConfig] = EngineConfig  # its options section under `run:`
+    checkpoints: type[EngineCheckpoints] = EngineCheckpoints  # its checkpoint folders, read without an engine
 
     @classmethod
     def prepare_process(cls, cfg: DictConfig) -> None:
@@ -146,32 +191,8 @@ class Engine:
         """The model without its wrapper (for generate and export)."""
         return self.model
 
-    @classmethod
-    def read_trained_weights(cls, tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-        """``(trained fp32 weights by parameter name, client state, layout)`` of a complete checkpoint this engine
-        wrote, read in one process (for export); layout: ``precision`` and engine details (e.g. ``zero_stage``)."""
-        raise ckpt.CheckpointError(f"{tag_dir}: {cls.__name__} checkpoints cannot be exported")
-
-    # ------------------------------------ switching engines: what an engine provides
-    # A checkpoint written by another engine continues here when both keep AdamW's state per parameter in
-    # fp32: the engine that wrote it reads it out (handover_shapes, read_handover), this one says whether it
-    # can take it exactly (takeover_problem) and loads it (in its load_checkpoint). The shared part (whose
-    # checkpoint it is, the checks both sides make) is runners/handover.py.
-    @classmethod
-    def handover_shapes(cls, tag_dir: Path, rank: int) -> dict[str, tuple]:
-        """For another engine resuming ``tag_dir``, which this one wrote: the trained parameters' names and
-        shapes, or a CheckpointError if the checkpoint cannot carry over exactly. Default: it cannot."""
-        raise ckpt.CheckpointError(f"{tag_dir} was written by {cls.__name__}, whose checkpoints do not carry over "
-                                   f"to another engine")
-
-    @classmethod
-    def read_handover(cls, tag_dir: Path, scratch: Path, rank: int, needed: bool = True) -> ckpt.Handover | None:
-        """The trained state of ``tag_dir`` (which this engine wrote) for another engine. Collective: every rank
-        calls it; ``needed``: whether this rank uses the result (None may come back if not); ``scratch``: a
-        folder for temporary files, removed again. An engine that overrides ``handover_shapes`` overrides this too."""
-        raise NotImplementedError(f"{cls.__name__} hands its checkpoints over (handover_shapes) but does not "
-                                  "read them out: define read_handover")
-
+    # Switching engines: another engine's checkpoint continues here when this says the run can take it exactly;
+    # the writer's ``checkpoints`` part reads it out, and this engine loads it in its ``load_checkpoint``.
     def takeover_problem(self) -> str | None:
         """Why this run cannot continue another engine's checkpoint exactly (None: it can). Default: it cannot."""
         return f"{type(self).__name__} does not continue other engines' checkpoints"

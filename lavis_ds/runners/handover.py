@@ -1,10 +1,11 @@
 """Switching engines, the shared part: whose a checkpoint is, whether this run can continue it, and saying so.
 
 A checkpoint written by another engine continues here when both keep AdamW's state per parameter in fp32: the
-writer reads it out (``Engine.handover_shapes``, ``Engine.read_handover``), this engine says whether it can take
-it exactly (``Engine.takeover_problem``) and loads it in its ``load_checkpoint``. The resume plan names the
-writer when it is another engine (``resume.ResumePlan.handover_from``, from ``foreign_writer``); an engine's
-``check_checkpoint`` calls ``check_takeover`` for such a checkpoint, and its load ``report_takeover``.
+writer's checkpoints part reads it out (``Engine.checkpoints``: ``handover_shapes``, ``read_handover``), this
+engine says whether it can take it exactly (``Engine.takeover_problem``) and loads it in its ``load_checkpoint``.
+The resume plan names the writer when it is another engine (``resume.ResumePlan.handover_from``, from
+``foreign_writer``); an engine's ``check_checkpoint`` calls ``check_takeover`` for such a checkpoint, and its load
+``report_takeover``.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def check_takeover(engine: Engine, tag_dir: Path, source: type[Engine]) -> None:
         raise ckpt.CheckpointError(
             f"{tag_dir} was written by {writer}, and {engine_name(engine)} {problem}. Resume with run.runner: "
             f"{writer}, or start afresh (--options run.resume=false, or another run.output_dir)")
-    saved = source.handover_shapes(tag_dir, engine.rank)
+    saved = source.checkpoints.handover_shapes(tag_dir, engine.rank)
     problems = ckpt.trainable_problems(tag_dir, saved, engine.model)
     if problems:
         raise ckpt.CheckpointError(f"{tag_dir} does not fit this model: " + "; ".join(problems))

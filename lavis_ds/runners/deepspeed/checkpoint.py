@@ -1,6 +1,7 @@
 """DeepSpeed's checkpoint folders: which files a rank reads, how a checkpoint is cut, its trained weights, and
 DeepSpeed's universal (world-size independent) form, through which a checkpoint changes its number of
-processes, its ZeRO stage or precision, or its engine.
+processes, its ZeRO stage or precision, or its engine. ``DeepSpeedCheckpoints`` is the engine's checkpoints part
+(``runners/engine.py``): its files read without an engine, for export and for another engine continuing the run.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from lavis_ds.common import comm
 from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.engine import EngineCheckpoints
 
 
 def layout_of(ds_config) -> dict:
@@ -260,3 +262,49 @@ def remove_universal_copy(target: Path) -> None:
     """Delete a universal copy once loaded; renamed first, so a kill mid-way never leaves a gutted one in place."""
     ckpt.delete_folders([Path(target)], Path(target).parent)
     (Path(target).parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer to it
+
+
+class DeepSpeedCheckpoints(EngineCheckpoints):
+    """runner_deepspeed's checkpoint folders, read without an engine."""
+
+    FILES = ("*model_states.pt",)
+
+    @classmethod
+    def read_trained_weights(cls, tag_dir):
+        return read_trained_weights(tag_dir)
+
+    @classmethod
+    def handover_shapes(cls, tag_dir, rank):
+        """Carries over: fp32 masters and Adam moments of ZeRO 1-3 in fp32 or bf16. ZeRO-0 keeps no per-parameter
+        moments; fp16's loss-scaler state has no counterpart in another engine."""
+        states = ckpt.load_file(model_states_file(tag_dir), mmap=True)
+        layout = layout_of(states.get("ds_config") or {})
+        stage = layout["zero_stage"]
+        if stage == 0 or layout["precision"] == "fp16":
+            why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
+                   "fp16 (its loss-scaler state has no counterpart in another engine)")
+            raise ckpt.CheckpointError(
+                f"{tag_dir} was saved by runner_deepspeed with {why}; another engine continues DeepSpeed checkpoints "
+                f"of ZeRO stages 1-3 in fp32 or bf16. Resume with run.runner: runner_deepspeed, or start afresh "
+                f"(--options run.resume=false)")
+        if rank == 0:  # rank 0 converts every partition
+            check_files(files_of_rank(tag_dir, 0, same_world=False), stage)
+        return saved_trainable(states)
+
+    @classmethod
+    def read_handover(cls, tag_dir, scratch, rank, needed=True):
+        """Every trainable parameter's fp32 master and Adam moments, whole, from DeepSpeed's universal checkpoint
+        form (made by rank 0, removed once every rank has read it)."""
+        universal = universal_copy(tag_dir, scratch, rank) / tag_dir.name
+        handover = None
+        if needed:
+            folder = universal / "zero"
+            states = {name: {key: torch.load(folder / name / f"{key}.pt", map_location="cpu", weights_only=False)
+                             ["param"] for key in ("fp32", "exp_avg", "exp_avg_sq")}
+                      for name in saved_trainable(ckpt.load_file(model_states_file(tag_dir), mmap=True))}
+            step = torch.load(folder / next(iter(states)) / "step.pt", weights_only=False)
+            handover = ckpt.Handover(states, int(step), ckpt.load_file(model_states_file(tag_dir)))
+        comm.barrier()
+        if rank == 0:
+            remove_universal_copy(universal)
+        return handover

@@ -18,32 +18,30 @@ from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
 from lavis_ds.runners.deepspeed import section, zero_keys
 from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
-from lavis_ds.runners.deepspeed.checkpoint import layout_of
+from lavis_ds.runners.deepspeed.checkpoint import DeepSpeedCheckpoints, layout_of
 from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
 from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
-from lavis_ds.runners.engine import Engine, micro_batch_loss
+from lavis_ds.runners.engine import Engine, EngineConfig, micro_batch_loss
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 
-@reg.runners.register("runner_deepspeed")
-class DeepSpeedEngine(Engine):
-    """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
+class DeepSpeedEngineConfig(EngineConfig):
+    """``run.deepspeed_config``, the engine's config part (``section`` does the work)."""
 
-    OPTIONS_KEY = "deepspeed_config"  # the DeepSpeed JSON, inline or as the path of a .json file
+    KEY = "deepspeed_config"  # the DeepSpeed JSON, inline or as the path of a .json file
     OWN_RUN_KEYS = ZERO_KEYS  # run.zero_stage, run.offload_optimizer, run.offload_params
-    CHECKPOINT_FILES = ("*model_states.pt",)
 
     @classmethod
-    def read_options(cls, value):
+    def read(cls, value):
         return section.read_section(value)
 
     @classmethod
-    def option_twins(cls, options):
+    def twins(cls, options):
         return section.option_twins(options)
 
     @classmethod
-    def config_problems(cls, run, world_size, settings_ok):
+    def problems(cls, run, world_size, settings_ok):
         if not isinstance(run.get("deepspeed_config") or {}, dict):
             return []  # reported when the file was read
         ds, _ = section.resolve_auto(run.get("deepspeed_config") or {}, run)
@@ -54,11 +52,19 @@ class DeepSpeedEngine(Engine):
         return problems
 
     @classmethod
-    def complete_config(cls, run, world_size):
+    def complete(cls, run, world_size):
         # What DeepSpeed will be handed ("auto" values filled, batch layout and precision completed).
         ds, notes = section.resolve_auto(run.get("deepspeed_config") or {}, run)
         run = {**run, "deepspeed_config": build_deepspeed_config({**run, "deepspeed_config": ds}, world_size)}
         return run, notes + zero_keys.no_effect_warnings(run["deepspeed_config"], run)
+
+
+@reg.runners.register("runner_deepspeed")
+class DeepSpeedEngine(Engine):
+    """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
+
+    config = DeepSpeedEngineConfig
+    checkpoints = DeepSpeedCheckpoints
 
     @classmethod
     def prepare_process(cls, cfg):
@@ -121,7 +127,8 @@ class DeepSpeedEngine(Engine):
         # Partitioned optimizer states are re-split from DeepSpeed's universal checkpoint format when the
         # checkpoint was cut into other pieces: another number of processes, another ZeRO stage or precision
         # (check_checkpoint has refused the changes that cannot convert), or another engine's checkpoint.
-        self.universal = plan.elastic or plan.handover_from is not None or self._layout_changed(plan.tag_dir)
+        self.universal = (plan.elastic or plan.handover_from is not None or
+                          _layout_changed(plan.tag_dir, self.layout, announce=self.rank == 0))
         if self.universal:
             ds_config.setdefault("checkpoint", {})["load_universal"] = True
         ds_config, note = adam_for_this_machine(ds_config, on_gpu=torch.cuda.is_available())
@@ -141,16 +148,6 @@ class DeepSpeedEngine(Engine):
 
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_deepspeed", **self.layout}
-
-    def _layout_changed(self, tag_dir: Path | None) -> bool:
-        """Whether the checkpoint to resume has another ZeRO stage or precision than this run (and say so)."""
-        if tag_dir is None:
-            return False
-        saved, now = ds_ckpt.saved_layout(tag_dir), self.layout
-        changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if saved[key] != now[key]]
-        if changed and self.rank == 0:
-            print(f"resuming through DeepSpeed's universal checkpoint: {' and '.join(changed)}", flush=True)
-        return bool(changed)
 
     @property
     def module(self):
@@ -224,9 +221,9 @@ class DeepSpeedEngine(Engine):
     def load_checkpoint(self, load_dir: Path, tag):
         tag_dir, scratch, source = Path(load_dir) / tag, self.checkpoint_dir / "universal", self.plan.handover_from
         if source is not None:  # another engine's: its per-parameter state, written as a universal copy
-            handover = source.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
+            handover = source.checkpoints.read_handover(tag_dir, scratch, self.rank, needed=self.rank == 0)
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank,
-                                              write=functools.partial(self._write_handover, handover))
+                                              write=functools.partial(_write_handover, self, handover))
         elif self.universal:
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank)
         hyper = _hyper_parameters(self.engine.optimizer)
@@ -249,18 +246,7 @@ class DeepSpeedEngine(Engine):
             report_takeover(self, tag_dir)
         return client_state
 
-    def _write_handover(self, handover: ckpt.Handover, folder: Path) -> None:
-        """Another engine's checkpoint as DeepSpeed's universal checkpoint (rank 0)."""
-        model_states = {
-            # What DeepSpeed's own save records and its load reads back (a universal load takes no weights from it).
-            "param_shapes": self.engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
-            "dp_world_size": handover.client_state["lavis_ds"].get("world_size", self.world_size),
-            "global_steps": handover.step, "global_samples": handover.step * self.plan.global_batch,
-            "skipped_steps": 0}
-        # This engine's own hyper-parameters: a universal load sets them from the file.
-        ds_ckpt.write_universal(folder, handover, model_states, _hyper_parameters(self.engine.optimizer))
-
-    # ------------------------------------------------ continued by another engine
+    # ------------------------------------------------ switching engines
     def takeover_problem(self):
         stage, precision = self.layout["zero_stage"], self.layout["precision"]
         if stage == 0:
@@ -271,45 +257,28 @@ class DeepSpeedEngine(Engine):
                     "checkpoint); use run.precision fp32 or bf16")
         return None
 
-    @classmethod
-    def read_trained_weights(cls, tag_dir):
-        return ds_ckpt.read_trained_weights(tag_dir)
 
-    @classmethod
-    def handover_shapes(cls, tag_dir, rank):
-        """Carries over: fp32 masters and Adam moments of ZeRO 1-3 in fp32 or bf16. ZeRO-0 keeps no per-parameter
-        moments; fp16's loss-scaler state has no counterpart in another engine."""
-        states = ckpt.load_file(ds_ckpt.model_states_file(tag_dir), mmap=True)
-        layout = layout_of(states.get("ds_config") or {})
-        stage = layout["zero_stage"]
-        if stage == 0 or layout["precision"] == "fp16":
-            why = ("ZeRO stage 0 (no per-parameter optimizer states to carry over)" if stage == 0 else
-                   "fp16 (its loss-scaler state has no counterpart in another engine)")
-            raise ckpt.CheckpointError(
-                f"{tag_dir} was saved by runner_deepspeed with {why}; another engine continues DeepSpeed checkpoints "
-                f"of ZeRO stages 1-3 in fp32 or bf16. Resume with run.runner: runner_deepspeed, or start afresh "
-                f"(--options run.resume=false)")
-        if rank == 0:  # rank 0 converts every partition
-            ds_ckpt.check_files(ds_ckpt.files_of_rank(tag_dir, 0, same_world=False), stage)
-        return ds_ckpt.saved_trainable(states)
+def _write_handover(engine: DeepSpeedEngine, handover: ckpt.Handover, folder: Path) -> None:
+    """Another engine's checkpoint as DeepSpeed's universal checkpoint (rank 0), for ``engine`` (wrapped) to load."""
+    model_states = {
+        # What DeepSpeed's own save records and its load reads back (a universal load takes no weights from it).
+        "param_shapes": engine.engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
+        "dp_world_size": handover.client_state["lavis_ds"].get("world_size", engine.world_size),
+        "global_steps": handover.step, "global_samples": handover.step * engine.plan.global_batch,
+        "skipped_steps": 0}
+    # This engine's own hyper-parameters: a universal load sets them from the file.
+    ds_ckpt.write_universal(folder, handover, model_states, _hyper_parameters(engine.engine.optimizer))
 
-    @classmethod
-    def read_handover(cls, tag_dir, scratch, rank, needed=True):
-        """Every trainable parameter's fp32 master and Adam moments, whole, from DeepSpeed's universal checkpoint
-        form (made by rank 0, removed once every rank has read it)."""
-        universal = ds_ckpt.universal_copy(tag_dir, scratch, rank) / tag_dir.name
-        handover = None
-        if needed:
-            folder = universal / "zero"
-            states = {name: {key: torch.load(folder / name / f"{key}.pt", map_location="cpu", weights_only=False)
-                             ["param"] for key in ("fp32", "exp_avg", "exp_avg_sq")}
-                      for name in ds_ckpt.saved_trainable(ckpt.load_file(ds_ckpt.model_states_file(tag_dir), mmap=True))}
-            step = torch.load(folder / next(iter(states)) / "step.pt", weights_only=False)
-            handover = ckpt.Handover(states, int(step), ckpt.load_file(ds_ckpt.model_states_file(tag_dir)))
-        comm.barrier()
-        if rank == 0:
-            ds_ckpt.remove_universal_copy(universal)
-        return handover
+
+def _layout_changed(tag_dir: Path | None, now: dict, announce: bool) -> bool:
+    """Whether the checkpoint to resume has another ZeRO stage or precision than ``now`` (this run's; and say so)."""
+    if tag_dir is None:
+        return False
+    saved = ds_ckpt.saved_layout(tag_dir)
+    changed = [f"{key} {saved[key]} -> {now[key]}" for key in now if saved[key] != now[key]]
+    if changed and announce:
+        print(f"resuming through DeepSpeed's universal checkpoint: {' and '.join(changed)}", flush=True)
+    return bool(changed)
 
 
 def _grad_norm(module: torch.nn.Module) -> float:

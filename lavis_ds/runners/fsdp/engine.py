@@ -23,8 +23,9 @@ from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, micro_batch_loss
+from lavis_ds.runners.engine import Engine, EngineConfig, micro_batch_loss
 from lavis_ds.runners.fsdp import checkpoint as fsdp_ckpt
+from lavis_ds.runners.fsdp.checkpoint import FSDPCheckpoints
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -42,22 +43,19 @@ class FSDPOptions:
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
 
 
-@reg.runners.register("runner_fsdp")
-class FSDPEngine(Engine):
-    """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
+class FSDPEngineConfig(EngineConfig):
+    """``run.fsdp``, the engine's config part: its schema (``FSDPOptions``) and what runner_fsdp cannot do."""
 
-    MODEL_NEEDS = ("shard",)  # repeated_blocks(): the units fully_shard wraps one by one
-    OPTIONS_KEY = "fsdp"
-    CHECKPOINT_FILES = (".metadata",)  # the DCP index
+    KEY = "fsdp"
 
     @classmethod
-    def read_options(cls, value):
+    def read(cls, value):
         if isinstance(value, bool):  # LAVIS's switch, not options: lavis_compat drops false and refuses true
             return value, []
-        return super().read_options(value)
+        return super().read(value)
 
     @classmethod
-    def config_problems(cls, run, world_size, settings_ok):
+    def problems(cls, run, world_size, settings_ok):
         options, problems = run.get("fsdp") or {}, []
         if not isinstance(options, dict):
             return []  # reported when the section was read
@@ -66,6 +64,15 @@ class FSDPEngine(Engine):
             problems.append("run.precision: fp16 is not supported by runner_fsdp (fp16 needs a loss scaler, which "
                             "runner_fsdp does not have); use bf16, or the DeepSpeed runner")
         return problems
+
+
+@reg.runners.register("runner_fsdp")
+class FSDPEngine(Engine):
+    """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
+
+    MODEL_NEEDS = ("shard",)  # repeated_blocks(): the units fully_shard wraps one by one
+    config = FSDPEngineConfig
+    checkpoints = FSDPCheckpoints
 
     def __init__(self, run, model, checkpoint_dir):
         super().__init__(run, model, checkpoint_dir)
@@ -88,7 +95,7 @@ class FSDPEngine(Engine):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         self.plan, model = plan, self.model
-        from_rank0 = self._built_on_rank0(model)
+        from_rank0 = built_on_rank0(model)
         if not from_rank0:
             model.to(self.device)  # fully_shard shards what is on the device (a no-op on CPU)
         # else fully_shard moves what is real to the device itself and leaves the meta parameters for the load
@@ -118,7 +125,7 @@ class FSDPEngine(Engine):
             fully_shard(block, **shard)
         fully_shard(model, **shard)
         if from_rank0:
-            self._load_from_rank0(model, whole)
+            _load_from_rank0(model, whole)
             del whole  # process 0 holds its shards only from here on
         sharded = dict(model.named_parameters())
         groups = [{**group, "params": [sharded[name] for name in names]} for group, names in zip(param_groups, group_names)]
@@ -126,24 +133,6 @@ class FSDPEngine(Engine):
         self.optimizer = torch.optim.AdamW(groups, lr=self.run.init_lr, **({"betas": tuple(betas)} if betas else {}),
                                            **({"eps": eps} if eps is not None else {}))
         return self.optimizer
-
-    @staticmethod
-    def _built_on_rank0(model) -> bool:
-        """Whether some process built parameters on the meta device (``model_placement``): then every process
-        receives its shards from process 0. Agreed by all processes, as the load is collective."""
-        empty = comm.all_reduce(torch.tensor([int(any(p.is_meta for p in model.parameters()))]), op="max")
-        return bool(empty.item())
-
-    def _load_from_rank0(self, model, whole: dict) -> None:
-        """Every parameter and buffer from process 0's whole model, each process keeping its shard (torch
-        broadcasts them one at a time); the meta parameters become real ones here."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        meta = [name for name, p in model.named_parameters() if p.is_meta]
-        if meta:
-            raise RuntimeError(f"runner_fsdp: {len(meta)} parameters received no weights from process 0, e.g. "
-                               f"{', '.join(meta[:3])}")
 
     def checkpoint_layout(self) -> dict:
         return {"runner": "runner_fsdp", "format": "torch.distributed.checkpoint",
@@ -189,19 +178,12 @@ class FSDPEngine(Engine):
             self.model.reshard()
 
     # ------------------------------------------------------------- checkpoints
-    def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer,
-                                                  options=StateDictOptions(ignore_frozen_params=True))
-        return {"model": model_state, "optim": optim_state}
-
     def save_checkpoint(self, tag, client_state):
         import torch.distributed.checkpoint as dcp
 
         tag_dir = self.checkpoint_dir / tag
         try:
-            dcp.save(self._state(), checkpoint_id=str(tag_dir))
+            dcp.save(_state(self.model, self.optimizer), checkpoint_id=str(tag_dir))
         except dcp.api.CheckpointException as e:
             # DCP wraps every rank's error (a full disk: torch's RuntimeError or an OSError) with its traceback in a
             # BaseException; the loop names a failed write once it sees the error itself.
@@ -215,42 +197,13 @@ class FSDPEngine(Engine):
 
         tag_dir = Path(load_dir) / tag
         if self.plan.handover_from is not None:
-            return self._take_over(self.plan.handover_from, tag_dir)
-        state = self._state()  # the shapes and shards to read into (DCP reshards to them)
+            return _take_over(self, self.plan.handover_from, tag_dir)
+        state = _state(self.model, self.optimizer)  # the shapes and shards to read into (DCP reshards to them)
         dcp.load(state, checkpoint_id=str(tag_dir))
         # Frozen weights are not in the checkpoint: they come from where the model loaded them.
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
         return ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE)
-
-    def _take_over(self, source: type[Engine], tag_dir: Path) -> dict:
-        """Continue another engine's run: its fp32 weights and Adam moments, parameter by parameter. Process 0
-        reads them whole; every other process receives its shards from it, one tensor at a time."""
-        import torch.distributed as torch_dist
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
-
-        several = torch_dist.is_initialized() and self.world_size > 1
-        handover = source.read_handover(tag_dir, self.checkpoint_dir / "universal", self.rank,
-                                        needed=self.rank == 0 or not several)
-        weights, optim = {}, {}
-        if handover is not None:
-            groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # by parameter name
-            names = [name for group in groups for name in group["params"]]
-            weights = {name: handover.states[name]["fp32"] for name in names}
-            optim = {"state": {name: {"step": torch.tensor(float(handover.step)),
-                                      "exp_avg": handover.states[name]["exp_avg"],
-                                      "exp_avg_sq": handover.states[name]["exp_avg_sq"]} for name in names},
-                     "param_groups": groups}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=several, ignore_frozen_params=True,
-                                   strict=False)
-        # One call each: set_state_dict skips the model on a process whose model dict is empty (torch 2.14), so
-        # the processes' broadcasts would not pair up.
-        set_model_state_dict(self.model, weights, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
-        client_state = comm.broadcast_object(handover.client_state if handover is not None else None)
-        report_takeover(self, tag_dir)
-        return client_state
 
     def check_checkpoint(self, tag_dir, same_world):
         source = foreign_writer(self, tag_dir)
@@ -278,48 +231,67 @@ class FSDPEngine(Engine):
                     f"moments would be rounded to {self.settings.precision}); use precision_mode mixed")
         return None
 
-    @classmethod
-    def handover_shapes(cls, tag_dir, rank):
-        """Carries over: the fp32 parameters and AdamW moments of precision_mode mixed (or fp32); ``low`` keeps
-        them in bf16."""
-        marker = ckpt.read_marker(tag_dir)
-        if marker.get("precision_mode") == "low" and marker.get("precision", "fp32") != "fp32":
-            raise ckpt.CheckpointError(
-                f"{tag_dir} was saved by runner_fsdp with run.fsdp.precision_mode=low: its parameters and AdamW "
-                f"moments are kept in {marker['precision']}, not fp32, so another engine cannot continue it exactly. "
-                f"Resume with run.runner: runner_fsdp, or start afresh (--options run.resume=false)")
-        # Every file there and whole, or DamagedCheckpoint naming it.
-        saved = fsdp_ckpt.saved_shapes(fsdp_ckpt.read_index(tag_dir))
-        ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE, mmap=True)
-        return saved
-
-    @classmethod
-    def read_trained_weights(cls, tag_dir):
-        weights, client_state = fsdp_ckpt.read_trained_weights(tag_dir)
-        return weights, client_state, {"precision": ckpt.read_marker(tag_dir).get("precision", "fp32")}
-
-    @classmethod
-    def read_handover(cls, tag_dir, scratch, rank, needed=True):
-        """Every trained parameter and its AdamW moments, whole, read by this process alone (DCP without a
-        process group); nothing for a rank that does not need them."""
-        if not needed:
-            return None
-        flat = fsdp_ckpt.read_everything(tag_dir)
-        names = [key[len("model."):] for key in flat if key.startswith("model.")]
-        states, steps = {}, set()
-        for name in names:
-            weight = flat[f"model.{name}"].float()
-            # A parameter that never had a gradient has no AdamW state yet: zero moments, as its first step makes.
-            zero = torch.zeros_like(weight)
-            states[name] = {"fp32": weight, "exp_avg": flat.get(f"optim.state.{name}.exp_avg", zero).float(),
-                            "exp_avg_sq": flat.get(f"optim.state.{name}.exp_avg_sq", zero).float()}
-            if f"optim.state.{name}.step" in flat:
-                steps.add(int(flat[f"optim.state.{name}.step"]))
-        return ckpt.Handover(states, max(steps, default=0), ckpt.load_file(tag_dir / fsdp_ckpt.CLIENT_STATE))
-
 
 # A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
 reg.runners.register_alias("fsdp_runner", "runner_fsdp")
+
+
+def built_on_rank0(model) -> bool:
+    """Whether some process built parameters on the meta device (``model_placement``): then every process
+    receives its shards from process 0. Agreed by all processes, as the load is collective."""
+    empty = comm.all_reduce(torch.tensor([int(any(p.is_meta for p in model.parameters()))]), op="max")
+    return bool(empty.item())
+
+
+def _load_from_rank0(model, whole: dict) -> None:
+    """Every parameter and buffer from process 0's whole model, each process keeping its shard (torch
+    broadcasts them one at a time); the meta parameters become real ones here."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"runner_fsdp: {len(meta)} parameters received no weights from process 0, e.g. "
+                           f"{', '.join(meta[:3])}")
+
+
+def _state(model, optimizer) -> dict:
+    """The trainable parameters' and their optimizer state's shards, as a DCP checkpoint holds them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_state, "optim": optim_state}
+
+
+def _take_over(engine: FSDPEngine, source: type[Engine], tag_dir: Path) -> dict:
+    """``engine`` (wrapped) continues another engine's run: its fp32 weights and Adam moments, parameter by
+    parameter. Process 0 reads them whole; every other process receives its shards from it, one tensor at a time."""
+    import torch.distributed as torch_dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    model, optimizer, rank = engine.model, engine.optimizer, engine.rank
+    several = torch_dist.is_initialized() and engine.world_size > 1
+    handover = source.checkpoints.read_handover(tag_dir, engine.checkpoint_dir / "universal", rank,
+                                                needed=rank == 0 or not several)
+    weights, optim = {}, {}
+    if handover is not None:
+        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]  # by parameter name
+        names = [name for group in groups for name in group["params"]]
+        weights = {name: handover.states[name]["fp32"] for name in names}
+        optim = {"state": {name: {"step": torch.tensor(float(handover.step)),
+                                  "exp_avg": handover.states[name]["exp_avg"],
+                                  "exp_avg_sq": handover.states[name]["exp_avg_sq"]} for name in names},
+                 "param_groups": groups}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=several, ignore_frozen_params=True,
+                               strict=False)
+    # One call each: set_state_dict skips the model on a process whose model dict is empty (torch 2.14), so
+    # the processes' broadcasts would not pair up.
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, optim, options=options)
+    client_state = comm.broadcast_object(handover.client_state if handover is not None else None)
+    report_takeover(engine, tag_dir)
+    return client_state
 
 
 def _first_failure(error: BaseException) -> BaseException:
