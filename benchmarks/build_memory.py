@@ -9,7 +9,7 @@ Measured. A scaled-down Qwen2 LLM (default: hidden 1536, 16 layers, MLP 4224, vo
 ~0.5B parameters, 1.0 GB in bf16) is written with `save_pretrained` in bf16, next to a ChatML tokenizer;
 the model is our real tiny BLIP2-Qwen with that folder as `llm_model` (the LLM is >95% of its weights),
 every part frozen but the projection (the MiniGPT4Qwen recipe), bf16 engine. For each runner
-(runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the runner's `model_placement`, or whole on
+(runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the runner's `setup.model_placement`, or whole on
 every process), `torchrun --nproc_per_node=<nproc>` starts fresh processes that do what train.py
 does: start the process group, build the model, build the runner (the engine shards the model; FSDP's
 processes receive their shards there). Each process samples its resident set size (psutil, every 2 ms, in
@@ -95,11 +95,11 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
 
     cfg = load_config(cfg_path, [f"run.runner={runner_name}"], world_size=int(os.environ["WORLD_SIZE"]))
     runner_class = registry.get_runner_class(runner_name)
-    runner_class.prepare_process(cfg)
-    runner_class.init_process_group()
+    runner_class.setup.prepare_process(cfg)
+    runner_class.setup.init_process_group()
     datasets = build_datasets(cfg.datasets)
     torch_dist.barrier()
-    placement = runner_class.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
+    placement = runner_class.setup.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
     with PeakRSS() as rss:
         with PeakRSS() as building:
             model = build_model(cfg.model, cfg.run.seed, placement)

@@ -95,7 +95,7 @@ def build_runner(cfg_path: Path):
     from lavis_ds.config import load_config
 
     cfg = load_config(cfg_path, world_size=1)
-    registry.get_runner_class(cfg.run.runner).init_process_group()
+    registry.get_runner_class(cfg.run.runner).setup.init_process_group()
     runner = build(cfg)
     runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer here, as train() does

@@ -92,7 +92,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                f"run.zero_stage={args.stage}",
                f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
-    registry.get_runner_class(cfg.run.runner).init_process_group()
+    registry.get_runner_class(cfg.run.runner).setup.init_process_group()
     prepare_datasets(cfg.datasets)  # the demo's data and tokenizer, generated on first use
     runner = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
     runner.setup()  # the engine, the data order and the hooks, as train() starts

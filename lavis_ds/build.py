@@ -15,7 +15,7 @@ from lavis_ds.datasets.loading import ParsedFiles
 
 def build_model(model_cfg: DictConfig, seed: int = 42,
                 placement: contextlib.AbstractContextManager | None = None) -> torch.nn.Module:
-    """The model of ``model_cfg``; inside ``placement`` (a runner's ``model_placement``) if given.
+    """The model of ``model_cfg``; inside ``placement`` (a runner's ``setup.model_placement``) if given.
 
     ``model.pretrained`` (with ``load_pretrained``) may name a lavis_ds export (``python export.py``): the model is
     then built as the export's run built it (from the export's seed: the weights it did not train are those) and
@@ -78,6 +78,6 @@ def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
     engine_class = reg.runners.get(cfg.run.runner)
     prepare_datasets(cfg.datasets)
     # The engine that will shard the model says where its LLM is built (e.g. partitioned from the start).
-    model = build_model(cfg.model, cfg.run.seed, engine_class.model_placement(cfg))
+    model = build_model(cfg.model, cfg.run.seed, engine_class.setup.model_placement(cfg))
     datasets = build_datasets(cfg.datasets, parsed_files)
     return Trainer.from_config(cfg, model, datasets)

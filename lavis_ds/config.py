@@ -353,7 +353,7 @@ def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:
 
 def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str]:
     """What the model class lacks of the model contract (``models.base.CONTRACT``) for this run: training, the
-    generation its test splits and validation metrics need, and what the runner calls (``MODEL_NEEDS``)."""
+    generation its test splits and validation metrics need, and what the runner calls (``config.MODEL_NEEDS``)."""
     from lavis_ds.common.registry import objectives as objective_registry
     from lavis_ds.models.base import missing
 
@@ -365,6 +365,6 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
     task = run.get("task")
     pairwise = isinstance(task, str) and task in objective_registry and objective_registry.get(task).DATA == "pairs"
     uses["pairs"] = f"run.task: {task}" if pairwise else None
-    uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.MODEL_NEEDS})
+    uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.config.MODEL_NEEDS})
     return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]

@@ -76,8 +76,8 @@ def train(args: argparse.Namespace) -> int:
                       parsed_files=parsed_files)
     configure_numerics(cfg.run.tf32, cfg.run.deterministic)  # before any kernel runs
     runner_class = reg.runners.get(cfg.run.runner)
-    runner_class.prepare_process(cfg)
-    runner_class.init_process_group()  # binds this process's GPU first (common.device)
+    runner_class.setup.prepare_process(cfg)
+    runner_class.setup.init_process_group()  # binds this process's GPU first (common.device)
     check_one_gpu_per_process()  # named here, before NCCL would stop at "Duplicate GPU detected"
     lock, error = None, None
     if dist.is_main_process():

@@ -3,7 +3,7 @@ the place its runner asks for, and report what each process holds.
 
     torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> runner [runner ...]
 
-For each runner named, the model is built twice: in the place the runner asks for (``model_placement``) and
+For each runner named, the model is built twice: in the place the runner asks for (``setup.model_placement``) and
 whole, as before. For each build, on every process: how many elements of the LLM's own weights (no LoRA
 adapters, no token rows) this process holds right after the build - materialised in full, as its ZeRO-3
 partition, or on the meta device - and after the engine wrapped the model; and the loss of one fixed batch
@@ -67,7 +67,7 @@ def report_for(cfg, partitioned: bool) -> dict:
     from lavis_ds.runners import Trainer
 
     runner_class = registry.get_runner_class(cfg.run.runner)
-    placement = runner_class.model_placement(cfg) if partitioned else contextlib.nullcontext()
+    placement = runner_class.setup.model_placement(cfg) if partitioned else contextlib.nullcontext()
     model = build_model(cfg.model, cfg.run.seed, placement)
     built = held(base_llm_params(model))
     runner = Trainer.from_config(cfg, model, build_datasets(cfg.datasets))
@@ -96,8 +96,8 @@ def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
     for name in runners:
         cfg = load_config(cfg_path, [f"run.runner={name}"], world_size=world)
         runner_class = registry.get_runner_class(name)
-        runner_class.prepare_process(cfg)
-        runner_class.init_process_group()  # once: a started process group is kept
+        runner_class.setup.prepare_process(cfg)
+        runner_class.setup.init_process_group()  # once: a started process group is kept
         for partitioned in (True, False):
             mine = report_for(cfg, partitioned)
             everyone = [None] * torch_dist.get_world_size()

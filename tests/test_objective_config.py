@@ -26,19 +26,24 @@ def test_dpo_options_are_read_from_the_section_named_after_it():
 
 
 def test_an_engine_that_does_not_run_objectives_refuses_a_preference_task():
-    """Not silently trained as SFT: an engine that says it does not call objectives (``RUNS_OBJECTIVES = False``,
+    """Not silently trained as SFT: an engine that says it does not call objectives (``config.RUNS_OBJECTIVES = False``,
     e.g. one that computes its own loss) refuses a pairwise task by name; the built-in engines run them."""
     from lavis_ds.runners.deepspeed import DeepSpeedEngine
     from lavis_ds.runners.fsdp import FSDPEngine
 
-    class OwnLossEngine:
+    from lavis_ds.runners.engine import Engine, EngineConfig
+
+    class OwnLossConfig(EngineConfig):
         RUNS_OBJECTIVES = False
+
+    class OwnLossEngine(Engine):
+        config = OwnLossConfig
 
     run = {"task": "dpo", "dpo": {"beta": 0.2}}
     assert objective_problems(run, DeepSpeedEngine) == objective_problems(run, FSDPEngine) == []
     assert objective_problems(run, OwnLossEngine) == [
         "run.task: 'dpo' trains on preference pairs, which the runner OwnLossEngine does not run (it trains the "
-        "model's next-token loss); use a runner that calls objectives (RUNS_OBJECTIVES)"]
+        "model's next-token loss); use a runner that calls objectives (config.RUNS_OBJECTIVES)"]
 
 
 def test_default_and_lavis_task_names_are_sft(cfg_path):

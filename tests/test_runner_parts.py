@@ -1,6 +1,6 @@
 """The runner is built from parts: every attribute a runner class keeps is declared in its constructor, the
 loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits), and so do the
-engines (their config section and checkpoint reading are parts they hold as class attributes)."""
+engines (their config section, checkpoint reading and process set-up are parts they hold as class attributes)."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +12,7 @@ import pytest
 import lavis_ds  # noqa: F401  (fills the registries)
 from lavis_ds.common import registry as reg
 from lavis_ds.config import import_user_modules
-from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig
+from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig, EngineSetup
 from lavis_ds.runners.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,16 +95,16 @@ def ddp_engine_imported():
     sys.modules.pop("ddp_engine")  # a later import registers it again
 
 
-def test_every_engine_holds_its_config_and_checkpoints_parts_and_adds_few_members_to_the_interface(
-        ddp_engine_imported):
+def test_every_engine_holds_its_config_checkpoints_and_setup_parts_and_stays_near_25_members(ddp_engine_imported):
     classes = _classes()
     interface = _members(Engine, classes)
-    assert {"config", "checkpoints", "wrap", "forward_backward", "run", "plan"} <= interface
-    assert len(interface) <= 25, sorted(interface)
+    assert {"config", "checkpoints", "setup", "wrap", "forward_backward", "run", "plan"} <= interface
+    assert len(interface) <= 22, sorted(interface)
     engines = reg.runners.distinct()
     assert {"runner_deepspeed", "runner_fsdp", "runner_ddp_test"} <= set(engines)
     for name, engine in engines.items():
         assert issubclass(engine.config, EngineConfig) and issubclass(engine.checkpoints, EngineCheckpoints), name
+        assert issubclass(engine.setup, EngineSetup), name
         added = _members(engine, classes) - interface  # what the engine keeps beyond the interface: its state
-        assert len(added) <= 5, (name, sorted(added))
+        assert len(added) <= 5 and len(interface | added) <= 26, (name, sorted(added))
     assert engines["runner_fsdp"].config.KEY == "fsdp" and engines["runner_ddp_test"].checkpoints.FILES == ("ddp.pt",)

@@ -2,7 +2,7 @@
 
 A 72B LLM in bf16 is 145 GB; eight processes of a node each building it whole before the
 engine partitions it would need over 1 TB of host memory. So the runner that will shard
-the LLM hands the build an ``LLMPlacement`` (``Engine.model_placement``), which says how
+the LLM hands the build an ``LLMPlacement`` (``Engine.setup.model_placement``), which says how
 this process builds it and how the build reaches weights the engine holds in pieces:
 
 - ``LLMPlacement`` (default: one process, export, inference, engines that shard later):

@@ -32,7 +32,7 @@ def option_section_keys() -> set[str]:
 
 def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> list[str]:
     """What is wrong with ``run.task`` and its options section, each naming its key path; [] if it builds.
-    ``runner``: the run's runner class, which must say it calls objectives (``RUNS_OBJECTIVES``) to train one
+    ``runner``: the run's runner class, which must say it calls objectives (``config.RUNS_OBJECTIVES``) to train one
     other than the model's own next-token loss."""
     task = run.get("task") or DEFAULT_OBJECTIVE
     if not isinstance(task, str):
@@ -55,10 +55,10 @@ def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> li
     if not isinstance(section, Mapping):
         return problems + [f"run.{key}: expected a mapping of {key}'s options, got {section!r}"]
     cls = objectives.get(task)
-    if runner is not None and cls.DATA != "sequences" and not getattr(runner, "RUNS_OBJECTIVES", False):
+    if runner is not None and cls.DATA != "sequences" and not runner.config.RUNS_OBJECTIVES:
         problems.append(f"run.task: {task!r} trains on preference pairs, which the runner "
                         f"{getattr(runner, '__name__', runner)} does not run (it trains the model's next-token "
-                        f"loss); use a runner that calls objectives (RUNS_OBJECTIVES)")
+                        f"loss); use a runner that calls objectives (config.RUNS_OBJECTIVES)")
     problems += pairwise_run_problems(run, cls)
     before = len(problems)
     check_section(dict(section), fields_of(cls), f"run.{key}", problems)

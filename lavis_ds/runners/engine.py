@@ -2,17 +2,19 @@
 saves and loads checkpoints. ``runners/trainer.py`` (the loop) holds one; each engine package defines one,
 registered as a runner (``run.runner`` names it).
 
-An engine class holds two parts as class attributes, each with one job, both used before (or without) any
+An engine class holds three parts as class attributes, each with one job, all used before (or without) any
 engine instance:
 
 - ``config`` (an ``EngineConfig``): the engine's own options section under ``run:`` as the config loader reads,
-  checks and completes it, for every run that has the section, whichever runner it chose;
+  checks and completes it, for every run that has the section, whichever runner it chose, and what the config
+  check asks of the engine (whether it runs every objective, what it calls on a model);
 - ``checkpoints`` (an ``EngineCheckpoints``): its checkpoint files read in one process with no engine built:
   which files are its, the trained weights (for export), and its per-parameter state for another engine
-  continuing the run (``runners/handover.py`` is the shared part of switching engines).
+  continuing the run (``runners/handover.py`` is the shared part of switching engines);
+- ``setup`` (an ``EngineSetup``): how a process starts (``prepare_process``, ``init_process_group``) and where the
+  model is built (``model_placement``): ``train.py`` and ``build.py`` call it before any trainer exists.
 
-The engine class itself prepares the process (``prepare_process``, ``init_process_group``, ``model_placement``:
-``train.py`` and ``build.py`` call them before any trainer exists) and does the instance work. An engine is built
+The engine class itself does the instance work. An engine is built
 with plain assignments (no disk, no collective); the trainer decides which checkpoint to resume and the batch
 layout first (``resume.ResumePlan``, for which it asks the engine to ``check_checkpoint``), then hands that plan
 to ``wrap``.
@@ -49,6 +51,12 @@ class EngineConfig:
     """An engine's options section under ``run:`` (``KEY``), as the config loader reads it. Default: none."""
 
     KEY: str | None = None  # the section's key under `run:` (e.g. "fsdp")
+    # The shared loop prepares and weights each micro-batch as the objective (run.task) says, and a batch that names
+    # its objective is scored by it inside the model's forward: an engine that backpropagates micro_batch_loss of
+    # its forward runs every objective. One that computes a loss of its own sets False (pairwise tasks refused).
+    RUNS_OBJECTIVES = True
+    # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
+    MODEL_NEEDS: tuple[str, ...] = ()
     # `run` keys that this engine alone reads (DeepSpeed's ZeRO stage): under another engine a log line names them
     OWN_RUN_KEYS: tuple[str, ...] = ()
 
@@ -114,21 +122,17 @@ class EngineCheckpoints:
                                   "read them out: define read_handover")
 
 
-class Engine:
-    """The engine interface: an engine class overrides what it needs; the defaults say what is optional."""
-
-    # The shared loop prepares and weights each micro-batch as the objective (run.task) says, and a batch that names
-    # its objective is scored by it inside the model's forward: an engine that backpropagates micro_batch_loss of
-    # its forward runs every objective. One that computes a loss of its own sets False (pairwise tasks refused).
-    RUNS_OBJECTIVES = True
-    # What this engine calls on a model beyond training, as keys of lavis_ds.models.base.CONTRACT (e.g. "shard").
-    MODEL_NEEDS: tuple[str, ...] = ()
-    config: type[EngineConfig] = EngineConfig  # its options section under `run:`
-    checkpoints: type[EngineCheckpoints] = EngineCheckpoints  # its checkpoint folders, read without an engine
+class EngineSetup:
+    """How an engine's processes start, before any engine exists (``train.py`` and ``build.py`` call it)."""
 
     @classmethod
     def prepare_process(cls, cfg: DictConfig) -> None:
         """Once per process, before the process group starts (e.g. compile the engine's ops). Default: nothing."""
+
+    @classmethod
+    def init_process_group(cls) -> None:
+        """Start torch.distributed for this process (after ``prepare_process``)."""
+        dist.init_distributed()
 
     @classmethod
     def model_placement(cls, cfg: DictConfig) -> contextlib.AbstractContextManager:
@@ -137,10 +141,13 @@ class Engine:
         whole, on every process."""
         return contextlib.nullcontext()
 
-    @classmethod
-    def init_process_group(cls) -> None:
-        """Start torch.distributed for this process (after ``prepare_process``)."""
-        dist.init_distributed()
+
+class Engine:
+    """The engine interface: an engine class overrides what it needs; the defaults say what is optional."""
+
+    config: type[EngineConfig] = EngineConfig  # its options section under `run:`, what it runs and needs
+    checkpoints: type[EngineCheckpoints] = EngineCheckpoints  # its checkpoint folders, read without an engine
+    setup: type[EngineSetup] = EngineSetup  # how its processes start and where the model is built
 
     def __init__(self, run: DictConfig, model: torch.nn.Module, checkpoint_dir: Path):
         """Plain assignments: ``wrap`` builds the engine, once the trainer has planned the resume."""

@@ -22,7 +22,7 @@ from lavis_ds.runners.deepspeed.checkpoint import DeepSpeedCheckpoints, layout_o
 from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
 from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
-from lavis_ds.runners.engine import Engine, EngineConfig, micro_batch_loss
+from lavis_ds.runners.engine import Engine, EngineConfig, EngineSetup, micro_batch_loss
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 
@@ -59,12 +59,9 @@ class DeepSpeedEngineConfig(EngineConfig):
         return run, notes + zero_keys.no_effect_warnings(run["deepspeed_config"], run)
 
 
-@reg.runners.register("runner_deepspeed")
-class DeepSpeedEngine(Engine):
-    """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
-
-    config = DeepSpeedEngineConfig
-    checkpoints = DeepSpeedCheckpoints
+class DeepSpeedSetup(EngineSetup):
+    """DeepSpeed's process start: its CPU ops compiled first, its own process-group start, and ZeRO-3's
+    partitioned build."""
 
     @classmethod
     def prepare_process(cls, cfg):
@@ -104,6 +101,15 @@ class DeepSpeedEngine(Engine):
         if layout_of(ds_config)["zero_stage"] != 3:
             return contextlib.nullcontext()
         return zero3_construction(ds_config)
+
+
+@reg.runners.register("runner_deepspeed")
+class DeepSpeedEngine(Engine):
+    """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
+
+    config = DeepSpeedEngineConfig
+    checkpoints = DeepSpeedCheckpoints
+    setup = DeepSpeedSetup
 
     def __init__(self, run, model, checkpoint_dir):
         super().__init__(run, model, checkpoint_dir)

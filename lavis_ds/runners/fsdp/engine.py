@@ -23,7 +23,7 @@ from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, EngineConfig, micro_batch_loss
+from lavis_ds.runners.engine import Engine, EngineConfig, EngineSetup, micro_batch_loss
 from lavis_ds.runners.fsdp import checkpoint as fsdp_ckpt
 from lavis_ds.runners.fsdp.checkpoint import FSDPCheckpoints
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
@@ -47,6 +47,7 @@ class FSDPEngineConfig(EngineConfig):
     """``run.fsdp``, the engine's config part: its schema (``FSDPOptions``) and what runner_fsdp cannot do."""
 
     KEY = "fsdp"
+    MODEL_NEEDS = ("shard",)  # repeated_blocks(): the units fully_shard wraps one by one
 
     @classmethod
     def read(cls, value):
@@ -66,21 +67,8 @@ class FSDPEngineConfig(EngineConfig):
         return problems
 
 
-@reg.runners.register("runner_fsdp")
-class FSDPEngine(Engine):
-    """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
-
-    MODEL_NEEDS = ("shard",)  # repeated_blocks(): the units fully_shard wraps one by one
-    config = FSDPEngineConfig
-    checkpoints = FSDPCheckpoints
-
-    def __init__(self, run, model, checkpoint_dir):
-        super().__init__(run, model, checkpoint_dir)
-        self.options = FSDPOptions(**(run.get("fsdp") or {}))  # read before wrap too: checkpoints are checked first
-        self.settings: TrainingSettings = training_settings(OmegaConf.to_container(run, resolve=True), self.world_size)
-        self.dtype = DTYPES[self.settings.precision]
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                       else torch.device("cpu"))
+class FSDPSetup(EngineSetup):
+    """FSDP2's model placement (the process group starts as every engine's does)."""
 
     @classmethod
     def model_placement(cls, cfg):
@@ -90,6 +78,23 @@ class FSDPEngine(Engine):
         from lavis_ds.models.llm_placement import Rank0Placement, llm_placement
 
         return llm_placement(Rank0Placement()) if dist.world_size() > 1 else contextlib.nullcontext()
+
+
+@reg.runners.register("runner_fsdp")
+class FSDPEngine(Engine):
+    """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
+
+    config = FSDPEngineConfig
+    checkpoints = FSDPCheckpoints
+    setup = FSDPSetup
+
+    def __init__(self, run, model, checkpoint_dir):
+        super().__init__(run, model, checkpoint_dir)
+        self.options = FSDPOptions(**(run.get("fsdp") or {}))  # read before wrap too: checkpoints are checked first
+        self.settings: TrainingSettings = training_settings(OmegaConf.to_container(run, resolve=True), self.world_size)
+        self.dtype = DTYPES[self.settings.precision]
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
 
     def wrap(self, param_groups, plan):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
