@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import pickletools
+import types
 from pathlib import Path
 
 import pytest
@@ -95,11 +96,14 @@ def _pickle_opcodes(obj) -> int:
 
 
 def _reachable_objects(obj) -> int:
-    """Python objects reachable from ``obj`` (what a forked worker could touch, and a pickle must write)."""
+    """Python objects reachable from ``obj`` (what a forked worker could touch, and a pickle must write), short of
+    classes, modules and functions: code is shared by every dataset, and a function's globals lead to every module
+    (whose state, such as the warnings registry, changes while they are walked)."""
     seen, todo = set(), [obj]
     while todo:
         o = todo.pop()
-        if id(o) not in seen and not isinstance(o, type):
+        if id(o) not in seen and not isinstance(o, (type, types.ModuleType, types.FunctionType,
+                                                     types.BuiltinFunctionType)):
             seen.add(id(o))
             todo.extend(gc.get_referents(o))
     return len(seen)
