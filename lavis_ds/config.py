@@ -258,7 +258,10 @@ def _lookup_error(registry: reg.Registry, name: str) -> str:
 
 def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     """Append every problem of a merged config to ``errors`` (unknown names are reported by `_merge_defaults`);
-    return the neutral run keys resolved with their twins (``run_config.NEUTRAL_KEYS``)."""
+    return the neutral run keys resolved with their twins (``run_config.NEUTRAL_KEYS``).
+
+    A little over 50 lines: the order of the sections' checks is the order the report lists them in, and each
+    check needs what the one before resolved; read top to bottom it is the config check's table of contents."""
     plain = OmegaConf.to_container(cfg, resolve=True)
 
     model = plain["model"]

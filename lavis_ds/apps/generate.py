@@ -199,7 +199,10 @@ class Processes:
 
 
 def run_file(args: argparse.Namespace, processes: Processes) -> int:
-    """Answer every sample of ``args.data`` into ``args.out``; the return value is the exit code."""
+    """Answer every sample of ``args.data`` into ``args.out``; the return value is the exit code.
+
+    Over 50 lines: reading the file, skipping what is answered, answering this process's share and merging are
+    one sequence whose steps share the samples, the share and the output file; apart they would pass all three."""
     from torch.utils.data import DataLoader
     from tqdm import tqdm
     from transformers import set_seed

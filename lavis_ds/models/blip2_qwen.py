@@ -65,6 +65,7 @@ class Blip2Qwen(VisionLLM):
     FILE_KEYS = (*VisionLLM.FILE_KEYS, "vit_pretrained")  # loaded whatever load_pretrained says, as LAVIS does
     CONNECTOR_PREFIXES = ("llm_proj.",)
 
+    # Over 50 lines: most of it is the keyword list, the model section's schema (read from the signature).
     def __init__(
         self,
         *,
