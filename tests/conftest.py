@@ -1,7 +1,10 @@
 """Shared tiny fixtures: a ChatML tokenizer trained in a temp dir, the tiny model config."""
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -30,6 +33,23 @@ TINY_CORPUS = [
     "How many animals are there? Two.",
     "You are a helpful assistant.",
 ] * 4
+
+
+@contextlib.contextmanager
+def user_module_imported(module: str, registry) -> Iterator[None]:
+    """``module`` imported as a YAML's `imports: [module]` does, for the duration only: what it registered in
+    ``registry`` leaves it afterwards, and a later import registers it again (the registries are global state, and
+    pytest runs every file in one process, where other files must see the package's own entries)."""
+    from lavis_ds.config import import_user_modules
+
+    entries = dict(registry._entries)
+    import_user_modules([module])
+    try:
+        yield
+    finally:
+        registry._entries.clear()
+        registry._entries.update(entries)
+        sys.modules.pop(module, None)
 
 
 def demo_storage_fixture(num_train: int, num_val: int = 16, num_test: int = 8):

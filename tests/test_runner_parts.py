@@ -4,14 +4,13 @@ engines (their config section, checkpoint reading and process set-up are parts t
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
 
 import lavis_ds  # noqa: F401  (fills the registries)
+from conftest import user_module_imported
 from lavis_ds.common import registry as reg
-from lavis_ds.config import import_user_modules
 from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig, EngineSetup
 from lavis_ds.runners.trainer import Trainer
 
@@ -85,14 +84,9 @@ def _members(cls: type, classes: dict) -> set[str]:
 
 @pytest.fixture
 def ddp_engine_imported():
-    """The user's engine imported as `imports: [ddp_engine]` does; it leaves the registry afterwards (pytest runs
-    every file in one process, and other files see the package's own runners)."""
-    entries = dict(reg.runners._entries)
-    import_user_modules(["ddp_engine"])
-    yield
-    reg.runners._entries.clear()
-    reg.runners._entries.update(entries)
-    sys.modules.pop("ddp_engine")  # a later import registers it again
+    """The user's engine, registered for this test only."""
+    with user_module_imported("ddp_engine", reg.runners):
+        yield
 
 
 def test_every_engine_holds_its_config_checkpoints_and_setup_parts_and_stays_near_25_members(ddp_engine_imported):

@@ -3,32 +3,23 @@ once its module is imported as `imports:` imports it, its options checked like e
 cDPO formula (DPO's at label_smoothing 0), and it trains a tiny model to prefer the chosen answers."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 import lavis_ds  # noqa: F401  (fills the registries)
 from archs import build_tiny
-from lavis_ds.config import import_user_modules
+from conftest import user_module_imported
+from lavis_ds.common import registry as reg
 from lavis_ds.objectives import Dpo
 from lavis_ds.objectives.config import build_objective, objective_problems
 from lavis_ds.objectives.reference import REF_CHOSEN, REF_REJECTED, ReferenceScorer
 
-from lavis_ds.common import registry as reg
-
 
 @pytest.fixture(autouse=True, scope="module")
 def user_objective_imported():
-    """Import the user's module as a YAML's `imports: [user_objective]` does, for this file's tests only: its
-    `cdpo` entry leaves the registry afterwards, so other files see the package's own objectives (the registry is
-    global state and pytest runs every file in one process)."""
-    entries = dict(reg.objectives._entries)
-    import_user_modules(["user_objective"])
-    yield
-    reg.objectives._entries.clear()
-    reg.objectives._entries.update(entries)
-    sys.modules.pop("user_objective")  # a later import registers it again
+    """The user's module (its `cdpo` objective), registered for this file's tests only."""
+    with user_module_imported("user_objective", reg.objectives):
+        yield
 
 
 def _logps():
