@@ -157,7 +157,7 @@ def _mismatch_problems(datasets: dict, model: dict, tower: ImageProcessing) -> l
     label = _tower_label(model)
     problems, warnings = [], []
     for name, stage, proc in _image_processors(datasets):
-        ours = _processing_of(proc)
+        ours = section_processing(proc)
         if ours is None:
             continue
         where, processor = f"datasets.{name}.vis_processor.{stage}", proc["name"]
@@ -189,14 +189,18 @@ def _mismatch_problems(datasets: dict, model: dict, tower: ImageProcessing) -> l
     return problems
 
 
-def _processing_of(proc: dict) -> ImageProcessing | None:
-    """The processing a processor section's images have (its ``processing``); None: it does not say, or its section
-    does not build (reported by the dataset check)."""
+def section_processing(proc: Mapping[str, Any], served: bool = False) -> ImageProcessing | None:
+    """The processing an image processor section's images have (the built processor's ``processing``); None: it
+    does not say, or its section does not build (reported by the dataset check), or - ``served``: as an export's
+    image processor must reproduce it - it augments (random crops, flips), which no served processor does."""
     try:
-        processing = getattr(build_processor(proc), "processing", None)
+        processor = build_processor(proc)
     except (KeyError, ValueError, TypeError):
         return None
-    return processing if isinstance(processing, ImageProcessing) else None
+    processing = getattr(processor, "processing", None)
+    if not isinstance(processing, ImageProcessing) or (served and getattr(processor, "augments", False)):
+        return None
+    return processing
 
 
 def _image_processors(datasets: Mapping) -> list[tuple[str, str, Any]]:

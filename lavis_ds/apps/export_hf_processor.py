@@ -60,16 +60,9 @@ def image_processing_of(image_cfg: dict[str, Any]):
 
     Every registered image processor carries one (``processing``): ``blip2_image_eval`` a square bicubic resize,
     ``tower_image_eval`` its tower's processing; one that augments (random crops, flips) is served by none."""
-    from lavis_ds.datasets.builders import build_processor
-    from lavis_ds.processors.image import ImageProcessing
+    from lavis_ds.image_config import section_processing
 
-    try:
-        processor = build_processor(image_cfg)
-    except (KeyError, ValueError, TypeError):
-        return None
-    processing = getattr(processor, "processing", None)
-    augments = getattr(processor, "augments", False)
-    return processing if isinstance(processing, ImageProcessing) and not augments else None
+    return section_processing(image_cfg, served=True)
 
 
 def default_image_cfg(model: nn.Module) -> dict[str, Any]:
