@@ -58,8 +58,9 @@ def start_server() -> None:
     forkserver.ensure_running()
 
 
-def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
-    """One process of a job: a fresh environment, ``target``'s main(argv) (``module:function``), the scripts' exit."""
+def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, exit_file: str) -> None:
+    """One process of a job: a fresh environment, ``target``'s main(argv) (``module:function``), the scripts' exit,
+    its code also written to ``exit_file`` (Job.poll says why)."""
     for fd, path in ((1, stdout), (2, stderr)):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(out, fd)
@@ -86,6 +87,7 @@ def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr
     except BaseException:  # what Python does with an uncaught exception
         traceback.print_exc()
         code = 1
+    Path(exit_file).write_text(str(code))
     exit_now(code)
 
 
@@ -114,10 +116,13 @@ class Job:
         for rank in range(ranks):
             rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node),
                                                  "GROUP_RANK": str(rank // per_node)} if nproc else {}))
+            exit_file = logs.absolute() / f"exit_code.{rank}"  # written after the process changed folder
+            exit_file.unlink(missing_ok=True)
             p = ctx.Process(target=_main, args=(target, argv, rank_env, str(cwd), str(self.stdout_file),
-                                                str(self.stderr_file)))
+                                                str(self.stderr_file), str(exit_file)))
             p.start()
             self.processes.append(p)
+        self.exit_files = [logs.absolute() / f"exit_code.{rank}" for rank in range(ranks)]
         self.target = target
         self.returncode: int | None = None
         self._first_failure: float | None = None
@@ -130,15 +135,27 @@ class Job:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
+    def _exit_codes(self) -> list[int | None]:
+        """Each process's exit code; None while it runs. The forkserver relays the code, and under load it sometimes
+        loses it, reporting 255 (CPython issue 140867); a process that ended through _main wrote its own code, which
+        is then taken instead. One killed by a signal wrote none: the forkserver's -signal stands."""
+        codes = []
+        for p, exit_file in zip(self.processes, self.exit_files):
+            code = p.exitcode
+            if code == 255 and exit_file.exists():
+                code = int(exit_file.read_text())
+            codes.append(code)
+        return codes
+
     def poll(self) -> int | None:
         if self.returncode is None:
-            codes = [p.exitcode for p in self.processes]
+            codes = self._exit_codes()
             if any(c not in (None, 0) for c in codes) and None in codes:
                 self._first_failure = self._first_failure or time.time()
                 if time.time() - self._first_failure > FAILED_PEERS_GRACE:
                     alive = [rank for rank, c in enumerate(codes) if c is None]
                     self.kill()
-                    codes = [p.exitcode for p in self.processes]
+                    codes = self._exit_codes()
                     with open(self.stderr_file, "a") as f:  # as torchrun reports what it stopped
                         f.write(f"\n{STILL_RUNNING}: rank(s) {alive} still running {FAILED_PEERS_GRACE} s after another "
                                 f"process of the job failed (exit codes {codes}): killed\n")
