@@ -43,7 +43,7 @@ def instrument(runner, times: dict[str, list[float]]) -> None:
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
     for name in ("unit_counts", "seed_everything", "check_losses"):
         setattr(trainer, name, timed(times, name, getattr(trainer, name)))
-    faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
+    faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)  # an epoch's first step's
     engine = runner.engine
     engine.forward_backward = timed(times, "forward_backward", engine.forward_backward)
     engine.optimizer_step = timed(times, "optimizer_step", engine.optimizer_step)
@@ -67,11 +67,12 @@ def main(argv=None) -> int:
     runner = step_time.build_runner(args, output_dir)
     loader = runner.data.epoch(0, 0)
     steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
+    warmup = step_time.stepping_as_the_loop(runner, steps)
     for i in range(args.warmup):
-        runner.run_step(steps[i % len(steps)])
+        warmup(steps[i % len(steps)])
     times: dict[str, list[float]] = {}
     instrument(runner, times)
-    step = timed(times, "whole step", runner.run_step)
+    step = timed(times, "whole step", step_time.stepping_as_the_loop(runner, steps))
     comm.barrier()
     for i in range(args.steps):
         step(steps[i % len(steps)])

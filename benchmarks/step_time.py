@@ -17,10 +17,10 @@ micro-batches are read once from the runner's DataLoader and prepared by the mod
 is timed, and reused by both loops in the same order, so data loading is excluded from both.
 
 What one timed step is (wall clock, `time.perf_counter`, on every rank):
-  runner  `runner.run_step(micro_batches)`: the real loop's step - the token counts and the
-          step's agreement (stop signals, failures and the supervised tokens, one
-          all_reduce), lr from the scheduler, cast + forward + `engine.backward` +
-          `engine.step` per micro-batch, the loss all_reduce, scheduler step, counters,
+  runner  `runner.run_step(micro_batches, load_following)`: the real loop's step - the token
+          counts, lr from the scheduler, cast + forward + `engine.backward` + `engine.step` per
+          micro-batch, the loss all_reduce (which carries the next step's agreement: stop
+          signals, failures and its supervised tokens), scheduler step, counters,
           hooks (progress bar, metrics.jsonl and TensorBoard every `run.log_freq` steps
           on rank 0).
   raw     per micro-batch: cast float tensors to the engine's device/dtype, `engine(batch)`,
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
 
     raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
-    loops = {"runner": runner.run_step, "raw": raw(runner.cfg, args)}
+    loops = {"runner": stepping_as_the_loop(runner, steps), "raw": raw(runner.cfg, args)}
     per_step, block_means = interleave({name: loops[name] for name in LOOPS}, steps, args.warmup, args.block,
                                        args.steps // args.block)
     runner.close()  # not call_hooks("after_train"): that would also run the test generation
@@ -248,6 +248,18 @@ def main(argv=None) -> int:
                                              "stage": args.stage, "dtype": args.dtype,
                                              "world_size": runner.world_size, "global_batch": runner.plan.global_batch}))
     return 0
+
+
+def stepping_as_the_loop(runner, steps: list[list[dict]]) -> Callable[[list[dict]], None]:
+    """``runner.run_step`` as ``Trainer.train`` calls it: with the next step's micro-batches to load during the
+    step (here: the next of ``steps``, already read), so that its agreement rides on this step's loss check."""
+    position = iter(range(1, 1 << 62))
+
+    def run_step(micro_batches: list[dict]) -> None:
+        following = steps[next(position) % len(steps)]
+        runner.run_step(micro_batches, lambda: following)
+
+    return run_step
 
 
 def _synchronize() -> None:

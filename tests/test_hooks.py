@@ -303,8 +303,8 @@ def test_a_resumed_run_continues_its_mlflow_and_wandb_runs(tmp_path, demo_storag
     crashing = build_runner(load_config(cfg))
     step = crashing.run_step
 
-    def run_step_then_crash(micro_batches):
-        step(micro_batches)
+    def run_step_then_crash(*step_args):
+        step(*step_args)
         if crashing.state.global_step == STEPS_PER_EPOCH + 1:
             raise Crash("after the first step past the epoch-end checkpoint")
 

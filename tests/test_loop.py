@@ -60,8 +60,8 @@ def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, dem
     crashing = _runner(tmp_path, demo_storage, "crashed")
     step = crashing.run_step
 
-    def run_step_then_crash(micro_batches):
-        step(micro_batches)
+    def run_step_then_crash(*step_args):
+        step(*step_args)
         if crashing.state.global_step == crash_after:
             raise Crash(f"after step {crash_after}")
 
@@ -73,6 +73,34 @@ def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, dem
 
     _runner(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
     assert comparable(train_steps(tmp_path / "crashed")) == comparable(train_steps(reference_out))
+
+
+def test_a_step_makes_one_collective_and_the_next_steps_agreement_rides_on_it(tmp_path, demo_storage, plain_run,
+                                                                             monkeypatch):
+    """Within an epoch the next step's agreement (stop signals, failures, its supervised tokens) rides on this
+    step's loss check: one all-reduce per step; an epoch's first step agrees alone. The curve is the same."""
+    from lavis_ds.common import comm
+
+    calls, per_step = [], []
+    monkeypatch.setattr(comm, "all_reduce", lambda *a, _reduce=comm.all_reduce, **k: calls.append(1) or _reduce(*a, **k))
+    runner = _runner(tmp_path, demo_storage, "counted")
+    step = runner.run_step
+
+    def counted_step(*step_args):
+        calls.clear()
+        step(*step_args)
+        per_step.append(len(calls))
+
+    def uncounted_save():  # a checkpoint's own agreements (every 3rd step here) are not the step's
+        before = len(calls)
+        saved = save()
+        del calls[before:]
+        return saved
+
+    runner.run_step, save, runner.save = counted_step, runner.save, uncounted_save
+    runner.train()
+    assert per_step == ([2] + [1] * (STEPS_PER_EPOCH - 1)) * EPOCHS
+    assert comparable(train_steps(tmp_path / "counted")) == comparable(train_steps(plain_run[1]))
 
 
 def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path, demo_storage, plain_run, monkeypatch):

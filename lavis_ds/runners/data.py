@@ -72,6 +72,19 @@ class TrainData:
         self.train_set.set_epoch(epoch)  # before iter(): DataLoader workers copy the dataset then
         return iter(self.loader)
 
+    def steps(self, epoch: int, step_in_epoch: int):
+        """Yield ``(micro_batches, load_following)`` for each step of ``epoch`` from ``step_in_epoch`` on: this rank's
+        prepared micro-batches, and a function that loads the next step's (None at the epoch's last step), which
+        the loop calls during the step, before the loss check that also agrees on the next step."""
+        batches, loaded = self.epoch(epoch, step_in_epoch), []
+
+        def load_following() -> list[dict]:
+            loaded.append(self.next_step(batches))
+            return loaded[-1]
+
+        for left in range(self.steps_per_epoch - step_in_epoch, 0, -1):
+            yield loaded.pop() if loaded else self.next_step(batches), load_following if left > 1 else None
+
     def next_step(self, micro_batches) -> list[dict]:
         """This rank's micro-batches of the next optimizer step, prepared. A sample that fails to load (an image
         that does not decode, raised in a DataLoader worker) is kept as ``failure`` for the step's agreement,

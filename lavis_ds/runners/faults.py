@@ -1,13 +1,19 @@
 """What stops a run, decided by every rank together: signals, samples that fail to load, non-finite losses.
 
 A rank that stops alone leaves the others blocked in their next collective. So the
-loop asks once per optimizer step, before the forward, with one all-reduce of a few
-small integers (`agree_on_step`): has any rank received SIGTERM/SIGINT, has any rank failed
-to load its micro-batches? The step's supervised tokens, which the loss normalisation
-needs, ride in the same all-reduce. Every rank then stops at the same step, and a failure
-travels to every rank with its message (printed once, by the rank that failed).
-Non-finite losses ride on the loss all-reduce every step already makes. Between steps
-(after hooks, around saves) `agree` asks the same about a failure alone.
+loop asks once per optimizer step, before the step's forward, with a few small integers
+(`step_flags`): has any rank received SIGTERM/SIGINT, has any rank failed to load its
+micro-batches or to run a hook? The step's supervised tokens, which the loss normalisation
+needs, ride along. Every rank then stops at the same step, and a failure travels to every
+rank with its message (printed once, by the rank that failed).
+
+One collective per step, not two: within an epoch the next step's micro-batches are loaded
+before this step's loss check, and its agreement rides on that all-reduce, which every step
+makes anyway (non-finite losses are decided there). What it decides is acted on once this step
+is done, so a run still stops between the same two steps; only a signal or a hook failure that
+comes after the check (during the optimizer step or the after_step hooks) is seen one step
+later. An epoch's first step agrees alone (`agree_on_step`). Between steps (after hooks, around
+saves) `agree` asks the same about a failure alone.
 """
 from __future__ import annotations
 
@@ -94,19 +100,29 @@ def agree(stop: int, error: BaseException | None = None) -> int:
 
 def agree_on_step(stop: int, error: BaseException | None, counts: list[int] | None
                   ) -> tuple[int, list[int] | None]:
-    """Collective, once per optimizer step: ``agree`` and this rank's ``counts`` (the objective's units of the
-    step: supervised tokens, pairs) summed over every rank, in one all-reduce (None: this step counts none).
-    Raises as ``agree`` does.
+    """Collective: ``agree`` and this rank's ``counts`` (the objective's units of the step: supervised tokens,
+    pairs) summed over every rank, in one all-reduce of ``step_flags`` (None: this step counts none). Raises as
+    ``agree`` does. The loop makes it alone only for an epoch's first step; the others' ride on the previous
+    step's loss check (``losses.check_losses``) and are read by ``read_step_flags``."""
+    totals = comm.all_reduce(torch.tensor(step_flags(stop, error, counts), dtype=torch.int64)).tolist()
+    return read_step_flags(totals, error, counts)
 
-    A sum carries everything: per stop signal the number of ranks that received it (the first of STOP_SIGNALS
-    received anywhere wins, as SIGTERM's save wins over SIGINT's exit in ``agree``'s max), the failed ranks, the
-    counts."""
-    flags = [int(stop == signum) for signum in STOP_SIGNALS] + [int(error is not None)] + list(counts or [])
-    totals = comm.all_reduce(torch.tensor(flags, dtype=torch.int64)).tolist()
+
+def step_flags(stop: int, error: BaseException | None, counts: list[int] | None) -> list[int]:
+    """What this rank contributes to a step's agreement, summed over every rank: per stop signal whether it received
+    it, whether it failed, its counts. A sum carries everything: the first of STOP_SIGNALS received anywhere wins
+    (as SIGTERM's save wins over SIGINT's exit in ``agree``'s max), any failed rank fails the step."""
+    return [int(stop == signum) for signum in STOP_SIGNALS] + [int(error is not None)] + list(counts or [])
+
+
+def read_step_flags(totals: list[int], error: BaseException | None, counts: list[int] | None
+                    ) -> tuple[int, list[int] | None]:
+    """The agreed stop signal (0: none) and summed counts from ``step_flags``' totals; collective and raising on
+    every rank (``raise_together``) if any rank failed."""
     if totals[len(STOP_SIGNALS)]:
         raise_together(error)
     signum = next((signum for signum, ranks in zip(STOP_SIGNALS, totals) if ranks), 0)
-    return signum, None if counts is None else totals[len(STOP_SIGNALS) + 1:]
+    return signum, None if counts is None else [int(total) for total in totals[len(STOP_SIGNALS) + 1:]]
 
 
 def raise_together(error: BaseException | None) -> None:

@@ -32,10 +32,12 @@ def step_loss_weights(global_counts: dict[str, int] | None, accum: int, world_si
 
 
 def check_losses(trainer, losses: torch.Tensor, metric_sums: dict | None = None,
-                 global_counts: dict[str, int] | None = None) -> dict:
+                 global_counts: dict[str, int] | None = None, ahead: list[int] | None = None
+                 ) -> tuple[dict, list[int] | None]:
     """The step's mean loss over every rank and micro-batch, and the objective's metrics (``metric_sums`` summed
     over every rank in the same all-reduce, divided by ``global_counts`` of their units); a NaN/inf loss is named
-    and handled here.
+    and handled here. ``ahead``: integers summed in the same all-reduce, returned as totals (the next step's
+    agreement, ``faults.step_flags``; None: none).
 
     One all-reduce tells every rank whether any loss was non-finite, before any rank
     applies the update: `run.on_nonfinite: stop` raises on all of them (the weights and
@@ -46,10 +48,15 @@ def check_losses(trainer, losses: torch.Tensor, metric_sums: dict | None = None,
     metric_sums = metric_sums or {}
     values = [losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]
     values += [value.to(losses) for _, value in metric_sums.values()]
-    totals = comm.all_reduce(torch.stack(values)).tolist()
+    # float64 sums of integers are exact below 2**53; the flags are born on the host and stay there
+    ahead = [] if ahead is None else ahead
+    totals = comm.all_reduce(torch.cat([torch.stack(values).to("cpu", torch.float64),
+                                        torch.tensor(ahead, dtype=torch.float64)])).tolist()
+    ahead_totals = [int(total) for total in totals[len(totals) - len(ahead):]] if ahead else None
+    totals = totals[:len(totals) - len(ahead)]
     if totals[1] == 0:
         return {"loss": totals[0] / (len(losses) * trainer.world_size),
-                **metric_means(metric_sums, totals[2:], global_counts or {})}
+                **metric_means(metric_sums, totals[2:], global_counts or {})}, ahead_totals
     where = describe_nonfinite(trainer, losses)
     if trainer.run.on_nonfinite == "stop":
         latest = ckpt.latest_complete(trainer.checkpoint_dir)
@@ -61,7 +68,7 @@ def check_losses(trainer, losses: torch.Tensor, metric_sums: dict | None = None,
         raise error
     if trainer.rank == 0:
         report(f"{where}. run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)")
-    return {"loss": None, "skipped": "nonfinite_loss"}
+    return {"loss": None, "skipped": "nonfinite_loss"}, ahead_totals
 
 
 def describe_nonfinite(trainer, losses: torch.Tensor) -> str:

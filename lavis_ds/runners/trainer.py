@@ -2,8 +2,9 @@
 
 A ``Trainer`` holds its parts: the engine (``runners/engine.py``: wrap, forward/backward, optimizer step,
 checkpoint files; one per engine package, ``run.runner`` names it), the training data (``runners/data.py``)
-and the hooks (``runners/hooks``: logging, evaluation, when to save). Data order, LR schedule, hooks and what
-stops a run on every rank (signals, failed loads, non-finite losses: ``faults``, ``losses``) are here, once;
+the hooks (``runners/hooks``: logging, evaluation, when to save) and the ranks' agreement to take each step
+(``runners/agreement.py``). Data order, LR schedule, hooks and what stops a run on every rank (signals, failed
+loads, non-finite losses: ``faults``, ``losses``) are here, once;
 which checkpoint a run continues is ``runners/resume.py``, and continuing another engine's checkpoint
 ``runners/handover.py``.
 
@@ -14,9 +15,9 @@ what depends on it - data order, the wrapped engine, LR schedule, hooks - and re
 from __future__ import annotations
 
 import json
-import signal
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -27,10 +28,11 @@ from lavis_ds.common.seeding import derive_seed, seed_everything
 from lavis_ds.optim import build_param_groups
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners import faults, throughput
+from lavis_ds.runners.agreement import StepAgreement
 from lavis_ds.runners.data import TrainData
 from lavis_ds.runners.engine import Engine
 from lavis_ds.runners.hooks import HookList, build_hooks
-from lavis_ds.runners.losses import check_losses, step_loss_weights, unit_counts
+from lavis_ds.runners.losses import check_losses
 from lavis_ds.runners.resume import ResumePlan, TrainState, plan_resume, restore
 
 # Events every rank dispatches together, after which the ranks agree on a failure one of them deferred (after_step
@@ -52,7 +54,7 @@ class Trainer:
         self.plan: ResumePlan | None = None  # setup()'s: the checkpoint to continue and the batch layout
         self.optimizer, self.scheduler = None, None  # setup()'s
         self.hooks = HookList(self, [])  # setup()'s: build_hooks(self)
-        self.signals = faults.SignalCatcher()  # listens while train() runs
+        self.agreement = StepAgreement()  # its signal catcher listens while train() runs
 
     @classmethod
     def from_config(cls, cfg: DictConfig, model: torch.nn.Module, datasets: dict[str, dict]) -> Trainer:
@@ -99,14 +101,13 @@ class Trainer:
             return
         if self.rank == 0:  # from an earlier run in this folder (run.resume=false): not this run's
             _finished_file(self).unlink(missing_ok=True)
-        with self.signals:
+        with self.agreement.signals:
             try:
                 self.call_hooks("before_train")  # inside the try: a hook that fails here still closes the others
                 self.engine.module.train()  # once: evaluation restores the mode it found
                 for epoch in range(self.state.epoch, self.run.max_epoch):
-                    micro_batches = self.data.epoch(epoch, self.state.step_in_epoch)
-                    for _ in range(self.state.step_in_epoch, self.data.steps_per_epoch):
-                        self.run_step(self.data.next_step(micro_batches))
+                    for micro_batches, load_following in self.data.steps(epoch, self.state.step_in_epoch):
+                        self.run_step(micro_batches, load_following)
                     self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
                     self.call_hooks("after_epoch")
                 self.call_hooks("after_train")
@@ -115,43 +116,27 @@ class Trainer:
         if self.rank == 0:  # last: a run killed during its final evaluation evaluates again when rerun
             _finished_file(self).write_text(json.dumps({"global_step": self.state.global_step}))
 
-    def run_step(self, micro_batches: list[dict]) -> None:
+    def run_step(self, micro_batches: list[dict], load_following: Callable[[], list[dict]] | None = None) -> None:
         """One optimizer step on this rank's prepared micro-batches, once every rank agreed to take it: its lr,
-        the counters, the hooks."""
-        tokens, loss_weight, counts = self.agree_on_step(micro_batches)
-        lr = self.scheduler.get_lr()
+        the counters, the hooks. ``load_following`` loads the next step's micro-batches (the loop passes it while
+        the epoch has one): every rank agrees on taking that step in this step's loss check (``agreement``)."""
+        loss_weight, counts = self.agreement.for_step(self, micro_batches)
+        tokens, lr = throughput.count_tokens(micro_batches), self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
         losses = self.engine.forward_backward(micro_batches, loss_weight)  # gradients accumulated, not applied yet
-        # a non-finite loss stops the run here, or skips the update; the objective's metrics in the same all-reduce
-        metrics = check_losses(self, losses, self.data.objective.take_metric_sums(), counts)
+        following = load_following() if load_following else None
+        flags, brought = self.agreement.ahead(self, following) if following is not None else (None, None)
+        # a non-finite loss stops the run here, or skips the update; the objective's metrics and the next step's
+        # agreement in the same all-reduce
+        metrics, totals = check_losses(self, losses, self.data.objective.take_metric_sums(), counts, flags)
         metrics.update(self.engine.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr, "tokens": tokens})
-
-    def agree_on_step(self, micro_batches: list[dict]
-                      ) -> tuple[throughput.TokenCounts | None, dict[str, float] | None, dict[str, int] | None]:
-        """This rank's token counts of the step, the weight of each micro-batch's summed loss terms per unit
-        (``losses.step_loss_weights``) and the step's global count of each unit, once every rank agreed to take it.
-
-        One all-reduce of a few integers carries what ends a run early - a signal any rank received, a sample
-        that failed to load or a hook's failure on any rank - and the step's units (the objective's: supervised
-        tokens, pairs) over every rank.
-        """
-        tokens = throughput.count_tokens(micro_batches)  # on the CPU, from the prepared batches
-        objective, model = self.data.objective, self.engine.model
-        mine = unit_counts(objective, model, micro_batches) if objective.counted(self.run, model) else None
-        signum, step_counts = faults.agree_on_step(self.signals.received, self.data.take_failure()
-                                                   or self.hooks.take_failure(), mine)
-        if signum:
-            self.call_hooks("on_stop", signum)  # the Checkpointer asks for a save on SIGTERM
-            stopped = faults.Stopped(signum, _stop_message(self, signum))
-            stopped.quiet = self.rank != 0  # every rank stops here; one says so
-            raise stopped
-        counts = None if step_counts is None else dict(zip(objective.UNITS, step_counts, strict=True))
-        return tokens, step_loss_weights(counts, len(micro_batches), self.world_size), counts
+        if flags is not None:  # after the hooks: a stop or a failure lands between this step and the next
+            self.agreement.settle(self, following, brought, totals)
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""
@@ -223,12 +208,3 @@ def _already_finished(trainer: Trainer) -> bool:
               "to start over pass --options run.resume=false or use another run.output_dir.", flush=True)
     return done
 
-
-def _stop_message(trainer: Trainer, signum: int) -> str:
-    latest = ckpt.latest_complete(trainer.checkpoint_dir)
-    step, name = trainer.state.global_step, signal.Signals(signum).name
-    if trainer.saved_step == step and latest is not None and signum == signal.SIGTERM:
-        return (f"stopped by {name} after optimizer step {step}: saved {latest}; "
-                f"run the same command to continue from there")
-    return (f"stopped by {name} after optimizer step {step} without saving; the same command continues from "
-            f"{latest or 'the start (no checkpoint yet)'}")
