@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import weakref
 
 import torch.distributed as dist
 
@@ -76,10 +77,22 @@ def exit_now(code: int) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for child in workers:
             child.kill()
+    _drop_torch_library_finalizers()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def _drop_torch_library_finalizers() -> None:
+    """At exit torch unregisters its custom-op libraries one by one (weakref finalizers, ~0.13 s of CPU per
+    process on 2 cores), which a process that ends now does not need; other finalizers (temporary folders) run."""
+    import torch.library
+
+    unregister = getattr(torch.library, "_del_library", None)
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if getattr(info, "func", None) is unregister:
+            finalizer.detach()
 
 
 def full_shape(param) -> tuple[int, ...]:
