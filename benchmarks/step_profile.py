@@ -25,25 +25,33 @@ import step_time  # noqa: E402  (puts the repository on sys.path)
 from lavis_ds.common import comm, dist  # noqa: E402
 
 
-def timed(times: dict[str, list[float]], name: str, function):
+_current_step = [0]  # the timed step the wrappers add to (main sets it)
+
+
+def timed(times: dict[str, dict[int, float]], name: str, function):
+    """``function``, its seconds added to ``times[name][step]``: a phase may run twice in a step (the agreement's
+    unit counts, for this step and the next) or in some steps only (an epoch's first step agrees alone)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            times.setdefault(name, []).append(time.perf_counter() - start)
+            per_step = times.setdefault(name, {})
+            per_step[_current_step[0]] = per_step.get(_current_step[0], 0.0) + time.perf_counter() - start
     return wrapper
 
 
 def instrument(runner, times: dict[str, list[float]]) -> None:
     """Time every phase of ``runner.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
-    from lavis_ds.runners import faults, throughput, trainer
+    from lavis_ds.runners import agreement, faults, throughput, trainer
 
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
-    for name in ("unit_counts", "seed_everything", "check_losses"):
+    agreement.unit_counts = timed(times, "unit_counts", agreement.unit_counts)
+    for name in ("seed_everything", "check_losses"):
         setattr(trainer, name, timed(times, name, getattr(trainer, name)))
-    faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)  # an epoch's first step's
+    # an epoch's first step agrees alone; the others' agreement rides on check_losses
+    faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
     engine = runner.engine
     engine.forward_backward = timed(times, "forward_backward", engine.forward_backward)
     engine.optimizer_step = timed(times, "optimizer_step", engine.optimizer_step)
@@ -70,24 +78,26 @@ def main(argv=None) -> int:
     warmup = step_time.stepping_as_the_loop(runner, steps)
     for i in range(args.warmup):
         warmup(steps[i % len(steps)])
-    times: dict[str, list[float]] = {}
+    times: dict[str, dict[int, float]] = {}
     instrument(runner, times)
     step = timed(times, "whole step", step_time.stepping_as_the_loop(runner, steps))
     comm.barrier()
     for i in range(args.steps):
+        _current_step[0] = i
         step(steps[i % len(steps)])
     runner.close()
     shutil.rmtree(output_dir, ignore_errors=True)
     if dist.is_main_process():
-        medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-        whole = medians.pop("whole step")
+        per_step = {name: [per.get(i, 0.0) for i in range(args.steps)] for name, per in times.items()}
+        whole = per_step.pop("whole step")
         print(f"\nrun_step phases, {args.runner} stage {args.stage} {args.dtype}, rank 0, median ms over {args.steps} "
               f"steps:")
-        for name, value in medians.items():
-            print(f"  {name:<22}{value:>8.3f}")
-        phases = [values for name, values in times.items() if name != "whole step"]
-        rest = [w - sum(p[i] for p in phases) for i, w in enumerate(times["whole step"])]
-        print(f"  {'rest':<22}{statistics.median(rest) * 1e3:>8.3f}\n  {'whole step':<22}{whole:>8.3f}", flush=True)
+        for name, values in per_step.items():
+            ran = "" if len(times[name]) == args.steps else f"  (in {len(times[name])} of the {args.steps} steps)"
+            print(f"  {name:<22}{statistics.median(values) * 1e3:>8.3f}{ran}")
+        rest = [w - sum(values[i] for values in per_step.values()) for i, w in enumerate(whole)]
+        for name, values in (("rest", rest), ("whole step", whole)):
+            print(f"  {name:<22}{statistics.median(values) * 1e3:>8.3f}", flush=True)
     return 0
 
 

@@ -35,6 +35,7 @@ drifts in load. Timings are printed, never asserted: shared machines are noisy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
 def stepping_as_the_loop(runner, steps: list[list[dict]]) -> Callable[[list[dict]], None]:
     """``runner.run_step`` as ``Trainer.train`` calls it: with the next step's micro-batches to load during the
     step (here: the next of ``steps``, already read), so that its agreement rides on this step's loss check."""
-    position = iter(range(1, 1 << 62))
+    position = itertools.count(1)
 
     def run_step(micro_batches: list[dict]) -> None:
         following = steps[next(position) % len(steps)]

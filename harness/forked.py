@@ -29,7 +29,7 @@ PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train",
            "lavis_ds.runners.deepspeed.engine", "lavis_ds.runners.fsdp.engine",
            "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.apps.export",
            "lavis_ds.apps.generate", "harness.forked",
-           # imported on first use inside a run (py-spy of a forked job: 13 % of its CPU time before these were here)
+           # imported on first use inside a run: left to each forked job, 13 % of its CPU time (py-spy)
            "peft", "transformers.models.qwen2.modeling_qwen2", "setuptools", "torch.utils.cpp_extension",
            "deepspeed.module_inject.auto_ep_config", "PIL.PngImagePlugin", "torch.utils.tensorboard"]
 TRAIN = "lavis_ds.train:main"  # the default target: what train.py runs
@@ -116,16 +116,16 @@ class Job:
         launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
                     "LOCAL_WORLD_SIZE": str(per_node)} if nproc else {}
         self.processes = []
-        for rank in range(ranks):
+        # each process writes its exit code here (Job._exit_codes says why); absolute: written after it changed folder
+        self.exit_files = [logs.absolute() / f"exit_code.{rank}" for rank in range(ranks)]
+        for rank, exit_file in enumerate(self.exit_files):
             rank_env = dict(env, **launcher, **({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node),
                                                  "GROUP_RANK": str(rank // per_node)} if nproc else {}))
-            exit_file = logs.absolute() / f"exit_code.{rank}"  # written after the process changed folder
             exit_file.unlink(missing_ok=True)
             p = ctx.Process(target=_main, args=(target, argv, rank_env, str(cwd), str(self.stdout_file),
                                                 str(self.stderr_file), str(exit_file)))
             p.start()
             self.processes.append(p)
-        self.exit_files = [logs.absolute() / f"exit_code.{rank}" for rank in range(ranks)]
         self.target = target
         self.returncode: int | None = None
         self._first_failure: float | None = None

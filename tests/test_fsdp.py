@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -217,15 +218,15 @@ def test_fsdp_refuses_fp16_a_bad_option_and_a_deepspeed_checkpoint(tmp_path, dem
 # fp32 on 2 processes: process 0 reads the handover and sends every other process its shards (exact to 1e-5).
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The uninterrupted runs the switching tests continue, one per config, made once (``run(name, cfg)``)."""
-    root, made = tmp_path_factory.mktemp("uninterrupted"), {}
+    """The uninterrupted runs the switching tests continue, each made once: ``run(name, config)`` with ``config``
+    the run's config for an output folder; returns that folder."""
+    root = tmp_path_factory.mktemp("uninterrupted")
 
-    def run(name: str, cfg: dict) -> Path:
-        if name not in made:
-            cfg["run"]["output_dir"] = str(root / name)
-            run_train(write_yaml(root / f"{name}.yaml", cfg))
-            made[name] = root / name
-        return made[name]
+    def run(name: str, config: Callable[[Path], dict]) -> Path:
+        out = root / name
+        if not out.exists():
+            run_train(write_yaml(root / f"{name}.yaml", config(out)))
+        return out
     return run
 
 
@@ -241,7 +242,7 @@ def test_a_run_switches_to_fsdp_and_back_to_deepspeed(tmp_path, demo_storage, un
                                         lr_sched="linear_warmup_step_lr", lr_decay_rate=0.5))
 
     fsdp_out, back_out = tmp_path / "fsdp", tmp_path / "back"
-    reference_out = uninterrupted(f"deepspeed_{dtype}", config(None, "runner_deepspeed"))
+    reference_out = uninterrupted(f"deepspeed_{dtype}", lambda out: config(out, "runner_deepspeed"))
     # fp32: the same arithmetic up to summation order; bf16: the engines round differently (see above).
     tolerance = 1e-5 if dtype == "fp32" else 0.02
 

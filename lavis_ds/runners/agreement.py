@@ -24,6 +24,7 @@ class StepAgreement:
     def __init__(self):
         self.signals = faults.SignalCatcher()  # listens while the loop runs
         self._ahead: tuple[list[dict], Agreed] | None = None  # the next step's micro-batches, agreed during this
+        self._pending: tuple[list[dict], Brought] | None = None  # the next step's, between ``ahead`` and ``settle``
 
     def for_step(self, trainer, micro_batches: list[dict]) -> Agreed:
         """The agreed loss weights and unit counts of the step on ``micro_batches``: made during the previous step
@@ -34,15 +35,17 @@ class StepAgreement:
             return ahead[1]
         return self._act(trainer, *faults.agree_on_step(self.signals.received, *_brought(trainer, micro_batches)))
 
-    def ahead(self, trainer, following: list[dict]) -> tuple[list[int], Brought]:
-        """This rank's flags of the next step's agreement (``faults.step_flags``), to sum in this step's loss check,
-        and what it brought (``settle`` needs both)."""
+    def ahead(self, trainer, following: list[dict]) -> list[int]:
+        """This rank's flags of the next step's agreement (``faults.step_flags``), to sum in this step's loss
+        check; ``settle`` reads their totals."""
         brought = _brought(trainer, following)
-        return faults.step_flags(self.signals.received, *brought), brought
+        self._pending = following, brought
+        return faults.step_flags(self.signals.received, *brought)
 
-    def settle(self, trainer, following: list[dict], brought: Brought, totals: list[int]) -> None:
+    def settle(self, trainer, totals: list[int]) -> None:
         """Act on the next step's agreement once this step is done (collective): stop every rank here, or keep its
         weights and counts for ``for_step``."""
+        (following, brought), self._pending = self._pending, None
         self._ahead = following, self._act(trainer, *faults.read_step_flags(totals, *brought))
 
     @staticmethod

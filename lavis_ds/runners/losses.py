@@ -49,11 +49,9 @@ def check_losses(trainer, losses: torch.Tensor, metric_sums: dict | None = None,
     values = [losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]
     values += [value.to(losses) for _, value in metric_sums.values()]
     # float64 sums of integers are exact below 2**53; the flags are born on the host and stay there
-    ahead = [] if ahead is None else ahead
     totals = comm.all_reduce(torch.cat([torch.stack(values).to("cpu", torch.float64),
-                                        torch.tensor(ahead, dtype=torch.float64)])).tolist()
-    ahead_totals = [int(total) for total in totals[len(totals) - len(ahead):]] if ahead else None
-    totals = totals[:len(totals) - len(ahead)]
+                                        torch.tensor(ahead or [], dtype=torch.float64)])).tolist()
+    totals, ahead_totals = totals[:len(values)], None if ahead is None else [int(t) for t in totals[len(values):]]
     if totals[1] == 0:
         return {"loss": totals[0] / (len(losses) * trainer.world_size),
                 **metric_means(metric_sums, totals[2:], global_counts or {})}, ahead_totals

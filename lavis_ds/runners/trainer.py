@@ -126,7 +126,7 @@ class Trainer:
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
         losses = self.engine.forward_backward(micro_batches, loss_weight)  # gradients accumulated, not applied yet
         following = load_following() if load_following else None
-        flags, brought = self.agreement.ahead(self, following) if following is not None else (None, None)
+        flags = self.agreement.ahead(self, following) if following is not None else None
         # a non-finite loss stops the run here, or skips the update; the objective's metrics and the next step's
         # agreement in the same all-reduce
         metrics, totals = check_losses(self, losses, self.data.objective.take_metric_sums(), counts, flags)
@@ -136,7 +136,7 @@ class Trainer:
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr, "tokens": tokens})
         if flags is not None:  # after the hooks: a stop or a failure lands between this step and the next
-            self.agreement.settle(self, following, brought, totals)
+            self.agreement.settle(self, totals)
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""
