@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 benchmarks/step_time.py --runner runner_fsdp [--dtype bf16]
 
 With `--runner runner_fsdp` the raw loop is FSDP2 by hand: the same `fully_shard` units and
-mixed-precision policy, torch AdamW, `set_requires_gradient_sync` for accumulation, clipping.
+mixed-precision policy, torch AdamW (foreach, as the runner's), `set_requires_gradient_sync` for accumulation, clipping.
 
 Both loops get the same model (the tiny BLIP2-Qwen of the demo YAML, built twice from
 the same seed), the same DeepSpeed config (`build_deepspeed_config` of that YAML, with
@@ -120,7 +120,7 @@ def build_raw_fsdp_step(cfg, args) -> Callable[[list[dict]], None]:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg, args.raw_groups), lr=cfg.run.init_lr)
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg, args.raw_groups), lr=cfg.run.init_lr, foreach=True)
     model.train()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

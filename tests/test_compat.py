@@ -344,7 +344,7 @@ def test_instruction_tuning_yaml_trains_with_its_batch_and_precision(tmp_path, p
                "model.max_txt_len=96", *data, f"run.output_dir={tmp_path / 'out'}", "run.max_epoch=1",
                "run.num_workers=0", "run.warmup_steps=1", "run.log_freq=1",
                "run.runner=deepspeed_runner")  # the zero*_3090x4 YAMLs' runner name, resolved by its alias
-    proc = run_train(Path(yaml_path), nproc=0, cwd=tmp_path, options=options, launcher="launch")
+    proc = run_train(Path(yaml_path), nproc=0, cwd=tmp_path, options=options)
     steps = train_steps(tmp_path / "out")
     assert [m["step"] for m in steps] == [1, 2, 3, 4], steps  # 2 x 32 samples / (1 x 16 x 1 process)
     written = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())

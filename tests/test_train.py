@@ -28,9 +28,9 @@ def _train(tmp_path, demo_storage, name, nproc=2, launcher="fork", **kw):
 
 @pytest.fixture(scope="module")
 def stage0_fp32(tmp_path_factory, demo_storage):
-    # Through torchrun, as users launch it; the stages it is compared with run forked (tests/forked.py).
-    return _train(tmp_path_factory.mktemp("stage0"), demo_storage, "stage0", launcher="launch", stage=0, accum=2,
-                  max_epoch=2)
+    # Forked, as the stages it is compared with (harness/forked.py); the launchers themselves are the subject of
+    # test_deepspeed_launcher_passes_local_rank_and_runs_two_processes, test_preemption and test_multinode.
+    return _train(tmp_path_factory.mktemp("stage0"), demo_storage, "stage0", stage=0, accum=2, max_epoch=2)
 
 
 def _falls(losses):
