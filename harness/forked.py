@@ -14,7 +14,6 @@ through the real launchers by the tests that are about them (``harness.processes
 """
 from __future__ import annotations
 
-import gc
 import importlib
 import multiprocessing
 import os
@@ -32,7 +31,8 @@ PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train",
            "lavis_ds.apps.generate", "harness.forked",
            # imported on first use inside a run: left to each forked job, 13 % of its CPU time (py-spy)
            "peft", "transformers.models.qwen2.modeling_qwen2", "setuptools", "torch.utils.cpp_extension",
-           "deepspeed.module_inject.auto_ep_config", "PIL.PngImagePlugin", "torch.utils.tensorboard"]
+           "deepspeed.module_inject.auto_ep_config", "PIL.PngImagePlugin", "torch.utils.tensorboard",
+           "harness.frozen"]  # last: after the imports above
 TRAIN = "lavis_ds.train:main"  # the default target: what train.py runs
 FAILED_PEERS_GRACE = 30  # s: as torchrun, a job whose process failed stops the others after a while
 STILL_RUNNING = "forked.Job"  # begins the line a job's stderr gets when it had to stop them
@@ -69,9 +69,6 @@ def _main(target: str, argv: list[str], env: dict, cwd: str, stdout: str, stderr
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(out, fd)
         os.close(out)
-    # The server's imports (~700k objects) live as long as the process: frozen, a collection leaves them alone.
-    # DeepSpeed calls gc.collect() as ZeRO-3 starts; walking them all took ~1.2 s of CPU per call.
-    gc.freeze()
     os.setsid()  # as start_new_session: a signal to the test's group does not reach it
     os.environ.clear()
     os.environ.update(env)
@@ -178,6 +175,11 @@ class Job:
                 raise subprocess.TimeoutExpired(f"{self.target} x{len(self.processes)}", timeout)
             wait_for([p.sentinel for p in self.processes if p.exitcode is None], timeout=min(left or 1.0, 1.0))
         return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """``signum`` to every process of the job (not their DataLoader workers), as torchrun forwards it."""
+        for pid in self.pids:
+            os.kill(pid, signum)
 
     def kill(self) -> None:
         """SIGKILL every process of the job and their DataLoader workers at once, as a preemption would."""

@@ -11,8 +11,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import demo_storage_fixture
 from run_utils import (EPOCHS, REPO, STEPS_PER_EPOCH, command, comparable, complete_steps, env, noisy_config,
                        output_of, run_train, start, tiny_config, tracebacks, train_steps, write_yaml)
@@ -21,19 +19,16 @@ from run_utils import (EPOCHS, REPO, STEPS_PER_EPOCH, command, comparable, compl
 demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)
 
 
-def signal_after_step(cmd: list[str], out: Path, log: Path, step: int, signum: int) -> subprocess.CompletedProcess:
-    """Run ``cmd``; send ``signum`` to it (the launcher, if any) once ``step`` is in metrics.jsonl."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if (out / "metrics.jsonl").is_file() and len(complete_steps(out)) >= step:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()}"
-        proc.send_signal(signum)
-        code = proc.wait(timeout=120)
-    return subprocess.CompletedProcess(cmd, code, log.read_text(), "")
+def signal_after_step(proc, out: Path, step: int, signum: int) -> int:
+    """Send ``signum`` to ``proc`` (the launcher, if any) once ``step`` is in metrics.jsonl; its exit code."""
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(complete_steps(out)) >= step:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
+    proc.send_signal(signum)
+    return proc.wait(timeout=120)
 
 
 def test_sigterm_under_torchrun_saves_and_the_same_command_continues_bit_for_bit(tmp_path, demo_storage):
@@ -45,8 +40,11 @@ def test_sigterm_under_torchrun_saves_and_the_same_command_continues_bit_for_bit
         configs[name] = write_yaml(tmp_path / f"{name}.yaml", cfg)
     total = STEPS_PER_EPOCH * EPOCHS
     reference = start(configs["reference"])  # beside the preempted run (torchrun's): one wall-clock wait
-    stopped = signal_after_step(command(configs["preempted"]), out, tmp_path / "preempted.log",
-                                STEPS_PER_EPOCH + 2, signal.SIGTERM)
+    with open(tmp_path / "preempted.log", "w") as log:
+        launched = subprocess.Popen(command(configs["preempted"]), cwd=REPO, env=env(), stdout=log,
+                                    stderr=subprocess.STDOUT)
+        code = signal_after_step(launched, out, STEPS_PER_EPOCH + 2, signal.SIGTERM)
+    stopped = subprocess.CompletedProcess(launched.args, code, (tmp_path / "preempted.log").read_text(), "")
     assert reference.wait(timeout=600) == 0, output_of(reference)[-4000:]
 
     found = re.search(r"lavis_ds: stopped by SIGTERM after optimizer step (\d+): saved (\S+); run the same command "
@@ -70,7 +68,9 @@ def test_sigint_finishes_the_step_and_exits_without_saving(tmp_path, demo_storag
     out = tmp_path / "interrupted"
     cfg = tiny_config(out, demo_storage, stage=2, max_epoch=4, save_freq_steps=0)
     path = write_yaml(tmp_path / "run.yaml", cfg)
-    stopped = signal_after_step(command(path, nproc=0), out, tmp_path / "run.log", 20, signal.SIGINT)
+    job = start(path, nproc=0)  # `python train.py`'s main() in a forked process (harness/forked.py)
+    code = signal_after_step(job, out, 20, signal.SIGINT)
+    stopped = subprocess.CompletedProcess([], code, output_of(job), "")
 
     assert stopped.returncode == 130, stopped.stdout[-4000:]
     found = re.search(r"lavis_ds: stopped by SIGINT after optimizer step (\d+) without saving; the same command "
