@@ -19,10 +19,10 @@ from run_utils import REPO, env, free_port, metrics, run_train, tiny_config, tra
 demo_storage = demo_storage_fixture(num_train=128, num_val=16, num_test=8)
 
 
-def _train(tmp_path, demo_storage, name, nproc=2, launcher="fork", **kw):
+def _train(tmp_path, demo_storage, name, nproc=2, **kw):
     out = tmp_path / name
     cfg = write_yaml(tmp_path / f"{name}.yaml", tiny_config(out, demo_storage, **kw))
-    run_train(cfg, nproc=nproc, launcher=launcher)
+    run_train(cfg, nproc=nproc)
     return train_steps(out)
 
 
