@@ -4,10 +4,12 @@
 
 The runner and its micro-batches are built as in ``benchmarks/step_time.py`` (same flags). Each phase the loop's
 ``run_step`` goes through is timed on every step (``time.perf_counter`` around the call, rank 0 reported): the
-token counts, the objective's unit counts (supervised tokens, pairs), the step's agreement (one all-reduce), reseeding, forward +
-backward, the loss check (one all-reduce), the optimizer step, the scheduler, the after_step hooks; and the
-whole step. Medians over the steps, in milliseconds; "rest" is, per step, the whole step minus its phases (the
-loop's own lines: lr, counters, the wrappers themselves).
+token counts, the objective's unit counts (supervised tokens, pairs), the step's agreement (one all-reduce, alone at
+an epoch's first step only), reseeding, forward + backward, the loss check's start (inside forward_backward, before
+the last backward: its all-reduce, which also carries the next step's agreement and its unit counts, runs during
+that backward) and its finish (waiting for that all-reduce), the optimizer step, the scheduler, the after_step
+hooks; and the whole step. Medians over the steps, in milliseconds; "rest" is, per step, the whole step minus its
+phases, the ones inside forward_backward not counted twice (the loop's own lines: lr, counters, the wrappers).
 Timings are printed, never asserted.
 """
 from __future__ import annotations
@@ -44,13 +46,15 @@ def timed(times: dict[str, dict[int, float]], name: str, function):
 
 def instrument(runner, times: dict[str, list[float]]) -> None:
     """Time every phase of ``runner.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
-    from lavis_ds.runners import agreement, faults, throughput, trainer
+    from lavis_ds.runners import agreement, faults, losses, throughput, trainer
 
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
     agreement.unit_counts = timed(times, "unit_counts", agreement.unit_counts)
-    for name in ("seed_everything", "check_losses"):
-        setattr(trainer, name, timed(times, name, getattr(trainer, name)))
-    # an epoch's first step agrees alone; the others' agreement rides on check_losses
+    trainer.seed_everything = timed(times, "seed_everything", trainer.seed_everything)
+    # the loss check starts inside forward_backward (before the last backward) and is finished after it
+    trainer.LossCheck = timed(times, "loss check start", trainer.LossCheck)
+    losses.LossCheck.finish = timed(times, "loss check finish", losses.LossCheck.finish)
+    # an epoch's first step agrees alone; the others' agreement rides on the loss check
     faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
     engine = runner.engine
     engine.forward_backward = timed(times, "forward_backward", engine.forward_backward)
@@ -95,7 +99,9 @@ def main(argv=None) -> int:
         for name, values in per_step.items():
             ran = "" if len(times[name]) == args.steps else f"  (in {len(times[name])} of the {args.steps} steps)"
             print(f"  {name:<22}{statistics.median(values) * 1e3:>8.3f}{ran}")
-        rest = [w - sum(values[i] for values in per_step.values()) for i, w in enumerate(whole)]
+        inside = ("loss check start", "unit_counts")  # within forward_backward, or within the start
+        rest = [w - sum(values[i] for name, values in per_step.items() if name not in inside)
+                for i, w in enumerate(whole)]
         for name, values in (("rest", rest), ("whole step", whole)):
             print(f"  {name:<22}{statistics.median(values) * 1e3:>8.3f}", flush=True)
     return 0

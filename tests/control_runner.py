@@ -19,6 +19,7 @@ import torch
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.engine import the_losses
 from plain_runner import PlainEngine
 
 
@@ -28,8 +29,11 @@ class ControlEngine(PlainEngine):
         super().__init__(*args, **kwargs)
         self.steps = 0  # optimizer steps taken (applied or skipped), as the loop counts them
 
-    def forward_backward(self, micro_batches, loss_weight):
-        losses = super().forward_backward(micro_batches, loss_weight)
+    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
+        return super().forward_backward(micro_batches, loss_weight, lambda losses: then(self.poisoned(losses)))
+
+    def poisoned(self, losses):
+        """``losses`` with a NaN first, at the step and rank ``CONTROL_NAN_AT`` names (``step:rank``)."""
         step, rank = (int(x) for x in os.environ.get("CONTROL_NAN_AT", "0:-1").split(":"))
         if step == self.steps + 1 and rank == self.rank:
             losses = losses.clone()

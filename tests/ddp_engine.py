@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, EngineCheckpoints, micro_batch_loss
+from lavis_ds.runners.engine import Engine, EngineCheckpoints, micro_batch_loss, the_losses
 
 STATE_FILE = "ddp.pt"
 
@@ -45,15 +45,17 @@ class DDPEngine(Engine):
     def forward(self, batch):
         return self.model(batch)  # evaluation: no gradient to synchronise
 
-    def forward_backward(self, micro_batches, loss_weight):
+    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last or self.world_size == 1 else self.ddp.no_sync():
                 loss = micro_batch_loss(self.ddp(batch), loss_weight)
+                losses.append(loss.detach().double())
+                if last:
+                    known = then(torch.stack(losses))  # the loop's loss check runs during the last backward
                 (loss / len(micro_batches)).backward()  # DDP averages over processes, this over micro-batches
-            losses.append(loss.detach().double())
-        return torch.stack(losses)
+        return known
 
     def optimizer_step(self, apply=True):
         norm = None

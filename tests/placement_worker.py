@@ -7,7 +7,8 @@ For each runner named, the model is built twice: in the place the runner asks fo
 whole, as before. For each build, on every process: how many elements of the LLM's own weights (no LoRA
 adapters, no token rows) this process holds right after the build - materialised in full, as its ZeRO-3
 partition, or on the meta device - and after the engine wrapped the model; and the loss of one fixed batch
-before and after one optimizer step on it. Process 0 writes
+before and after one optimizer step on it, and whether the engine let the loop start its loss check before
+the backward. Process 0 writes
 ``{"<runner>/<partitioned|whole>": [report of rank 0, report of rank 1, ...]}``.
 """
 from __future__ import annotations
@@ -76,14 +77,30 @@ def report_for(cfg, partitioned: bool) -> dict:
     wrapped = held(base_llm_params(engine.module))
     engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
-    losses = [float(engine.forward_backward([fixed_batch()], None)[0])]
+    events = noting_backward(engine.module)
+    losses = [float(engine.forward_backward([fixed_batch()], None, lambda l: events.append("then") or l)[0])]
     engine.optimizer_step()
     engine.module.eval()
     with torch.no_grad():
         losses.append(float(engine.forward(fixed_batch())["loss"]))
     del runner, engine, model
     gc.collect()
-    return {"built": built, "wrapped": wrapped, "losses": losses}
+    return {"built": built, "wrapped": wrapped, "losses": losses, "events": events}
+
+
+def noting_backward(model: torch.nn.Module) -> list[str]:
+    """A list to which ``model``'s training forwards add "backward" when the backward of their loss starts: the
+    loop's loss check (``then``) must come before it, so that its all-reduce overlaps the backward."""
+    events, forward = [], model.forward
+
+    def forward_noting_backward(batch):
+        out = forward(batch)
+        if out["loss"].requires_grad:
+            out["loss"].register_hook(lambda grad: events.append("backward"))
+        return out
+
+    model.forward = forward_noting_backward  # nn.Module.__call__ finds it on the instance, under any wrapper
+    return events
 
 
 def main(cfg_path: str, report_path: str, runners: list[str]) -> None:

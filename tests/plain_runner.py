@@ -11,7 +11,7 @@ import torch
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, micro_batch_loss
+from lavis_ds.runners.engine import Engine, micro_batch_loss, the_losses
 
 STATE_FILE = "plain.pt"
 
@@ -26,13 +26,15 @@ class PlainEngine(Engine):
     def forward(self, batch):
         return self.model(batch)
 
-    def forward_backward(self, micro_batches, loss_weight):
+    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
         losses = []
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             loss = micro_batch_loss(self.forward(batch), loss_weight)
-            (loss / len(micro_batches)).backward()
             losses.append(loss.detach().double())
-        return torch.stack(losses)
+            if i == len(micro_batches) - 1:
+                known = then(torch.stack(losses))  # every loss is known: before the last backward
+            (loss / len(micro_batches)).backward()
+        return known
 
     def optimizer_step(self, apply=True):
         norm = None

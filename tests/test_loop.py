@@ -82,7 +82,9 @@ def test_a_step_makes_one_collective_and_the_next_steps_agreement_rides_on_it(tm
     from lavis_ds.common import comm
 
     calls, per_step = [], []
-    monkeypatch.setattr(comm, "all_reduce", lambda *a, _reduce=comm.all_reduce, **k: calls.append(1) or _reduce(*a, **k))
+    # every all-reduce starts here, collected at once (comm.all_reduce) or later (the loss check)
+    monkeypatch.setattr(comm, "start_all_reduce",
+                        lambda *a, _start=comm.start_all_reduce, **k: calls.append(1) or _start(*a, **k))
     runner = _runner(tmp_path, demo_storage, "counted")
     step = runner.run_step
 

@@ -51,7 +51,8 @@ def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepsp
 def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build(setup, arch):
     """Both runners, each built in its placement and whole (as before) in one launch: process 1 holds half of
     the LLM (ZeRO-3) or none of it (FSDP) when the build ends, and the loss of one batch before and after one
-    optimizer step is that of the whole build, exactly (fp32). Every registered architecture."""
+    optimizer step is that of the whole build, exactly (fp32); each engine calls the loop back before the
+    backward. Every registered architecture."""
     root, folder, storage = setup
     cfg_path = write_yaml(root / f"worker_{arch}.yaml", _config(root / f"worker_out_{arch}", storage, folder,
                                                                arch=arch))
@@ -83,6 +84,9 @@ def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build
         assert whole[1] < whole[0]  # the step changed the model
         for rank in reports[f"{runner}/partitioned"]:
             assert rank["losses"] == whole, runner
+        # the loop's loss check started before the backward (Engine.forward_backward's ``then``), on every process
+        for report in reports[f"{runner}/partitioned"] + reports[f"{runner}/whole"]:
+            assert report["events"] == ["then", "backward"], runner
 
 
 def _module_keys(tag_dir: Path) -> set[str]:

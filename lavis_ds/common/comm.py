@@ -29,7 +29,7 @@ no control collective reaches the default group.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -81,11 +81,23 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
     A tensor on a GPU is copied to the host once here: the one synchronisation the caller pays.
     """
+    return start_all_reduce(tensor, op)()
+
+
+def start_all_reduce(tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+    """``all_reduce`` started now and collected later: the returned function waits for it and returns the reduced
+    CPU tensor. The reduction runs on the control group's own thread, so the caller's work in between (a backward)
+    hides its latency."""
     reduced = tensor.detach().to("cpu", copy=True)
-    if active():
-        reduce_op = {"sum": torch_dist.ReduceOp.SUM, "max": torch_dist.ReduceOp.MAX}[op]
-        torch_dist.all_reduce(reduced, op=reduce_op, group=_group())
-    return reduced
+    if not active():
+        return lambda: reduced
+    reduce_op = {"sum": torch_dist.ReduceOp.SUM, "max": torch_dist.ReduceOp.MAX}[op]
+    work = torch_dist.all_reduce(reduced, op=reduce_op, group=_group(), async_op=True)
+
+    def collect() -> torch.Tensor:
+        work.wait()
+        return reduced
+    return collect
 
 
 def all_gather_object(obj: Any) -> list:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -34,6 +34,11 @@ from lavis_ds.runners import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from lavis_ds.runners.resume import ResumePlan
+
+
+def the_losses(losses: torch.Tensor) -> torch.Tensor:
+    """``forward_backward``'s default ``then``: it returns the step's losses themselves."""
+    return losses
 
 
 def micro_batch_loss(out: dict, loss_weight: dict[str, float] | None) -> torch.Tensor:
@@ -172,9 +177,12 @@ class Engine:
         """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
         return {}
 
-    def forward_backward(self, micro_batches: list[dict], loss_weight: dict[str, float] | None) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[dict], loss_weight: dict[str, float] | None,
+                         then: Callable[[torch.Tensor], Any] = the_losses) -> Any:
         """Forward and backward every micro-batch (its loss: ``micro_batch_loss(out, loss_weight)``), accumulating
-        gradients; return this rank's losses (float64, on the device)."""
+        gradients. As soon as the last forward has given this rank's losses (float64, on the device), and before
+        the last backward, call ``then(losses)``; return what it returned (by default: the losses). The loop starts
+        its loss check there, so that the check's all-reduce runs while the last backward does."""
         raise NotImplementedError
 
     def optimizer_step(self, apply: bool = True) -> dict:

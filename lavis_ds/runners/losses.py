@@ -34,39 +34,53 @@ def step_loss_weights(global_counts: dict[str, int] | None, accum: int, world_si
 def check_losses(trainer, losses: torch.Tensor, metric_sums: dict | None = None,
                  global_counts: dict[str, int] | None = None, ahead: list[int] | None = None
                  ) -> tuple[dict, list[int] | None]:
-    """The step's mean loss over every rank and micro-batch, and the objective's metrics (``metric_sums`` summed
-    over every rank in the same all-reduce, divided by ``global_counts`` of their units); a NaN/inf loss is named
-    and handled here. ``ahead``: integers summed in the same all-reduce, returned as totals (the next step's
+    """``LossCheck`` started and finished at once, for a caller that has the step's losses only after its backward."""
+    return LossCheck(losses, metric_sums, ahead).finish(trainer, global_counts)
+
+
+class LossCheck:
+    """A step's mean loss over every rank and micro-batch, and the objective's metrics (``metric_sums`` summed over
+    every rank in the same all-reduce, divided by the step's ``global_counts`` of their units); a NaN/inf loss is
+    named and handled here. ``ahead``: integers summed in the same all-reduce, returned as totals (the next step's
     agreement, ``faults.step_flags``; None: none).
 
-    One all-reduce tells every rank whether any loss was non-finite, before any rank
-    applies the update: `run.on_nonfinite: stop` raises on all of them (the weights and
-    checkpoints never see the diverged step), `skip` drops the update on all of them.
+    One all-reduce tells every rank whether any loss was non-finite, before any rank applies the update:
+    `run.on_nonfinite: stop` raises on all of them (the weights and checkpoints never see the diverged step),
+    `skip` drops the update on all of them. It is started as soon as the losses are known, before the step's last
+    backward (the engine calls the loop back there: ``Engine.forward_backward``), and finished after it, so the
+    backward hides its latency.
     """
-    # One all-reduce per optimizer step; ``losses`` stayed on the engine's device until here, so this
-    # copy to the host is the step's only synchronisation after the forward the loop itself makes.
-    metric_sums = metric_sums or {}
-    values = [losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]
-    values += [value.to(losses) for _, value in metric_sums.values()]
-    # float64 sums of integers are exact below 2**53; the flags are born on the host and stay there
-    totals = comm.all_reduce(torch.cat([torch.stack(values).to("cpu", torch.float64),
-                                        torch.tensor(ahead or [], dtype=torch.float64)])).tolist()
-    totals, ahead_totals = totals[:len(values)], None if ahead is None else [int(t) for t in totals[len(values):]]
-    if totals[1] == 0:
-        return {"loss": totals[0] / (len(losses) * trainer.world_size),
-                **metric_means(metric_sums, totals[2:], global_counts or {})}, ahead_totals
-    where = describe_nonfinite(trainer, losses)
-    if trainer.run.on_nonfinite == "stop":
-        latest = ckpt.latest_complete(trainer.checkpoint_dir)
-        error = faults.NonFiniteLoss(
-            f"{where}. run.on_nonfinite=stop: stopped before this optimizer step, so no weight and no checkpoint "
-            f"holds a diverged value; `run.resume: auto` continues from "
-            f"{latest or 'the start (no checkpoint yet)'}. Set run.on_nonfinite=skip to drop such steps and go on")
-        error.quiet = trainer.rank != 0  # every rank raises it; one prints it
-        raise error
-    if trainer.rank == 0:
-        report(f"{where}. run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)")
-    return {"loss": None, "skipped": "nonfinite_loss"}, ahead_totals
+
+    def __init__(self, losses: torch.Tensor, metric_sums: dict | None = None, ahead: list[int] | None = None):
+        # ``losses`` stayed on the engine's device until here: this copy to the host is the step's only
+        # synchronisation after the forward that the loop itself makes.
+        self.losses, self.metric_sums = losses, metric_sums or {}
+        values = [losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]
+        values += [value.to(losses) for _, value in self.metric_sums.values()]
+        self._split, self._ahead = len(values), ahead is not None
+        # float64 sums of integers are exact below 2**53; the flags are born on the host and stay there
+        self._collect = comm.start_all_reduce(torch.cat([torch.stack(values).to("cpu", torch.float64),
+                                                         torch.tensor(ahead or [], dtype=torch.float64)]))
+
+    def finish(self, trainer, global_counts: dict[str, int] | None = None) -> tuple[dict, list[int] | None]:
+        """The step's metrics (``loss`` None and ``skipped`` if it is dropped) and the totals of ``ahead``."""
+        totals = self._collect().tolist()
+        totals, ahead_totals = totals[:self._split], [int(t) for t in totals[self._split:]] if self._ahead else None
+        if totals[1] == 0:
+            return {"loss": totals[0] / (len(self.losses) * trainer.world_size),
+                    **metric_means(self.metric_sums, totals[2:], global_counts or {})}, ahead_totals
+        where = describe_nonfinite(trainer, self.losses)
+        if trainer.run.on_nonfinite == "stop":
+            latest = ckpt.latest_complete(trainer.checkpoint_dir)
+            error = faults.NonFiniteLoss(
+                f"{where}. run.on_nonfinite=stop: stopped before this optimizer step, so no weight and no checkpoint "
+                f"holds a diverged value; `run.resume: auto` continues from "
+                f"{latest or 'the start (no checkpoint yet)'}. Set run.on_nonfinite=skip to drop such steps and go on")
+            error.quiet = trainer.rank != 0  # every rank raises it; one prints it
+            raise error
+        if trainer.rank == 0:
+            report(f"{where}. run.on_nonfinite=skip: this optimizer step is skipped (no parameter update)")
+        return {"loss": None, "skipped": "nonfinite_loss"}, ahead_totals
 
 
 def describe_nonfinite(trainer, losses: torch.Tensor) -> str:

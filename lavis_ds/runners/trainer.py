@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +33,7 @@ from lavis_ds.runners.agreement import StepAgreement
 from lavis_ds.runners.data import TrainData
 from lavis_ds.runners.engine import Engine
 from lavis_ds.runners.hooks import HookList, build_hooks
-from lavis_ds.runners.losses import check_losses
+from lavis_ds.runners.losses import LossCheck
 from lavis_ds.runners.resume import ResumePlan, TrainState, plan_resume, restore
 
 # Events every rank dispatches together, after which the ranks agree on a failure one of them deferred (after_step
@@ -124,19 +125,24 @@ class Trainer:
         tokens, lr = throughput.count_tokens(micro_batches), self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
-        losses = self.engine.forward_backward(micro_batches, loss_weight)  # gradients accumulated, not applied yet
-        following = load_following() if load_following else None
-        flags = self.agreement.ahead(self, following) if following is not None else None
-        # a non-finite loss stops the run here, or skips the update; the objective's metrics and the next step's
-        # agreement in the same all-reduce
-        metrics, totals = check_losses(self, losses, self.data.objective.take_metric_sums(), counts, flags)
+        # gradients accumulated, not applied yet; the loss check starts before the last backward
+        check = self.engine.forward_backward(micro_batches, loss_weight, partial(self._start_check, load_following))
+        # a non-finite loss stops the run here, or skips the update
+        metrics, totals = check.finish(self, counts)
         metrics.update(self.engine.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
         self.state.step_in_epoch += 1
         self.call_hooks("after_step", {**metrics, "lr": lr, "tokens": tokens})
-        if flags is not None:  # after the hooks: a stop or a failure lands between this step and the next
+        if totals is not None:  # after the hooks: a stop or a failure lands between this step and the next
             self.agreement.settle(self, totals)
+
+    def _start_check(self, load_following: Callable[[], list[dict]] | None, losses: torch.Tensor) -> LossCheck:
+        """The step's loss check, started once its losses are known: the objective's metrics and the next step's
+        agreement (its micro-batches loaded now, while they are) ride on the same all-reduce."""
+        following = load_following() if load_following else None
+        flags = self.agreement.ahead(self, following) if following is not None else None
+        return LossCheck(losses, self.data.objective.take_metric_sums(), flags)
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""
