@@ -77,15 +77,33 @@ def report_for(cfg, partitioned: bool) -> dict:
     wrapped = held(base_llm_params(engine.module))
     engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
-    events = noting_backward(engine.module)
-    losses = [float(engine.forward_backward([fixed_batch()], None, lambda l: events.append("then") or l)[0])]
+    events, gathered = noting_backward(engine.module), {}
+
+    def then(step_losses):
+        events.append("then")
+        gathered.update(units_gathered(engine.module))  # between the forward and the backward
+        return step_losses
+
+    losses = [float(engine.forward_backward([fixed_batch()], None, then)[0])]
     engine.optimizer_step()
     engine.module.eval()
     with torch.no_grad():
         losses.append(float(engine.forward(fixed_batch())["loss"]))
     del runner, engine, model
     gc.collect()
-    return {"built": built, "wrapped": wrapped, "losses": losses, "events": events}
+    return {"built": built, "wrapped": wrapped, "losses": losses, "events": events, "gathered": gathered}
+
+
+def units_gathered(model: torch.nn.Module) -> dict[str, bool]:
+    """Under FSDP2, whether a parameter of the root unit (one no repeated block holds) and one of a block are
+    gathered now (a whole tensor, not this process's DTensor shard); empty under other engines."""
+    in_blocks = {id(p) for block in model.repeated_blocks() for p in block.parameters()}
+    params = list(model.parameters())
+    root = next(p for p in params if id(p) not in in_blocks)
+    block = next(p for p in params if id(p) in in_blocks)
+    if not any(hasattr(p, "to_local") for p in params):
+        return {}
+    return {"root": not hasattr(root, "to_local"), "block": not hasattr(block, "to_local")}
 
 
 def noting_backward(model: torch.nn.Module) -> list[str]:

@@ -40,7 +40,7 @@ class FSDPOptions:
     # low: parameters and optimizer states kept in run.precision (half the memory, a coarser update)
     precision_mode: Literal["mixed", "low"] = "mixed"
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer states in host memory
-    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
+    reshard_after_forward: bool = True  # free each block's gathered parameters after its forward (ZeRO-3); false: keep
 
 
 class FSDPEngineConfig(EngineConfig):
@@ -128,7 +128,9 @@ class FSDPEngine(Engine):
         whole = model.state_dict() if from_rank0 and self.rank == 0 else {}
         for block in model.repeated_blocks():
             fully_shard(block, **shard)
-        fully_shard(model, **shard)
+        # The root unit (embeddings, head, what no block holds) stays gathered from its forward to its backward, as
+        # torch's default has it: the backward needs it first, so resharding it would only gather it again at once.
+        fully_shard(model, **{**shard, "reshard_after_forward": False})
         if from_rank0:
             _load_from_rank0(model, whole)
             del whole  # process 0 holds its shards only from here on
