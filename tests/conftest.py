@@ -16,12 +16,25 @@ configure_build_environment()
 
 def pytest_sessionstart(session):
     """The whole suite: the server that forks its training processes (tests/forked.py) imports torch & co while
-    pytest collects the tests, on the other core, instead of when the first process is needed."""
-    tests = Path(__file__).parent
-    if all(Path(arg).resolve() in (tests, tests.parent) for arg in session.config.args):
+    pytest collects the tests, on the other core, instead of when the first process is needed. Not in
+    pytest-xdist's controller (``-n``), which runs no test: each of its workers starts its own."""
+    tests, config = Path(__file__).parent, session.config
+    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    if runs_tests and all(Path(arg).resolve() in (tests, tests.parent) for arg in config.args):
         import forked
 
         forked.start_server()
+
+
+# The slowest files (docs/benchmarks.md, "The test suite"), collected first: the README's command runs whole files
+# on two workers (pytest-xdist, --dist loadfile), and a long file handed out last leaves the other worker idle.
+SLOWEST_FIRST = ("test_fsdp.py", "test_resume.py", "test_multinode.py", "test_export.py", "test_train.py",
+                 "test_dpo_demo.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    place = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(SLOWEST_FIRST)))  # stable: the rest keep their order
 
 # Words the tests' prompts use, so the toy BPE has merges for them (any text still encodes: byte-level).
 TINY_CORPUS = [
