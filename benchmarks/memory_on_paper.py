@@ -154,6 +154,7 @@ def korthikanti_bytes_per_token_layer(h: int) -> float:
 
 def table(title: str, c: Counts, gpus: int, gpu_gb: float, seq: int, answer: int, per_token_layer: float,
           formula: float) -> str:
+    # Over 50 lines: one table's rows, each a line of arithmetic on the same counts; split, they would pass them all.
     cfg = c.llm_config
     b, layers, vocab = c.micro_batch, cfg.num_hidden_layers, cfg.vocab_size
     total_params = c.vit + c.qformer + c.proj + c.llm + c.lora

@@ -77,11 +77,12 @@ def report_for(cfg, partitioned: bool) -> dict:
     wrapped = held(base_llm_params(engine.module))
     engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
-    events, gathered = noting_backward(engine.module), {}
+    module = engine.module
+    events, gathered = noting_backward(module), {}
 
     def then(step_losses):
         events.append("then")
-        gathered.update(units_gathered(engine.module))  # between the forward and the backward
+        gathered.update(units_gathered(module))  # between the forward and the backward
         return step_losses
 
     losses = [float(engine.forward_backward([fixed_batch()], None, then)[0])]
@@ -89,7 +90,7 @@ def report_for(cfg, partitioned: bool) -> dict:
     engine.module.eval()
     with torch.no_grad():
         losses.append(float(engine.forward(fixed_batch())["loss"]))
-    del runner, engine, model
+    del runner, engine, model, module
     gc.collect()
     return {"built": built, "wrapped": wrapped, "losses": losses, "events": events, "gathered": gathered}
 

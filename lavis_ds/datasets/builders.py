@@ -23,6 +23,9 @@ Relative paths are relative to the working directory; ``~`` is expanded.
 Besides that layout a section may set the options of its builder's ``OPTIONS``
 dataclass (every builder: ``sample_ratio``, ``skip_bad_records``; some add their
 own); the config validator checks them against those fields.
+
+About 430 lines: ``BaseDatasetBuilder`` is most of it (the section's layout read, checked and turned into
+datasets, one step per method), and the four builders after it are a few lines each.
 """
 from __future__ import annotations
 
