@@ -13,6 +13,7 @@ the backward. Process 0 writes
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -77,22 +78,24 @@ def report_for(cfg, partitioned: bool) -> dict:
     wrapped = held(base_llm_params(engine.module))
     engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
-    module = engine.module
-    events, gathered = noting_backward(module), {}
-
-    def then(step_losses):
-        events.append("then")
-        gathered.update(units_gathered(module))  # between the forward and the backward
-        return step_losses
-
+    events, gathered = noting_backward(engine.module), {}
+    then = functools.partial(noting_then, engine.module, events, gathered)
     losses = [float(engine.forward_backward([fixed_batch()], None, then)[0])]
     engine.optimizer_step()
     engine.module.eval()
     with torch.no_grad():
         losses.append(float(engine.forward(fixed_batch())["loss"]))
-    del runner, engine, model, module
+    del runner, engine, model, then
     gc.collect()
     return {"built": built, "wrapped": wrapped, "losses": losses, "events": events, "gathered": gathered}
+
+
+def noting_then(model: torch.nn.Module, events: list[str], gathered: dict, step_losses: torch.Tensor):
+    """The ``then`` of ``forward_backward`` here: notes that it came, and which units are gathered at that moment
+    (between the forward and the backward)."""
+    events.append("then")
+    gathered.update(units_gathered(model))
+    return step_losses
 
 
 def units_gathered(model: torch.nn.Module) -> dict[str, bool]:

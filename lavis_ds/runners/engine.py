@@ -22,6 +22,7 @@ to ``wrap``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -153,6 +154,19 @@ class Engine:
     config: type[EngineConfig] = EngineConfig  # its options section under `run:`, what it runs and needs
     checkpoints: type[EngineCheckpoints] = EngineCheckpoints  # its checkpoint folders, read without an engine
     setup: type[EngineSetup] = EngineSetup  # how its processes start and where the model is built
+
+    def __init_subclass__(cls, **kwargs):
+        """An engine whose ``forward_backward`` does not take ``then`` is named when its module is imported (under
+        `imports:` the config check reports it), not by a TypeError at the first step."""
+        super().__init_subclass__(**kwargs)
+        method = cls.__dict__.get("forward_backward")
+        params = list(inspect.signature(method).parameters.values()) if method else []
+        if method and len(params) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__}.forward_backward{inspect.signature(method)} must also take "
+                "`then`: forward_backward(self, micro_batches, loss_weight, then=the_losses) calls then(losses) once "
+                "the last forward has given every micro-batch's loss, before the last backward, and returns what it "
+                "returned (lavis_ds/runners/engine.py; tests/ddp_engine.py is an example)")
 
     def __init__(self, run: DictConfig, model: torch.nn.Module, checkpoint_dir: Path):
         """Plain assignments: ``wrap`` builds the engine, once the trainer has planned the resume."""
