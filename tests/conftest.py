@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(session, config, items):
     place = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: place.get(item.path.name, len(SLOWEST_FIRST)))  # stable: the rest keep their order
 
+
 # Words the tests' prompts use, so the toy BPE has merges for them (any text still encodes: byte-level).
 TINY_CORPUS = [
     "<Img><ImageHere></Img> What is in the image?",
