@@ -101,12 +101,12 @@ def noting_then(model: torch.nn.Module, events: list[str], gathered: dict, step_
 def units_gathered(model: torch.nn.Module) -> dict[str, bool]:
     """Under FSDP2, whether a parameter of the root unit (one no repeated block holds) and one of a block are
     gathered now (a whole tensor, not this process's DTensor shard); empty under other engines."""
-    in_blocks = {id(p) for block in model.repeated_blocks() for p in block.parameters()}
     params = list(model.parameters())
-    root = next(p for p in params if id(p) not in in_blocks)
-    block = next(p for p in params if id(p) in in_blocks)
     if not any(hasattr(p, "to_local") for p in params):
         return {}
+    in_blocks = {id(p) for block in model.repeated_blocks() for p in block.parameters()}
+    root = next(p for p in params if id(p) not in in_blocks)
+    block = next(p for p in params if id(p) in in_blocks)
     return {"root": not hasattr(root, "to_local"), "block": not hasattr(block, "to_local")}
 
 

@@ -4,7 +4,6 @@ engines (their config section, checkpoint reading and process set-up are parts t
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
@@ -105,7 +104,7 @@ def test_every_engine_holds_its_config_checkpoints_and_setup_parts_and_stays_nea
     assert engines["runner_fsdp"].config.KEY == "fsdp" and engines["runner_ddp_test"].checkpoints.FILES == ("ddp.pt",)
 
 
-def test_an_engine_whose_forward_backward_takes_no_then_is_named_at_its_import(tmp_path):
+def test_an_engine_whose_forward_backward_takes_no_then_is_named_at_its_import(tmp_path, monkeypatch):
     """A user's engine written to a forward_backward without ``then`` fails where the config check reports it (the
     import of its module under `imports:`), naming the method and what it must take, not at the first step."""
     from lavis_ds.config import ConfigError, import_user_modules
@@ -115,13 +114,9 @@ def test_an_engine_whose_forward_backward_takes_no_then_is_named_at_its_import(t
         "class OldEngine(Engine):\n"
         "    def forward_backward(self, micro_batches, loss_weight):\n"
         "        return None\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        with pytest.raises(ConfigError) as raised:
-            import_user_modules(["old_engine"], source="run.yaml")
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("old_engine", None)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as raised:
+        import_user_modules(["old_engine"], source="run.yaml")  # a module that fails to import is not kept
     message = str(raised.value)
     assert "imports[0]: cannot import 'old_engine'" in message
     assert "old_engine.OldEngine.forward_backward(self, micro_batches, loss_weight) must also take `then`" in message

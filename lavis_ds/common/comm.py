@@ -17,7 +17,7 @@ Why a side group rather than tensors on the engine's device:
 - The same calls work before an engine exists (start-up checks), without a GPU (export,
   batch inference) and on every engine, so no caller asks which backend is running.
 The price is a few bytes over TCP per optimizer step (the losses once per step, not per
-micro-batch: see ``losses.check_losses``) and one device-to-host copy of the step's
+micro-batch: see ``losses.LossCheck``) and one device-to-host copy of the step's
 losses, which logging needs anyway.
 
 Every function also works without a process group (one process, nothing to agree on), and

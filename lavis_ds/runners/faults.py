@@ -103,7 +103,7 @@ def agree_on_step(stop: int, error: BaseException | None, counts: list[int] | No
     """Collective: ``agree`` and this rank's ``counts`` (the objective's units of the step: supervised tokens,
     pairs) summed over every rank, in one all-reduce of ``step_flags`` (None: this step counts none). Raises as
     ``agree`` does. The loop makes it alone only for an epoch's first step; the others' ride on the previous
-    step's loss check (``losses.check_losses``) and are read by ``read_step_flags``."""
+    step's loss check (``losses.LossCheck``) and are read by ``read_step_flags``."""
     totals = comm.all_reduce(torch.tensor(step_flags(stop, error, counts), dtype=torch.int64)).tolist()
     return read_step_flags(totals, error, counts)
 
