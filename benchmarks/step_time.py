@@ -31,6 +31,10 @@ raw, runner, raw, ...) so that changing machine load hits both alike. Reported: 
 median over all timed steps of each loop and their ratio runner/raw, and the median over
 pairs of adjacent blocks of (runner block mean / raw block mean), which cancels slow
 drifts in load. Timings are printed, never asserted: shared machines are noisy.
+
+`--control` adds a third loop, a second raw loop built exactly as the first (its own model from the same seed,
+its own engine), timed in the same alternation: its ratio to the first raw loop should be 1, and how far it is
+from 1 is what this run can resolve (an A/A comparison). On a shared 2-core machine it was off by 1-8 %.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from lavis_ds.common import comm, dist  # noqa: E402
 
-LOOPS = ("runner", "raw")  # the order within each pair of blocks
+LOOPS = ("runner", "raw", "control")  # the order within each round of blocks (control: with --control only)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--raw-groups", default="same", choices=("same", "one"),
                         help="the raw loop's optimizer groups: the runner's decay/no-decay groups (same math), or one "
                              "group of every trainable parameter")
+    parser.add_argument("--control", action="store_true",
+                        help="also time a second raw loop built as the first: their ratio is this run's resolution")
     parser.add_argument("--pin", action="store_true",
                         help="bind each process to one core (Linux): less scheduling noise on a small machine")
     args = parser.parse_args(argv)
@@ -220,7 +226,6 @@ def main(argv=None) -> int:
     if args.pin:
         pin_to_one_core()
     import deepspeed
-    import torch
 
     import lavis_ds  # noqa: F401  (fills the registries)
 
@@ -234,13 +239,16 @@ def main(argv=None) -> int:
 
     raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
     loops = {"runner": stepping_as_the_loop(runner, steps), "raw": raw(runner.cfg, args)}
-    per_step, block_means = interleave({name: loops[name] for name in LOOPS}, steps, args.warmup, args.block,
-                                       args.steps // args.block)
+    if args.control:  # built last, as in LOOPS' order
+        loops["control"] = raw(runner.cfg, args)
+    per_step, block_means = interleave(loops, steps, args.warmup, args.block, args.steps // args.block)
     runner.close()  # not call_hooks("after_train"): that would also run the test generation
     shutil.rmtree(output_dir, ignore_errors=True)
 
-    summary = {name: _summary(per_step[name], block_means[name]) for name in LOOPS}
-    summary["paired_ratio"] = statistics.median(r / b for r, b in zip(block_means["runner"], block_means["raw"]))
+    summary = {name: _summary(per_step[name], block_means[name]) for name in loops}
+    summary["paired_ratio"] = _paired(block_means, "runner")
+    if args.control:
+        summary["control_paired_ratio"] = _paired(block_means, "control")
     per_rank = comm.all_gather_object(summary)
     if dist.is_main_process():
         _report(args, runner, per_rank)
@@ -285,6 +293,11 @@ def _work_per_step(runner, steps: list[list[dict]]) -> dict:
             "peak_memory_gib": peak_memory_bytes() / 2**30}
 
 
+def _paired(block_means: dict[str, list[float]], name: str) -> float:
+    """The median over adjacent blocks of (``name``'s block mean / the raw loop's)."""
+    return statistics.median(a / b for a, b in zip(block_means[name], block_means["raw"]))
+
+
 def _summary(per_step: list[float], block_means: list[float]) -> dict:
     quartiles = statistics.quantiles(per_step, n=4)
     return {"median": statistics.median(per_step), "p25": quartiles[0], "p75": quartiles[2],
@@ -299,7 +312,7 @@ def _report(args, runner, per_rank: list[dict]) -> None:
           f"{args.warmup} warm-up steps, then {args.steps} timed steps per loop in alternating blocks of "
           f"{args.block}; data loading excluded")
     print(f"{'loop':<8}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'median of block means ms':>27}")
-    for name in LOOPS:
+    for name in [name for name in LOOPS if name in per_rank[0]]:
         s = per_rank[0][name]
         print(f"{name:<8}{s['median'] * ms:>11.1f}{s['p25'] * ms:>9.1f}{s['p75'] * ms:>9.1f}"
               f"{s['block_median'] * ms:>27.1f}")
@@ -308,6 +321,11 @@ def _report(args, runner, per_rank: list[dict]) -> None:
           + "".join(f"; rank {i}: {r:.3f}" for i, r in enumerate(ratios) if i))
     print(f"ratio runner/raw (median over pairs of adjacent blocks, rank 0): {per_rank[0]['paired_ratio']:.3f}",
           flush=True)
+    if "control" in per_rank[0]:
+        controls = [r["control"]["median"] / r["raw"]["median"] for r in per_rank]
+        print(f"ratio control/raw, two identical raw loops (medians, rank 0): {controls[0]:.3f}"
+              + "".join(f"; rank {i}: {r:.3f}" for i, r in enumerate(controls) if i)
+              + f"; paired blocks: {per_rank[0]['control_paired_ratio']:.3f}", flush=True)
 
 
 if __name__ == "__main__":
