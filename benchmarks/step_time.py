@@ -34,7 +34,7 @@ drifts in load. Timings are printed, never asserted: shared machines are noisy.
 
 `--control` adds a third loop, a second raw loop built exactly as the first (its own model from the same seed,
 its own engine), timed in the same alternation: its ratio to the first raw loop should be 1, and how far it is
-from 1 is what this run can resolve (an A/A comparison). On a shared 2-core machine it was off by 1-8 %.
+from 1 is what this run can resolve (an A/A comparison). On a shared 2-core machine it was off by 0.3-8 %.
 """
 from __future__ import annotations
 
