@@ -239,9 +239,10 @@ def main(argv=None) -> int:
 
     raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
     loops = {"runner": stepping_as_the_loop(runner, steps), "raw": raw(runner.cfg, args)}
-    if args.control:  # built last, as in LOOPS' order
+    if args.control:
         loops["control"] = raw(runner.cfg, args)
-    per_step, block_means = interleave(loops, steps, args.warmup, args.block, args.steps // args.block)
+    per_step, block_means = interleave({name: loops[name] for name in LOOPS if name in loops}, steps, args.warmup,
+                                       args.block, args.steps // args.block)
     runner.close()  # not call_hooks("after_train"): that would also run the test generation
     shutil.rmtree(output_dir, ignore_errors=True)
 
@@ -298,6 +299,12 @@ def _paired(block_means: dict[str, list[float]], name: str) -> float:
     return statistics.median(a / b for a, b in zip(block_means[name], block_means["raw"]))
 
 
+def _median_ratios(per_rank: list[dict], name: str) -> str:
+    """``name``'s median over the raw loop's, rank 0's first, then the other ranks' (``; rank i: r``)."""
+    ratios = [r[name]["median"] / r["raw"]["median"] for r in per_rank]
+    return f"{ratios[0]:.3f}" + "".join(f"; rank {i}: {r:.3f}" for i, r in enumerate(ratios) if i)
+
+
 def _summary(per_step: list[float], block_means: list[float]) -> dict:
     quartiles = statistics.quantiles(per_step, n=4)
     return {"median": statistics.median(per_step), "p25": quartiles[0], "p75": quartiles[2],
@@ -316,16 +323,12 @@ def _report(args, runner, per_rank: list[dict]) -> None:
         s = per_rank[0][name]
         print(f"{name:<8}{s['median'] * ms:>11.1f}{s['p25'] * ms:>9.1f}{s['p75'] * ms:>9.1f}"
               f"{s['block_median'] * ms:>27.1f}")
-    ratios = [r["runner"]["median"] / r["raw"]["median"] for r in per_rank]
-    print(f"ratio runner/raw (medians, rank 0): {ratios[0]:.3f}"
-          + "".join(f"; rank {i}: {r:.3f}" for i, r in enumerate(ratios) if i))
+    print(f"ratio runner/raw (medians, rank 0): {_median_ratios(per_rank, 'runner')}")
     print(f"ratio runner/raw (median over pairs of adjacent blocks, rank 0): {per_rank[0]['paired_ratio']:.3f}",
           flush=True)
     if "control" in per_rank[0]:
-        controls = [r["control"]["median"] / r["raw"]["median"] for r in per_rank]
-        print(f"ratio control/raw, two identical raw loops (medians, rank 0): {controls[0]:.3f}"
-              + "".join(f"; rank {i}: {r:.3f}" for i, r in enumerate(controls) if i)
-              + f"; paired blocks: {per_rank[0]['control_paired_ratio']:.3f}", flush=True)
+        print(f"ratio control/raw, two identical raw loops (medians, rank 0): {_median_ratios(per_rank, 'control')}"
+              f"; paired blocks: {per_rank[0]['control_paired_ratio']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -160,10 +160,13 @@ class Engine:
         `imports:` the config check reports it), not by a TypeError at the first step."""
         super().__init_subclass__(**kwargs)
         method = cls.__dict__.get("forward_backward")
-        params = list(inspect.signature(method).parameters.values()) if method else []
-        if method and len(params) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        if method is None:  # inherited: checked where it is defined
+            return
+        signature = inspect.signature(method)
+        params = signature.parameters.values()
+        if len(params) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in params):
             raise TypeError(
-                f"{cls.__module__}.{cls.__qualname__}.forward_backward{inspect.signature(method)} must also take "
+                f"{cls.__module__}.{cls.__qualname__}.forward_backward{signature} must also take "
                 "`then`: forward_backward(self, micro_batches, loss_weight, then=the_losses) calls then(losses) once "
                 "the last forward has given every micro-batch's loss, before the last backward, and returns what it "
                 "returned (lavis_ds/runners/engine.py; tests/ddp_engine.py is an example)")
