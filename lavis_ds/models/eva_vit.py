@@ -10,11 +10,14 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from timm.models.eva import Eva
 
 from lavis_ds.common import registry as reg
+from lavis_ds.common.imports import import_without
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.pretrained import load_eva_vit
+
+# timm without wandb, which its summary helper imports when installed (lavis_ds.common.imports)
+Eva = import_without("timm.models.eva", ("wandb",)).Eva
 
 Precision = Literal["fp32", "fp16", "bf16"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from lavis_ds.runners.deepspeed.library import load_deepspeed
+
 
 def replay_step_counter(optimizer: torch.optim.Optimizer) -> int:
     """Bring the kernel's beta powers to the optimizer's loaded step; returns the steps replayed (0: not needed)."""
@@ -33,6 +35,7 @@ def replay_step_counter(optimizer: torch.optim.Optimizer) -> int:
 
 def _kernel_step(optimizer) -> Callable[[int, dict], None] | None:
     """One kernel call for (step, param group) on empty tensors, or None if the optimizer keeps no counter."""
+    load_deepspeed()
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
     empty = torch.empty(0, dtype=torch.float32)

@@ -17,6 +17,7 @@ from torch import nn
 
 from lavis_ds.common import comm
 from lavis_ds.runners import checkpoint as ckpt
+from lavis_ds.runners.deepspeed.library import load_deepspeed
 from lavis_ds.runners.engine import EngineCheckpoints
 
 
@@ -85,6 +86,7 @@ def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, 
     the module's weights are the trained values (a plain torch optimizer steps them); in bf16/fp16 the module
     holds a rounded copy and the fp32 masters sit in the FP16 optimizer's flat groups, split back by name here.
     """
+    load_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # Every file whole before DeepSpeed's consolidation reads them: an error names the file, not only
@@ -191,6 +193,7 @@ def universal_copy(tag_dir: Path, universal_root: Path, rank: int,
 def _ds_to_universal(tag_dir: Path, folder: Path) -> None:
     from argparse import Namespace
 
+    load_deepspeed()
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(folder), num_extract_workers=1,
@@ -239,6 +242,7 @@ def _readable_by_every_stage(folder: Path) -> None:
         step = torch.load(step_file, weights_only=False) if step_file else 0
         state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
     if "ds_version" not in state:  # stages 1-2 refuse a file without it; a ZeRO-3 save does not write it
+        load_deepspeed()
         from deepspeed import __version__
 
         state["ds_version"] = __version__

@@ -19,6 +19,7 @@ from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
 from lavis_ds.runners.deepspeed import section, zero_keys
 from lavis_ds.runners.deepspeed.adam_counter import replay_step_counter
 from lavis_ds.runners.deepspeed.checkpoint import DeepSpeedCheckpoints, layout_of
+from lavis_ds.runners.deepspeed.library import load_deepspeed
 from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
 from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
@@ -76,7 +77,7 @@ class DeepSpeedSetup(EngineSetup):
 
     @classmethod
     def init_process_group(cls):
-        import deepspeed
+        deepspeed = load_deepspeed()
 
         from lavis_ds.common import dist
         from lavis_ds.common.device import bind_local_device
@@ -121,7 +122,7 @@ class DeepSpeedEngine(Engine):
     def wrap(self, param_groups, plan):
         # Imported here, not at the top: `import lavis_ds` registers this engine, and loading an
         # exported model for inference (lavis_ds.apps.export) must not need DeepSpeed.
-        import deepspeed
+        deepspeed = load_deepspeed()
         from omegaconf import OmegaConf
 
         _check_precision_supported(self.layout["precision"])  # after the checks of the checkpoint to resume
@@ -317,6 +318,7 @@ reg.runners.register_alias("deepspeed_runner", "runner_deepspeed")
 def _check_precision_supported(precision: str) -> None:
     """An InputError if this machine's accelerator cannot train in ``precision`` (DeepSpeed's own check raises a
     bare ``ValueError: Type fp16 is not supported on your device.`` from deepspeed.initialize)."""
+    load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

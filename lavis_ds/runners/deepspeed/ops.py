@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from lavis_ds.common.extensions import configure_build_environment
+from lavis_ds.runners.deepspeed.library import load_deepspeed
 
 # DeepSpeed op builder class -> what it is for, as printed while it compiles.
 OPS = {
@@ -51,6 +52,7 @@ def cuda_compiler() -> Path | None:
 
 def prebuilt(op_name: str) -> bool:
     """Whether the installed DeepSpeed ships ``op_name`` compiled (``DS_BUILD_...=1 pip install deepspeed``)."""
+    load_deepspeed()
     from deepspeed.git_version_info import installed_ops
 
     return bool(installed_ops.get(op_name))
@@ -93,6 +95,7 @@ def ensure_built(builder_names: list[str], announce: bool = True) -> None:
     Every process may call this: torch's file lock lets one compile while the others wait.
     On a machine with a GPU accelerator DeepSpeed builds other ops its own way: nothing to do.
     """
+    load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -160,6 +163,7 @@ def remember_cpu_info(folder: Path) -> None:
 
 def build_gpu_ops() -> int:
     """On a GPU machine: compile DeepSpeed's CUDA FusedAdam and its CPU Adam (offload) now, or say why not."""
+    load_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     if cuda_compiler() is None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from lavis_ds.common import dist
 from lavis_ds.models.llm_placement import LLMPlacement, llm_placement
+from lavis_ds.runners.deepspeed.library import load_deepspeed
 
 
 class Zero3Placement(LLMPlacement):
@@ -72,7 +73,7 @@ def gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
     into them is what every process keeps. A no-op for whole parameters."""
     if not is_partitioned(params):
         return contextlib.nullcontext()
-    import deepspeed
+    deepspeed = load_deepspeed()
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 

@@ -23,6 +23,7 @@ from typing import Any
 from lavis_ds.common.run_config import Twin, training_settings, valid_betas
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.runners.deepspeed import zero_keys
+from lavis_ds.runners.deepspeed.library import load_deepspeed
 
 WHERE = "run.deepspeed_config"
 AUTO = "auto"
@@ -189,6 +190,7 @@ def _leaves(node: Any) -> list:
 
 def _pydantic_sections() -> dict[str, type]:
     """Top-level keys DeepSpeed builds a pydantic model from, checked one by one so every bad section is reported."""
+    load_deepspeed()
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -258,6 +260,7 @@ def schema_problems(ds: dict) -> list[str]:
                 problems += [_describe(f"{WHERE}.{key}", model, err) for err in e.errors()]
                 bad_sections.add(key)
 
+    load_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
     read: set[str] = set()
