@@ -55,8 +55,9 @@ class LossCheck:
         # ``losses`` stayed on the engine's device until here: this copy to the host is the step's only
         # synchronisation after the forward that the loop itself makes.
         self.losses, self.metric_sums = losses, metric_sums or {}
-        values = [losses.sum(), (~torch.isfinite(losses)).sum().to(losses.dtype)]
-        values += [value.to(losses) for _, value in self.metric_sums.values()]
+        # The summed loss is finite only if every rank's every loss is (an inf or a NaN stays one in a sum of
+        # float64s far below their overflow): it is the check, with no count of its own.
+        values = [losses.sum(), *(value.to(losses) for _, value in self.metric_sums.values())]
         self._split, self._ahead = len(values), ahead is not None
         # float64 sums of integers are exact below 2**53; the flags are born on the host and stay there
         self._collect = comm.start_all_reduce(torch.cat([torch.stack(values).to("cpu", torch.float64),
@@ -66,9 +67,9 @@ class LossCheck:
         """The step's metrics (``loss`` None and ``skipped`` if it is dropped) and the totals of ``ahead``."""
         totals = self._collect().tolist()
         totals, ahead_totals = totals[:self._split], [int(t) for t in totals[self._split:]] if self._ahead else None
-        if totals[1] == 0:
+        if math.isfinite(totals[0]):
             return {"loss": totals[0] / (len(self.losses) * trainer.world_size),
-                    **metric_means(self.metric_sums, totals[2:], global_counts or {})}, ahead_totals
+                    **metric_means(self.metric_sums, totals[1:], global_counts or {})}, ahead_totals
         where = describe_nonfinite(trainer, self.losses)
         if trainer.run.on_nonfinite == "stop":
             latest = ckpt.latest_complete(trainer.checkpoint_dir)

@@ -57,17 +57,17 @@ def _counts(tokens: dict[str, torch.Tensor]) -> TokenCounts:
     # A packed row holds several samples, each attending only to itself: attention costs their own lengths squared.
     lengths = torch.as_tensor(tokens["sample_lengths"]) if "sample_lengths" in tokens else mask.sum(dim=1)
     # The loss reads the labels shifted by one (token t predicts t + 1): count the tokens it counts.
-    supervised = (tokens["labels"][:, 1:] != IGNORE_INDEX).sum()
+    supervised = torch.count_nonzero(tokens["labels"][:, 1:] != IGNORE_INDEX)
     image = tokens.get("image")
     # One row per image, as an instruction connector's `prepare` names them (connectors.instruction).
     text = tokens.get("qformer_attention_mask")
-    text = torch.zeros(0, dtype=torch.long) if text is None else torch.as_tensor(text).sum(dim=1)
-    # One host conversion for the sums (each int() of a tensor is a call into torch of its own).
-    total, squared, supervised, text_total, text_squared = torch.stack(
-        [lengths.sum(), (lengths * lengths).sum(), supervised, text.sum(), (text * text).sum()]).tolist()
+    text = [] if text is None else torch.as_tensor(text).sum(dim=1).tolist()
+    # A few dozen integers: summed in Python after one conversion each (every tensor op is a call into torch).
+    lengths = lengths.tolist()
     return TokenCounts(samples=len(lengths), images=0 if image is None else int(image.shape[0]),
-                       positions=mask.numel(), tokens=total, supervised=supervised, squared_tokens=squared,
-                       image_text_tokens=text_total, squared_image_text_tokens=text_squared)
+                       positions=mask.numel(), tokens=sum(lengths), supervised=int(supervised),
+                       squared_tokens=sum(n * n for n in lengths), image_text_tokens=sum(text),
+                       squared_image_text_tokens=sum(n * n for n in text))
 
 
 def peak_tflops(given: float | None, precision: str | None) -> tuple[float | None, str | None]:

@@ -24,9 +24,11 @@ class MetricsLog(Hook):
         logged MFU divides by (``throughput.peak_tflops``)."""
         self.log_freq = log_freq
         self.writer, self.bar = None, None
+        self.last_step = 0  # the run's (before_train's): always logged
         self.meter = ThroughputMeter(peak_tflops, precision)
 
     def before_train(self, runner) -> None:
+        self.last_step = runner.total_steps  # once: every step compares with it
         if runner.rank == 0:
             resumed = runner.state.global_step if runner.state.global_step else None
             try:
@@ -43,7 +45,7 @@ class MetricsLog(Hook):
         if runner.rank == 0:
             self.bar.update(1)
         step = runner.state.global_step
-        if step % self.log_freq and step != runner.total_steps:
+        if step % self.log_freq and step != self.last_step:
             return
         throughput = self.meter.report(runner)  # collective: every rank takes the same steps
         if runner.rank != 0:
