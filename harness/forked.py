@@ -24,8 +24,8 @@ import traceback
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 
-# What every training process imports, imported once by the server.
-PRELOAD = ["torch", "deepspeed", "transformers", "timm", "torchvision", "train", "lavis_ds",
+# What every training process imports, imported once by the server (DeepSpeed and timm first, as a run imports them).
+PRELOAD = ["torch", "harness.run_imports", "transformers", "torchvision", "train", "lavis_ds",
            "lavis_ds.runners.deepspeed.engine", "lavis_ds.runners.fsdp.engine",
            "deepspeed.runtime.zero.muon.muon_optimizer", "torch.distributed.checkpoint", "lavis_ds.apps.export",
            "lavis_ds.apps.generate", "harness.forked",
