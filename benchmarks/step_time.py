@@ -30,7 +30,9 @@ After `--warmup` steps of each, the loops alternate in blocks of `--block` steps
 raw, runner, raw, ...) so that changing machine load hits both alike. Reported: the
 median over all timed steps of each loop and their ratio runner/raw, and the median over
 pairs of adjacent blocks of (runner block mean / raw block mean), which cancels slow
-drifts in load. Timings are printed, never asserted: shared machines are noisy.
+drifts in load. `--block 1` pairs steps a few hundred milliseconds apart (faster drifts cancel too), at a cost
+every loop pays alike: a step that follows the other loop's finds the cache holding the other model. Timings are
+printed, never asserted: shared machines are noisy.
 
 `--control` adds a third loop, a second raw loop built exactly as the first (its own model from the same seed,
 its own engine), timed in the same alternation: its ratio to the first raw loop should be 1, and how far it is
