@@ -16,7 +16,7 @@ engine instance:
 
 The engine class itself does the instance work. An engine is built
 with plain assignments (no disk, no collective); the trainer decides which checkpoint to resume and the batch
-layout first (``resume.ResumePlan``, for which it asks the engine to ``check_checkpoint``), then hands that plan
+layout first (``resume_plan.ResumePlan``, for which it asks the engine to ``check_checkpoint``), then hands that plan
 to ``wrap``.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -32,9 +32,7 @@ from omegaconf import DictConfig
 from lavis_ds.common import dist
 from lavis_ds.common.run_config import Twin
 from lavis_ds.runners import checkpoint as ckpt
-
-if TYPE_CHECKING:
-    from lavis_ds.runners.resume import ResumePlan
+from lavis_ds.runners.resume_plan import ResumePlan
 
 
 def the_losses(losses: torch.Tensor) -> torch.Tensor:

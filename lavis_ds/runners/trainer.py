@@ -34,7 +34,8 @@ from lavis_ds.runners.data import TrainData
 from lavis_ds.runners.engine import Engine
 from lavis_ds.runners.hooks import HookList, build_hooks
 from lavis_ds.runners.losses import LossCheck
-from lavis_ds.runners.resume import ResumePlan, TrainState, plan_resume, restore
+from lavis_ds.runners.resume import TrainState, plan_resume, restore
+from lavis_ds.runners.resume_plan import ResumePlan
 
 # Events every rank dispatches together, after which the ranks agree on a failure one of them deferred (after_step
 # leaves it to the next step's agreement, which every step makes anyway).
