@@ -51,7 +51,7 @@ def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepsp
 def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build(setup, arch):
     """Both runners, each built in its placement and whole (as before) in one launch: process 1 holds half of
     the LLM (ZeRO-3) or none of it (FSDP) when the build ends, and the loss of one batch before and after one
-    optimizer step is that of the whole build, exactly (fp32); each engine calls the loop back before the
+    optimizer step is that of the whole build, exactly (fp32); each engine returns to the loop before the last
     backward. Every registered architecture."""
     root, folder, storage = setup
     cfg_path = write_yaml(root / f"worker_{arch}.yaml", _config(root / f"worker_out_{arch}", storage, folder,
