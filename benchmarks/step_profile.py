@@ -5,11 +5,11 @@
 The runner and its micro-batches are built as in ``benchmarks/step_time.py`` (same flags). Each phase the loop's
 ``run_step`` goes through is timed on every step (``time.perf_counter`` around the call, rank 0 reported): the
 token counts, the objective's unit counts (supervised tokens, pairs), the step's agreement (one all-reduce, alone at
-an epoch's first step only), reseeding, forward + backward, the loss check's start (inside forward_backward, before
-the last backward: its all-reduce, which also carries the next step's agreement and its unit counts, runs during
-that backward) and its finish (waiting for that all-reduce), the optimizer step, the scheduler, the after_step
-hooks; and the whole step. Medians over the steps, in milliseconds; "rest" is, per step, the whole step minus its
-phases, the ones inside forward_backward not counted twice (the loop's own lines: lr, counters, the wrappers).
+an epoch's first step only), reseeding, the forwards with every backward but the last (``forward_backward``), the
+loss check's start (its all-reduce, which also carries the next step's agreement and its unit counts), the last
+backward (during which that all-reduce travels), the check's finish (waiting for that all-reduce), the optimizer
+step, the scheduler, the after_step hooks; and the whole step. Medians over the steps, in milliseconds; "rest" is,
+per step, the whole step minus its phases (the loop's own lines: lr, counters, the wrappers).
 Timings are printed, never asserted.
 """
 from __future__ import annotations
@@ -51,16 +51,28 @@ def instrument(runner, times: dict[str, list[float]]) -> None:
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
     agreement.unit_counts = timed(times, "unit_counts", agreement.unit_counts)
     trainer.seed_everything = timed(times, "seed_everything", trainer.seed_everything)
-    # the loss check starts inside forward_backward (before the last backward) and is finished after it
+    # the loss check starts before the last backward and is finished after it
     trainer.LossCheck = timed(times, "loss check start", trainer.LossCheck)
     losses.LossCheck.finish = timed(times, "loss check finish", losses.LossCheck.finish)
     # an epoch's first step agrees alone; the others' agreement rides on the loss check
     faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
     engine = runner.engine
-    engine.forward_backward = timed(times, "forward_backward", engine.forward_backward)
+    engine.forward_backward = with_timed_last_backward(times, timed(times, "forward_backward",
+                                                                    engine.forward_backward))
     engine.optimizer_step = timed(times, "optimizer_step", engine.optimizer_step)
     runner.scheduler.step = timed(times, "scheduler", runner.scheduler.step)
     runner.call_hooks = timed(times, "after_step hooks", runner.call_hooks)
+
+
+def with_timed_last_backward(times: dict[str, dict[int, float]], forward_backward):
+    """``forward_backward`` whose returned last backward (run by the loop, after the check's start) is timed too."""
+    from lavis_ds.runners.engine import Forwarded
+
+    @functools.wraps(forward_backward)
+    def wrapper(*args, **kwargs):
+        losses, last_backward = forward_backward(*args, **kwargs)
+        return Forwarded(losses, timed(times, "last backward", last_backward))
+    return wrapper
 
 
 def main(argv=None) -> int:
@@ -99,9 +111,7 @@ def main(argv=None) -> int:
         for name, values in per_step.items():
             ran = "" if len(times[name]) == args.steps else f"  (in {len(times[name])} of the {args.steps} steps)"
             print(f"  {name:<22}{statistics.median(values) * 1e3:>8.3f}{ran}")
-        inside = ("loss check start", "unit_counts")  # within forward_backward, or within the start
-        rest = [w - sum(values[i] for name, values in per_step.items() if name not in inside)
-                for i, w in enumerate(whole)]
+        rest = [w - sum(values[i] for values in per_step.values()) for i, w in enumerate(whole)]
         for name, values in (("rest", rest), ("whole step", whole)):
             print(f"  {name:<22}{statistics.median(values) * 1e3:>8.3f}", flush=True)
     return 0

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from lavis_ds.common.errors import LavisDsError
 from lavis_ds.common import registry as reg
 from lavis_ds.datasets.loading import ParsedFiles
+from lavis_ds.models.export_folder import WEIGHTS_FILE, is_export, load_trained_weights, read_export_config
 
 
 def build_model(model_cfg: DictConfig, seed: int = 42,
@@ -23,8 +24,6 @@ def build_model(model_cfg: DictConfig, seed: int = 42,
     section = OmegaConf.to_container(model_cfg, resolve=True)
     export = _pretrained_export(section)
     if export is not None:
-        from lavis_ds.apps.export import read_export_config
-
         seed = int(read_export_config(export).seed)
         section = {**section, "load_pretrained": False}
     # Every rank initialises from the same seed, so random weights agree before DeepSpeed starts.
@@ -39,16 +38,12 @@ def build_model(model_cfg: DictConfig, seed: int = 42,
 
 def _pretrained_export(section: dict) -> Path | None:
     """The export folder ``model.pretrained`` names (None: none, or published weights the model class reads)."""
-    from lavis_ds.apps.export import is_export
-
     path = section.get("pretrained") if section.get("load_pretrained") else None
     return Path(os.path.expanduser(path)) if isinstance(path, str) and is_export(os.path.expanduser(path)) else None
 
 
 def _load_export_weights(model: torch.nn.Module, export: Path) -> None:
     from safetensors.torch import load_file
-
-    from lavis_ds.apps.export import WEIGHTS_FILE, load_trained_weights
 
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise LavisDsError(f"model.pretrained: {export} is a lavis_ds export, which loads into a whole model, not one "

@@ -19,7 +19,7 @@ import torch
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import the_losses
+from lavis_ds.runners.engine import Forwarded
 from plain_runner import PlainEngine
 
 
@@ -29,8 +29,9 @@ class ControlEngine(PlainEngine):
         super().__init__(*args, **kwargs)
         self.steps = 0  # optimizer steps taken (applied or skipped), as the loop counts them
 
-    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
-        return super().forward_backward(micro_batches, loss_weight, lambda losses: then(self.poisoned(losses)))
+    def forward_backward(self, micro_batches, loss_weight):
+        losses, last_backward = super().forward_backward(micro_batches, loss_weight)
+        return Forwarded(self.poisoned(losses), last_backward)
 
     def poisoned(self, losses):
         """``losses`` with a NaN first, at the step and rank ``CONTROL_NAN_AT`` names (``step:rank``)."""

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, EngineCheckpoints, micro_batch_loss, the_losses
+from lavis_ds.runners.engine import Engine, EngineCheckpoints, Forwarded, micro_batch_loss
 
 STATE_FILE = "ddp.pt"
 
@@ -45,17 +45,19 @@ class DDPEngine(Engine):
     def forward(self, batch):
         return self.model(batch)  # evaluation: no gradient to synchronise
 
-    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
+    def forward_backward(self, micro_batches, loss_weight):
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
+            # DDP decides in the forward whether the backward all-reduces: the last micro-batch's does
             with contextlib.nullcontext() if last or self.world_size == 1 else self.ddp.no_sync():
                 loss = micro_batch_loss(self.ddp(batch), loss_weight)
                 losses.append(loss.detach().double())
-                if last:
-                    known = then(torch.stack(losses))  # the loop's loss check runs during the last backward
-                (loss / len(micro_batches)).backward()  # DDP averages over processes, this over micro-batches
-        return known
+                mean_part = loss / len(micro_batches)  # DDP averages over processes, this over micro-batches
+                if not last:
+                    mean_part.backward()
+        # the last backward is the loop's to run: its loss check's all-reduce travels during it
+        return Forwarded(torch.stack(losses), mean_part.backward)
 
     def optimizer_step(self, apply=True):
         norm = None

@@ -13,7 +13,6 @@ the backward. Process 0 writes
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
@@ -78,24 +77,19 @@ def report_for(cfg, partitioned: bool) -> dict:
     wrapped = held(base_llm_params(engine.module))
     engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
-    events, gathered = noting_backward(engine.module), {}
-    then = functools.partial(noting_then, engine.module, events, gathered)
-    losses = [float(engine.forward_backward([fixed_batch()], None, then)[0])]
+    events = noting_backward(engine.module)
+    step_losses, last_backward = engine.forward_backward([fixed_batch()], None)
+    events.append("returned")  # the loop's loss check starts here, before the last backward
+    gathered = units_gathered(engine.module)  # between the forward and the backward
+    last_backward()
+    losses = [float(step_losses[0])]
     engine.optimizer_step()
     engine.module.eval()
     with torch.no_grad():
         losses.append(float(engine.forward(fixed_batch())["loss"]))
-    del runner, engine, model, then
+    del runner, engine, model, last_backward
     gc.collect()
     return {"built": built, "wrapped": wrapped, "losses": losses, "events": events, "gathered": gathered}
-
-
-def noting_then(model: torch.nn.Module, events: list[str], gathered: dict, step_losses: torch.Tensor):
-    """The ``then`` of ``forward_backward`` here: notes that it came, and which units are gathered at that moment
-    (between the forward and the backward)."""
-    events.append("then")
-    gathered.update(units_gathered(model))
-    return step_losses
 
 
 def units_gathered(model: torch.nn.Module) -> dict[str, bool]:
@@ -112,7 +106,8 @@ def units_gathered(model: torch.nn.Module) -> dict[str, bool]:
 
 def noting_backward(model: torch.nn.Module) -> list[str]:
     """A list to which ``model``'s training forwards add "backward" when the backward of their loss starts: the
-    loop's loss check (``then``) must come before it, so that its all-reduce overlaps the backward."""
+    engine must return to the loop (which starts its loss check there) before it, so that the check's all-reduce
+    overlaps the backward."""
     events, forward = [], model.forward
 
     def forward_noting_backward(batch):

@@ -11,7 +11,7 @@ import torch
 
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, micro_batch_loss, the_losses
+from lavis_ds.runners.engine import Engine, Forwarded, micro_batch_loss
 
 STATE_FILE = "plain.pt"
 
@@ -26,15 +26,15 @@ class PlainEngine(Engine):
     def forward(self, batch):
         return self.model(batch)
 
-    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
+    def forward_backward(self, micro_batches, loss_weight):
         losses = []
         for i, batch in enumerate(micro_batches):
             loss = micro_batch_loss(self.forward(batch), loss_weight)
             losses.append(loss.detach().double())
-            if i == len(micro_batches) - 1:
-                known = then(torch.stack(losses))  # every loss is known: before the last backward
-            (loss / len(micro_batches)).backward()
-        return known
+            mean_part = loss / len(micro_batches)
+            if i < len(micro_batches) - 1:
+                mean_part.backward()
+        return Forwarded(torch.stack(losses), mean_part.backward)  # every loss known; the loop runs the last backward
 
     def optimizer_step(self, apply=True):
         norm = None

@@ -93,6 +93,16 @@ def test_published_yaml_loads_with_a_qwen2_preset_and_names_ignored_keys_once(pa
     assert ds.train_batch_size == ds.train_micro_batch_size_per_gpu * ds.gradient_accumulation_steps * 4
 
 
+@pytest.mark.parametrize("arch, refused", [("instructblip", False), ("minigpt4qwen", True)])
+def test_qformer_text_input_is_refused_only_where_the_q_former_reads_the_image_alone(arch, refused):
+    from lavis_ds.common.lavis_compat import translate
+
+    problems, notes = translate({"model": {"arch": arch, "qformer_text_input": True}})
+    assert bool(problems) is refused and ("model.qformer_text_input" in "".join(notes)) is not refused
+    if refused:
+        assert re.match(r"model\.qformer_text_input: True: .*use model\.arch: instructblip$", problems[0])
+
+
 def test_instruction_tuning_yaml_maps_every_lavis_run_key():
     cfg = load_config(FIXTURES / "minigpt4qwen" / "instruction_tuning_train.yaml",
                       ["model.model_type=qwen2.5_7b_instruct"], world_size=1, check_files=False)

@@ -4,6 +4,8 @@ TRL is the installed package (a dev dependency); tests/trl_reference.py runs its
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -139,8 +141,17 @@ def test_step_loss_does_not_depend_on_the_split(objective, split):
         assert split_metrics[name] == pytest.approx(value, abs=1e-12), name
 
 
-def test_every_registered_objective_builds_from_an_empty_section():
+@pytest.mark.parametrize("name", ["dpo", "orpo", "sft", "simpo"])
+def test_every_registered_objective_builds_from_an_empty_section(name):
     from lavis_ds.common.registry import objectives
 
-    for name in objectives:
-        assert registry.get_objective_class(name).from_config({}) is not None
+    assert sorted(objectives) == ["dpo", "orpo", "sft", "simpo"]  # a registered objective joins the list above
+    cls = registry.get_objective_class(name)
+    built = cls.from_config({})
+    assert type(built) is cls and built.DATA in ("sequences", "pairs") and built.UNITS
+    assert set(built.UNITS) <= {PAIRS, TOKENS}
+    # An empty section means the constructor's defaults (None: a default the constructor resolves itself)
+    defaults = {p.name: p.default for p in inspect.signature(cls).parameters.values()
+                if p.default is not p.empty and p.default is not None}
+    assert {k: getattr(built, k) for k in defaults if hasattr(built, k)} == {
+        k: v for k, v in defaults.items() if hasattr(built, k)}

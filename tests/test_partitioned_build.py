@@ -51,7 +51,7 @@ def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepsp
 def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build(setup, arch):
     """Both runners, each built in its placement and whole (as before) in one launch: process 1 holds half of
     the LLM (ZeRO-3) or none of it (FSDP) when the build ends, and the loss of one batch before and after one
-    optimizer step is that of the whole build, exactly (fp32); each engine calls the loop back before the
+    optimizer step is that of the whole build, exactly (fp32); each engine returns to the loop before the last
     backward. Every registered architecture."""
     root, folder, storage = setup
     cfg_path = write_yaml(root / f"worker_{arch}.yaml", _config(root / f"worker_out_{arch}", storage, folder,
@@ -84,9 +84,9 @@ def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build
         assert whole[1] < whole[0]  # the step changed the model
         for rank in reports[f"{runner}/partitioned"]:
             assert rank["losses"] == whole, runner
-        # the loop's loss check started before the backward (Engine.forward_backward's ``then``), on every process
+        # the engine returned to the loop (which starts its loss check there) before the last backward, everywhere
         for report in reports[f"{runner}/partitioned"] + reports[f"{runner}/whole"]:
-            assert report["events"] == ["then", "backward"], runner
+            assert report["events"] == ["returned", "backward"], runner
     # FSDP2 frees each block's gathered weights after its forward, and keeps the root unit's (embeddings, head) to
     # the backward, which needs them first: resharding them would only gather them again at once
     for report in reports["runner_fsdp/partitioned"] + reports["runner_fsdp/whole"]:

@@ -104,19 +104,22 @@ def test_every_engine_holds_its_config_checkpoints_and_setup_parts_and_stays_nea
     assert engines["runner_fsdp"].config.KEY == "fsdp" and engines["runner_ddp_test"].checkpoints.FILES == ("ddp.pt",)
 
 
-def test_an_engine_whose_forward_backward_takes_no_then_is_named_at_its_import(tmp_path, monkeypatch):
-    """A user's engine written to a forward_backward without ``then`` fails where the config check reports it (the
-    import of its module under `imports:`), naming the method and what it must take, not at the first step."""
+def test_an_engine_whose_forward_backward_takes_a_loop_callback_is_named_at_its_import(tmp_path, monkeypatch):
+    """A user's engine whose forward_backward takes a callback of the loop beside its micro-batches fails where the
+    config check reports it (the import of its module under `imports:`), naming the method and what it must be,
+    not at the first step."""
     from lavis_ds.config import ConfigError, import_user_modules
 
     (tmp_path / "old_engine.py").write_text(
         "from lavis_ds.runners.engine import Engine\n\n"
         "class OldEngine(Engine):\n"
-        "    def forward_backward(self, micro_batches, loss_weight):\n"
+        "    def forward_backward(self, micro_batches, loss_weight, then=None):\n"
         "        return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as raised:
         import_user_modules(["old_engine"], source="run.yaml")  # a module that fails to import is not kept
     message = str(raised.value)
     assert "imports[0]: cannot import 'old_engine'" in message
-    assert "old_engine.OldEngine.forward_backward(self, micro_batches, loss_weight) must also take `then`" in message
+    assert ("old_engine.OldEngine.forward_backward(self, micro_batches, loss_weight, then=None) must be "
+            "forward_backward(self, micro_batches, loss_weight)") in message
+    assert "Forwarded(losses, last_backward)" in message

@@ -2,6 +2,9 @@
 the peak FLOP/s table and run.peak_tflops, and the throughput fields of a real tiny run's metrics.jsonl."""
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -15,7 +18,7 @@ from lavis_ds.config import load_config
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.flops import Flops
 from lavis_ds.runners import throughput
-from run_utils import tiny_config, train_steps, write_yaml
+from run_utils import run_forked, tiny_config, train_steps, write_yaml
 
 # The MiniGPT4Qwen recipe: ViT, Q-Former, queries and LLM frozen; only the projection trains.
 MINIGPT4QWEN = {"freeze_vit": True, "freeze_qformer": True, "freeze_queries": True, "freeze_llm": True}
@@ -213,3 +216,33 @@ def test_mfu_is_achieved_flops_over_run_peak_tflops(tmp_path, demo_storage, monk
         seconds = sum(lengths) / step["tokens_per_sec"]  # the meter's training time of this step
         assert step["mfu"] == pytest.approx(flops / seconds / (peak * 1e12), rel=1e-9)
         assert step["mfu"] == pytest.approx(step["tflops_per_device"] / peak, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the step-time benchmarks
+def _benchmark(tmp_path, demo_storage, script: str, *args: str):
+    """``benchmarks/<script>.py``'s ``main`` on 2 processes forked from the suite's server (as torchrun runs it), for
+    2 timed steps after 1 warm-up step, on the tiny model and 16 demo samples (2 steps of 4 x 2 processes)."""
+    cfg = write_yaml(tmp_path / "bench.yaml", tiny_config(tmp_path / "out", demo_storage))
+    argv = ["--cfg-path", str(cfg), "--steps", "2", "--block", "1", "--warmup", "1", "--distinct", "2", *args]
+    proc = run_forked(f"benchmarks.{script}:main", argv, tmp_path / "logs", nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def test_the_step_time_benchmark_runs_both_loops_on_two_processes(tmp_path, demo_storage):
+    """So that it cannot break unnoticed: its figures are the ones docs/benchmarks.md reports."""
+    figures = tmp_path / "figures.json"
+    stdout = _benchmark(tmp_path, demo_storage, "step_time", "--json", str(figures))
+    assert "ratio runner/raw (medians, rank 0): " in stdout and "; rank 1: " in stdout
+    written = json.loads(figures.read_text())
+    assert written["runner"]["median"] > 0 and written["raw"]["median"] > 0 and written["paired_ratio"] > 0
+    assert written["world_size"] == 2 and written["global_batch"] == 8 and written["tokens"] > 0
+
+
+def test_the_step_profile_benchmark_times_every_phase_of_the_step(tmp_path, demo_storage):
+    stdout = _benchmark(tmp_path, demo_storage, "step_profile")
+    phases = dict(re.findall(r"^  (\S.*?)\s+(\d+\.\d{3})", stdout, flags=re.MULTILINE))
+    # every wrapped phase ran (the agreement's all-reduce: an epoch's first step only, not among the timed two)
+    assert {"count_tokens", "unit_counts", "seed_everything", "loss check start", "loss check finish", "forward_backward",
+            "last backward", "optimizer_step", "scheduler", "after_step hooks", "rest", "whole step"} <= set(phases)
+    assert 0 < float(phases["forward_backward"]) < float(phases["whole step"])

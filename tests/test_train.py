@@ -51,6 +51,7 @@ def test_throughput_is_summed_over_both_processes(stage0_fp32, demo_storage):
     prompt = Blip2Qwen.from_config(cfg).prompt
     records = json.loads((demo_storage / "annotations" / "train.json").read_text())
     lengths = [len(prompt.training_example(r["instruction"], r["output"])[0]) for r in records]  # 52 to 75 tokens
+    assert len(stage0_fp32) == 16  # every step logged its rates
     for m in stage0_fp32:
         assert min(lengths) <= m["tokens_per_sec"] / m["samples_per_sec"] <= max(lengths)  # the same seconds
         assert 0 < m["supervised_tokens_per_sec"] < m["tokens_per_sec"] and 0 <= m["padding_share"] < 1
@@ -60,6 +61,7 @@ def test_throughput_is_summed_over_both_processes(stage0_fp32, demo_storage):
 @pytest.mark.parametrize("stage", [3])  # the stage that partitions everything; 1 and 2 only cost suite time
 def test_fp32_stages_match_stage0(tmp_path, demo_storage, stage0_fp32, stage):
     steps = _train(tmp_path, demo_storage, f"stage{stage}", stage=stage, accum=2, max_epoch=2)
+    assert len(steps) == len(stage0_fp32) == 16
     assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in stage0_fp32], rel=1e-4, abs=1e-5)
     assert [m["lr"] for m in steps] == [m["lr"] for m in stage0_fp32]
     # The FLOP function reads ZeRO-3's partitioned model as the whole one: the same samples cost the same FLOPs.
@@ -124,7 +126,9 @@ def test_single_process_without_launcher_and_eval_lines(tmp_path, demo_storage):
     assert len(val) == 1 and math.isfinite(val[0]["loss"]) and val[0]["num_tokens"] > 0
     assert len(test) == 1 and test[0]["num_samples"] == 8 and 0 <= test[0]["exact_match"] <= 1
     assert {"image", "expected", "generated"} <= set(test[0]["samples"][0])
-    for m in train_steps(out):
+    steps = train_steps(out)
+    assert [m["step"] for m in steps] == list(range(1, 128 // 4 + 1))  # one process, global batches of 4
+    for m in steps:
         assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_sec"} <= set(m)
 
 

@@ -50,7 +50,7 @@ def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, mer
         out_dir: Folder to create. An existing non-empty one is replaced only if it is an
             earlier export and ``overwrite`` is true.
         merge_lora: Also write ``llm/``: the LLM with LoRA adapters and trained token rows
-            merged (``Blip2Qwen.merge_lora``), loadable with ``from_pretrained``;
+            merged (``VisionLLM.merge_lora``), loadable with ``from_pretrained``;
             ``model.safetensors`` then holds the trained weights outside the LLM.
 
     Returns:

@@ -2,7 +2,8 @@
 
 Finding a run's newest complete checkpoint, reading its trained weights through the runner that wrote it,
 copying them into a rebuilt model with strict accounting, writing a folder whole or not at all, and loading a
-``--format lavis_ds`` export (:func:`load_exported`). Nothing here parses a command line: ``lavis_ds.apps.export``
+``--format lavis_ds`` export (:func:`load_exported`; the folder's format itself is ``lavis_ds.models.export_folder``,
+which the build reads too). Nothing here parses a command line: ``lavis_ds.apps.export``
 (``export.py``), ``lavis_ds.apps.export_hf`` (``--format hf``), generate, chat and the web page import it, and it
 imports none of them.
 """
@@ -17,19 +18,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lavis_ds.common.errors import InputError
 from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.models.export_folder import (CONFIG_FILE, WEIGHTS_FILE, ExportError, is_export,  # noqa: F401
+                                           load_trained_weights, read_export_config)
 from lavis_ds.runners import checkpoint as ckpt
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
 MERGED_LLM_DIR = "llm"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class ExportError(InputError, ValueError):
-    """A checkpoint that cannot be exported or an export that cannot be loaded; the message names the path."""
 
 
 # ----------------------------------------------------------------------------- finding the checkpoint
@@ -125,29 +121,7 @@ def write_whole(out: Path, write) -> None:
 
 
 
-def is_export(folder: str | os.PathLike) -> bool:
-    folder = Path(folder)
-    return (folder / WEIGHTS_FILE).is_file() and (folder / CONFIG_FILE).is_file()
-
-
-
 # ----------------------------------------------------------------------------- loading
-def read_export_config(folder: str | os.PathLike) -> DictConfig:
-    """``config.yaml`` of an export folder; a clear error if ``folder`` is not one."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ExportError(f"{folder} is not an export folder (it does not exist)")
-    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
-    if missing:
-        raise ExportError(f"{folder} is not an export folder: {' and '.join(missing)} missing "
-                          "(make one with `lavis-ds export <checkpoint or run dir> --out <folder>`)")
-    cfg = OmegaConf.load(folder / CONFIG_FILE)
-    absent = [key for key in ("model", "seed", "export") if key not in cfg]
-    if absent:
-        raise ExportError(f"{folder / CONFIG_FILE}: key(s) {', '.join(absent)} missing; not written by lavis_ds export")
-    return cfg
-
-
 def exported_model_config(folder: str | os.PathLike) -> DictConfig:
     """The exported model section with its folder-relative paths made absolute and frozen-weight paths checked."""
     folder = Path(folder)
@@ -163,41 +137,6 @@ def exported_model_config(folder: str | os.PathLike) -> DictConfig:
                               "frozen ones load from where training read them: make that path available here, "
                               f"or point model.{key} in {folder / CONFIG_FILE} at a copy")
     return OmegaConf.create(model)
-
-
-def load_trained_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``weights`` into ``model``'s parameters, with strict accounting.
-
-    Every key must name a parameter of ``model`` (trainable or not) of the same shape,
-    and every trainable parameter must be in ``weights``; otherwise :class:`ExportError`
-    lists the offending names. Frozen parameters not in ``weights`` keep the values the
-    model was built with.
-    """
-    present = dict(model.named_parameters(remove_duplicate=False))  # a tied alias is a present name too
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    problems = []
-    unknown = sorted(set(weights) - set(present))
-    if unknown:
-        problems.append(f"{len(unknown)} key(s) name no parameter of the rebuilt {type(model).__name__}: "
-                        + _names(unknown))
-    missing = [name for name in trainable if name not in weights]
-    if missing:
-        problems.append(f"{len(missing)} trainable parameter(s) are not in the file (they would keep their "
-                        f"initial values): {_names(missing)}")
-    shapes = [f"{name} {tuple(weights[name].shape)} vs {tuple(present[name].shape)}"
-              for name in weights if name in present and weights[name].shape != present[name].shape]
-    if shapes:
-        problems.append(f"{len(shapes)} shape mismatch(es) (file vs model): {_names(shapes)}")
-    if problems:
-        raise ExportError(f"{source} does not fit the model built from its config:\n  - " + "\n  - ".join(problems)
-                          + "\nThe weights and config.yaml must come from one export (was either edited or replaced?)")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            present[name].copy_(tensor)  # into the parameter's own dtype and device
-
-
-def _names(names: list[str], limit: int = 8) -> str:
-    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",

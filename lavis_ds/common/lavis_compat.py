@@ -49,13 +49,15 @@ IGNORED: dict[tuple[str, str], tuple[Callable[[Any, dict], bool], str]] = {
     ("model", "finetuned"): (
         lambda v, s: not s.get("load_finetuned"),
         "is read only with load_finetuned: true (see model.load_finetuned)"),
-    ("model", "qformer_text_input"): (
-        lambda v, s: not v,
-        "true (the instruction fed to the Q-Former) is not implemented, as in MiniGPT4Qwen; set it false"),
+    ("model", "qformer_text_input"): (  # true is InstructBLIP's Q-Former, which model.arch: instructblip always is
+        lambda v, s: not v or s.get("arch") == "instructblip",
+        "true feeds the instruction to the Q-Former, as model.arch: instructblip does; this architecture's "
+        "Q-Former reads the image alone (as MiniGPT4Qwen's): set it false, or use model.arch: instructblip"),
     ("model", "enable_autocast"): (
         lambda v, s: True, ""),  # the whole forward runs under the engine's autocast (run.precision)
     ("model", "apply_lemmatizer"): (
-        lambda v, s: not v, "true (LAVIS's VQA answer lemmatizer) is not implemented; set it false"),
+        lambda v, s: not v, "true (LAVIS's spaCy lemmatizer of VQA answers) has no counterpart: the VQA metric "
+                            "normalises answers as the official VQA evaluation does; set it false"),
     ("model", "llm_device_map"): (lambda v, s: True, ""),  # DeepSpeed places the model
     ("model", "prompt"): (
         lambda v, s: not v,

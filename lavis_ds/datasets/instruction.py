@@ -15,7 +15,7 @@ A sample's ``image`` is a FloatTensor ``[n, 3, H, W]`` (n = its images or frames
 text-only) and ``num_images`` is n. The collater concatenates every sample's images into
 one flat ``[sum n, 3, H, W]`` tensor and keeps the counts as a list: the model runs its
 vision tower once on the flat tensor and scatters the outputs, in order, into the
-placeholders (see ``Blip2Qwen.forward``).
+placeholders (see ``VisionLLM.forward``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The LLM side of BLIP2-Qwen: any transformers causal LM, its tokenizer's tokens, new embedding rows, LoRA, merge.
+"""The LLM side of every architecture: any transformers causal LM, its tokenizer's tokens, new embedding rows, LoRA, merge.
 
 The LLM is whatever ``AutoModelForCausalLM`` builds from a folder or a config
 (``lavis_ds.models.llm_families``). Tokens the prompt needs (``lavis_ds.models.prompt``):
@@ -68,7 +68,7 @@ def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTra
         ``<|im_start|>``, ``<|im_end|>``, ``image_token``.
     """
     if path is None:
-        raise ValueError("Blip2Qwen needs a tokenizer: set model.tokenizer (or model.llm_model) to a local folder")
+        raise ValueError("the model needs a tokenizer: set model.tokenizer (or model.llm_model) to a local folder")
     tokenizer = AutoTokenizer.from_pretrained(path)
     added = []
     for token in (*CHATML_TOKENS, image_token) if renders_chatml(tokenizer) else (image_token,):

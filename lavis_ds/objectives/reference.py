@@ -25,6 +25,8 @@ from torch import Tensor
 
 from lavis_ds.common import comm
 from lavis_ds.common.errors import LavisDsError
+from lavis_ds.common.modes import eval_mode
+from lavis_ds.datasets.splits import concat, part_of
 
 ReferenceKind = Literal["auto", "adapters", "precomputed"]
 # Batch keys of the reference log-probs (TRL's names).
@@ -158,8 +160,6 @@ class ReferenceStore:
         """The pass over one split (collective): every pair of ``dataset`` scored by ``engine`` with ``scorer``, in
         parts of ``PASS_PART`` pairs per rank (``<name>_part_<k>.pt``); parts already stored are read, not
         recomputed. Rank 0 writes. Returns the split's log-probs (also added to ``logps``)."""
-        from lavis_ds.runners.data import part_of  # the runner's data side; imported here: objectives sit below it
-
         collate = part_of(dataset, 0)[1].collater
         size = PASS_PART * world_size
         if rank == 0:
@@ -209,10 +209,6 @@ def precomputed_store(trainer: Any, resuming: bool) -> ReferenceStore:
     """The reference log-probs of the run's training and validation pairs: stored, or computed now by the trainer's
     engine with the starting weights (collective). ``resuming``: the weights will be a checkpoint's, so a store
     that is not complete cannot be made any more."""
-    # The runner's data side and eval mode; imported here because objectives sit below the runners.
-    from lavis_ds.runners.data import concat
-    from lavis_ds.runners.evaluation import eval_mode
-
     run, module = trainer.run, trainer.engine.module
     store = ReferenceStore(trainer.output_dir / "reference_logps" / store_key(trainer.cfg, module))
     if store.load():

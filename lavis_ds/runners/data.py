@@ -2,7 +2,6 @@
 the evaluation batches of a split."""
 from __future__ import annotations
 
-import bisect
 import functools
 
 import torch
@@ -15,6 +14,7 @@ from lavis_ds.common.seeding import SeededDataset
 from lavis_ds.datasets.lengths import approximate_length, counted_by, token_length_of
 from lavis_ds.datasets.mixing import mix_train_splits
 from lavis_ds.datasets.samplers import EvalBatchSampler, StepBatchSampler, TokenBudgetSampler
+from lavis_ds.datasets.splits import concat, part_of
 from lavis_ds.objectives import Objective, build_objective
 from lavis_ds.runners import faults
 
@@ -119,13 +119,6 @@ def eval_batches(datasets: dict[str, dict], split: str, run, rank: int, world_si
         yield dataset, indices, batch, sampler.is_padding(i)
 
 
-def concat(datasets: dict[str, dict], splits) -> torch.utils.data.Dataset:
-    parts = [per_split[s] for per_split in datasets.values() for s in splits if s in per_split]
-    if not parts:
-        raise ValueError(f"no dataset has split(s) {list(splits)}")
-    return parts[0] if len(parts) == 1 else ConcatDataset(parts)
-
-
 def make_loader(dataset, batch_sampler, run) -> DataLoader:
     first = dataset.dataset if isinstance(dataset, SeededDataset) else dataset
     first = first.datasets[0] if isinstance(first, ConcatDataset) else first
@@ -142,11 +135,3 @@ def image_name(dataset, index: int) -> str | None:
     _, part, local = part_of(dataset, index)
     image_of = getattr(part, "image_name", None)
     return image_of(local) if image_of else None
-
-
-def part_of(dataset, index: int) -> tuple[int, torch.utils.data.Dataset, int]:
-    """(number of the part, the part, the index inside it) of a ConcatDataset's sample; (0, dataset, index) else."""
-    if not isinstance(dataset, ConcatDataset):
-        return 0, dataset, index
-    d = bisect.bisect_right(dataset.cumulative_sizes, index)
-    return d, dataset.datasets[d], index - (dataset.cumulative_sizes[d - 1] if d else 0)

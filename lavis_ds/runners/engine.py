@@ -16,7 +16,7 @@ engine instance:
 
 The engine class itself does the instance work. An engine is built
 with plain assignments (no disk, no collective); the trainer decides which checkpoint to resume and the batch
-layout first (``resume.ResumePlan``, for which it asks the engine to ``check_checkpoint``), then hands that plan
+layout first (``resume_plan.ResumePlan``, for which it asks the engine to ``check_checkpoint``), then hands that plan
 to ``wrap``.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -32,14 +32,16 @@ from omegaconf import DictConfig
 from lavis_ds.common import dist
 from lavis_ds.common.run_config import Twin
 from lavis_ds.runners import checkpoint as ckpt
-
-if TYPE_CHECKING:
-    from lavis_ds.runners.resume import ResumePlan
+from lavis_ds.runners.resume_plan import ResumePlan
 
 
-def the_losses(losses: torch.Tensor) -> torch.Tensor:
-    """``forward_backward``'s default ``then``: it returns the step's losses themselves."""
-    return losses
+class Forwarded(NamedTuple):
+    """What ``Engine.forward_backward`` returns: every forward done, the last backward still to run."""
+
+    losses: torch.Tensor  # this rank's loss of each micro-batch (float64, on the engine's device)
+    # The last micro-batch's backward. The loop runs it once it has started the step's loss check, whose
+    # all-reduce then travels while the backward computes.
+    last_backward: Callable[[], Any]
 
 
 def micro_batch_loss(out: dict, loss_weight: dict[str, float] | None) -> torch.Tensor:
@@ -156,20 +158,22 @@ class Engine:
     setup: type[EngineSetup] = EngineSetup  # how its processes start and where the model is built
 
     def __init_subclass__(cls, **kwargs):
-        """An engine whose ``forward_backward`` does not take ``then`` is named when its module is imported (under
-        `imports:` the config check reports it), not by a TypeError at the first step."""
+        """An engine whose ``forward_backward`` takes more than the micro-batches and their loss weights (a loop
+        callback) is named when its module is imported (under `imports:` the config check reports it), not by a
+        TypeError at the first step."""
         super().__init_subclass__(**kwargs)
         method = cls.__dict__.get("forward_backward")
         if method is None:  # inherited: checked where it is defined
             return
         signature = inspect.signature(method)
         params = signature.parameters.values()
-        if len(params) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) != 3 and not any(p.kind is p.VAR_POSITIONAL for p in params):
             raise TypeError(
-                f"{cls.__module__}.{cls.__qualname__}.forward_backward{signature} must also take "
-                "`then`: forward_backward(self, micro_batches, loss_weight, then=the_losses) calls then(losses) once "
-                "the last forward has given every micro-batch's loss, before the last backward, and returns what it "
-                "returned (lavis_ds/runners/engine.py; tests/ddp_engine.py is an example)")
+                f"{cls.__module__}.{cls.__qualname__}.forward_backward{signature} must be "
+                "forward_backward(self, micro_batches, loss_weight): every forward and every backward but the last, "
+                "returning Forwarded(losses, last_backward); the loop runs last_backward after starting its loss "
+                "check (lavis_ds/runners/engine.py; tests/ddp_engine.py is an example)")
 
     def __init__(self, run: DictConfig, model: torch.nn.Module, checkpoint_dir: Path):
         """Plain assignments: ``wrap`` builds the engine, once the trainer has planned the resume."""
@@ -194,12 +198,11 @@ class Engine:
         """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
         return {}
 
-    def forward_backward(self, micro_batches: list[dict], loss_weight: dict[str, float] | None,
-                         then: Callable[[torch.Tensor], Any] = the_losses) -> Any:
-        """Forward and backward every micro-batch (its loss: ``micro_batch_loss(out, loss_weight)``), accumulating
-        gradients. As soon as the last forward has given this rank's losses (float64, on the device), and before
-        the last backward, call ``then(losses)``; return what it returned (by default: the losses). The loop starts
-        its loss check there, so that the check's all-reduce runs while the last backward does."""
+    def forward_backward(self, micro_batches: list[dict], loss_weight: dict[str, float] | None) -> Forwarded:
+        """Forward every micro-batch (its loss: ``micro_batch_loss(out, loss_weight)``) and backward every one but
+        the last, accumulating gradients; return this rank's losses (float64, on the device) and the last
+        micro-batch's backward, not yet run (``Forwarded``). The loop starts its loss check between the two, so that
+        the check's all-reduce runs while the last backward does."""
         raise NotImplementedError
 
     def optimizer_step(self, apply: bool = True) -> dict:

@@ -1,25 +1,14 @@
 """Evaluation on a held-out split, on every rank: the token-weighted loss, and generated answers."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from lavis_ds.common import comm
+from lavis_ds.common.modes import eval_mode
 from lavis_ds.objectives import PAIRS, TOKENS
 from lavis_ds.objectives.base import metric_means
-from lavis_ds.runners.data import eval_batches, image_name, part_of
-
-
-@contextlib.contextmanager
-def eval_mode(module: torch.nn.Module):
-    """The module in eval mode, and back in the mode it was found in."""
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
+from lavis_ds.datasets.splits import part_of
+from lavis_ds.runners.data import eval_batches, image_name
 
 
 @torch.no_grad()

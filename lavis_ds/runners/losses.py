@@ -47,8 +47,8 @@ class LossCheck:
     One all-reduce tells every rank whether any loss was non-finite, before any rank applies the update:
     `run.on_nonfinite: stop` raises on all of them (the weights and checkpoints never see the diverged step),
     `skip` drops the update on all of them. It is started as soon as the losses are known, before the step's last
-    backward (the engine calls the loop back there: ``Engine.forward_backward``), and finished after it, so the
-    backward hides its latency.
+    backward (``Engine.forward_backward`` returns to the loop before it: ``Trainer.run_step``), and finished after
+    it, so the backward hides its latency.
     """
 
     def __init__(self, losses: torch.Tensor, metric_sums: dict | None = None, ahead: list[int] | None = None):

@@ -21,6 +21,7 @@ from lavis_ds.common.run_config import batch_sizes, elastic_batch_sizes
 from lavis_ds.common.seeding import seed_everything
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.handover import foreign_writer
+from lavis_ds.runners.resume_plan import ResumePlan
 
 if TYPE_CHECKING:
     from lavis_ds.runners.engine import Engine
@@ -33,23 +34,6 @@ class TrainState:
     epoch: int = 0
     global_step: int = 0  # optimizer steps done
     step_in_epoch: int = 0  # optimizer steps done in `epoch`
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """What a run continues and how its batches are laid out: decided before the engine is wrapped, which
-    depends on it (an elastic resume changes the accumulation; another engine's checkpoint loads otherwise)."""
-
-    source: tuple[Path, str] | None  # (load_dir, tag) of the checkpoint to continue; None: a fresh start
-    micro_batch: int
-    accum: int
-    global_batch: int
-    elastic: bool = False  # saved by another number of processes: same global batch, other accumulation
-    handover_from: type | None = None  # the engine class that wrote it, if another engine's (runners/handover.py)
-
-    @property
-    def tag_dir(self) -> Path | None:
-        return None if self.source is None else self.source[0] / self.source[1]
 
 
 def plan_resume(engine: Engine, run, checkpoint_dir: Path) -> ResumePlan:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +33,8 @@ from lavis_ds.runners.data import TrainData
 from lavis_ds.runners.engine import Engine
 from lavis_ds.runners.hooks import HookList, build_hooks
 from lavis_ds.runners.losses import LossCheck
-from lavis_ds.runners.resume import ResumePlan, TrainState, plan_resume, restore
+from lavis_ds.runners.resume import TrainState, plan_resume, restore
+from lavis_ds.runners.resume_plan import ResumePlan
 
 # Events every rank dispatches together, after which the ranks agree on a failure one of them deferred (after_step
 # leaves it to the next step's agreement, which every step makes anyway).
@@ -120,15 +120,21 @@ class Trainer:
     def run_step(self, micro_batches: list[dict], load_following: Callable[[], list[dict]] | None = None) -> None:
         """One optimizer step on this rank's prepared micro-batches, once every rank agreed to take it: its lr,
         the counters, the hooks. ``load_following`` loads the next step's micro-batches (the loop passes it while
-        the epoch has one): every rank agrees on taking that step in this step's loss check (``agreement``)."""
+        the epoch has one): they are loaded during this step, and every rank's agreement to take that step rides
+        on this step's loss check (``agreement``): one collective per step."""
         loss_weight, counts = self.agreement.for_step(self, micro_batches)
         tokens, lr = throughput.count_tokens(micro_batches), self.scheduler.get_lr()
         # Dropout & co. draw from (seed, step, rank): a resumed step draws what the original one did.
         seed_everything(derive_seed(self.run.seed, self.state.global_step, self.rank))
-        # gradients accumulated, not applied yet; the loss check starts before the last backward
-        check = self.engine.forward_backward(micro_batches, loss_weight, partial(self._start_check, load_following))
-        # a non-finite loss stops the run here, or skips the update
-        metrics, totals = check.finish(self, counts)
+        # every forward, and every backward but the last: the losses are known, the gradients not yet complete
+        losses, last_backward = self.engine.forward_backward(micro_batches, loss_weight)
+        following = load_following() if load_following else None
+        ahead = self.agreement.ahead(self, following) if following is not None else None
+        # The loss check's all-reduce (the losses, the objective's metrics, the next step's agreement) travels
+        # while the last backward computes; the update waits for its answer.
+        check = LossCheck(losses, self.data.objective.take_metric_sums(), ahead)
+        last_backward()
+        metrics, totals = check.finish(self, counts)  # a non-finite loss stops the run here, or skips the update
         metrics.update(self.engine.optimizer_step(apply="skipped" not in metrics))
         self.scheduler.step()  # once per optimizer step, never per micro-batch
         self.state.global_step += 1
@@ -136,13 +142,6 @@ class Trainer:
         self.call_hooks("after_step", {**metrics, "lr": lr, "tokens": tokens})
         if totals is not None:  # after the hooks: a stop or a failure lands between this step and the next
             self.agreement.settle(self, totals)
-
-    def _start_check(self, load_following: Callable[[], list[dict]] | None, losses: torch.Tensor) -> LossCheck:
-        """The step's loss check, started once its losses are known: the objective's metrics and the next step's
-        agreement (its micro-batches loaded now, while they are) ride on the same all-reduce."""
-        following = load_following() if load_following else None
-        flags = self.agreement.ahead(self, following) if following is not None else None
-        return LossCheck(losses, self.data.objective.take_metric_sums(), flags)
 
     def evaluate_only(self) -> None:
         """`run.evaluate: true`: load the checkpoint named by `run.resume`, evaluate it, stop."""

@@ -117,7 +117,9 @@ def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                check_losses(runner, runner.engine.forward_backward(micro, None))
+                losses, last_backward = runner.engine.forward_backward(micro, None)
+                last_backward()
+                check_losses(runner, losses)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[accum] = sum("lavis_ds" in w.filename for w in caught)

@@ -23,7 +23,7 @@ from lavis_ds.runners.deepspeed.library import load_deepspeed
 from lavis_ds.runners.deepspeed.ops import adam_for_this_machine
 from lavis_ds.runners.deepspeed.placement import gathered_root, is_partitioned, zero3_construction
 from lavis_ds.runners.deepspeed.section import build_deepspeed_config
-from lavis_ds.runners.engine import Engine, EngineConfig, EngineSetup, micro_batch_loss, the_losses
+from lavis_ds.runners.engine import Engine, EngineConfig, EngineSetup, Forwarded, micro_batch_loss
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
 
 
@@ -164,17 +164,16 @@ class DeepSpeedEngine(Engine):
         with autocast(self.engine.device, self.dtype):  # bf16/fp16 engines hold a cast module
             return self.engine(to_compute(batch, self.engine.device, self.dtype))
 
-    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
+    def forward_backward(self, micro_batches, loss_weight):
         losses, last = [], len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             loss = micro_batch_loss(self.forward(batch), loss_weight)
             losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
-            if i == last:
-                known = then(torch.stack(losses))  # before the last backward, which hides the loop's all-reduce
-            self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
             if i < last:
+                self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
                 self.engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
-        return known
+        # the last backward is the loop's to run, once its loss check is under way (optimizer_step is the boundary)
+        return Forwarded(torch.stack(losses), functools.partial(self.engine.backward, loss))
 
     def optimizer_step(self, apply=True):
         # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm:

@@ -23,7 +23,7 @@ from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import TrainingSettings, training_settings
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners import checkpoint as ckpt
-from lavis_ds.runners.engine import Engine, EngineConfig, EngineSetup, micro_batch_loss, the_losses
+from lavis_ds.runners.engine import Engine, EngineConfig, EngineSetup, Forwarded, micro_batch_loss
 from lavis_ds.runners.fsdp import checkpoint as fsdp_ckpt
 from lavis_ds.runners.fsdp.checkpoint import FSDPCheckpoints
 from lavis_ds.runners.handover import check_takeover, foreign_writer, report_takeover
@@ -154,17 +154,18 @@ class FSDPEngine(Engine):
         with autocast(self.device, self.dtype):
             return self.model(to_compute(batch, self.device, self.dtype))  # as under DeepSpeed's bf16 engine
 
-    def forward_backward(self, micro_batches, loss_weight, then=the_losses):
+    def forward_backward(self, micro_batches, loss_weight):
         losses, last = [], len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             # Gradients are reduce-scattered once per optimizer step, at its last micro-batch.
             self.model.set_requires_gradient_sync(i == last)
             loss = micro_batch_loss(self.forward(batch), loss_weight)
             losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
-            if i == last:
-                known = then(torch.stack(losses))  # before the last backward, which hides the loop's all-reduce
-            (loss / len(micro_batches)).backward()  # the mean over micro-batches, as DeepSpeed scales it
-        return known
+            mean_part = loss / len(micro_batches)  # the mean over micro-batches, as DeepSpeed scales it
+            if i < last:
+                mean_part.backward()
+        # the last backward is the loop's to run, once its loss check is under way
+        return Forwarded(torch.stack(losses), mean_part.backward)
 
     def optimizer_step(self, apply=True):
         if not apply:
