@@ -180,7 +180,8 @@ def part_name(part: nn.Module, kind: Registry) -> str:
 
 
 def llm_problems(llm: nn.Module, config_key: str = "text_config") -> list[str]:
-    """The classes build the LLM with AutoModelForCausalLM from ``text_config``: it must build this very class."""
+    """The classes build the LLM with AutoModelForCausalLM from ``text_config`` (``config_key`` names it in the
+    messages: "LlavaConfig's text_config"): it must build this very class."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(getattr(llm, "config", None), "model_type", None)
@@ -189,7 +190,7 @@ def llm_problems(llm: nn.Module, config_key: str = "text_config") -> list[str]:
                 f"AutoModelForCausalLM (what the {config_key} is built with) does not know"]
     built = MODEL_FOR_CAUSAL_LM_MAPPING[type(llm.config)]
     if built is not type(llm):
-        return [f"llm_model: {type(llm).__name__}, but {config_key} model_type {model_type!r} builds {built.__name__}"]
+        return [f"llm_model: {type(llm).__name__}, but text_config model_type {model_type!r} builds {built.__name__}"]
     return []
 
 
