@@ -76,11 +76,11 @@ def default_image_cfg(model: nn.Module) -> dict[str, Any]:
     return model_eval_processor(type(model), processing, model.image_size)
 
 
-def image_processor(processing, family: HfFamily | str | None = None):
-    """The transformers image processor (PIL backend) of ``family`` (a registered family or its name; None: BLIP-2's)
-    doing what ``processing`` (an ``ImageProcessing``) does: ``BlipImageProcessor``'s square resize, or LLaVA's
-    CLIP / SigLIP / ``LlavaImageProcessor`` (``HfFamily.image_processor``)."""
-    return _family(family or "blip2").image_processor(processing)
+def image_processor(processing, family: HfFamily | str):
+    """The transformers image processor (PIL backend) of ``family`` (a registered family or its name) doing what
+    ``processing`` (an ``ImageProcessing``) does: ``BlipImageProcessor``'s square resize, or LLaVA's CLIP / SigLIP /
+    ``LlavaImageProcessor`` (``HfFamily.image_processor``)."""
+    return _family(family).image_processor(processing)
 
 
 def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path,
