@@ -3,7 +3,9 @@
 Tiny random models saved in the real format (``save_pretrained``): lavis_ds's logits of the same inputs (pixel
 values, expanded input_ids) agree with transformers' within 1e-5 (fp32), and greedy generation gives the same
 answers, batched with left padding. LAVIS's InstructBLIP ``.pth`` and LLaVA's ``mm_projector.bin`` load the same
-parts; a folder whose parts do not fit the configured ones is one line naming the folder and what differs.
+parts; a folder whose parts do not fit the configured ones is one line naming the folder and what differs. The
+``model:`` section docs/models.md shows (preset, ``load_pretrained``, ``pretrained``) passes the config check and loads
+llava-1.5-style and Llama-3 InstructBLIP folders, also under the frozen-LLM presets.
 """
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ def test_a_folder_whose_parts_do_not_fit_names_what_differs(llava_folder, instru
         ours(Llava, llava_folder, vision_tower=tower)
 
 
-# ----------------------------------------------------------------- the folders as users have them, the YAML as documented
+# ----------------------------------------------------------------- folders as users have them, the YAML as documented
 def llama2_style_tokenizer(folder):
     """A tokenizer shaped like Vicuna's in llava-1.5 folders: ``<unk>``, ``<s>``, ``</s>``, no chat template, no ChatML
     tokens, and ``<image>`` / ``<pad>`` added as llava-hf adds them."""
