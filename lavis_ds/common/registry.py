@@ -124,7 +124,8 @@ objectives = Registry("objective")
 vision_towers = Registry("vision tower")
 connectors = Registry("connector")
 # transformers vision-LLM classes (LlavaForConditionalGeneration, ...): how lavis_ds exports to each and reads its
-# published folders back (lavis_ds.models.hf). Entries are family records (instances), keyed by config model_type.
+# published folders back (lavis_ds.models.hf). Entries are family records (HfFamily instances); each names the
+# config.json model_type its folders carry.
 hf_families = Registry("Hugging Face family")
 
 
