@@ -256,12 +256,10 @@ class InstructBlipFamily(Blip2Family):
 
     def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
         """The connector, the EVA tower's width, depth and image size, the Q-Former's queries and size."""
-        from lavis_ds.common.registry import vision_towers
-
         tower, connector = model.vision_tower, model.connector
         differ = self.connector_problems(model)
         if not hasattr(tower, "vit"):
-            differ.append(f"vision tower: the folder's is eva_vit_g, the model's {part_name(tower, vision_towers)}")
+            differ.append(f"vision tower: the folder's is eva_vit_g, the model's {part_name(tower, reg.vision_towers)}")
         else:
             ours = {"hidden_size": tower.num_features, "num_hidden_layers": len(tower.blocks()),
                     "image_size": tower.image_size}

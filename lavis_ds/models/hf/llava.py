@@ -164,14 +164,12 @@ class LlavaFamily(HfFamily):
 
     def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
         """The connector, the tower's class and size, its feature selection, the image tokens per image."""
-        from lavis_ds.common.registry import vision_towers
-
         tower, vision = model.vision_tower, config.vision_config
         differ = self.connector_problems(model)
         tower_config = getattr(getattr(tower, "model", None), "config", None)
         if tower_config is None or tower_config.model_type != vision.model_type:
             differ.append(f"vision tower: the folder's is {vision.model_type}, the model's "
-                          f"{part_name(tower, vision_towers)}")
+                          f"{part_name(tower, reg.vision_towers)}")
             return differ
         differ += differences("vision tower", vision, tower_config, ("hidden_size", "num_hidden_layers",
                               "intermediate_size", "num_attention_heads", "image_size", "patch_size"))
