@@ -10,7 +10,8 @@ from PIL import Image
 from lavis_ds.apps.export_hf import write_hf_folder
 from lavis_ds.apps.export_hf_checks import check_expressible
 from lavis_ds.apps.export_io import ExportError
-from lavis_ds.models import Llava
+from lavis_ds.common.registry import hf_families
+from lavis_ds.models import Llava  # importing lavis_ds.models registers the families too
 
 
 # ----------------------------------------------------------------------------- the pixels
@@ -73,8 +74,8 @@ def test_a_pair_no_transformers_class_holds_is_refused_with_what_to_do_instead(
         connector = {**connector, "qformer_tokenizer": str(tiny_bert_tokenizer_dir)}
     model = _pair(tiny_tokenizer_dir, tiny_bert_tokenizer_dir, tower, connector)
     with pytest.raises(ExportError, match=rf"^--format hf: cannot export vision tower '{tower['name']}' \+ connector "
-                                          rf"'{connector['name']}': {why}\. What --format hf writes: "
-                                          r"LlavaForConditionalGeneration: a clip or siglip tower \+ mlp2x_gelu; .* "
+                                          rf"'{connector['name']}': {why}\. What --format hf writes: .*"
+                                          r"LlavaForConditionalGeneration: a clip or siglip tower \+ mlp2x_gelu.* "
                                           r"For this model, export it with --format lavis_ds \(the default\)"):
         check_expressible(model)
 
@@ -108,3 +109,23 @@ def test_what_llava_cannot_express_is_refused(tiny_tokenizer_dir):
     assert lines[2].startswith("  - llm_model: PatchedQwen2, but text_config model_type 'qwen2' builds "
                                "Qwen2ForCausalLM")
     assert lines[3].startswith("  - the eval image processor 'my_resize_crop'") and len(lines) == 4
+
+
+# ----------------------------------------------------------------------------- the families, as registered
+@pytest.mark.parametrize("name", list(hf_families))
+def test_every_registered_family_names_a_transformers_class_and_registered_parts(name):
+    """Tests follow the registry: every family's class and config model_type are transformers', its pairs are
+    registered parts, and the refusal message lists what it exports."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from lavis_ds.apps.export_hf_checks import exportable
+    from lavis_ds.common.registry import connectors, vision_towers
+
+    family = hf_families.get(name)
+    assert hasattr(transformers, family.hf_class) and family.model_type in CONFIG_MAPPING_NAMES
+    assert family.pairs and all(tower in vision_towers and connector in connectors for tower, connector in family.pairs)
+    assert family.exports() in exportable()
+    with pytest.raises(KeyError, match=rf"Hugging Face family name '{name}' is already registered by "
+                                       rf"lavis_ds\.models\.hf\.\w+\.{type(family).__name__}"):
+        hf_families.register(name)(type(family)())

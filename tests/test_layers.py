@@ -20,8 +20,7 @@ KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py",
 
 # The export library: what `export.py` and the apps call to read checkpoints and write exports. Leaf modules:
 # they import no other lavis_ds.apps module (no command line: export, generate, chat, webui, nor generation).
-EXPORT_LIBRARY = {"lavis_ds.apps.export_io", "lavis_ds.apps.export_hf", "lavis_ds.apps.export_hf_blip",
-                  "lavis_ds.apps.export_hf_llava", "lavis_ds.apps.export_hf_checks",
+EXPORT_LIBRARY = {"lavis_ds.apps.export_io", "lavis_ds.apps.export_hf", "lavis_ds.apps.export_hf_checks",
                   "lavis_ds.apps.export_hf_processor"}
 
 

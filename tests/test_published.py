@@ -3,7 +3,9 @@
 Tiny random models saved in the real format (``save_pretrained``): lavis_ds's logits of the same inputs (pixel
 values, expanded input_ids) agree with transformers' within 1e-5 (fp32), and greedy generation gives the same
 answers, batched with left padding. LAVIS's InstructBLIP ``.pth`` and LLaVA's ``mm_projector.bin`` load the same
-parts; a folder whose parts do not fit the configured ones is one line naming the folder and what differs.
+parts; a folder whose parts do not fit the configured ones is one line naming the folder and what differs. The
+``model:`` section docs/models.md shows (preset, ``load_pretrained``, ``pretrained``) passes the config check and loads
+llava-1.5-style and Llama-3 InstructBLIP folders, also under the frozen-LLM presets.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def prompts(model, count: int):
     return pad_batch(ids, model.pad_id, side="left")
 
 
-def check_logits_and_generation(model, reference, extra_inputs):
+def check_logits_and_generation(model, reference, extra_inputs, generation: bool = True):
     torch.manual_seed(1)
     pixels = torch.randn(2, 3, 64, 64)
     input_ids, attention_mask = prompts(model, 2)
@@ -92,6 +94,8 @@ def check_logits_and_generation(model, reference, extra_inputs):
                            **extra_inputs(model, samples)).logits
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real], theirs[real], atol=1e-5, rtol=0)
+    if not generation:
+        return
 
     answers = model.generate(samples, max_new_tokens=8)
     with torch.no_grad():
@@ -183,3 +187,126 @@ def test_a_folder_whose_parts_do_not_fit_names_what_differs(llava_folder, instru
     tower = {**Llava.default_config("tiny")["vision_tower"], "name": "siglip"}
     with pytest.raises(PartError, match=r"vision tower: the folder's is clip_vision_model, the model's siglip"):
         ours(Llava, llava_folder, vision_tower=tower)
+
+
+# ----------------------------------------------------------------- folders as users have them, the YAML as documented
+def llama2_style_tokenizer(folder):
+    """A tokenizer shaped like Vicuna's in llava-1.5 folders: ``<unk>``, ``<s>``, ``</s>``, no chat template, no ChatML
+    tokens, and ``<image>`` / ``<pad>`` added as llava-hf adds them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import TINY_CORPUS
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(TINY_CORPUS, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    assert tokenizer.chat_template is None and "<|im_start|>" not in tokenizer.get_vocab()
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def llava15_folder(tmp_path_factory):
+    """llava-1.5 as llava-hf publishes it, at a toy size: CLIP + a Llama LLM, a tokenizer without a chat template."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("published") / "llava-1.5"
+    tokenizer = llama2_style_tokenizer(folder)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**CLIP), text_config=LlamaConfig(**TEXT, vocab_size=len(
+        tokenizer)), image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_seq_length=16,
+        vision_feature_layer=-2)
+    torch.manual_seed(0)
+    randomised(LlavaForConditionalGeneration(config)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def instructblip_llama3_folder(tmp_path_factory, tiny_bert_tokenizer_dir):
+    """An InstructBLIP folder whose LLM is a Llama 3 with its chat template (``<|eot_id|>`` turns)."""
+    from transformers import LlamaConfig
+
+    from families import LLAMA_MODEL, tokenizer_dir
+
+    folder = tokenizer_dir(tmp_path_factory.mktemp("published") / "instructblip-llama3", "llama3.3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = InstructBlipConfig(vision_config=EVA, qformer_config=QFORMER, num_query_tokens=8,
+                                text_config=LlamaConfig(**TEXT, vocab_size=len(tokenizer)).to_dict())
+    config.image_token_id = tokenizer.convert_tokens_to_ids(LLAMA_MODEL["image_token"])
+    torch.manual_seed(0)
+    randomised(InstructBlipForConditionalGeneration(config)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_bert_tokenizer_dir).save_pretrained(folder / "qformer_tokenizer")
+    return folder
+
+
+# The model: section of docs/models.md ("Starting from a published folder"): the preset and the folder, nothing else.
+# Under the full-size presets the tiny folders' parts need the tiny sizes, which a user with the real folder leaves out.
+AS_DOCUMENTED = {"llava": {}, "instructblip": {}}
+TINY_PARTS = {"llava": {"vision_tower": {"preset": "tiny", "vision_config": {"image_size": 64, "patch_size": 16}}},
+              "instructblip": {"vision_tower": {"preset": "tiny", "image_size": 64, "precision": "fp32"},
+                               "connector": {"num_query_token": 8, "qformer": QFORMER}}}
+FROZEN_LLM_PRESET = {"llava": "llava1.5_7b", "instructblip": "vicuna7b"}
+
+
+def run_yaml(tmp_path, arch: str, model_type: str, folder, extra: dict) -> str:
+    import yaml
+
+    model = {"arch": arch, "model_type": model_type, "load_pretrained": True, "pretrained": str(folder), **extra}
+    cfg = {"model": model, "datasets": {"demo_shapes": {"build_info": {"storage": str(tmp_path / "shapes")}}},
+           "run": {"output_dir": str(tmp_path / "out"), "batch_size_train": 2}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return str(tmp_path / "run.yaml")
+
+
+def with_added_rows(reference, model):
+    """transformers' model given the embedding and output rows of the tokens lavis_ds added to the folder's tokenizer
+    (ChatML's, for a tokenizer without a chat template): the mean of the folder's rows, as docs/models.md says."""
+    from lavis_ds.models.llm import base_llm
+
+    old = reference.get_input_embeddings().num_embeddings
+    new = base_llm(model.llm_model).get_input_embeddings().num_embeddings
+    if new > old:
+        reference.resize_token_embeddings(new, mean_resizing=False)
+        with torch.no_grad():
+            for matrix in (reference.get_input_embeddings().weight, reference.get_output_embeddings().weight):
+                matrix[old:] = matrix[:old].mean(dim=0, keepdim=True)
+    return reference
+
+
+@pytest.mark.parametrize("arch, preset", [("llava", "tiny"), ("llava", "frozen"), ("instructblip", "tiny"),
+                                          ("instructblip", "frozen")])
+def test_the_documented_yaml_loads_a_published_folder_through_the_config_check(
+        arch, preset, llava15_folder, instructblip_llama3_folder, tmp_path):
+    """(a) The config check completes the section with what the folder brings (tokenizer, LLM) as the build does.
+    (b) Under a frozen-LLM preset the ChatML tokens a tokenizer lacks get trainable rows, which the folder's LLM loads
+    under. Both: transformers' logits; the frozen presets (the rows' path) also its greedy answers."""
+    from lavis_ds.build import build_model
+    from lavis_ds.config import load_config
+
+    folder = {"llava": llava15_folder, "instructblip": instructblip_llama3_folder}[arch]
+    model_type = "tiny" if preset == "tiny" else FROZEN_LLM_PRESET[arch]
+    cfg = load_config(run_yaml(tmp_path, arch, model_type, folder,
+                               AS_DOCUMENTED[arch] if preset == "tiny" else TINY_PARTS[arch]))
+    model = build_model(cfg.model).eval()
+    assert model.llm_tokenizer.name_or_path == str(folder)
+    trains = sorted(n for n, p in model.named_parameters() if p.requires_grad and not n.startswith("connector."))
+    # A Llama tokenizer without a chat template gets ChatML's tokens; a frozen LLM trains their rows only.
+    chatml_rows = ["llm_model.lm_head.rows", "llm_model.model.embed_tokens.rows"]
+    if preset == "tiny":
+        assert "llm_model.model.embed_tokens.weight" in trains
+    else:
+        assert trains == (chatml_rows if arch == "llava" else [])
+    if arch == "llava":
+        assert model.prompt.image_token == "<image>" and model.prompt.end_of_turn_id > 300  # <|im_end|>, added
+        reference = with_added_rows(LlavaForConditionalGeneration.from_pretrained(folder).eval(), model)
+        check_logits_and_generation(model, reference, lambda model, samples: {}, generation=preset == "frozen")
+    else:
+        assert model.prompt.end_of_turn_id == model.llm_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        reference = InstructBlipForConditionalGeneration.from_pretrained(folder).eval()
+        check_logits_and_generation(model, reference, lambda model, samples: model.batch_fields(samples),
+                                    generation=preset == "frozen")

@@ -3,14 +3,14 @@ alone loads and runs.
 
 ``python export.py RUN --out DIR --format hf`` writes what ``<Class>.from_pretrained(DIR)`` and
 ``AutoProcessor.from_pretrained(DIR)`` read, with no lavis_ds import (docs/export-hf.md shows the lines a
-transformers user writes). The class follows the model (``export_hf_checks.hf_target``):
+transformers user writes). The class follows the model (``export_hf_checks.hf_family``):
 
     blip2_qwen, or eva_vit_g + qformer      Blip2ForConditionalGeneration + Blip2Processor
     eva_vit_g + instruct_qformer            InstructBlipForConditionalGeneration + InstructBlipProcessor
                                             (with the Q-Former's BERT tokenizer under qformer_tokenizer/)
     clip or siglip + mlp2x_gelu             LlavaForConditionalGeneration + LlavaProcessor
 
-and the folder holds:
+(each a registered family, ``lavis_ds.models.hf``; a new class is a new family there), and the folder holds:
 
     config.json, generation_config.json, model.safetensors   the model (the LLM's own config as text_config,
         LoRA and trained token rows merged into the LLM, the image token's id as image_token_index)
@@ -20,8 +20,8 @@ and the folder holds:
         run's eval image processing
     lavis_ds_export.json                                      where it came from; ignored by transformers
 
-The weight mappings live in ``export_hf_blip`` (BLIP-2, InstructBLIP) and ``export_hf_llava``. What the class
-cannot compute the same way, and any tower + connector pair no transformers class holds, is refused before
+The weight mappings, checks and processors live with each family (``lavis_ds.models.hf.blip``, ``.llava``). What
+the class cannot compute the same way, and any tower + connector pair no transformers class holds, is refused before
 anything is written, every problem in one :class:`~lavis_ds.apps.export_io.ExportError` (exit 2 from the command
 line). This module and those it uses import no command-line module (``tests/test_layers.py``).
 """
@@ -36,11 +36,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from lavis_ds.apps import export_hf_blip, export_hf_llava
-from lavis_ds.apps.export_hf_checks import HF_CLASSES, check_expressible
+from lavis_ds.apps.export_hf_checks import check_expressible
 from lavis_ds.apps.export_hf_processor import default_image_cfg, generation_config, save_processor
 from lavis_ds.apps.export_io import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
                                      run_tokenizer, write_whole)
+from lavis_ds.models.hf.family import HfFamily
 
 MARKER_FILE = "lavis_ds_export.json"
 
@@ -66,13 +66,13 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, overwrite: 
     cfg = info["config"]
     model = trained_model(cfg, weights, tag_dir)
     image_cfg = eval_image_processor(cfg)
-    target = check_expressible(model, image_cfg)
+    family = check_expressible(model, image_cfg)
 
     def write(tmp: Path) -> None:
         notes = write_hf_folder(model, tmp, image_cfg, info["dtype"], max_new_tokens)
         provenance = {"source": str(tag_dir.resolve()), "global_step": info["global_step"], "epoch": info["epoch"],
                       "runner": info["runner"], "zero_stage": info["zero_stage"], "dtype": info["dtype"],
-                      "architecture": HF_CLASSES[target], "notes": notes}
+                      "architecture": family.hf_class, "notes": notes}
         (tmp / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
 
     write_whole(out, write)  # replaces `out` only if _check_out_dir allowed it
@@ -124,24 +124,18 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
     Returns notes: where the export computes differently from lavis_ds in ways that change no weight.
     """
     image_cfg = image_cfg or default_image_cfg(model)
-    target = check_expressible(model, image_cfg)
+    family = check_expressible(model, image_cfg)
     dtype = export_dtype(model, trained_dtype)
-    if target == "llava":
-        hf_model = export_hf_llava.to_hf_model(model, dtype)
-    else:
-        hf_model = export_hf_blip.to_hf_model(model, dtype, instruct=target == "instructblip")
+    hf_model = family.to_hf_model(model, dtype)
     hf_model.generation_config = generation_config(model, max_new_tokens)
     hf_model.save_pretrained(out)
-    save_processor(model, image_cfg, out, target)
-    return export_notes(model, dtype, target)
+    save_processor(model, image_cfg, out, family)
+    return export_notes(model, dtype, family, type(hf_model))
 
 
 def to_hf_model(model: nn.Module, dtype: torch.dtype):
     """The transformers model ``model`` exports to (checked first), in ``dtype``; nothing written."""
-    target = check_expressible(model)
-    if target == "llava":
-        return export_hf_llava.to_hf_model(model, dtype)
-    return export_hf_blip.to_hf_model(model, dtype, instruct=target == "instructblip")
+    return check_expressible(model).to_hf_model(model, dtype)
 
 
 def export_dtype(model: nn.Module, trained_dtype: str) -> torch.dtype:
@@ -158,13 +152,14 @@ def export_dtype(model: nn.Module, trained_dtype: str) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- what differs without a weight
-def export_notes(model: nn.Module, dtype: torch.dtype, target: str = "blip2") -> list[str]:
-    """Where the exported model computes differently from lavis_ds though every weight is the same."""
-    notes = [] if target == "llava" else export_hf_blip.ln_vision_note(export_hf_blip.BlipParts.of(model))
+def export_notes(model: nn.Module, dtype: torch.dtype, family: HfFamily, hf_class: type) -> list[str]:
+    """Where the exported model (an ``hf_class`` of ``family``) computes differently from lavis_ds though every
+    weight is the same."""
+    notes = family.export_notes(model, dtype)
     if dtype != torch.float32:
         # transformers applies _keep_in_fp32_modules (BLIP-2: query_tokens, qformer) to fp16 loads only.
-        kept = (", keeps query_tokens and the Q-Former in fp32 (_keep_in_fp32_modules)"
-                if dtype == torch.float16 and target == "blip2" else "")
+        kept = getattr(hf_class, "_keep_in_fp32_modules", None) if dtype == torch.float16 else None
+        kept = f", keeps {' and '.join(kept)} in fp32 (_keep_in_fp32_modules)" if kept else ""
         notes.append(f"written in {str(dtype).removeprefix('torch.')}: lavis_ds generates under autocast, "
                      f"transformers does not{kept}: texts may differ where two tokens are nearly tied")
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}

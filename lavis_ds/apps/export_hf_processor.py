@@ -4,16 +4,16 @@ Each reproduces what lavis_ds does at generation, so that a transformers user wh
 docs/export-hf.md feeds the model the same token ids and pixels:
 
 - the chat template writes the ChatML prompt of ``lavis_ds.models.prompt`` (system turn, an image as
-  ``<Img>`` + its image tokens + ``</Img> `` in front of the text, the assistant header). BLIP-2 and
-  InstructBLIP: one image token per query, written by the template. LLaVA: one image token per image,
-  which ``LlavaProcessor`` expands into the tower's tokens per image, as vLLM's LLaVA processing does too;
+  ``<Img>`` + its image tokens + ``</Img> `` in front of the text, the assistant header), as many image tokens
+  per image as the family's processor leaves to the template (``HfFamily.template_image_tokens``): BLIP-2 and
+  InstructBLIP one per query; LLaVA one per image, which ``LlavaProcessor`` expands into the tower's tokens;
 - the tokenizer is the one the model used (tokens it added included), padding on the left as
   lavis_ds's batched generation does, with ``image_token`` set so that the processor adds none of its own;
-- the image processor does the eval processing: BLIP's square resize (BLIP-2, InstructBLIP), CLIP's
-  shortest-edge resize and centre crop, SigLIP's square resize, LLaVA-1.5's pad-to-square (``LlavaImageProcessor``
-  with ``do_pad``), each with the tower's size, mean and std;
-- InstructBLIP's ``qformer_tokenizer/``: the connector's BERT tokenizer, truncating on the left at its
-  ``max_instruction_len`` as lavis_ds does;
+- the image processor does the eval processing, as the family builds it (``HfFamily.image_processor``): BLIP's
+  square resize (BLIP-2, InstructBLIP), CLIP's shortest-edge resize and centre crop, SigLIP's square resize,
+  LLaVA-1.5's pad-to-square (``LlavaImageProcessor`` with ``do_pad``), each with the tower's size, mean and std;
+- the processor is the family's (``HfFamily.processor``); InstructBLIP's carries ``qformer_tokenizer/``, the
+  connector's BERT tokenizer, truncating on the left at its ``max_instruction_len`` as lavis_ds does;
 - the generation config stops and suppresses what ``VisionLLM.generate`` stops at and suppresses.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+
+from lavis_ds.models.hf.family import HfFamily, exporting_family
 
 
 def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -> str:
@@ -74,73 +76,41 @@ def default_image_cfg(model: nn.Module) -> dict[str, Any]:
     return model_eval_processor(type(model), processing, model.image_size)
 
 
-def image_processor(processing, target: str = "blip2"):
-    """The transformers image processor (PIL backend) doing what ``processing`` (an ``ImageProcessing``) does.
-
-    BLIP-2 / InstructBLIP: ``BlipImageProcessor`` (square resize). LLaVA: LLaVA-1.5's pad-to-square is
-    ``LlavaImageProcessor``'s ``do_pad`` (the mean colour ``int(x * 255)``, the image centred, as LLaVA's
-    ``expand2square``); otherwise CLIP's processor (``shortest_edge`` resize + centre crop) or SigLIP's (square
-    resize). The PIL backend resizes as torchvision's Resize does on a PIL image (PIL's own bicubic);
-    transformers' default torchvision backend resizes a uint8 tensor and can land one grey level off
-    (docs/export-hf.md: load the processor with ``backend="pil"``).
-    """
-    from transformers import (BlipImageProcessorPil, CLIPImageProcessorPil, LlavaImageProcessorPil,
-                              SiglipImageProcessorPil)
-    from transformers.image_utils import PILImageResampling
-
-    size = processing.size
-    common = dict(do_resize=True, resample=PILImageResampling.BICUBIC, do_rescale=True, rescale_factor=1 / 255,
-                  do_normalize=True, image_mean=list(processing.mean), image_std=list(processing.std),
-                  do_convert_rgb=True)
-    square = dict(size={"height": size, "width": size})
-    if target != "llava":  # checked: a square resize without padding
-        return BlipImageProcessorPil(**common, **square)
-    if processing.resize == "shortest_edge":
-        common |= dict(size={"shortest_edge": size}, do_center_crop=True, crop_size={"height": size, "width": size})
-        if processing.pad_to_square:
-            return LlavaImageProcessorPil(do_pad=True, **common)
-        return CLIPImageProcessorPil(**common)
-    if processing.pad_to_square:
-        return LlavaImageProcessorPil(do_pad=True, do_center_crop=False, **common, **square)
-    return SiglipImageProcessorPil(**common, **square)
+def image_processor(processing, family: HfFamily | str):
+    """The transformers image processor (PIL backend) of ``family`` (a registered family or its name) doing what
+    ``processing`` (an ``ImageProcessing``) does: ``BlipImageProcessor``'s square resize, or LLaVA's CLIP / SigLIP /
+    ``LlavaImageProcessor`` (``HfFamily.image_processor``)."""
+    return _family(family).image_processor(processing)
 
 
-def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path, target: str = "blip2") -> None:
-    """Write the tokenizer, chat template and image processor as the target's processor into ``out``
-    (``Blip2Processor``, ``InstructBlipProcessor`` with ``qformer_tokenizer/``, ``LlavaProcessor``).
+def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path,
+                   family: HfFamily | str | None = None) -> None:
+    """Write the tokenizer, chat template and image processor as the family's processor into ``out``
+    (``Blip2Processor``, ``InstructBlipProcessor`` with ``qformer_tokenizer/``, ``LlavaProcessor``, ...).
 
-    ``image_cfg``: the eval image processor section (None: the model's own, ``default_image_cfg``)."""
-    from transformers import AutoTokenizer, Blip2Processor, InstructBlipProcessor, LlavaProcessor
+    ``image_cfg``: the eval image processor section (None: the model's own, ``default_image_cfg``).
+    ``family``: the family the model exports to (None: the one that holds it)."""
+    from transformers import AutoTokenizer
 
+    family = _family(family) if family is not None else exporting_family(model)
+    if family is None:
+        raise ValueError(f"{type(model).__name__}: no transformers class holds it (check_expressible says why)")
     prompt = model.prompt
-    processing = image_processing_of(image_cfg or default_image_cfg(model))
-    images = image_processor(processing, target)
-    per_image = 1 if target == "llava" else prompt.num_image_tokens
-    template = chat_template(prompt.system_prompt, prompt.image_token, per_image)
+    images = family.image_processor(image_processing_of(image_cfg or default_image_cfg(model)))
+    template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model))
     model.llm_tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every
     # prompt ends where its answer starts) and the template for tokenizer.apply_chat_template too.
     tokenizer = AutoTokenizer.from_pretrained(out, image_token=prompt.image_token, padding_side="left",
                                               chat_template=template)
-    if target == "llava":
-        tower = model.vision_tower
-        processor = LlavaProcessor(images, tokenizer, patch_size=tower.model.config.patch_size,
-                                   vision_feature_select_strategy=tower.strategy, chat_template=template,
-                                   image_token=prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
-    elif target == "instructblip":
-        connector = model.connector
-        # LAVIS's settings, which lavis_ds's connector uses: truncate on the left at max_instruction_len.
-        qformer_tokenizer = AutoTokenizer.from_pretrained(connector.qformer_tokenizer_path, truncation_side="left",
-                                                          model_max_length=connector.max_instruction_len)
-        # num_query_tokens=None as for BLIP-2: the template writes the image tokens where lavis_ds's prompt has them.
-        processor = InstructBlipProcessor(images, tokenizer, qformer_tokenizer, num_query_tokens=None,
-                                          chat_template=template)
-    else:
-        # num_query_tokens=None: the processor then adds no image tokens of its own (BLIP-2's OPT layout puts
-        # them in front of everything); the chat template writes them where lavis_ds's prompt has them.
-        processor = Blip2Processor(images, tokenizer, num_query_tokens=None, chat_template=template)
-    processor.save_pretrained(out)
+    family.processor(model, images, tokenizer, template).save_pretrained(out)
+
+
+def _family(family: HfFamily | str) -> HfFamily:
+    from lavis_ds.common.registry import hf_families
+
+    return hf_families.get(family) if isinstance(family, str) else family
 
 
 def generation_config(model: nn.Module, max_new_tokens: int | None = None):

@@ -29,9 +29,8 @@ class Registry:
     def _check_free(self, name: str, newcomer: str) -> None:
         """Raise if ``name`` is taken, by an entry or by an alias, naming who has it."""
         if name in self._entries:
-            first = self._entries[name]
             raise KeyError(f"{self.kind} name {name!r} is already registered by "
-                           f"{first.__module__}.{first.__qualname__}; pick another name for {newcomer}")
+                           f"{_owner(self._entries[name])}; pick another name for {newcomer}")
         if name in self._aliases:
             raise KeyError(f"{self.kind} name {name!r} is already an alias of {self._aliases[name]!r}; "
                            f"pick another name for {newcomer}")
@@ -40,7 +39,7 @@ class Registry:
         """Decorator: ``@models.register("blip2_qwen")``."""
 
         def add(obj: T) -> T:
-            self._check_free(name, f"{obj.__module__}.{obj.__qualname__}")
+            self._check_free(name, _owner(obj))
             self._entries[name] = obj
             return obj
 
@@ -105,6 +104,13 @@ class Registry:
         return f"Registry({self.kind!r}: {', '.join(self)}{aliases})"
 
 
+def _owner(obj: object) -> str:
+    """Where a registered entry comes from: a class or function by its qualified name, an instance (a family
+    record) by its class's."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
 models = Registry("model")
 builders = Registry("dataset builder")
 processors = Registry("processor")
@@ -117,6 +123,10 @@ objectives = Registry("objective")
 # Parts that composed architectures are built from (lavis_ds.models.towers, lavis_ds.models.connectors).
 vision_towers = Registry("vision tower")
 connectors = Registry("connector")
+# transformers vision-LLM classes (LlavaForConditionalGeneration, ...): how lavis_ds exports to each and reads its
+# published folders back (lavis_ds.models.hf). Entries are family records (HfFamily instances); each names the
+# config.json model_type its folders carry.
+hf_families = Registry("Hugging Face family")
 
 
 class _LavisStyle:

@@ -1,10 +1,11 @@
-"""Registered models, vision towers and connectors. Importing this package registers every one below by name."""
-from lavis_ds.models import blip2_qwen, connectors, eva_vit, instructblip, llava, towers
+"""Registered models, vision towers, connectors and Hugging Face families. Importing this package registers every
+one below by name."""
+from lavis_ds.models import blip2_qwen, connectors, eva_vit, hf, instructblip, llava, towers
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.blip2_qwen import Blip2Qwen
 from lavis_ds.models.eva_vit import EvaViT
 from lavis_ds.models.instructblip import InstructBlip
 from lavis_ds.models.llava import Llava
 
-__all__ = ["BaseModel", "Blip2Qwen", "EvaViT", "InstructBlip", "Llava", "blip2_qwen", "connectors", "eva_vit",
+__all__ = ["BaseModel", "Blip2Qwen", "EvaViT", "InstructBlip", "Llava", "blip2_qwen", "connectors", "eva_vit", "hf",
            "instructblip", "llava", "towers"]

@@ -128,14 +128,17 @@ class ComposedVisionLLM(VisionLLM):
     @classmethod
     def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
         """Unknown part names and keys (with the closest valid one), wrong types, and what building the parts'
-        structure (no weights, no files) refuses: image sizes, feature layers, presets."""
-        problems = super().config_problems(section)
+        structure (no weights, no files) refuses: image sizes, feature layers, presets; all of the section a
+        published folder in ``pretrained`` completes (``settings_from_published``), as ``from_config`` builds it."""
+        # Checked as the build sees it: with what a published folder brings (its tokenizer, LLM architecture, ...).
+        problems = []
         pretrained = section.get("pretrained")
         if section.get("load_pretrained") and pretrained and Path(pretrained).expanduser().exists():
             try:
-                settings_from_published(cls._with_parts(section))
+                section = settings_from_published(cls._with_parts(section))
             except PartError as e:
                 problems.append(str(e))
+        problems = super().config_problems(section) + problems
         part_problems: list[str] = []
         for key, given in zip(PART_KINDS, cls.part_sections(section)):
             part_problems += _part_section_problems(PART_KINDS[key], given, f"model.{key}")

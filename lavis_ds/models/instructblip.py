@@ -3,7 +3,8 @@
 The instruction's BERT tokens enter the Q-Former beside its 32 queries (``instruct_qformer``); only the query
 outputs, projected, reach the LLM. transformers' ``InstructBlipForConditionalGeneration`` holds the same parts
 (``vision_model``, ``qformer`` + ``query_tokens``, ``language_projection``, ``language_model``). Published
-weights it reads: such a folder, or LAVIS's InstructBLIP ``.pth`` (``lavis_ds.models.published``).
+weights it reads: such a folder, or LAVIS's InstructBLIP ``.pth`` (``lavis_ds.models.published``; the transformers class's
+family record: ``lavis_ds.models.hf.blip``).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 LLaVA-1.5 is CLIP ViT-L/14-336 (penultimate layer, CLS dropped, images padded to a square with the mean
 colour) + ``mlp2x_gelu`` + Vicuna-7B; transformers' ``LlavaForConditionalGeneration`` holds the same parts
 (``vision_tower``, ``multi_modal_projector``, ``language_model``). Published weights it reads: such a
-folder, or LLaVA's stage-1 ``mm_projector.bin`` (``lavis_ds.models.published``).
+folder, or LLaVA's stage-1 ``mm_projector.bin`` (``lavis_ds.models.published``; the transformers class's
+family record: ``lavis_ds.models.hf.llava``).
 """
 from __future__ import annotations
 

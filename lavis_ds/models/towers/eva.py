@@ -69,13 +69,16 @@ class EvaTower(VisionTower):
         """LAVIS's ``eva_vit_g.pth``, the ``visual_encoder`` of a LAVIS BLIP-2 / InstructBLIP ``.pth``, or the
         ``vision_model`` of a Hugging Face BLIP-2 / InstructBLIP folder; checked key for key."""
         from lavis_ds.models import hf_keys
-        from lavis_ds.models.pretrained import EVA_VIT, HF_BLIP2, CheckpointError, read_checkpoint
+        from lavis_ds.models.pretrained import HF_BLIP2, LAVIS_BLIP2, CheckpointError, read_checkpoint
 
+        # Format (``pretrained.read_checkpoint``) -> its ViT keys as EvaViT's; LAVIS's eva_vit_g.pth is the ViT alone,
+        # read whole by ``load_eva_vit``.
+        vit_keys = {HF_BLIP2: hf_keys.eva_from_hf, LAVIS_BLIP2: hf_keys.eva_from_lavis}
         fmt, state, _ = read_checkpoint(path)
-        if fmt == EVA_VIT:
+        if fmt not in vit_keys:
             load_eva_vit(self.vit, path)
             return
-        ours = hf_keys.eva_from_hf(state, self.vit) if fmt == HF_BLIP2 else hf_keys.eva_from_lavis(state, self.vit)
+        ours = vit_keys[fmt](state, self.vit)
         if not ours:
             raise PartError(f"vision_tower.pretrained: {path} holds no ViT weights (LAVIS saves only trained "
                             "parameters, and BLIP-2 freezes its ViT): give LAVIS's eva_vit_g.pth instead")

@@ -11,7 +11,6 @@ A published folder is read as ``CLIPVisionModel.from_pretrained`` reads it: a fu
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -23,6 +22,7 @@ from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, 
 from lavis_ds.common import registry as reg
 from lavis_ds.common.registry import vision_towers
 from lavis_ds.models.flops import Flops, Tally, attention_pooling, hf_vision_encoder
+from lavis_ds.models.hf.family import family_of_model_type, folder_model_type
 from lavis_ds.models.parts import PartError, read_safetensors
 from lavis_ds.models.towers.base import CLIP_STD, CLIP_MEAN, ImageProcessing, VisionTower
 
@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 # config.json model_type -> the tower that reads it, to name the right tower when a folder does not fit.
 TOWER_OF_MODEL_TYPE = {"clip": "clip", "clip_vision_model": "clip", "siglip": "siglip",
-                       "siglip_vision_model": "siglip", "blip-2": "eva_vit_g", "instructblip": "eva_vit_g"}
+                       "siglip_vision_model": "siglip", "blip-2": "eva_vit_g", "instructblip": "eva_vit_g",
+                       "blip_2_vision_model": "eva_vit_g", "instructblip_vision_model": "eva_vit_g"}
 
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layers: int | list[int], strategy: str) -> torch.Tensor:
@@ -153,14 +154,12 @@ class HfVisionTower(VisionTower):
         if not config_file.is_file():
             raise PartError(f"{path}.pretrained: {folder} has no config.json; expected a transformers "
                             f"{cls.MODEL_CLASS.__name__} (or full model) folder such as {cls._hub_example()}")
-        model_type = json.loads(config_file.read_text()).get("model_type")
-        if model_type == "llava":  # a LlavaForConditionalGeneration folder: its tower's config
-            from transformers import LlavaConfig
-
-            config = LlavaConfig.from_pretrained(folder).vision_config
+        family = family_of_model_type(folder_model_type(folder))
+        if family is not None:  # a vision-LLM folder (LlavaForConditionalGeneration, ...): its tower's config
+            config = family.tower_config(Path(folder).expanduser())
             model_type = config.model_type
         else:
-            config = None
+            config, model_type = None, folder_model_type(folder)
         if model_type not in cls.MODEL_TYPES:
             other = TOWER_OF_MODEL_TYPE.get(model_type)
             hint = f"; for this folder use vision tower {other!r}" if other else ""
@@ -178,12 +177,13 @@ class HfVisionTower(VisionTower):
         sharded or not, a full CLIP/SigLIP model's text half left out), or the tower of a
         ``LlavaForConditionalGeneration`` folder (any of its layouts); every tower weight must be there."""
         folder = Path(path).expanduser()
-        if json.loads((folder / "config.json").read_text()).get("model_type") == "llava":
+        family = family_of_model_type(folder_model_type(folder))
+        if family is not None:  # a vision-LLM folder: the tower's keys as its family lays them out
             from lavis_ds.models import hf_keys
 
-            state = read_safetensors(folder, lambda key: key.startswith(("vision_tower.", "model.vision_tower.")),
+            state = read_safetensors(folder, lambda key: key.startswith(family.tower_prefixes),
                                      "vision_tower.pretrained")
-            ours = hf_keys.hf_vision_keys(hf_keys.llava_tower(state), self.model)
+            ours = hf_keys.hf_vision_keys(family.tower_state(state), self.model)
             own = self.model.state_dict().keys()
             missing, unexpected = sorted(own - ours.keys()), sorted(ours.keys() - own)
             if missing or unexpected:
