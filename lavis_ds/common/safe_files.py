@@ -1,0 +1,162 @@
+"""Reading checkpoint and weights files without running the code a crafted file carries.
+
+A ``.pt``/``.pth``/``.bin`` file is a pickle, and unpickling calls whatever functions the file names: a file a user
+downloads or is handed (a colleague's run folder, a published checkpoint) could run anything the moment it is
+read. Every such file lavis_ds reads goes through torch's restricted unpickler (``weights_only=True``), which builds
+tensors and plain containers and nothing else, plus the few classes a checkpoint legitimately holds, allowed by
+name (numpy's, for the RNG states; each engine adds its own). A library that reads a checkpoint on lavis_ds's
+behalf and asks torch for an unrestricted load (DeepSpeed's loaders, DCP's non-tensor entries) runs inside
+:func:`library_reads`, which makes torch ignore that request. A raw pickle that is not a torch file (DCP's
+index) is read by :func:`load_pickle` with an explicit list of the classes it may build.
+
+A refused file is an :class:`UnsafeFile` naming the file and the global it asked for; it is never a "damaged"
+checkpoint, so ``run.resume: auto`` stops on it instead of quietly taking an older one.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import pickletools
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from lavis_ds.common.errors import CheckpointError
+
+# What np.random.get_state() pickles into (the RNG states of every checkpoint). numpy 2 names its reconstructor
+# numpy._core...; a file written under numpy 1 names it numpy.core..., which is the same function.
+RNG_CLASSES = (np._core.multiarray._reconstruct, (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+               np.ndarray, np.dtype, type(np.dtype(np.uint32)))
+
+# torch reads this variable at every torch.load: set, weights_only is True whatever the caller passed.
+_FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_FORCE_NOT = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch refuses both set at once
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class UnsafeFile(CheckpointError):
+    """A file asks to build a Python object that a checkpoint never holds; reading it on would run its code."""
+
+
+def torch_load(path: str | os.PathLike, allowed: Iterable = (), mmap: bool = False, **kwargs) -> Any:
+    """``torch.load(path, weights_only=True)`` with numpy's RNG classes and ``allowed`` allowed by name; an
+    :class:`UnsafeFile` naming the file and the global if it asks for anything else. ``mmap`` applies to zip-format
+    files only (the only ones torch can map); other errors are torch's."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+            return torch.load(path, weights_only=True, mmap=mmap and zipfile.is_zipfile(path), **kwargs)
+    except pickle.UnpicklingError as e:
+        refused = refusal(path, e, allowed)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+@contextlib.contextmanager
+def library_reads(source: str | os.PathLike, allowed: Iterable = ()) -> Iterator[None]:
+    """Every ``torch.load`` inside, whoever calls it and with whatever ``weights_only``, is restricted as
+    :func:`torch_load` is: for a library's own loader (DeepSpeed's, DCP's) that asks for an unrestricted load.
+    A refusal inside is an :class:`UnsafeFile` naming ``source`` (the folder handed to the library).
+
+    torch's switch for this is an environment variable: process-wide while the block runs, restored after.
+    """
+    saved = {name: os.environ.get(name) for name in (_FORCE, _FORCE_NOT)}
+    os.environ[_FORCE] = "1"
+    os.environ.pop(_FORCE_NOT, None)
+    try:
+        with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+            yield
+    except pickle.UnpicklingError as e:
+        refused = refusal(Path(source), e, allowed)
+        if refused is None:
+            raise
+        raise refused from None
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def load_pickle(path: str | os.PathLike, allowed: Callable[[str, str], Any]) -> Any:
+    """A raw pickle (not a torch file) that may build only what ``allowed(module, name)`` returns (None: refused,
+    an :class:`UnsafeFile` naming the file and the global)."""
+    path = Path(path)
+
+    class OnlyAllowed(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = allowed(module, name)
+            if found is None:
+                raise UnsafeFile(_message(path, [f"{module}.{name}"]))
+            return found
+
+    with open(path, "rb") as file:
+        return OnlyAllowed(file).load()
+
+
+def refusal(path: Path, error: pickle.UnpicklingError, allowed: Iterable = ()) -> UnsafeFile | None:
+    """The :class:`UnsafeFile` for torch's weights_only refusal of ``path`` (a file, or a folder a library read),
+    naming every global the file asks for, not only the first torch stopped at; None if the error is no refused
+    global (a damaged pickle)."""
+    names = _REFUSED_GLOBAL.findall(str(error))
+    if path.is_dir():  # a library read some file in it: the torch file asking for globals, where one does
+        for file in sorted(path.rglob("*")):
+            found = _unsafe_globals_in_torch_file(file, allowed) if file.is_file() else []
+            if found:
+                return UnsafeFile(_message(file, found))
+    elif zipfile.is_zipfile(path):
+        names = _unsafe_globals_in_torch_file(path, allowed) or names
+    else:  # a raw pickle (torch.save before 1.6, or pickle.dump): torch may stop before naming a global
+        names = names or _globals_in_pickle(path.read_bytes())
+    return UnsafeFile(_message(path, names)) if names else None
+
+
+def _message(path: Path, names: list[str]) -> str:
+    listed = ", ".join(dict.fromkeys(names))
+    return (f"{path}: refused to read it: it asks to load the Python global(s) {listed}, which a checkpoint of "
+            "tensors never holds; unpickling it would run whatever code they call. lavis_ds reads checkpoints with "
+            "torch.load(weights_only=True) and allows only the classes docs/checkpoints.md lists. Do not use this "
+            "file unless you trust where it came from; a checkpoint from a source you trust that this refuses "
+            "is a lavis_ds bug worth reporting")
+
+
+def _unsafe_globals_in_torch_file(path: Path, allowed: Iterable) -> list[str]:
+    """The globals a zip-format torch file names that weights_only does not allow, read without running it."""
+    if not zipfile.is_zipfile(path):
+        return []
+    try:
+        with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 - the names are for the message only (a zip that is no torch file: none)
+        return []
+
+
+def _globals_in_pickle(data: bytes) -> list[str]:
+    """The ``module.name`` of every GLOBAL/STACK_GLOBAL opcode of a pickle, from its opcodes alone (nothing runs)."""
+    found, strings, memo, last = [], [], {}, None
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+            if op.name == "GLOBAL":
+                found.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(f"{strings[-2]}.{strings[-1]}")
+            elif op.name == "MEMOIZE":
+                memo[len(memo)] = last
+            elif op.name in ("BINPUT", "LONG_BINPUT"):
+                memo[arg] = last
+            elif op.name in ("BINGET", "LONG_BINGET") and isinstance(memo.get(arg), str):
+                strings.append(memo[arg])
+            last = arg if isinstance(arg, str) and "UNICODE" in op.name else None
+            if last is not None:
+                strings.append(last)
+    except Exception:  # noqa: BLE001 - a damaged pickle: what was read so far
+        pass
+    return found
