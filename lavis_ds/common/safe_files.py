@@ -107,36 +107,47 @@ def refusal(path: Path, error: pickle.UnpicklingError, allowed: Iterable = ()) -
     naming every global the file asks for, not only the first torch stopped at; None if the error is no refused
     global (a damaged pickle)."""
     names = _REFUSED_GLOBAL.findall(str(error))
-    if path.is_dir():  # a library read some file in it: the torch file asking for globals, where one does
+    if path.is_dir():  # a library read some file in it: name the torch file that asks for globals, where one does
         for file in sorted(path.rglob("*")):
-            found = _unsafe_globals_in_torch_file(file, allowed) if file.is_file() else []
+            found = _unsafe_globals(file, allowed) if file.is_file() and zipfile.is_zipfile(file) else []
             if found:
                 return UnsafeFile(_message(file, found))
-    elif zipfile.is_zipfile(path):
-        names = _unsafe_globals_in_torch_file(path, allowed) or names
-    else:  # a raw pickle (torch.save before 1.6, or pickle.dump): torch may stop before naming a global
-        names = names or _globals_in_pickle(path.read_bytes())
+    else:  # torch may stop before naming a global (a raw pickle of protocol 4 or later)
+        names = _unsafe_globals(path, allowed) or names
     return UnsafeFile(_message(path, names)) if names else None
 
 
-def _message(path: Path, names: list[str]) -> str:
-    listed = ", ".join(dict.fromkeys(names))
-    return (f"{path}: refused to read it: it asks to load the Python global(s) {listed}, which a checkpoint of "
-            "tensors never holds; unpickling it would run whatever code they call. lavis_ds reads checkpoints with "
-            "torch.load(weights_only=True) and allows only the classes docs/checkpoints.md lists. Do not use this "
-            "file unless you trust where it came from; a checkpoint from a source you trust that this refuses "
-            "is a lavis_ds bug worth reporting")
+def pickle_in_place_of(path: Path, expected: str) -> UnsafeFile | None:
+    """The :class:`UnsafeFile` for a pickle (a torch file or a raw pickle) found where a file of the ``expected``
+    format (one that cannot carry code) should be, if it asks for globals that weights_only refuses; None
+    otherwise. Nothing of it runs: its opcodes are only read."""
+    names = _unsafe_globals(Path(path), ())
+    return UnsafeFile(_message(Path(path), names, f"; and a {expected} file holds no pickle at all")) if names else None
 
 
-def _unsafe_globals_in_torch_file(path: Path, allowed: Iterable) -> list[str]:
-    """The globals a zip-format torch file names that weights_only does not allow, read without running it."""
-    if not zipfile.is_zipfile(path):
-        return []
-    try:
-        with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
-            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception:  # noqa: BLE001 - the names are for the message only (a zip that is no torch file: none)
-        return []
+def _message(path: Path, names: list[str], note: str = "") -> str:
+    return (f"{path}: refused: it asks to build {', '.join(dict.fromkeys(names))}, which no checkpoint of tensors "
+            f"holds, and unpickling it would run whatever code that names{note}. lavis_ds reads checkpoint and "
+            "weights files with torch.load(weights_only=True), allowing only the classes docs/checkpoints.md lists "
+            "(\"Which files are trusted\"). Do not use this file unless you trust its source; if you do and it is "
+            "refused, report it as a lavis_ds bug")
+
+
+def _unsafe_globals(path: Path, allowed: Iterable) -> list[str]:
+    """The globals a torch file (zip format) or a raw pickle names that weights_only does not allow, read from its
+    opcodes without running it; empty for a file that is neither (or is damaged)."""
+    if zipfile.is_zipfile(path):
+        try:
+            with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+                return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception:  # noqa: BLE001 - the names are for the message only (a zip that is no torch file: none)
+            return []
+    from torch import _weights_only_unpickler  # torch's own default list; only messages depend on it
+
+    known = set(_weights_only_unpickler._get_allowed_globals()) | {
+        entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+        for entry in (*RNG_CLASSES, *allowed)}
+    return [name for name in _globals_in_pickle(path.read_bytes()) if name not in known]
 
 
 def _globals_in_pickle(data: bytes) -> list[str]:
