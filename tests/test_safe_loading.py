@@ -168,6 +168,24 @@ def test_a_published_checkpoint_with_a_payload_is_refused(model, tmp_path, suffi
     assert not marker.exists()
 
 
+def test_a_published_llm_folder_with_a_payload_in_its_bin_is_refused(demo_storage, tmp_path):
+    """``model.llm_model``: a Hugging Face folder whose ``pytorch_model.bin`` carries a payload (transformers reads
+    it with weights_only; lavis_ds names the file)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from lavis_ds.common.safe_files import UnsafeFile
+    from lavis_ds.models.llm import build_llm
+
+    folder, marker = tmp_path / "llm", tmp_path / "marker"
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    config.save_pretrained(folder)
+    torch.save({**Qwen2ForCausalLM(config).state_dict(), "note": Payload(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(UnsafeFile, match=_refused(folder / "pytorch_model.bin")):
+        build_llm(folder, None, None, AutoTokenizer.from_pretrained(demo_storage / "tokenizer"))
+    assert not marker.exists()
+
+
 # ----------------------------------------------------------------------------------------------- the libraries' own readers
 def test_deepspeeds_own_loader_is_restricted_inside_library_reads(runs, tmp_path):
     """DeepSpeed's engine.load_checkpoint reads through its checkpoint engine, which asks torch for an unrestricted

@@ -50,7 +50,7 @@ def torch_load(path: str | os.PathLike, allowed: Iterable = (), mmap: bool = Fal
     files only (the only ones torch can map); other errors are torch's."""
     path = Path(path)
     try:
-        with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+        with _allowing(allowed):
             return torch.load(path, weights_only=True, mmap=mmap and zipfile.is_zipfile(path), **kwargs)
     except pickle.UnpicklingError as e:
         refused = refusal(path, e, allowed)
@@ -71,7 +71,7 @@ def library_reads(source: str | os.PathLike, allowed: Iterable = ()) -> Iterator
     os.environ[_FORCE] = "1"
     os.environ.pop(_FORCE_NOT, None)
     try:
-        with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+        with _allowing(allowed):
             yield
     except pickle.UnpicklingError as e:
         refused = refusal(Path(source), e, allowed)
@@ -84,6 +84,13 @@ def library_reads(source: str | os.PathLike, allowed: Iterable = ()) -> Iterator
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _allowing(allowed: Iterable):
+    """torch's safe_globals for numpy's RNG classes and ``allowed``, adding (and removing on exit) only those not
+    allowed already: an enclosing block's list stays whole when this one ends."""
+    present = set(torch.serialization.get_safe_globals())
+    return torch.serialization.safe_globals([entry for entry in (*RNG_CLASSES, *allowed) if entry not in present])
 
 
 def load_pickle(path: str | os.PathLike, allowed: Callable[[str, str], Any]) -> Any:
@@ -112,7 +119,7 @@ def refusal(path: Path, error: pickle.UnpicklingError, allowed: Iterable = ()) -
             found = _unsafe_globals(file, allowed) if file.is_file() and zipfile.is_zipfile(file) else []
             if found:
                 return UnsafeFile(_message(file, found))
-    else:  # torch may stop before naming a global (a raw pickle of protocol 4 or later)
+    elif path.is_file():  # torch may stop before naming a global (a raw pickle of protocol 4 or later)
         names = _unsafe_globals(path, allowed) or names
     return UnsafeFile(_message(path, names)) if names else None
 
@@ -138,7 +145,7 @@ def _unsafe_globals(path: Path, allowed: Iterable) -> list[str]:
     opcodes without running it; empty for a file that is neither (or is damaged)."""
     if zipfile.is_zipfile(path):
         try:
-            with torch.serialization.safe_globals([*RNG_CLASSES, *allowed]):
+            with _allowing(allowed):
                 return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         except Exception:  # noqa: BLE001 - the names are for the message only (a zip that is no torch file: none)
             return []
