@@ -98,7 +98,7 @@ def _refused(path: Path) -> str:
     return re.escape(str(path)) + ": " + REFUSED
 
 
-# ----------------------------------------------------------------------------------------------- resuming
+# ------------------------------------------------------------------------------------------ resuming
 RESUMED_FILES = [("runner_deepspeed", "rng_state_rank0.pt"),  # the RNG states
                  ("runner_deepspeed", "mp_rank_00_model_states.pt"),  # model states and the loop's client state
                  ("runner_deepspeed", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),  # optimizer states
@@ -126,7 +126,7 @@ def test_resume_refuses_a_payload_and_runs_none(runs, model, tmp_path, runner, n
     assert tag_dir.is_dir() and ckpt.is_complete(tag_dir)  # not set aside: the user decides
 
 
-# ----------------------------------------------------------------------------------------------- exporting
+# ------------------------------------------------------------------------------------------ exporting
 @pytest.mark.parametrize("runner,name", [("runner_deepspeed", "mp_rank_00_model_states.pt"),
                                          ("runner_deepspeed", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
                                          ("runner_fsdp", "client_state.pt"), ("runner_fsdp", ".metadata")])
@@ -155,7 +155,7 @@ def test_loading_an_export_refuses_a_pickle_in_place_of_its_weights(runs, tmp_pa
     assert not marker.exists()
 
 
-# ----------------------------------------------------------------------------------------------- published files
+# ------------------------------------------------------------------------------------------ published files
 @pytest.mark.parametrize("suffix", [".pth", ".bin"])
 def test_a_published_checkpoint_with_a_payload_is_refused(model, tmp_path, suffix):
     """``model.pretrained``: a LAVIS BLIP-2 ``.pth`` (or a ``.bin``) carrying a payload beside its weights."""
@@ -186,7 +186,7 @@ def test_a_published_llm_folder_with_a_payload_in_its_bin_is_refused(demo_storag
     assert not marker.exists()
 
 
-# ----------------------------------------------------------------------------------------------- the libraries' own readers
+# ---------------------------------------------------------------------------- the libraries' own readers
 def test_deepspeeds_own_loader_is_restricted_inside_library_reads(runs, tmp_path):
     """DeepSpeed's engine.load_checkpoint reads through its checkpoint engine, which asks torch for an unrestricted
     load; inside library_reads it gets weights_only anyway, with DeepSpeed's classes allowed."""
@@ -229,7 +229,7 @@ def test_a_payload_in_a_dcp_entry_is_refused_when_another_engine_takes_the_run_o
     assert not marker.exists()
 
 
-# ----------------------------------------------------------------------------------------------- the package
+# ------------------------------------------------------------------------------------------ the package
 def test_the_package_asks_for_no_unrestricted_load_and_no_remote_code():
     """Every file lavis_ds reads goes through safe_files; trust_remote_code is never set on the user's behalf."""
     unsafe = re.compile(r"weights_only\s*=\s*False|pickle\.load\(|trust_remote_code")

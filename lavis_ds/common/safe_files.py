@@ -29,10 +29,11 @@ import torch
 
 from lavis_ds.common.errors import CheckpointError
 
-# What np.random.get_state() pickles into (the RNG states of every checkpoint). numpy 2 names its reconstructor
-# numpy._core...; a file written under numpy 1 names it numpy.core..., which is the same function.
-RNG_CLASSES = (np._core.multiarray._reconstruct, (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-               np.ndarray, np.dtype, type(np.dtype(np.uint32)))
+# What np.random.get_state() pickles into (the RNG states of every checkpoint). numpy 2 names its array
+# reconstructor numpy._core.multiarray._reconstruct, numpy 1 numpy.core...: either name, whichever numpy wrote it.
+_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(0))[0]
+RNG_CLASSES = ((_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
+               (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32)))
 
 # torch reads this variable at every torch.load: set, weights_only is True whatever the caller passed.
 _FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"

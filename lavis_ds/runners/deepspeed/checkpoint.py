@@ -275,7 +275,8 @@ def _readable_by_every_stage(folder: Path) -> None:
     if set(state) != before:
         torch.save(state, optimizer_file)
     # Per-parameter states: ZeRO-3 writes flat tensors, stages 1-2 read {"param": tensor of the parameter's shape}.
-    shapes = {name: shape for group in load_file(present, mmap=True)["param_shapes"] for name, shape in group.items()}
+    shapes = {name: shape for group in load_file(present, mmap=True)["param_shapes"]
+              for name, shape in group.items()}
     step = state["optimizer_state_dict"]["state"][0]["step"]
     for name, shape in shapes.items():
         if not (folder / "zero" / name / "step.pt").is_file():  # a ZeRO-3 save keeps the step in one place only
