@@ -208,6 +208,19 @@ def test_deepspeeds_own_loader_is_restricted_inside_library_reads(runs, tmp_path
     assert not marker.exists()
 
 
+def test_fp16s_dynamic_loss_scaler_loads(tmp_path):
+    """fp16 (not trainable on this CPU) pickles DeepSpeed's DynamicLossScaler into the optimizer states: allowed."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from lavis_ds.runners.deepspeed.checkpoint import load_file
+
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    torch.save({"optimizer_state_dict": {"loss_scaler": scaler}}, tmp_path / "optim_states.pt")
+    loaded = load_file(tmp_path / "optim_states.pt")["optimizer_state_dict"]["loss_scaler"]
+    assert isinstance(loaded, DynamicLossScaler) and vars(loaded) == vars(scaler)
+
+
 def test_a_payload_in_a_dcp_entry_is_refused_when_another_engine_takes_the_run_over(runs, tmp_path):
     """DCP unpickles a non-tensor entry (an optimizer hyper-parameter) of a ``.distcp`` file unrestricted; read for
     a switch of engines, one whose bytes are a payload is refused."""
