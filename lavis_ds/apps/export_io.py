@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lavis_ds.common import safe_files
 from lavis_ds.common.registry import runners as runner_registry
 from lavis_ds.models.export_folder import (CONFIG_FILE, WEIGHTS_FILE, ExportError, is_export,  # noqa: F401
                                            load_trained_weights, read_export_config)
@@ -152,12 +153,11 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
     """
     import lavis_ds.models  # noqa: F401  (registers the models)
     from lavis_ds.build import build_model
-    from safetensors.torch import load_file
 
     folder = Path(folder)
     cfg = read_export_config(folder)
     model = build_model(exported_model_config(folder), int(cfg.seed))
-    load_trained_weights(model, load_file(str(folder / WEIGHTS_FILE)), str(folder / WEIGHTS_FILE))
+    load_trained_weights(model, _read_weights(folder / WEIGHTS_FILE), str(folder / WEIGHTS_FILE))
     if dtype == "auto":
         dtype = cfg.export.get("dtype", "fp32")
     if isinstance(dtype, str):
@@ -171,3 +171,19 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
             if param.is_floating_point():
                 param.data = param.data.to(dtype)
     return model.to(device).eval()
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """An export's ``model.safetensors`` (a format that holds tensors and nothing that runs); a file that is not one
+    is named, and a pickle put in its place is refused without being read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        unsafe = safe_files.pickle_in_place_of(path, "safetensors")
+        if unsafe is not None:
+            raise unsafe from None
+        raise ExportError(f"{path}: not a safetensors file ({e}); an export's weights are the model.safetensors "
+                          "that export.py writes: export the checkpoint again") from None

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
-from lavis_ds.common import dist
+from lavis_ds.common import dist, safe_files
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.chat_template import renders_chatml
 from lavis_ds.models.llm_families import causal_lm_class
@@ -146,7 +146,8 @@ class Recipe:
 
     def whole(self) -> PreTrainedModel:
         if self.path is not None:
-            return AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype or "auto")
+            with safe_files.library_reads(self.path):  # a .bin weights file is a pickle: refused by name if unsafe
+                return AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype or "auto")
         llm = causal_lm_class(self.config)(self.config)
         return llm if self.dtype is None else llm.to(self.dtype)
 

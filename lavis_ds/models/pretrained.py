@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import pickle
 import re
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lavis_ds.common import safe_files
 from lavis_ds.common.errors import CheckpointError  # noqa: F401  (raised here; importers name it pretrained.CheckpointError)
 
 logger = logging.getLogger(__name__)
@@ -180,10 +180,12 @@ def load_checked(model: nn.Module, state: Mapping[str, torch.Tensor], expected: 
 
 # ----------------------------------------------------------------- reading
 def _torch_load(path: Path):
-    # weights_only: a .pth is a pickle, and unpickling arbitrary objects runs code. mmap keeps a
-    # 2 GB ViT file out of every rank's RAM (only zip-format files, torch >= 1.6, can be mapped).
+    # A .pth/.bin is a pickle, and unpickling arbitrary objects runs code: safe_files reads it with
+    # weights_only=True and names what a crafted file asks for. mmap keeps a 2 GB ViT file out of every rank's RAM.
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        return safe_files.torch_load(path, map_location="cpu", mmap=True)
+    except safe_files.UnsafeFile:
+        raise
     except Exception as e:  # whatever torch cannot read is not a checkpoint of ours either
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         hint = (" Either it is not a PyTorch file, or it pickles Python objects besides tensors and plain "

@@ -15,11 +15,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
 
-from lavis_ds.common import dist
+from lavis_ds.common import dist, safe_files
 from lavis_ds.common.errors import CheckpointError, LavisDsError  # noqa: F401  (CheckpointError: ckpt.CheckpointError)
 from lavis_ds.common.registry import runners as runner_registry
 
@@ -147,17 +148,20 @@ def _writers_by_files(folder: Path) -> list[str]:
     return [name for name, cls in sorted(found, key=lambda found: len(found[1].__mro__))]
 
 
-def load_file(path: Path, mmap: bool = False) -> dict:
-    """``torch.load`` of one checkpoint file; a missing, truncated or foreign file is a DamagedCheckpoint naming it.
+def load_file(path: Path, mmap: bool = False, allowed: Iterable = ()) -> dict:
+    """One checkpoint file, read without running code (``safe_files.torch_load``: tensors, plain containers, numpy's
+    RNG classes and ``allowed``, the engine's own classes); a missing, truncated or foreign file is a
+    DamagedCheckpoint naming it, a file asking for any other class an UnsafeFile.
 
-    ``mmap=True`` reads only the file's index and pickle, not its tensors: a cheap check that it is whole.
-    weights_only=False: DeepSpeed pickles its own objects into checkpoints (its loader does the same).
+    ``mmap=True`` reads only the file's index and pickle, not its tensors: a cheap check that it is whole and safe.
     """
     path = Path(path)
     if not path.is_file():
         raise DamagedCheckpoint(f"{path}: file missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        return safe_files.torch_load(path, allowed, mmap=mmap, map_location="cpu")
+    except safe_files.UnsafeFile:
+        raise
     except Exception as e:  # torch reports a truncated zip as "PytorchStreamReader failed ..." without the path
         # torch's first sentence says what failed; the rest is generic advice
         reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__

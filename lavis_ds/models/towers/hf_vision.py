@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
-from lavis_ds.common import registry as reg
+from lavis_ds.common import registry as reg, safe_files
 from lavis_ds.common.registry import vision_towers
 from lavis_ds.models.flops import Flops, Tally, attention_pooling, hf_vision_encoder
 from lavis_ds.models.hf.family import family_of_model_type, folder_model_type
@@ -191,8 +191,9 @@ class HfVisionTower(VisionTower):
                                 f"{missing[:5]}, unexpected {unexpected[:5]}")
             self.model.load_state_dict(ours, strict=True)
             return
-        loaded, info = self.MODEL_CLASS.from_pretrained(path, config=self.model.config, output_loading_info=True,
-                                                        dtype=next(self.model.parameters()).dtype)
+        with safe_files.library_reads(folder):  # a .bin weights file is a pickle: refused by name if unsafe
+            loaded, info = self.MODEL_CLASS.from_pretrained(path, config=self.model.config, output_loading_info=True,
+                                                            dtype=next(self.model.parameters()).dtype)
         if info["missing_keys"]:
             missing = sorted(info["missing_keys"])
             raise PartError(f"{path}: {len(missing)} weight(s) of the {self.tower_name()} tower are not in the "

@@ -15,10 +15,34 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from lavis_ds.common import comm
+from lavis_ds.common import comm, safe_files
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.deepspeed.library import load_deepspeed
 from lavis_ds.runners.engine import EngineCheckpoints
+
+
+@functools.cache
+def deepspeed_classes() -> tuple:
+    """The classes DeepSpeed pickles into its checkpoint files (optimizer states: the ZeRO stage as an enum, the loss
+    scaler, the fp32 partitions' fragment addresses), allowed by name when they are read: plain data, whose
+    unpickling sets attributes and runs nothing else."""
+    load_deepspeed()
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return ZeroStageEnum, LossScaler, DynamicLossScaler, LossScaleConfig, fragment_address
+
+
+def load_file(path: Path, mmap: bool = False) -> dict:
+    """A DeepSpeed checkpoint file, read without running code (``ckpt.load_file`` with DeepSpeed's classes)."""
+    return ckpt.load_file(path, mmap=mmap, allowed=deepspeed_classes())
+
+
+def library_reads(folder: Path):
+    """DeepSpeed's own loaders (``engine.load_checkpoint``, ``zero_to_fp32``, ``ds_to_universal``) read every file
+    with an unrestricted ``torch.load``: inside this block torch restricts them as ``load_file`` is restricted."""
+    return safe_files.library_reads(folder, deepspeed_classes())
 
 
 def layout_of(ds_config) -> dict:
@@ -31,7 +55,7 @@ def layout_of(ds_config) -> dict:
 
 def saved_layout(tag_dir: Path) -> dict:
     """The ZeRO stage and precision a checkpoint was saved with, from the DeepSpeed config it recorded."""
-    states = ckpt.load_file(model_states_file(tag_dir), mmap=True)  # the pickle only, not the tensors
+    states = load_file(model_states_file(tag_dir), mmap=True)  # the pickle only, not the tensors
     return layout_of(states.get("ds_config") or {})
 
 
@@ -62,7 +86,7 @@ def files_of_rank(tag_dir: Path, rank: int, same_world: bool) -> list[Path]:
 def check_files(files: list[Path], zero_stage: int) -> None:
     """Raise DamagedCheckpoint naming the first of ``files`` that is missing or does not load."""
     for path in files:
-        ckpt.load_file(path, mmap=True)
+        load_file(path, mmap=True)
     if zero_stage > 0 and not any(f.name.endswith("optim_states.pt") for f in files if f.is_file()):
         folder = files[0].parent
         raise ckpt.DamagedCheckpoint(f"{folder}: the optimizer states of this rank (*zero_pp_rank_*_optim_states.pt) "
@@ -89,18 +113,19 @@ def read_trained_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict, 
     load_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # Every file whole before DeepSpeed's consolidation reads them: an error names the file, not only
+    # Every file whole and safe before DeepSpeed's consolidation reads them: an error names the file, not only
     # "PytorchStreamReader failed". Rank 0's model states carry the client state.
     for path in sorted(tag_dir.glob("*.pt")):
-        ckpt.load_file(path, mmap=True)
-    states = ckpt.load_file(model_states_file(tag_dir))
+        load_file(path, mmap=True)
+    states = load_file(model_states_file(tag_dir))
     layout = layout_of(states.get("ds_config") or {})
     if layout["zero_stage"] == 0:
         return _stage0_weights(states, ckpt.saved_config(tag_dir, states).run, tag_dir), states, layout
     # Stages 1-3: DeepSpeed merges the fp32 partitions of every rank. Its result also holds buffers
     # and tied aliases; `param_shapes` lists the optimizer's parameters, i.e. exactly what trained.
-    merged = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name,
-                                                      exclude_frozen_parameters=True)
+    with library_reads(tag_dir):
+        merged = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag_dir.name,
+                                                          exclude_frozen_parameters=True)
     names = [name for group in states["param_shapes"] for name in group]
     return {name: merged[name] for name in names}, states, layout
 
@@ -196,8 +221,9 @@ def _ds_to_universal(tag_dir: Path, folder: Path) -> None:
     load_deepspeed()
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(folder), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    with library_reads(tag_dir):
+        ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(folder), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
 
 
 def write_universal(folder: Path, handover: ckpt.Handover, model_states: dict, param_groups: list[dict]) -> None:
@@ -235,11 +261,11 @@ def _readable_by_every_stage(folder: Path) -> None:
         if present is not None and not path.exists():
             os.link(present, path)
     optimizer_file = folder / "zero" / "optimizer_state.pt"
-    state = torch.load(optimizer_file, map_location="cpu", weights_only=False)
+    state = load_file(optimizer_file)
     before = set(state)
     if "optimizer_state_dict" not in state:
         step_file = next((folder / "zero").glob("*/step.pt"), None)
-        step = torch.load(step_file, weights_only=False) if step_file else 0
+        step = load_file(step_file) if step_file else 0
         state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
     if "ds_version" not in state:  # stages 1-2 refuse a file without it; a ZeRO-3 save does not write it
         load_deepspeed()
@@ -249,15 +275,15 @@ def _readable_by_every_stage(folder: Path) -> None:
     if set(state) != before:
         torch.save(state, optimizer_file)
     # Per-parameter states: ZeRO-3 writes flat tensors, stages 1-2 read {"param": tensor of the parameter's shape}.
-    shapes = {name: shape for group in torch.load(present, map_location="cpu", mmap=True, weights_only=False)
-              ["param_shapes"] for name, shape in group.items()}
+    shapes = {name: shape for group in load_file(present, mmap=True)["param_shapes"]
+              for name, shape in group.items()}
     step = state["optimizer_state_dict"]["state"][0]["step"]
     for name, shape in shapes.items():
         if not (folder / "zero" / name / "step.pt").is_file():  # a ZeRO-3 save keeps the step in one place only
             torch.save(step, folder / "zero" / name / "step.pt")
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             path = folder / "zero" / name / f"{key}.pt"
-            value = torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+            value = load_file(path) if path.is_file() else None
             if torch.is_tensor(value):
                 torch.save({"param": value.view(shape)}, path)
 
@@ -281,7 +307,7 @@ class DeepSpeedCheckpoints(EngineCheckpoints):
     def handover_shapes(cls, tag_dir, rank):
         """Carries over: fp32 masters and Adam moments of ZeRO 1-3 in fp32 or bf16. ZeRO-0 keeps no per-parameter
         moments; fp16's loss-scaler state has no counterpart in another engine."""
-        states = ckpt.load_file(model_states_file(tag_dir), mmap=True)
+        states = load_file(model_states_file(tag_dir), mmap=True)
         layout = layout_of(states.get("ds_config") or {})
         stage = layout["zero_stage"]
         if stage == 0 or layout["precision"] == "fp16":
@@ -303,11 +329,11 @@ class DeepSpeedCheckpoints(EngineCheckpoints):
         handover = None
         if needed:
             folder = universal / "zero"
-            states = {name: {key: torch.load(folder / name / f"{key}.pt", map_location="cpu", weights_only=False)
-                             ["param"] for key in ("fp32", "exp_avg", "exp_avg_sq")}
-                      for name in saved_trainable(ckpt.load_file(model_states_file(tag_dir), mmap=True))}
-            step = torch.load(folder / next(iter(states)) / "step.pt", weights_only=False)
-            handover = ckpt.Handover(states, int(step), ckpt.load_file(model_states_file(tag_dir)))
+            states = {name: {key: load_file(folder / name / f"{key}.pt")["param"]
+                             for key in ("fp32", "exp_avg", "exp_avg_sq")}
+                      for name in saved_trainable(load_file(model_states_file(tag_dir), mmap=True))}
+            step = load_file(folder / next(iter(states)) / "step.pt")
+            handover = ckpt.Handover(states, int(step), load_file(model_states_file(tag_dir)))
         comm.barrier()
         if rank == 0:
             remove_universal_copy(universal)

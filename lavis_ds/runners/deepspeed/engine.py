@@ -210,7 +210,7 @@ class DeepSpeedEngine(Engine):
         files = ds_ckpt.files_of_rank(tag_dir, self.rank, same_world)
         # Optimizer partitions: each rank its own, or rank 0 all of them for an elastic resume.
         ds_ckpt.check_files(files, stage if same_world or self.rank == 0 else 0)
-        states = ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
+        states = ds_ckpt.load_file(files[0], mmap=True)  # the index and pickle only, not the tensors
         saved, now = layout_of(states.get("ds_config") or {}), self.layout
         # Stages 1-3 and fp32/bf16 convert through the universal checkpoint (wrap); ZeRO-0 keeps no
         # partitioned optimizer files to convert, and fp16's loss-scaler state has no fp32/bf16 twin.
@@ -237,7 +237,10 @@ class DeepSpeedEngine(Engine):
         hyper = _hyper_parameters(self.engine.optimizer)
         # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
-        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
+        # check_checkpoint read every file of this rank without running code; DeepSpeed's loader reads them again
+        # (and a universal copy's) unrestricted, which library_reads overrides.
+        with ds_ckpt.library_reads(Path(load_dir) / tag):
+            path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
         if self.universal:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from lavis_ds.common import safe_files
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.engine import EngineCheckpoints
 
@@ -17,10 +18,12 @@ CLIENT_STATE = "client_state.pt"  # the loop's state (step, scheduler, config); 
 def read_index(tag_dir: Path):
     """The DCP index (``.metadata``) of a checkpoint; DamagedCheckpoint if it, or a file it lists, is missing,
     unreadable or shorter than the index says."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from lavis_ds.runners.fsdp import dcp_reader
 
     try:
-        metadata = FileSystemReader(str(tag_dir)).read_metadata()
+        metadata = dcp_reader.read_index(tag_dir)
+    except safe_files.UnsafeFile:
+        raise
     except Exception as e:  # noqa: BLE001  a missing or torn .metadata, whatever the reader raises
         raise ckpt.DamagedCheckpoint(f"{tag_dir / '.metadata'}: unreadable ({type(e).__name__}: {e}); the "
                                      f"checkpoint's index is missing or damaged") from None
@@ -45,14 +48,14 @@ def saved_shapes(metadata) -> dict[str, tuple]:
 def read_everything(tag_dir: Path, prefix: str = "") -> dict:
     """The entries of a DCP checkpoint whose flat keys (``model.<name>``, ``optim.state.<name>.exp_avg``, ...) start
     with ``prefix``, whole, read by this process alone whatever number of processes saved it."""
-    import torch.distributed.checkpoint as dcp
+    from lavis_ds.runners.fsdp import dcp_reader
 
     entries = read_index(tag_dir).state_dict_metadata  # every file there and whole, or DamagedCheckpoint naming it
     flat = {key: torch.empty(entry.size, dtype=entry.properties.dtype) if hasattr(entry, "size") else None
             for key, entry in entries.items() if key.startswith(prefix)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, checkpoint_id=str(tag_dir), no_dist=True)
+        dcp_reader.load(flat, tag_dir, no_dist=True)
     return flat
 
 

@@ -209,14 +209,15 @@ class FSDPEngine(Engine):
             torch.save(client_state, tag_dir / fsdp_ckpt.CLIENT_STATE)
 
     def load_checkpoint(self, load_dir, tag):
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        from lavis_ds.runners.fsdp import dcp_reader
 
         tag_dir = Path(load_dir) / tag
         if self.plan.handover_from is not None:
             return _take_over(self, self.plan.handover_from, tag_dir)
         state = _state(self.model, self.optimizer)  # the shapes and shards to read into (DCP reshards to them)
-        dcp.load(state, checkpoint_id=str(tag_dir))
+        dcp_reader.load(state, tag_dir)  # DCP's own reader would unpickle its index and entries unrestricted
         # Frozen weights are not in the checkpoint: they come from where the model loaded them.
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
