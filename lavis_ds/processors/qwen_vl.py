@@ -141,7 +141,7 @@ def _uint8_chw(image: Image.Image | np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(image, Image.Image):
         array = np.array(image if image.mode == "RGB" else image.convert("RGB"))
         return torch.from_numpy(array).permute(2, 0, 1).contiguous()
-    tensor = torch.as_tensor(image)
+    tensor = image if isinstance(image, torch.Tensor) else torch.tensor(np.asarray(image))
     if tensor.ndim != 3 or 3 not in (tensor.shape[0], tensor.shape[-1]) or tensor.dtype != torch.uint8:
         raise QwenVisionInputError(f"Qwen-VL processing takes PIL images or uint8 [3, H, W] / [H, W, 3] arrays; got "
                                    f"{tuple(tensor.shape)} {tensor.dtype}")

@@ -247,7 +247,7 @@ class QwenVLTower(VisionTower):
 
 @reg.vision_towers.register("qwen2_vl")
 class Qwen2VLTower(QwenVLTower):
-    """Qwen2-VL's ViT (675M at the published size): LayerNorm, GELU MLP, full attention within each frame."""
+    """Qwen2-VL's ViT: LayerNorm, GELU MLP, full attention within each frame."""
 
     CONFIG_CLASS, MODEL_TYPE, NORM = Qwen2VLVisionConfig, "qwen2_vl", nn.LayerNorm
     # The towers of Qwen2-VL-2B and -7B are the same ViT; only the merger's output width (hidden_size) differs.
