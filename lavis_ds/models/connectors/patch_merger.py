@@ -66,7 +66,8 @@ class PatchMerger(Connector):
         tally = Tally()
         merged = vision_tokens // self.unit
         hidden = tally.linear(self.mlp[0], merged, features_grad | trains(self.ln_q))
-        return tally.flops(), tally.linear(self.mlp[2], merged, hidden)
+        out = tally.linear(self.mlp[2], merged, hidden)
+        return tally.flops(), out
 
     def load_pretrained(self, path: str) -> None:
         """The ``visual.merger.*`` (or ``model.visual.merger.*``) weights of a published Qwen2-VL / Qwen2.5-VL
