@@ -8,8 +8,8 @@ loads unchanged.
 
 Attention is block-diagonal: a patch attends to the patches of its own image frame (Qwen2.5-VL's windowed blocks:
 of its own 112 px window). It is computed per span, never with an N x N mask: flash-attn's varlen kernel where it
-is installed and the tensors are fp16/bf16 on a GPU, else one ``scaled_dot_product_attention`` call per group of
-equal-length spans (the spans of a group gathered into one batch). Memory is linear in the patches beyond the
+is installed and the tensors are fp16/bf16 on a GPU, else one ``scaled_dot_product_attention`` call per run of
+consecutive equal-length spans, batched as a view of the rows. Memory is linear in the patches beyond the
 largest span's own attention.
 """
 from __future__ import annotations
@@ -35,37 +35,40 @@ def _flash_varlen():
 
 @dataclass(frozen=True)
 class Spans:
-    """The spans attention runs over, from cumulative lengths ``[0, l1, l1 + l2, ...]`` (transformers'
-    ``cu_seqlens``): the boundaries (for flash-attn) and the rows of each group of equal-length spans."""
+    """The spans attention runs over, from their lengths: the cumulative boundaries ``[0, l1, l1 + l2, ...]``
+    (transformers' ``cu_seqlens``, for flash-attn) and the runs of consecutive equal-length spans, each of which
+    one SDPA call takes as a batch, on a view of the rows (no copy). An image's frames make one run; Qwen2.5-VL's
+    windows a few per row of windows (the full ones, then the one cut by the image's edge)."""
 
     cu_seqlens: torch.Tensor  # int32, on the patches' device
     max_len: int
-    groups: tuple[tuple[int, torch.Tensor], ...]  # (length, rows [spans, length]) per distinct length
-    whole: bool  # one span covering every row: no gathering needed
+    runs: tuple[tuple[int, int, int], ...]  # (first row, spans, span length)
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device) -> "Spans":
-        starts = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-        by_length: dict[int, list[int]] = {}
-        for start, length in zip(starts[:-1].tolist(), lengths):
-            by_length.setdefault(length, []).append(start)
-        groups = tuple((length, (torch.tensor(first)[:, None] + torch.arange(length)).to(device))
-                       for length, first in by_length.items())
-        return cls(starts.to(device=device, dtype=torch.int32), max(lengths), groups, len(lengths) == 1)
+        runs: list[list[int]] = []
+        row = 0
+        for length in lengths:
+            if runs and runs[-1][2] == length:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, 1, length])
+            row += length
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+        return cls(cu_seqlens, max(lengths), tuple(tuple(run) for run in runs))  # type: ignore[misc]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``softmax(q kᵀ / sqrt(d)) v`` within each span: ``[N, heads, d]`` each -> ``[N, heads, d]``."""
         flash = _flash_varlen()
         if flash is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
             return flash(q, k, v, self.cu_seqlens, self.cu_seqlens, self.max_len, self.max_len)
-        if self.whole:
-            return _sdpa(q[None], k[None], v[None])[0]
-        outputs, rows = [], []
-        for _, index in self.groups:  # index [spans, length]: a batch of equal-length spans
-            outputs.append(_sdpa(q[index], k[index], v[index]).flatten(0, 1))
-            rows.append(index.flatten())
-        order = torch.cat(rows)
-        return torch.cat(outputs)[torch.argsort(order)]
+        if len(self.runs) == 1:
+            return _sdpa(*(x.view(self.runs[0][1], self.runs[0][2], *x.shape[1:]) for x in (q, k, v))).flatten(0, 1)
+        out = torch.empty_like(q)
+        for first, count, length in self.runs:
+            rows = slice(first, first + count * length)
+            out[rows] = _sdpa(*(x[rows].view(count, length, *x.shape[1:]) for x in (q, k, v))).flatten(0, 1)
+        return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
