@@ -16,7 +16,7 @@ from transformers.video_utils import VideoMetadata
 
 import lavis_ds  # noqa: F401  (fills the registries)
 from lavis_ds.common.errors import InputError
-from lavis_ds.common.registry import connectors, processors, vision_towers
+from lavis_ds.common.registry import connectors, models, processors, vision_towers
 from lavis_ds.datasets.builders import build_processor
 from lavis_ds.models.parts import PartError, build_part
 from lavis_ds.processors.qwen_vl import QwenVLProcessing, sample_frames, smart_resize, tokens_for_grid
@@ -219,3 +219,19 @@ def test_patches_and_grid_that_disagree():
     tower = build_part(vision_towers, {"name": "qwen2_vl", "preset": "tiny"}, "t")
     with pytest.raises(PartError, match=r"pixel_values has 20 patches but grid_thw \[\[1, 4, 4\]\] describes 16"):
         tower(torch.randn(20, 1176), torch.tensor([[1, 4, 4]]))
+
+
+def test_llava_refuses_the_flat_parts_with_the_ones_it_takes():
+    llava = models.get("llava")
+    problems = llava.config_problems({"arch": "llava", "model_type": "tiny", "vision_tower": {"name": "qwen2_vl"}})
+    assert ("model.vision_tower.name: qwen2_vl works on flat patch features of images of their own sizes, but this "
+            "architecture takes fixed-size towers and connectors: valid here: clip, eva_vit_g, siglip") in problems
+    problems = llava.config_problems({"arch": "llava", "model_type": "tiny", "connector": {"name": "patch_merger"}})
+    assert any(p.startswith("model.connector.name: patch_merger works on flat patch features") for p in problems)
+
+
+def test_vision_config_key_typo_suggests_the_key():
+    with pytest.raises(PartError, match=r"vision_tower\.vision_config: unknown key\(s\) fullatt_block_index: did you "
+                                        r"mean 'fullatt_block_indexes'\?; valid keys of Qwen2_5_VLVisionConfig: depth"):
+        build_part(vision_towers, {"name": "qwen2_5_vl", "preset": "tiny",
+                                   "vision_config": {"fullatt_block_index": [0]}}, "model.vision_tower")

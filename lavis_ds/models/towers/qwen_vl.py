@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
 
 from lavis_ds.common import registry as reg
+from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.flops import Flops, Tally, patch_embedding, trains
 from lavis_ds.models.parts import PartError, read_safetensors
 from lavis_ds.models.towers.base import VisionTower
@@ -85,7 +86,7 @@ class QwenVLTower(VisionTower):
             raise PartError(f"vision_tower.preset: {preset!r} is not a {self.tower_name()} preset; presets: "
                             f"{', '.join(self.PRESETS)}")
         arguments = {k: v for k, v in self.PRESETS[preset].items() if k != "hub_id"}
-        config = self.CONFIG_CLASS(**{**arguments, **(vision_config or {})})
+        config = self._config(arguments, vision_config or {})
         layout = self.layout_of(config)
         if layout.width % layout.heads or (layout.width // layout.heads) % 4:
             raise PartError(f"vision_tower.vision_config: width {layout.width} over {layout.heads} heads; valid: "
@@ -94,7 +95,7 @@ class QwenVLTower(VisionTower):
         self.patch_embed = PatchEmbed(layout.patch_size, layout.temporal_patch_size, layout.in_channels, layout.width)
         self.rotary_pos_emb = VisionRotary(layout.width // layout.heads, layout.theta)
         self.blocks = BlockList(VisionBlock(layout.width, layout.heads, self.NORM, self.mlp(layout))
-                                    for _ in range(layout.depth))
+                                for _ in range(layout.depth))
         self.num_features = layout.width
         self.image_size = None  # images keep (nearly) their own size: see processing
         self.num_tokens = None  # per image: tokens_for_grid
@@ -104,6 +105,28 @@ class QwenVLTower(VisionTower):
                                                temporal_patch_size=layout.temporal_patch_size)
         except QwenVisionInputError as e:
             raise PartError(f"vision_tower: {e}") from None
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        """The vision config's own keys (``depth``, ``num_heads``, ...), not those every transformers config has."""
+        return sorted(cls.CONFIG_CLASS.__annotations__)
+
+    @classmethod
+    def _config(cls, preset: dict[str, Any], overrides: dict[str, Any]) -> Any:
+        """The transformers vision config of a preset and the section's ``vision_config`` keys, each key checked (a
+        transformers config keeps an unknown key as an attribute without a word)."""
+        from huggingface_hub.errors import StrictDataclassError
+
+        valid = cls.config_keys()
+        unknown = [key for key in overrides if key not in valid]
+        if unknown:
+            hints = "; ".join(f"{key}: {did_you_mean(key, valid, '')}".rstrip("; ") for key in unknown)
+            raise PartError(f"vision_tower.vision_config: unknown key(s) {hints}; valid keys of "
+                            f"{cls.CONFIG_CLASS.__name__}: {', '.join(valid)}")
+        try:
+            return cls.CONFIG_CLASS(**{**preset, **overrides})
+        except (StrictDataclassError, TypeError, ValueError) as e:  # a mistyped value
+            raise PartError(f"vision_tower.vision_config: {e}".replace("\n", " ")) from None
 
     # ----------------------------------------------------------------- what subclasses say
     NORM: ClassVar[type[nn.Module]]
@@ -215,8 +238,7 @@ class QwenVLTower(VisionTower):
                             f"{cls.tower_name()} tower reads model_type {cls.MODEL_TYPE!r} (a folder such as "
                             f"{cls._hub_example()}){hint}")
         vision = json.loads(config_file.read_text()).get("vision_config") or {}
-        known = cls.CONFIG_CLASS().to_dict()
-        own = {k: v for k, v in vision.items() if k in known and k not in ("model_type", "transformers_version")}
+        own = {k: v for k, v in vision.items() if k in cls.config_keys()}
         return cls(**{**section, "vision_config": own, "preset": section.get("preset", next(iter(cls.PRESETS)))})
 
     def load_pretrained(self, path: str) -> None:
