@@ -168,9 +168,12 @@ class QwenVLTower(VisionTower):
         grid_thw = self._checked_grid(pixel_values, grid_thw)
         unit = self.layout.merge_size ** 2
         x = self.patch_embed(pixel_values)
-        positions = patch_positions(grid_thw, self.layout.merge_size)
+        # The plan is host arithmetic on the grid; its index tensors go where the patches are (grid_thw may be on
+        # the host while the patches are on a GPU).
+        positions = patch_positions(grid_thw, self.layout.merge_size).to(x.device)
         order, block_spans = self.attention_plan(grid_thw)
-        if order is not None:  # run the blocks window by window (whole merge windows move together)
+        if order is not None:
+            order = order.to(x.device)  # run the blocks window by window (whole merge windows move together)
             x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
             positions = positions.view(-1, unit, 2)[order].flatten(0, 1)
         rotary = self.rotary_pos_emb(positions)
