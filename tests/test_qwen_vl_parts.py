@@ -138,6 +138,17 @@ def test_tower_and_merger_give_transformers_visual_features(published, kind, lay
         assert features.shape == (pixels.shape[0], tower.num_features)
         assert ours.shape[0] == sum(tower.tokens_for_grid(g) for g in grid) == merger.tokens_per_image(len(pixels))
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    # the gradient reaching the patches, through every block's spans (two images: several runs of spans)
+    pixels = torch.cat([v.pixel_values for v in inputs[3]])
+    grid = torch.stack([v.grid_thw for v in inputs[3]])
+    weights = torch.randn(pixels.shape[0] // 4, 48)
+    grads = []
+    for forward in (lambda x: merger(tower(x, grid)), lambda x: reference(x, grid_thw=grid).pooler_output):
+        x = pixels.clone().requires_grad_()
+        (forward(x) * weights).sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
+    grid = torch.stack([v.grid_thw for v in inputs[4]])
     if kind == "qwen2_5_vl":  # windows and frames differ here: the windowed blocks were checked as such
         windows, frames = tower.attention_plan(grid)[1][:2]
         assert grid.tolist() == [[2, 12, 14]] and len(windows) == 8 and frames == [168, 168]
