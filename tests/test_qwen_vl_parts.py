@@ -246,3 +246,13 @@ def test_vision_config_key_typo_suggests_the_key():
                                         r"mean 'fullatt_block_indexes'\?; valid keys of Qwen2_5_VLVisionConfig: depth"):
         build_part(vision_towers, {"name": "qwen2_5_vl", "preset": "tiny",
                                    "vision_config": {"fullatt_block_index": [0]}}, "model.vision_tower")
+
+
+def test_qwen_vl_image_before_a_fixed_size_tower_names_the_processor_to_use():
+    from lavis_ds.image_config import image_problems
+
+    datasets = {"coco": {"vis_processor": {"train": {"name": "qwen_vl_image"}}}}
+    model = {"arch": "llava", "model_type": "tiny", "vision_tower": {"name": "clip", "preset": "tiny"}}
+    assert image_problems(datasets, {}, model, models.get("llava"), []) == [
+        "datasets.coco.vis_processor.train: qwen_vl_image prepares images for another kind of vision tower than the "
+        "model's vision tower (clip); use tower_image_train"]
