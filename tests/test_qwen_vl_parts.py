@@ -256,3 +256,10 @@ def test_qwen_vl_image_before_a_fixed_size_tower_names_the_processor_to_use():
     assert image_problems(datasets, {}, model, models.get("llava"), []) == [
         "datasets.coco.vis_processor.train: qwen_vl_image prepares images for another kind of vision tower than the "
         "model's vision tower (clip); use tower_image_train"]
+    # and the other way round, for the architecture that holds a Qwen-VL tower
+    from lavis_ds.image_config import _kind_problems
+
+    datasets = {"coco": {"vis_processor": {"eval": {"name": "tower_image_eval"}}}}
+    assert _kind_problems(datasets, {"vision_tower": {"name": "qwen2_vl"}}, QwenVLProcessing()) == [
+        "datasets.coco.vis_processor.eval: tower_image_eval prepares images for another kind of vision tower than the "
+        "model's vision tower (qwen2_vl); use qwen_vl_image"]
