@@ -235,7 +235,8 @@ class QwenVLTower(VisionTower):
                             f"{cls.MODEL_TYPE} folder such as {cls._hub_example()}")
         model_type = json.loads(config_file.read_text()).get("model_type")
         if model_type != cls.MODEL_TYPE:
-            other = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}.get(model_type)
+            other = next((name for name in reg.vision_towers
+                          if getattr(reg.vision_towers.get(name), "MODEL_TYPE", None) == model_type), None)
             hint = f"; for this folder use vision tower {other!r}" if other else ""
             raise PartError(f"{path}.pretrained: {config_file} has model_type {model_type!r}, but the "
                             f"{cls.tower_name()} tower reads model_type {cls.MODEL_TYPE!r} (a folder such as "
