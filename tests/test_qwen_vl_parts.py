@@ -175,7 +175,8 @@ def test_published_presets_are_the_published_towers(name, preset):
 
     tower_class = vision_towers.get(name)
     arguments = {k: v for k, v in tower_class.PRESETS[preset].items() if k != "hub_id"}
-    model_class = Qwen2VisionTransformerPretrainedModel if name == "qwen2_vl" else Qwen2_5_VisionTransformerPretrainedModel
+    model_class = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
+                   "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel}[name]
     with torch.device("meta"):
         tower = tower_class(preset=preset)
         reference = model_class(tower_class.CONFIG_CLASS(**arguments))

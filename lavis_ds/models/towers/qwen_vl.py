@@ -255,8 +255,9 @@ class QwenVLTower(VisionTower):
         own = self.state_dict()
         missing, unexpected = sorted(own.keys() - ours.keys()), sorted(ours.keys() - own.keys())
         if not ours:
+            model_class = self.CONFIG_CLASS.__name__.replace("VisionConfig", "ForConditionalGeneration")
             raise PartError(f"vision_tower.pretrained: {folder} holds no visual.* or model.visual.* weights; expected "
-                            f"a {self.CONFIG_CLASS.__name__.replace('VisionConfig', '')}ForConditionalGeneration folder")
+                            f"a {model_class} folder")
         if missing or unexpected:
             raise PartError(f"vision_tower.pretrained: {folder}'s vision tower does not fit the {self.tower_name()} "
                             f"tower: missing {missing[:5]}, unexpected {unexpected[:5]}")
