@@ -264,3 +264,21 @@ def test_qwen_vl_image_before_a_fixed_size_tower_names_the_processor_to_use():
     assert _kind_problems(datasets, {"vision_tower": {"name": "qwen2_vl"}}, QwenVLProcessing()) == [
         "datasets.coco.vis_processor.eval: tower_image_eval prepares images for another kind of vision tower than the "
         "model's vision tower (qwen2_vl); use qwen_vl_image"]
+
+
+def test_grad_checkpointing_gives_the_same_gradients():
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        tower = build_part(vision_towers, {"name": "qwen2_5_vl", "preset": "tiny", "freeze": False,
+                                           "use_grad_checkpoint": checkpointed}, "t").train()
+        calls = []
+        tower.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        grid = torch.tensor([[1, 10, 12], [2, 4, 4]])
+        pixels = torch.randn(int(grid.prod(-1).sum()), 1176, generator=torch.Generator().manual_seed(1))
+        tower(pixels, grid).sum().backward()
+        assert len(calls) == 1 + checkpointed  # recomputed in backward
+        grads.append({n: p.grad for n, p in tower.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5)

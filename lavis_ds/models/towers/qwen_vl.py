@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
 
 from lavis_ds.common import registry as reg
@@ -72,7 +73,7 @@ class QwenVLTower(VisionTower):
     PRESETS: ClassVar[dict[str, dict[str, Any]]]
 
     def __init__(self, *, preset: str, vision_config: dict[str, Any] | None = None, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS):
+                 max_pixels: int = MAX_PIXELS, use_grad_checkpoint: bool = False):
         """
         Args:
             preset: Architecture by name (``PRESETS``: the published sizes' towers, ``tiny`` for tests);
@@ -80,6 +81,7 @@ class QwenVLTower(VisionTower):
             vision_config: Keys of the transformers vision config (``depth``, ``num_heads``, ...).
             min_pixels: Least area an image is resized to (the tower's processing; Qwen's default 56*56).
             max_pixels: Most area an image is resized to (Qwen's default 28*28*1280: at most 1280 LLM tokens).
+            use_grad_checkpoint: Recompute each block's activations in backward (a trained tower on large images).
         """
         super().__init__()
         if preset not in self.PRESETS:
@@ -97,6 +99,7 @@ class QwenVLTower(VisionTower):
         self.blocks = BlockList(VisionBlock(layout.width, layout.heads, self.NORM, self.mlp(layout))
                                 for _ in range(layout.depth))
         self.num_features = layout.width
+        self.use_grad_checkpoint = use_grad_checkpoint
         self.image_size = None  # images keep (nearly) their own size: see processing
         self.num_tokens = None  # per image: tokens_for_grid
         try:
@@ -180,7 +183,10 @@ class QwenVLTower(VisionTower):
         plans: dict[tuple[int, ...], Spans] = {}
         for block, lengths in zip(self.blocks, block_spans):
             spans = plans.setdefault(tuple(lengths), Spans.from_lengths(lengths, x.device))
-            x = block(x, spans, rotary)
+            if self.use_grad_checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, spans, rotary, use_reentrant=False)
+            else:
+                x = block(x, spans, rotary)
         if order is not None:
             x = x.view(-1, unit, x.shape[-1])[torch.argsort(order)].flatten(0, 1)
         return x
