@@ -57,6 +57,8 @@ def fill_tower_processing(cfg: DictConfig, model_cls: type | None) -> None:
     if processing is None:
         return
     for proc in sections:
+        if not _takes(proc, processing):
+            continue  # a processor for another kind of tower: image_problems names it
         for key, value in processing.processor_keys().items():
             if proc.get(key) is None:
                 proc[key] = value
@@ -90,6 +92,7 @@ def image_problems(datasets: dict, training: dict[str, dict], model: dict, model
         problems += _unfilled_problems(datasets, model)
     processing = model_cls.image_processing_of(model)
     if processing is not None:
+        problems += _kind_problems(datasets, model, processing)
         problems += _mismatch_problems(datasets, model, processing)
     return problems
 
@@ -148,6 +151,25 @@ def _unfilled_problems(datasets: dict, model: dict) -> list[str]:
             problems.append(f"datasets.{name}.vis_processor.{stage}: {proc['name']} takes {', '.join(missing)} from "
                             f"the model's vision tower, and model.arch {model.get('arch')} describes none; give them "
                             f"here, or name another processor (blip2_image_{stage})")
+    return problems
+
+
+def _takes(proc: Mapping[str, Any], processing: Any) -> bool:
+    """Whether the ``FROM_TOWER`` processor ``proc`` names takes every key of the tower's ``processing``: a
+    ``tower_image_*`` processor a fixed-size tower's, ``qwen_vl_image`` a Qwen-VL tower's."""
+    keys = getattr(reg.processors.get(proc["name"]), "TOWER_KEYS", ())
+    return set(processing.processor_keys()) <= set(keys)
+
+
+def _kind_problems(datasets: dict, model: dict, processing: Any) -> list[str]:
+    """A processor that takes its keys from the tower, but from another kind of tower than the model's."""
+    problems = []
+    for name, stage, proc in _image_processors(datasets):
+        if _from_tower(proc) and not _takes(proc, processing):
+            fitting = [n for n in reg.processors if _from_tower({"name": n}) and _takes({"name": n}, processing)]
+            fitting = [n for n in fitting if n.endswith(stage)] or fitting
+            problems.append(f"datasets.{name}.vis_processor.{stage}: {proc['name']} prepares images for another kind "
+                            f"of vision tower than the model's {_tower_label(model)}; use {' or '.join(fitting)}")
     return problems
 
 

@@ -341,7 +341,8 @@ def test_registry_kinds_have_the_lavis_spelling():
     assert registry.get_vision_tower_class("clip") is vision_towers.get("clip")
     assert registry.get_connector_class("qformer") is connectors.get("qformer")
     assert {"eva_vit_g", "clip", "siglip"} <= set(vision_towers)
-    assert {"qformer", "instruct_qformer", "mlp2x_gelu", "linear"} <= set(connectors)
+    assert {"qformer", "instruct_qformer", "mlp2x_gelu", "linear", "patch_merger"} <= set(connectors)
+    assert {"qwen2_vl", "qwen2_5_vl"} <= set(vision_towers)
 
 
 def test_tower_processing_pads_to_square_with_the_mean_colour():
@@ -361,8 +362,19 @@ TINY_CONNECTORS = {"qformer": {"num_query_token": 4, "qformer": QFORMER}, "mlp2x
                    "instruct_qformer": {"num_query_token": 4, "qformer": QFORMER}}
 
 
-@pytest.mark.parametrize("tower_name", list(vision_towers))
-@pytest.mark.parametrize("connector_name", list(connectors))
+TINY_FLAT_TOWERS = {"qwen2_vl": {"preset": "tiny"}, "qwen2_5_vl": {"preset": "tiny"}}
+TINY_FLAT_CONNECTORS = {"patch_merger": {}}
+
+
+def pairs(flat: bool) -> list[tuple[str, str]]:
+    """Every registered tower with every registered connector of the same feature layout: ``[N, T, C]`` per image,
+    or flat patches of images of their own sizes (``FLAT_FEATURES``: the Qwen-VL parts), which only each other's
+    kind can read."""
+    return [(t, c) for t in vision_towers for c in connectors
+            if vision_towers.get(t).FLAT_FEATURES is flat and connectors.get(c).FLAT_FEATURES is flat]
+
+
+@pytest.mark.parametrize("tower_name,connector_name", pairs(flat=False))
 def test_every_tower_feeds_every_connector(tmp_path, tower_name, connector_name):
     assert tower_name in TINY_TOWERS and connector_name in TINY_CONNECTORS, "give the new part a tiny section here"
     """... and each reports its own FLOPs per image as FlopCounterMode measures them (the tower trained here; frozen
@@ -406,3 +418,34 @@ def test_freeze_switches_of_the_qformer_connector():
     assert trainable({"freeze_proj": True})[0] == {"ln_vision", "qformer", "query_tokens"}
     frozen, connector = trainable({"freeze": True})
     assert frozen == set() and not connector.training and not connector.qformer.training  # eval despite train()
+
+
+@pytest.mark.parametrize("tower_name,connector_name", pairs(flat=True))
+def test_every_flat_tower_feeds_every_flat_connector(tower_name, connector_name):
+    """... images of three sizes at once, and FLOPs per image (linear in its patches, quadratic in its attention
+    spans) as FlopCounterMode measures them, the tower trained, forward and training."""
+    assert tower_name in TINY_FLAT_TOWERS and connector_name in TINY_FLAT_CONNECTORS, "give the part a tiny section"
+    tower = build_part(vision_towers, {"name": tower_name, **TINY_FLAT_TOWERS[tower_name], "freeze": False},
+                       "model.vision_tower")
+    connector = build_part(connectors, {"name": connector_name, **TINY_FLAT_CONNECTORS[connector_name]},
+                           "model.connector", vision_width=tower.num_features, llm_width=48)
+    grid = torch.tensor([[1, 12, 18], [2, 8, 4], [1, 2, 2]])  # windows cut by the edges (Qwen2.5-VL's 8x8 patches)
+    patches = int(grid.prod(-1).sum())
+    pixels = torch.randn(patches, tower.patch_embed.proj.in_channels * 2 * 14 * 14)
+    with sdpa_kernel(SDPBackend.MATH):  # torch counts no FLOPs for CPU's fused attention kernel
+        with FlopCounterMode(display=False) as forward:
+            features = tower(pixels, grid)
+            out = connector(features)
+        with FlopCounterMode(display=False) as backward:
+            out.sum().backward()
+    tokens = [tower.tokens_for_grid(g) for g in grid]
+    assert features.shape == (patches, tower.num_features) and out.shape == (sum(tokens), 48)
+    assert [connector.tokens_per_image(int(g.prod())) for g in grid] == tokens
+    assert all(p.grad is not None for p in [*tower.parameters(), *connector.parameters()])
+    tower_flops, features_grad = tower.flops_for_grid(grid)
+    per_image = [tower.flops_for_grid(g[None])[0] for g in grid]
+    assert sum(f.training for f in per_image) == pytest.approx(tower_flops.training, rel=1e-12)  # sums per image
+    connector_flops = [connector.flops(int(g.prod()), features_grad)[0] for g in grid]
+    expected = sum(connector_flops[1:], tower_flops + connector_flops[0])
+    assert forward.get_total_flops() == pytest.approx(expected.forward, rel=1e-9)
+    assert forward.get_total_flops() + backward.get_total_flops() == pytest.approx(expected.training, rel=1e-9)

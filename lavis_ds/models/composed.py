@@ -52,6 +52,9 @@ class ComposedVisionLLM(VisionLLM):
     IMAGE_PROCESSORS = {"train": "tower_image_train", "eval": "tower_image_eval"}
     CONNECTOR_PREFIXES = ("connector.",)
     PER_IMAGE_FIELDS = CONNECTOR_INPUT_KEYS
+    # Whether the architecture takes parts with flat features of images of their own sizes (``FLAT_FEATURES``: the
+    # Qwen-VL towers and patch_merger) instead of fixed-size towers and connectors.
+    FLAT_FEATURES = False
 
     def __init__(self, *, vision_tower: dict[str, Any] | None = None, connector: dict[str, Any] | None = None,
                  **llm_args: Any):
@@ -67,6 +70,7 @@ class ComposedVisionLLM(VisionLLM):
         """
         super().__init__(**llm_args)
         tower_section, connector_section = self.part_sections({"vision_tower": vision_tower, "connector": connector})
+        check_layouts(type(self), tower_section, connector_section)
         self.vision_tower = build_part(vision_towers, tower_section, "model.vision_tower")
         llm_width = self.build_llm()
         self.connector = build_part(connectors, connector_section, "model.connector",
@@ -176,7 +180,7 @@ class ComposedVisionLLM(VisionLLM):
 
     @classmethod
     def _geometry_of(cls, section: Mapping[str, Any]) -> "Geometry":
-        return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)))
+        return _geometry(*(json.dumps(s, sort_keys=True, default=str) for s in cls.part_sections(section)), cls)
 
     @classmethod
     def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
@@ -248,12 +252,27 @@ class Geometry(NamedTuple):
     processing: ImageProcessing
 
 
+def check_layouts(arch: type, tower: Mapping[str, Any], connector: Mapping[str, Any]) -> None:
+    """Raise ``PartError`` where the tower, the connector and the architecture differ in feature layout: fixed-size
+    images ``[N, T, C]``, or flat patches of images of their own sizes (``FLAT_FEATURES``)."""
+    for key, section, kind in (("vision_tower", tower, vision_towers), ("connector", connector, connectors)):
+        name = section.get("name")
+        part = kind.get(name) if name in kind else None
+        if part is not None and part.FLAT_FEATURES != arch.FLAT_FEATURES:
+            own = "flat patch features of images of their own sizes" if part.FLAT_FEATURES else "fixed-size images"
+            takes = "flat patch features" if arch.FLAT_FEATURES else "fixed-size towers and connectors"
+            flat = [n for n in kind if kind.get(n).FLAT_FEATURES == arch.FLAT_FEATURES]
+            raise PartError(f"{key}.name: {name} works on {own}, but this architecture takes {takes}: valid here: "
+                            f"{', '.join(flat)}")
+
+
 @functools.lru_cache(maxsize=64)
-def _geometry(tower_json: str, connector_json: str) -> Geometry:
+def _geometry(tower_json: str, connector_json: str, arch: type) -> Geometry:
     """The image size, tokens per image and tower processing of a tower and connector section, their structure
     built on the meta device (no memory, no weights; a published tower folder's config.json is read). Connector
     files (a tokenizer) are not read: the constructor never reads them."""
     tower_section, connector_section = json.loads(tower_json), json.loads(connector_json)
+    check_layouts(arch, tower_section, connector_section)
     tower_cls = vision_towers.get(tower_section.pop("name"))
     connector_cls = connectors.get(connector_section.pop("name"))
     pretrained = tower_section.pop("pretrained", None)

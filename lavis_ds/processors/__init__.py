@@ -2,6 +2,7 @@
 from lavis_ds.processors.base import BaseProcessor
 from lavis_ds.processors.image import (CLIP_MEAN, CLIP_STD, Blip2ImageEvalProcessor, Blip2ImageTrainProcessor,
                                        ImageProcessing, TowerImageEvalProcessor, TowerImageTrainProcessor)
+from lavis_ds.processors.qwen_vl import QwenVLImageProcessor, QwenVLProcessing
 from lavis_ds.processors.text import BaseInstructionProcessor, BlipCaptionProcessor, PlainTextProcessor
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "BlipCaptionProcessor",
     "BaseInstructionProcessor",
     "PlainTextProcessor",
+    "QwenVLImageProcessor",
+    "QwenVLProcessing",
     "CLIP_MEAN",
     "CLIP_STD",
 ]

@@ -1,6 +1,6 @@
 """Connectors, registered by name (``registry.connectors``): ``qformer``, ``instruct_qformer``, ``mlp2x_gelu``,
-``linear``."""
-from lavis_ds.models.connectors import mlp, qformer
+``linear``, ``patch_merger``."""
+from lavis_ds.models.connectors import mlp, patch_merger, qformer
 from lavis_ds.models.connectors.base import Connector
 
-__all__ = ["Connector", "mlp", "qformer"]
+__all__ = ["Connector", "mlp", "patch_merger", "qformer"]

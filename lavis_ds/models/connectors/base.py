@@ -26,6 +26,9 @@ class Connector(Part):
     """Base class of registered connectors (see the module docstring)."""
 
     NEEDS_INSTRUCTION = False
+    # True: ``forward`` takes a flat-features tower's ``[patches, vision_width]`` (``VisionTower.FLAT_FEATURES``)
+    # and ``tokens_per_image`` counts per image from its patches.
+    FLAT_FEATURES = False
 
     def __init__(self, *, vision_width: int, llm_width: int):
         super().__init__()

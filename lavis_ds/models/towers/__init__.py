@@ -1,5 +1,6 @@
-"""Vision towers, registered by name (``registry.vision_towers``): ``eva_vit_g``, ``clip``, ``siglip``."""
-from lavis_ds.models.towers import eva, hf_vision
+"""Vision towers, registered by name (``registry.vision_towers``): ``eva_vit_g``, ``clip``, ``siglip``, ``qwen2_vl``,
+``qwen2_5_vl``."""
+from lavis_ds.models.towers import eva, hf_vision, qwen_vl
 from lavis_ds.models.towers.base import ImageProcessing, VisionTower
 
-__all__ = ["ImageProcessing", "VisionTower", "eva", "hf_vision"]
+__all__ = ["ImageProcessing", "VisionTower", "eva", "hf_vision", "qwen_vl"]

@@ -32,6 +32,9 @@ class VisionTower(Part):
     and implement ``forward``, ``blocks`` and ``load_pretrained``.
     """
 
+    # True: images of their own sizes as flat patches, ``forward(pixel_values [P, D], grid_thw [n, 3]) -> [P, C]``,
+    # a token count per image (``tokens_for_grid``) and ``image_size`` / ``num_tokens`` None (``towers.qwen_vl``).
+    FLAT_FEATURES = False
     image_size: int
     num_features: int
     num_tokens: int

@@ -1,0 +1,350 @@
+"""The Qwen2-VL and Qwen2.5-VL vision towers (``qwen2_vl``, ``qwen2_5_vl``): images of their own sizes as flat patches.
+
+``forward(pixel_values [P, 3*2*14*14], grid_thw [n, 3]) -> [P, width]``: the patch features of ``n`` images or
+videos laid end to end (as ``lavis_ds.processors.qwen_vl`` makes them), in the processor's patch order, before the
+merger (the ``patch_merger`` connector merges each 2x2 window into one LLM token). Qwen2.5-VL's windowed blocks run
+on patches reordered window by window; the tower restores the processor's order (at merge-window granularity)
+before returning, which is what transformers does after its merger, so the merged tokens agree.
+
+Parameter names are transformers' ``visual.*`` names without the merger: ``load_pretrained(folder)`` reads the
+``visual.*`` (published) or ``model.visual.*`` (transformers 5) weights of a ``Qwen2VLForConditionalGeneration`` /
+``Qwen2_5_VLForConditionalGeneration`` folder, and a folder given as ``pretrained`` also gives the architecture
+(its config.json's ``vision_config``).
+
+An image of grid (t, h, w) gives ``t*h*w`` patch features and ``t*h*w // 4`` LLM tokens (``tokens_for_grid``);
+its FLOPs are linear in its patches plus quadratic in each attention span (``flops_for_grid``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
+
+from lavis_ds.common import registry as reg
+from lavis_ds.common.suggest import did_you_mean
+from lavis_ds.models.flops import Flops, Tally, patch_embedding, trains
+from lavis_ds.models.parts import PartError, read_safetensors
+from lavis_ds.models.towers.base import VisionTower
+from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, PatchEmbed, RMSNorm, Spans, SwiGluMlp, VisionBlock,
+                                                   VisionRotary, frame_spans, patch_positions, window_order)
+from lavis_ds.processors.qwen_vl import MAX_PIXELS, MIN_PIXELS, QwenVisionInputError, QwenVLProcessing, tokens_for_grid
+
+# The published folders' weight prefixes of the tower: transformers 4.x / the Hub (visual.*), transformers 5
+# (model.visual.*). The merger under them is the patch_merger connector's.
+VISUAL_PREFIXES = ("visual.", "model.visual.")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sizes a tower is built from, read from its transformers vision config."""
+
+    width: int
+    depth: int
+    heads: int
+    mlp_hidden: int
+    act: str
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    in_channels: int
+    theta: float
+
+
+class BlockList(nn.ModuleList):
+    """The tower's blocks as a ModuleList (named ``blocks.N``, as transformers' ``visual.blocks.N``) that, called,
+    gives them as a list: ``VisionTower.blocks()``."""
+
+    def forward(self) -> list[nn.Module]:
+        return list(self)
+
+
+class QwenVLTower(VisionTower):
+    """What the two Qwen-VL towers share; subclasses name their config class, presets and block kind (data only)."""
+
+    FLAT_FEATURES = True
+    CONFIG_CLASS: ClassVar[type]
+    MODEL_TYPE: ClassVar[str]  # config.json model_type of the published folders this tower reads
+    PRESETS: ClassVar[dict[str, dict[str, Any]]]
+
+    def __init__(self, *, preset: str, vision_config: dict[str, Any] | None = None, min_pixels: int = MIN_PIXELS,
+                 max_pixels: int = MAX_PIXELS, use_grad_checkpoint: bool = False):
+        """
+        Args:
+            preset: Architecture by name (``PRESETS``: the published sizes' towers, ``tiny`` for tests);
+                ``vision_config`` overrides its keys. A published folder (``pretrained``) gives its own.
+            vision_config: Keys of the transformers vision config (``depth``, ``num_heads``, ...).
+            min_pixels: Least area an image is resized to (the tower's processing; Qwen's default 56*56).
+            max_pixels: Most area an image is resized to (Qwen's default 28*28*1280: at most 1280 LLM tokens).
+            use_grad_checkpoint: Recompute each block's activations in backward (a trained tower on large images).
+        """
+        super().__init__()
+        if preset not in self.PRESETS:
+            raise PartError(f"vision_tower.preset: {preset!r} is not a {self.tower_name()} preset; presets: "
+                            f"{', '.join(self.PRESETS)}")
+        arguments = {k: v for k, v in self.PRESETS[preset].items() if k != "hub_id"}
+        config = self._config(arguments, vision_config or {})
+        layout = self.layout_of(config)
+        if layout.width % layout.heads or (layout.width // layout.heads) % 4:
+            raise PartError(f"vision_tower.vision_config: width {layout.width} over {layout.heads} heads; valid: "
+                            "a head size that is a multiple of 4 (2-D rotary turns a quarter with each axis)")
+        self.config, self.layout = config, layout
+        self.patch_embed = PatchEmbed(layout.patch_size, layout.temporal_patch_size, layout.in_channels, layout.width)
+        self.rotary_pos_emb = VisionRotary(layout.width // layout.heads, layout.theta)
+        self.blocks = BlockList(VisionBlock(layout.width, layout.heads, self.NORM, self.mlp(layout))
+                                for _ in range(layout.depth))
+        self.num_features = layout.width
+        self.use_grad_checkpoint = use_grad_checkpoint
+        self.image_size = None  # images keep (nearly) their own size: see processing
+        self.num_tokens = None  # per image: tokens_for_grid
+        try:
+            self.processing = QwenVLProcessing(min_pixels, max_pixels, patch_size=layout.patch_size,
+                                               merge_size=layout.merge_size,
+                                               temporal_patch_size=layout.temporal_patch_size)
+        except QwenVisionInputError as e:
+            raise PartError(f"vision_tower: {e}") from None
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        """The vision config's own keys (``depth``, ``num_heads``, ...), not those every transformers config has."""
+        return sorted(cls.CONFIG_CLASS.__annotations__)
+
+    @classmethod
+    def _config(cls, preset: dict[str, Any], overrides: dict[str, Any]) -> Any:
+        """The transformers vision config of a preset and the section's ``vision_config`` keys, each key checked (a
+        transformers config keeps an unknown key as an attribute without a word)."""
+        from huggingface_hub.errors import StrictDataclassError
+
+        valid = cls.config_keys()
+        unknown = [key for key in overrides if key not in valid]
+        if unknown:
+            hints = "; ".join(f"{key}: {did_you_mean(key, valid, '')}".rstrip("; ") for key in unknown)
+            raise PartError(f"vision_tower.vision_config: unknown key(s) {hints}; valid keys of "
+                            f"{cls.CONFIG_CLASS.__name__}: {', '.join(valid)}")
+        try:
+            return cls.CONFIG_CLASS(**{**preset, **overrides})
+        except (StrictDataclassError, TypeError, ValueError) as e:  # a mistyped value
+            raise PartError(f"vision_tower.vision_config: {e}".replace("\n", " ")) from None
+
+    # ----------------------------------------------------------------- what subclasses say
+    NORM: ClassVar[type[nn.Module]]
+
+    @staticmethod
+    def layout_of(config: Any) -> Layout:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @staticmethod
+    def mlp(layout: Layout) -> nn.Module:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def attention_plan(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor | None, list[list[int]]]:
+        """The merge-window order the blocks run in (None: the processor's) and each block's span lengths."""
+        spans = frame_spans(grid_thw)
+        return None, [spans] * len(self.blocks)
+
+    # ----------------------------------------------------------------- the tower
+    @classmethod
+    def tower_name(cls) -> str:
+        return next(name for name in reg.vision_towers if reg.vision_towers.get(name) is cls)
+
+    def tokens_for_grid(self, grid_thw: torch.Tensor | list[int]) -> int:
+        """LLM tokens of one image or video of this grid (after the 2x2 merger): the processor's count."""
+        return tokens_for_grid(grid_thw, self.layout.merge_size)
+
+    def tokens_for_size(self, height: int, width: int, frames: int = 1) -> int:
+        """LLM tokens of an image of ``height`` x ``width`` px (or ``frames`` video frames) as given."""
+        return self.processing.tokens_for_size(height, width, frames)
+
+    @property
+    def blocks(self) -> "BlockList":  # type: ignore[override]
+        """The blocks: ``tower.blocks()`` is the interface's list (sharding units), and ``blocks.N.*`` are
+        transformers' parameter names, so one attribute serves both (a :class:`BlockList`)."""
+        return self._modules["blocks"]
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``pixel_values [P, 3*t*p*p]``, ``grid_thw [n, 3]`` -> ``[P, width]`` patch features, processor order."""
+        grid_thw = self._checked_grid(pixel_values, grid_thw)
+        unit = self.layout.merge_size ** 2
+        x = self.patch_embed(pixel_values)
+        # The plan is host arithmetic on the grid; its index tensors go where the patches are (grid_thw may be on
+        # the host while the patches are on a GPU).
+        positions = patch_positions(grid_thw, self.layout.merge_size).to(x.device)
+        order, block_spans = self.attention_plan(grid_thw)
+        if order is not None:
+            order = order.to(x.device)  # run the blocks window by window (whole merge windows move together)
+            x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
+            positions = positions.view(-1, unit, 2)[order].flatten(0, 1)
+        rotary = self.rotary_pos_emb(positions)
+        plans: dict[tuple[int, ...], Spans] = {}
+        for block, lengths in zip(self.blocks, block_spans):
+            spans = plans.setdefault(tuple(lengths), Spans.from_lengths(lengths, x.device))
+            if self.use_grad_checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, spans, rotary, use_reentrant=False)
+            else:
+                x = block(x, spans, rotary)
+        if order is not None:
+            x = x.view(-1, unit, x.shape[-1])[torch.argsort(order)].flatten(0, 1)
+        return x
+
+    def _checked_grid(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
+        patches = int(grid_thw.prod(-1).sum())
+        m = self.layout.merge_size
+        if patches != pixel_values.shape[0] or bool(((grid_thw[:, 1:] % m) != 0).any()):
+            raise PartError(f"{self.tower_name()} tower: pixel_values has {pixel_values.shape[0]} patches but grid_thw "
+                            f"{grid_thw.tolist()} describes {patches}; valid: one (t, h, w) row per image, h and w "
+                            f"multiples of {m}, as lavis_ds.processors.qwen_vl makes them")
+        return grid_thw
+
+    # ----------------------------------------------------------------- FLOPs
+    def flops_for_grid(self, grid_thw: torch.Tensor | list[list[int]]) -> tuple[Flops, bool]:
+        """FLOPs of the tower on the images of ``grid_thw`` ``[n, 3]`` (forward and training, by the rule in
+        ``lavis_ds.models.flops``) and whether its features need a gradient: per patch, the patch embedding and every
+        linear layer; per block, attention's two matmuls over the sum of its spans' squared lengths."""
+        grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
+        patches = int(grid_thw.prod(-1).sum())
+        _, block_spans = self.attention_plan(grid_thw)
+        tally = Tally()
+        x = patch_embedding(self.patch_embed.proj, patches, tally)
+        for block, lengths in zip(self.blocks, block_spans):
+            attn = block.attn
+            qkv = tally.linear(attn.qkv, patches, x | trains(block.norm1))
+            pairs = sum(length * length for length in lengths)
+            mixed = tally.attention(pairs, 1, attn.proj.in_features, qkv, qkv, qkv)
+            x |= tally.linear(attn.proj, patches, mixed)
+            x |= self._mlp_flops(block.mlp, patches, x | trains(block.norm2), tally)
+        return tally.flops(), x
+
+    @staticmethod
+    def _mlp_flops(mlp: nn.Module, rows: int, grad: bool, tally: Tally) -> bool:
+        if isinstance(mlp, SwiGluMlp):
+            gated = tally.linear(mlp.gate_proj, rows, grad) | tally.linear(mlp.up_proj, rows, grad)
+            return tally.linear(mlp.down_proj, rows, gated)
+        return tally.linear(mlp.fc2, rows, tally.linear(mlp.fc1, rows, grad))
+
+    def flops(self) -> None:
+        """None: a Qwen-VL tower's cost depends on each image's size; ``flops_for_grid`` gives it per image."""
+        return None
+
+    # ----------------------------------------------------------------- published folders
+    @classmethod
+    def from_folder(cls, folder: str, section: Mapping[str, Any], path: str) -> "QwenVLTower":
+        """The tower of a published folder: its config.json's ``vision_config`` (model_type ``MODEL_TYPE``)."""
+        config_file = Path(folder).expanduser() / "config.json"
+        if not config_file.is_file():
+            raise PartError(f"{path}.pretrained: {folder} has no config.json; expected a transformers "
+                            f"{cls.MODEL_TYPE} folder such as {cls._hub_example()}")
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type != cls.MODEL_TYPE:
+            other = next((name for name in reg.vision_towers
+                          if getattr(reg.vision_towers.get(name), "MODEL_TYPE", None) == model_type), None)
+            hint = f"; for this folder use vision tower {other!r}" if other else ""
+            raise PartError(f"{path}.pretrained: {config_file} has model_type {model_type!r}, but the "
+                            f"{cls.tower_name()} tower reads model_type {cls.MODEL_TYPE!r} (a folder such as "
+                            f"{cls._hub_example()}){hint}")
+        vision = json.loads(config_file.read_text()).get("vision_config") or {}
+        own = {k: v for k, v in vision.items() if k in cls.config_keys()}
+        return cls(**{**section, "vision_config": own, "preset": section.get("preset", next(iter(cls.PRESETS)))})
+
+    def load_pretrained(self, path: str) -> None:
+        """The ``visual.*`` / ``model.visual.*`` weights of a published folder (the merger left to the connector),
+        every tower weight checked by name and shape."""
+        folder = Path(path).expanduser()
+        state = read_safetensors(folder, lambda key: key.startswith(VISUAL_PREFIXES) and ".merger." not in key,
+                                 "vision_tower.pretrained")
+        ours = {key.split("visual.", 1)[1]: value for key, value in state.items()}
+        own = self.state_dict()
+        missing, unexpected = sorted(own.keys() - ours.keys()), sorted(ours.keys() - own.keys())
+        if not ours:
+            model_class = self.CONFIG_CLASS.__name__.replace("VisionConfig", "ForConditionalGeneration")
+            raise PartError(f"vision_tower.pretrained: {folder} holds no visual.* or model.visual.* weights; expected "
+                            f"a {model_class} folder")
+        if missing or unexpected:
+            raise PartError(f"vision_tower.pretrained: {folder}'s vision tower does not fit the {self.tower_name()} "
+                            f"tower: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        shapes = [f"{k}: {tuple(v.shape)} vs ours {tuple(own[k].shape)}" for k, v in ours.items()
+                  if v.shape != own[k].shape]
+        if shapes:
+            raise PartError(f"vision_tower.pretrained: {folder}'s vision weights differ in shape: {shapes[:3]}")
+        self.load_state_dict(ours, strict=True)
+
+    @classmethod
+    def _hub_example(cls) -> str:
+        return next(p["hub_id"] for p in cls.PRESETS.values() if "hub_id" in p)
+
+
+@reg.vision_towers.register("qwen2_vl")
+class Qwen2VLTower(QwenVLTower):
+    """Qwen2-VL's ViT: LayerNorm, GELU MLP, full attention within each frame."""
+
+    CONFIG_CLASS, MODEL_TYPE, NORM = Qwen2VLVisionConfig, "qwen2_vl", nn.LayerNorm
+    # The towers of Qwen2-VL-2B and -7B are the same ViT; only the merger's output width (hidden_size) differs.
+    PRESETS = {
+        "2b": dict(hub_id="Qwen/Qwen2-VL-2B-Instruct", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16,
+                   hidden_size=1536),
+        "7b": dict(hub_id="Qwen/Qwen2-VL-7B-Instruct", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16,
+                   hidden_size=3584),
+        "tiny": dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=4, hidden_size=48),
+    }
+
+    def __init__(self, *, preset: Literal["2b", "7b", "tiny"] = "2b", **kwargs: Any):
+        super().__init__(preset=preset, **kwargs)
+
+    @staticmethod
+    def layout_of(config: Qwen2VLVisionConfig) -> Layout:
+        return Layout(config.embed_dim, config.depth, config.num_heads, int(config.embed_dim * config.mlp_ratio),
+                      config.hidden_act, config.patch_size, config.temporal_patch_size, config.spatial_merge_size,
+                      config.in_channels, config.rope_parameters["rope_theta"])
+
+    @staticmethod
+    def mlp(layout: Layout) -> nn.Module:
+        return GeluMlp(layout.width, layout.mlp_hidden, layout.act)
+
+
+@reg.vision_towers.register("qwen2_5_vl")
+class Qwen25VLTower(QwenVLTower):
+    """Qwen2.5-VL's ViT: RMSNorm, SwiGLU MLP, attention within 112 px windows except in ``fullatt_block_indexes``
+    (within each frame there)."""
+
+    CONFIG_CLASS, MODEL_TYPE, NORM = Qwen2_5_VLVisionConfig, "qwen2_5_vl", RMSNorm
+    _PUBLISHED = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+                      fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+    PRESETS = {
+        "3b": dict(hub_id="Qwen/Qwen2.5-VL-3B-Instruct", **_PUBLISHED, out_hidden_size=2048),
+        "7b": dict(hub_id="Qwen/Qwen2.5-VL-7B-Instruct", **_PUBLISHED, out_hidden_size=3584),
+        "tiny": dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, window_size=112,
+                     fullatt_block_indexes=[1, 3], out_hidden_size=48),
+    }
+
+    def __init__(self, *, preset: Literal["3b", "7b", "tiny"] = "3b", **kwargs: Any):
+        super().__init__(preset=preset, **kwargs)
+        merged_px = self.layout.patch_size * self.layout.merge_size
+        if self.config.window_size % merged_px:
+            raise PartError(f"vision_tower.vision_config.window_size: {self.config.window_size}; valid: a multiple "
+                            f"of {merged_px} px (one merge window; Qwen2.5-VL's is 112)")
+        self.full_attention = frozenset(self.config.fullatt_block_indexes)
+        bad = sorted(i for i in self.full_attention if not 0 <= i < self.layout.depth)
+        if bad:
+            raise PartError(f"vision_tower.vision_config.fullatt_block_indexes: {bad} outside the "
+                            f"{self.layout.depth} blocks (0..{self.layout.depth - 1})")
+
+    @staticmethod
+    def layout_of(config: Qwen2_5_VLVisionConfig) -> Layout:
+        return Layout(config.hidden_size, config.depth, config.num_heads, config.intermediate_size, config.hidden_act,
+                      config.patch_size, config.temporal_patch_size, config.spatial_merge_size, config.in_channels,
+                      config.rope_parameters["rope_theta"])
+
+    @staticmethod
+    def mlp(layout: Layout) -> nn.Module:
+        return SwiGluMlp(layout.width, layout.mlp_hidden, layout.act)
+
+    def attention_plan(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor | None, list[list[int]]]:
+        merged_px = self.layout.patch_size * self.layout.merge_size
+        order, windows = window_order(grid_thw, self.layout.merge_size, self.config.window_size // merged_px)
+        frames = frame_spans(grid_thw)  # window order keeps each frame's patches together
+        return order, [frames if i in self.full_attention else windows for i in range(self.layout.depth)]
