@@ -3,11 +3,15 @@
 
 An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only its image path:
 
-- ``encode_images(images [N, 3, H, W], samples) -> [N, tokens_per_image, llm_hidden]``; ``samples`` is the
-  prepared batch (InstructBLIP reads the instruction from it). Under packing the images arrive in packed order:
-  ``samples["order"]`` lists the sample of each packed sample.
+- ``encode_images(images, samples)``: ``[N, tokens_per_image, llm_hidden]`` for ``images [N, 3, H, W]``, or the
+  flat ``[sum of counts, llm_hidden]`` (each image's rows a block, in image order) when the count depends on the
+  image; ``samples`` is the prepared batch (InstructBLIP reads the instruction from it, a Qwen-VL tower its
+  ``image_grid_thw``). Under packing the images arrive in packed order: ``samples["order"]`` lists the sample of each
+  packed sample.
 - ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, the classmethods
-  ``tokens_per_image_of(section)`` and ``image_size_of(section)``.
+  ``tokens_per_image_of(section)`` and ``image_size_of(section)``; an image path whose count depends on the image's
+  size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders and the splice both follow
+  (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
 - ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
 - optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
 
