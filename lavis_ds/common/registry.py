@@ -117,6 +117,8 @@ objectives = Registry("objective")
 # Parts that composed architectures are built from (lavis_ds.models.towers, lavis_ds.models.connectors).
 vision_towers = Registry("vision tower")
 connectors = Registry("connector")
+# How an LLM family numbers its tokens (lavis_ds.models.positions; the family table in models.llm_families).
+position_providers = Registry("position provider")
 
 
 class _LavisStyle:

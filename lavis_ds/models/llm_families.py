@@ -1,4 +1,5 @@
-"""What differs between LLM families, found from the model itself: its class, its decoder layers, its LoRA targets.
+"""What differs between LLM families, found from the model itself: its class, its decoder layers, its LoRA targets;
+and how each numbers its tokens (``position_provider``: the table ``FAMILY_POSITIONS``).
 
 The LLM slot takes any causal LM transformers knows (Qwen2/2.5, Qwen3, Llama 3.x,
 Gemma, Mistral, ...): ``model.llm_model`` (a folder) goes through ``AutoModelForCausalLM``,
@@ -15,9 +16,15 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from lavis_ds.common.registry import position_providers
 from lavis_ds.common.suggest import did_you_mean
+from lavis_ds.models.positions import PositionProvider
 
 DEFAULT_MODEL_TYPE = "qwen2"  # what llm_config meant before it took a model_type
+# The position provider (lavis_ds.models.positions) of each family that does not take plain 1-D positions, by its
+# text model's transformers model_type: Qwen2-VL's and Qwen2.5-VL's text models take M-RoPE's three rows (and the
+# plain positions as a fourth row in front, for packed sample boundaries). Every other family: rope_1d.
+FAMILY_POSITIONS = {"qwen2_vl_text": "mrope", "qwen2_5_vl_text": "mrope"}
 
 
 def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
@@ -66,3 +73,8 @@ def decoder_layers(llm: nn.Module) -> list[nn.Module]:
         raise ValueError(f"cannot find the decoder layers of {type(llm).__name__}: its decoder has no `layers` "
                          f"ModuleList and no module of a class in _no_split_modules ({sorted(unsplit)})")
     return blocks
+
+
+def position_provider(config: PretrainedConfig) -> PositionProvider:
+    """How the LLM of ``config`` numbers its tokens (``FAMILY_POSITIONS``; 1-D unless the table says otherwise)."""
+    return position_providers.get(FAMILY_POSITIONS.get(getattr(config, "model_type", None), "rope_1d"))()

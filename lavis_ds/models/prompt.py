@@ -228,6 +228,16 @@ def pad_batch(
     return padded, mask
 
 
+def pad_positions(per_sample: Sequence[torch.Tensor], length: int, side: Literal["left", "right"]) -> torch.Tensor:
+    """Each sample's ``[k, L]`` position ids padded (with 0, as transformers leaves masked positions) to
+    ``[k, B, length]``, on the side ``pad_batch`` pads its tokens."""
+    out = torch.zeros((per_sample[0].shape[0], len(per_sample), length), dtype=torch.long)
+    for row, ids in enumerate(per_sample):
+        span = slice(length - ids.shape[1], length) if side == "left" else slice(0, ids.shape[1])
+        out[:, row, span] = ids
+    return out
+
+
 def image_counts(samples: dict[str, Any]) -> list[int]:
     """Images per sample of a batch: its ``num_images``, else one each (batches made before 0..N images);
     ``ValueError`` unless they add up to the rows of its flat ``image`` tensor (none without one)."""

@@ -39,7 +39,7 @@ from lavis_ds.models.eva_vit import DTYPES
 from lavis_ds.models.flops import FlopModel, Flops, compose
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems
+from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems, position_provider
 from lavis_ds.models.prompt import ChatPrompt
 from lavis_ds.models.vision_llm_forward import VisionLLMForward
 
@@ -159,6 +159,7 @@ class VisionLLM(VisionLLMForward):
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"])
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
+        self.positions = position_provider(self.llm_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
         if args["get_lora"] and not args["freeze_llm"]:
             raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")

@@ -15,9 +15,10 @@ from lavis_ds.models.base import BaseModel
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
 from lavis_ds.models.packing import pack
+from lavis_ds.models.positions import PositionProvider, Visual
 from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
                                            per_sample, select_images)
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, ImageSpanCut, image_counts, pad_batch
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, ImageSpanCut, image_counts, pad_batch, pad_positions
 from lavis_ds.models.vision_llm_batch import (blank_sample, keep_samples, log_drop, packed_image_order,
                                               sample_name, sample_of_positions)
 
@@ -43,6 +44,7 @@ class VisionLLMForward(BaseModel):
     llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA)
     loss_chunks: int
     llm_config: Any  # the LLM's transformers config (a VisionLLM property)
+    positions: PositionProvider  # how the LLM's family numbers its tokens (llm_families.position_provider)
 
     def _head_at_supervised_positions(self) -> bool:
         """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
@@ -84,11 +86,29 @@ class VisionLLMForward(BaseModel):
             return samples
         examples, samples = self._examples(samples, on_image_cut)
         extra = {**self.batch_fields(samples), "image_tokens": self.image_token_counts(samples)}
+        rope = self._rope_positions([ids for ids, _ in examples], samples)
         if pack_to is not None:
-            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX)}
+            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX, rope)}
         input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
         labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
+        if rope is not None:
+            extra["rope_position_ids"] = pad_positions(rope, input_ids.shape[1], side="right")
         return {**samples, **extra, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
+        """Each image as the LLM's position provider sees it (flat image order): its token count and, for an image
+        path that lays its tokens out on a grid, that grid of LLM tokens. Default: no grid (a Q-Former's queries, a
+        pooled tower's tokens are numbered as text is); an image path with a grid (Qwen-VL's) says."""
+        return [Visual(n) for n in self.image_token_counts(samples)]
+
+    def _rope_positions(self, sequences: list[list[int]], samples: dict[str, Any]) -> list[torch.Tensor] | None:
+        """Each sample's ``[rows, L]`` position ids from the LLM family's provider, when it takes more than one row
+        (M-RoPE); None for 1-D families, whose positions are ``0..L-1`` (packing's ``position_ids``)."""
+        if self.positions.rows == 1:
+            return None
+        visuals = per_sample(self.image_visuals(samples), image_counts(samples))
+        image_token = [self.prompt.image_token_id]
+        return [self.positions.positions(ids, image_token, mine) for ids, mine in zip(sequences, visuals, strict=True)]
 
     def _examples(self, samples: dict[str, Any], on_image_cut: str
                   ) -> tuple[list[tuple[list[int], list[int]]], dict[str, Any]]:
@@ -174,10 +194,15 @@ class VisionLLMForward(BaseModel):
         image = samples.get("image")
         device = self._device() if image is None else image.device
         input_ids, labels = samples["input_ids"].to(device), samples["labels"].to(device)
+        rope = samples.get("rope_position_ids")  # a family's rows beyond 1-D (M-RoPE's three)
         if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
-            layout = {"position_ids": samples["position_ids"].to(device)}
+            positions = samples["position_ids"]
+            # the plain positions in front: the row the text model reads packed sample boundaries from
+            layout = {"position_ids": (positions if rope is None else torch.cat([positions[None], rope])).to(device)}
         else:
             layout = {"attention_mask": samples["attention_mask"].to(device)}
+            if rope is not None:
+                layout["position_ids"] = rope.to(device)
         features = self.image_features(samples) if image_features is None else image_features
         has_images = batch_images(samples) > 0
         if has_images:  # the placeholders prepare_batch reserved, against the rows given (host integers: no sync)
