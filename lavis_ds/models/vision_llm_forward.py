@@ -296,6 +296,11 @@ class VisionLLMForward(BaseModel):
                        eos_token_id=self.stop_token_ids(), pad_token_id=self.pad_id, synced_gpus=synced_gpus,
                        suppress_tokens=[self.prompt.image_token_id])
         options.update(generate_kwargs)
+        rope = self._rope_positions(prompts, samples)
+        if rope is not None:
+            # The prompt's M-RoPE ids; generate continues each row at its last id + 1, which is a new token's plain
+            # position plus its sample's rope delta (what transformers' Qwen2-VL keeps as rope_deltas).
+            options["position_ids"] = pad_positions(rope, input_ids.shape[1], side="left").to(device)
         # With only inputs_embeds, generate returns just the new tokens.
         new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
         return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
