@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lavis_ds.common.errors import LavisDsError
-from lavis_ds.datasets.lengths import fit_token_estimate
+from lavis_ds.datasets.lengths import counted_by, fit_token_estimate
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.image_tokens import image_sizes, select_images
 from lavis_ds.models.prompt import ImageSpanCut
@@ -108,6 +108,20 @@ def test_a_cut_sample_is_dropped_with_its_images_and_counted(model, caplog, pack
         with torch.no_grad():
             out = model(blank)
         assert int(out["num_tokens"]) == 0 and float(out["loss"]) == 0.0
+    finally:
+        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+
+
+def test_token_counting_for_a_budget_takes_a_cut_samples_whole_length(model):
+    """The token budget's calibration counts a sample truncation would cut into an image (training drops or refuses
+    it) at its whole length, instead of stopping the run before it starts."""
+    texts = [{"instruction": t, "output": o, "num_images": n} for t, o, n in
+             zip(_batch()["instruction"], _batch()["output"], _batch()["num_images"])]
+    whole = counted_by(model.prepare_batch)(texts)
+    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, _batch()))
+    try:
+        assert whole[2] > model.prompt.max_len >= max(whole[:2])  # only the third is cut
+        assert counted_by(model.prepare_batch)(texts) == whole
     finally:
         model.prompt = dataclasses.replace(model.prompt, max_len=512)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from lavis_ds.common.errors import InputError
+from lavis_ds.common.errors import ImageSpanCut, InputError
 from lavis_ds.common.seeding import SeededDataset
 from lavis_ds.datasets.mixing import MixedDataset
 
@@ -153,12 +153,28 @@ def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any
 
 def counted_by(prepare_batch: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[list[dict]], list[int]]:
     """Exact tokens of text-only samples (``text_sample``'s) as a model's ``prepare_batch`` lays them out for
-    training; no image is read."""
-    def count(samples: list[dict]) -> list[int]:
+    training; no image is read. A sample truncation would cut into an image (which training drops or refuses)
+    counts its whole length: the fit leaves out samples at the model's limit."""
+    def batch_of(samples: list[dict]) -> dict[str, Any]:
         batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
         batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
         sizes = [sample.get("image_sizes") for sample in samples]
         if all(s is not None for s in sizes):  # what the model's tokens_for_image counts the images by
             batch["image_sizes"] = [size for sample_sizes in sizes for size in sample_sizes]
-        return prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
+        return batch
+
+    def tokens(samples: list[dict]) -> list[int]:
+        return prepare_batch(batch_of(samples))["attention_mask"].sum(dim=1).tolist()
+
+    def count(samples: list[dict]) -> list[int]:
+        try:
+            return tokens(samples)
+        except ImageSpanCut:  # one by one, to find the cut ones
+            counts = []
+            for sample in samples:
+                try:
+                    counts += tokens([sample])
+                except ImageSpanCut as cut:
+                    counts.append(cut.length)
+            return counts
     return count

@@ -20,7 +20,7 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lavis_ds.common.errors import LavisDsError
+from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplate, check_turns, template_text, unstable_render
 from lavis_ds.models.image_tokens import batch_images
 
@@ -31,24 +31,6 @@ IMAGE_HERE = "<ImageHere>"  # MiniGPT4Qwen's marker for where the image goes
 DEFAULT_IMAGE_PREFIX = f"<Img>{IMAGE_HERE}</Img> "
 
 Turns = Sequence[str]
-
-
-class ImageSpanCut(LavisDsError, ValueError):
-    """Truncation at ``max_len`` would cut into (or drop) a sample's image placeholders: the sample cannot be kept
-    whole, so ``prepare_batch`` drops it or refuses it (``run.sft.on_image_cut``)."""
-
-    def __init__(self, max_len: int, last_image_pos: int, length: int, where: str = "a sample"):
-        super().__init__(f"{where}: max_txt_len={max_len} would cut the image placeholders of its {length} tokens "
-                         f"(the last one is token {last_image_pos}); raise model.max_txt_len, or set "
-                         "run.sft.on_image_cut: drop to leave such samples out")
-        self.max_len, self.last_image_pos, self.length, self.where = max_len, last_image_pos, length, where
-
-    def at(self, where: str) -> "ImageSpanCut":
-        """The same cut, naming the sample."""
-        return type(self)(self.max_len, self.last_image_pos, self.length, where)
-
-    def __reduce__(self):  # picklable although __init__ takes more than the message
-        return type(self), (self.max_len, self.last_image_pos, self.length, self.where)
 
 
 def as_turns(value: str | Turns) -> list[str]:

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.image_tokens import GRID_KEY, SIZES_KEY, select_images
-from lavis_ds.models.prompt import IGNORE_INDEX, ImageSpanCut, image_counts
+from lavis_ds.models.prompt import IGNORE_INDEX, image_counts
 
 logger = logging.getLogger(__name__)
 
