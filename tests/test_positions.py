@@ -48,8 +48,9 @@ def _reference(model, ids: list[int], visuals, **extra) -> tuple[torch.Tensor, i
     input_ids = torch.tensor([ids])
     kinds = torch.tensor([[1 if t == IMAGE else 2 if t == VIDEO else 0 for t in ids]])
     grids = {kind: torch.tensor([g for k, g in visuals if k == kind]) for kind in (IMAGE, VIDEO)}
-    positions, deltas = model.get_rope_index(input_ids, kinds, image_grid_thw=grids[IMAGE] if len(grids[IMAGE]) else None,
-                                             video_grid_thw=grids[VIDEO] if len(grids[VIDEO]) else None, **extra)
+    grids = {kind: grid if len(grid) else None for kind, grid in grids.items()}
+    positions, deltas = model.get_rope_index(input_ids, kinds, image_grid_thw=grids[IMAGE],
+                                             video_grid_thw=grids[VIDEO], **extra)
     return positions[:, 0], int(deltas[0, 0])
 
 
@@ -71,8 +72,8 @@ def qwen2_vl():
 def qwen2_5_vl():
     with torch.device("meta"):
         return Qwen2_5_VLModel(Qwen2_5_VLConfig(
-            text_config=TEXT_CONFIG, vision_config={"depth": 1, "hidden_size": 16, "out_hidden_size": 16, "num_heads": 2,
-                                                    "intermediate_size": 32, "tokens_per_second": 4}))
+            text_config=TEXT_CONFIG, vision_config={"depth": 1, "hidden_size": 16, "out_hidden_size": 16,
+                                                    "num_heads": 2, "intermediate_size": 32, "tokens_per_second": 4}))
 
 
 @pytest.mark.parametrize("name", list(SAMPLES))

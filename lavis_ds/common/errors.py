@@ -55,7 +55,8 @@ class ConfigError(InputError, ValueError):
 
 class ImageSpanCut(LavisDsError, ValueError):
     """Truncation at ``max_len`` would cut into (or drop) a sample's image placeholders: the sample cannot be kept
-    whole, so ``prepare_batch`` drops it or refuses it (``run.sft.on_image_cut``). Raised by ``lavis_ds.models.prompt.ChatPrompt``."""
+    whole, so ``prepare_batch`` drops it or refuses it (``run.sft.on_image_cut``). Raised by
+    ``lavis_ds.models.prompt.ChatPrompt``."""
 
     def __init__(self, max_len: int, last_image_pos: int, length: int, where: str = "a sample"):
         super().__init__(f"{where}: max_txt_len={max_len} would cut the image placeholders of its {length} tokens "

@@ -53,7 +53,8 @@ def _first_fit(order: Iterable[int], lengths: Sequence[int], max_len: int) -> li
 
 
 def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, pad_id: int,
-         ignore_index: int, rope_positions: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor | list[int]]:
+         ignore_index: int, rope_positions: Sequence[torch.Tensor] | None = None
+         ) -> dict[str, torch.Tensor | list[int]]:
     """``examples`` (input_ids, labels) packed: ``input_ids``, ``labels``, ``position_ids`` ``[rows, longest row]``,
     ``attention_mask`` (1 where a token stands, 0 in the tails: for counting, the model passes positions instead),
     ``sample_lengths`` (for counting attention FLOPs) and ``order`` (the sample index of each packed sample, in row-major order).

@@ -12,12 +12,12 @@ from typing import Any, Literal
 import torch
 
 from lavis_ds.models.base import BaseModel
+from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
+                                           per_sample, select_images)
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
 from lavis_ds.models.packing import pack
 from lavis_ds.models.positions import PositionProvider, Visual
-from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
-                                           per_sample, select_images)
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, ImageSpanCut, image_counts, pad_batch, pad_positions
 from lavis_ds.models.vision_llm_batch import (blank_sample, keep_samples, log_drop, packed_image_order,
                                               sample_name, sample_of_positions)
@@ -45,6 +45,7 @@ class VisionLLMForward(BaseModel):
     loss_chunks: int
     llm_config: Any  # the LLM's transformers config (a VisionLLM property)
     positions: PositionProvider  # how the LLM's family numbers its tokens (llm_families.position_provider)
+    image_cut_drops: int = 0  # samples prepare_batch dropped in this process (on_image_cut: drop), for the log
 
     def _head_at_supervised_positions(self) -> bool:
         """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
@@ -124,7 +125,7 @@ class VisionLLMForward(BaseModel):
                 where = sample_name(samples, i)
                 if on_image_cut != "drop":
                     raise cut.at(where) from None
-                self.image_cut_drops = getattr(self, "image_cut_drops", 0) + 1
+                self.image_cut_drops += 1
                 log_drop(where, cut, self.image_cut_drops)
         if len(kept) == len(counts):
             return examples, samples
