@@ -150,3 +150,13 @@ def test_the_token_budget_counts_each_images_own_tokens():
     assert estimate.tokens((20, 100, 1, 1), 576) - estimate.tokens((20, 100, 1, 1), 64) == 512
     averaged = fit_token_estimate(shapes, exact, longest=4096)  # without the counts: one figure per image
     assert averaged.tokens((20, 100, 1, 1)) != estimate.tokens((20, 100, 1, 1), 576)
+
+
+@pytest.mark.parametrize("section, problem", [
+    ({"on_image_cut": "skip"}, "run.sft.on_image_cut: expected 'drop' | 'refuse', got 'skip'"),
+    ({"on_image_cutt": "drop"}, "run.sft.on_image_cutt: unknown key; did you mean 'on_image_cut'?")])
+def test_a_bad_on_image_cut_is_named_with_what_is_valid(section, problem):
+    from lavis_ds.objectives.config import objective_problems
+
+    assert objective_problems({"sft": section}) == [problem]
+    assert objective_problems({"sft": {"on_image_cut": "refuse"}}) == []
