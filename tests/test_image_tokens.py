@@ -160,3 +160,13 @@ def test_a_bad_on_image_cut_is_named_with_what_is_valid(section, problem):
 
     assert objective_problems({"sft": section}) == [problem]
     assert objective_problems({"sft": {"on_image_cut": "refuse"}}) == []
+
+
+def test_a_prompt_without_a_fixed_count_places_each_images_own(model):
+    """A prompt of a model whose count depends on the image reserves what each call gives, per image in order."""
+    prompt = dataclasses.replace(model.prompt, num_image_tokens=None)
+    ids = prompt.generation_prompt(["<ImageHere> a <ImageHere> b"], (), 2, image_tokens=[3, 5])
+    runs = "".join("x" if t == prompt.image_token_id else " " for t in ids).split()
+    assert runs == ["xxx", "xxxxx"]
+    with pytest.raises(ValueError, match="no fixed count of tokens per image"):
+        prompt.training_example(["<ImageHere> a"], ["b"])
