@@ -219,6 +219,7 @@ class InstructionDataset(Dataset):
             "output": [self._text(t) for t in record.outputs],
             # What evaluation scores the generated answer against (raw: metrics normalise for themselves).
             "references": list(record.references or record.outputs[-1:]),
+            "system": record.system,  # the record's own system turn; None: model.system_prompt
             "index": index,
         }
 
@@ -231,7 +232,7 @@ class InstructionDataset(Dataset):
         if record.video:
             instructions = expand_video_marker(instructions, self.max_frames)
         return {"instruction": instructions, "output": [self._text(t) for t in record.outputs],
-                "num_images": num_images}
+                "num_images": num_images, "system": record.system}
 
     def image_name(self, index: int) -> str | None:
         """The record's image (or video) path as the annotation file gives it, several joined by ", " (for reports)."""
@@ -301,7 +302,7 @@ class InstructionDataset(Dataset):
     @staticmethod
     def collater(samples: Iterable[dict[str, Any]]) -> dict[str, Any]:
         """One flat ``image`` tensor of every sample's images in order, ``num_images`` per sample; turns as
-        lists of lists (one inner list per sample)."""
+        lists of lists (one inner list per sample); ``system`` per sample (None: the model's own)."""
         samples = list(samples)
         images = [s["image"] for s in samples if len(s["image"])]
         return {
@@ -311,5 +312,6 @@ class InstructionDataset(Dataset):
             "instruction": [list(s["instruction"]) for s in samples],
             "output": [list(s["output"]) for s in samples],
             "references": [list(s["references"]) for s in samples],
+            "system": [s.get("system") for s in samples],
             "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
         }

@@ -139,7 +139,8 @@ def counted_by(prepare_batch: Callable[[dict[str, Any]], dict[str, Any]]) -> Cal
     """Exact tokens of text-only samples (``text_sample``'s) as a model's ``prepare_batch`` lays them out for
     training; no image is read."""
     def count(samples: list[dict]) -> list[int]:
-        batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
+        batch = {key: [sample.get(key) for sample in samples] for key in ("instruction", "output", "num_images",
+                                                                           "system")}
         batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
         return prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
     return count

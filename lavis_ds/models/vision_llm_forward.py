@@ -14,9 +14,8 @@ import torch
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
-from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch
-from lavis_ds.models.vision_llm_batch import packed_image_order, sample_of_positions
+from lavis_ds.models.vision_llm_batch import packed_image_order, sample_of_positions, token_batch
 
 
 class VisionLLMForward(BaseModel):
@@ -62,14 +61,8 @@ class VisionLLMForward(BaseModel):
         (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``)."""
         if "labels" in samples:
             return samples
-        examples = [self.prompt.training_example(ins, out, n) for ins, out, n in
-                    zip(samples["instruction"], samples["output"], image_counts(samples), strict=True)]
         extra = self.batch_fields(samples)
-        if pack_to is not None:
-            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX)}
-        input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
-        labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
-        return {**samples, **extra, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {**samples, **extra, **token_batch(self.prompt, samples, self.pad_id, pack_to)}
 
     def supervised_tokens(self, samples: dict[str, Any]) -> int:
         """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
@@ -185,15 +178,17 @@ class VisionLLMForward(BaseModel):
         empty or left out for text-only samples), ``instruction`` (turns per sample),
         optionally ``output`` (the answers of the earlier turns) and ``num_images`` (images
         per sample, default 1 each; each image has its ``<ImageHere>`` marker in the
-        sample's turns, one image may go unmarked). ``synced_gpus`` must be true under
+        sample's turns, one image may go unmarked) and ``system`` (each sample's own system turn, None: the
+        model's ``system_prompt``). ``synced_gpus`` must be true under
         ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
         Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
         """
         image = samples.get("image")
         answers = samples.get("output") or [()] * len(samples["instruction"])
+        systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
-        prompts = [self.prompt.generation_prompt(ins, out, n)
-                   for ins, out, n in zip(samples["instruction"], answers, num_images, strict=True)]
+        prompts = [self.prompt.generation_prompt(ins, out, n, system)
+                   for ins, out, n, system in zip(samples["instruction"], answers, num_images, systems, strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         device = self._device() if image is None else image.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
