@@ -66,7 +66,7 @@ class ShownSample:
 
 def show(args: argparse.Namespace) -> str:
     """The text ``main`` prints for ``args``."""
-    prompt, dataset, where, image, pack_to = _sample_source(args)
+    prompt, dataset, where, image, pack_to = sample_source(args)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     return "\n\n".join(describe(prompt, shown, image, color, pack_to)
                         for shown in training_sequences(prompt, dataset, args.index, where, pack_to))
@@ -74,12 +74,13 @@ def show(args: argparse.Namespace) -> str:
 
 def shown_samples(args: argparse.Namespace) -> list[ShownSample]:
     """What ``show`` prints, as token ids and labels (for checking them against the model's)."""
-    prompt, dataset, where, _, pack_to = _sample_source(args)
+    prompt, dataset, where, _, pack_to = sample_source(args)
     return training_sequences(prompt, dataset, args.index, where, pack_to)
 
 
-def _sample_source(args: argparse.Namespace) -> tuple[ChatPrompt, Any, str, str | None, int | None]:
-    """``(prompt, dataset, where, image name, pack_to)`` of the sample ``args`` names."""
+def sample_source(args: argparse.Namespace) -> tuple[ChatPrompt, Any, str, str | None, int | None]:
+    """``(prompt, dataset, where, image name, pack_to)`` of the sample ``args`` names: the run's prompt, the split of
+    its section, and training's packing (its row length, None unpacked)."""
     import lavis_ds  # noqa: F401  (fills the registries)
     from lavis_ds.build import prepare_datasets
     from lavis_ds.config import load_config
