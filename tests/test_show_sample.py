@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from families import FAMILIES, tokenizer_dir
@@ -151,6 +152,19 @@ def _model_ids(model, dataset, index: int, pack_to: int | None = None) -> list[l
     return [row[mask.bool()].tolist() for row, mask in zip(prepared["input_ids"], prepared["attention_mask"])]
 
 
+def _trains(model, batch, pack_to):
+    """A training step's forward and backward on the batch: a finite loss in the graph of the trainable weights (a
+    text-only sample gives them zero gradient with the LLM frozen: docs/data.md)."""
+    from lavis_ds.objectives import Simpo
+
+    prepared = Simpo().prepare(model, batch) if "chosen" in batch else model.prepare_batch(batch, pack_to=pack_to)
+    model.zero_grad()
+    out = model(prepared)
+    loss = out["loss"] if "loss" in out else sum(out["loss_sums"].values())  # an objective's summed losses
+    loss.backward()
+    assert torch.isfinite(loss) and loss > 0 and model.llm_proj.weight.grad is not None
+
+
 @pytest.mark.parametrize("run, packing", [("sft", False), ("sft", True), ("dpo", False)])
 def test_show_sample_shows_the_ids_the_training_forward_receives(every_kind, run, packing, capsys):
     """Every sample of every section: show-sample's ids equal the model's, and the text-only, own-system and
@@ -165,7 +179,7 @@ def test_show_sample_shows_the_ids_the_training_forward_receives(every_kind, run
     options = ["run.packing=true", "run.max_seq_len=4096"] if packing else []
     cfg = load_config(yaml_path, options)
     model = build_model(cfg.model).eval()
-    kinds = set()
+    kinds, trained = set(), set()
     for name, splits in build_datasets(cfg.datasets).items():
         dataset = splits["train"]
         # show-sample's own reading of the config and the section (once per section: it takes a second)
@@ -181,6 +195,9 @@ def test_show_sample_shows_the_ids_the_training_forward_receives(every_kind, run
             system = dataset[index]["system"]
             if system is not None:
                 assert f"<|im_start|>system\n{system}<|im_end|>" in text and "helpful assistant" not in text
+                if name not in trained and not packing:  # once per section: it trains on the ids compared above
+                    _trains(model, dataset.collater([dataset[index]]), None)
+                    trained.add(name)
             kinds.add((images > 0, dataset[index]["num_images"] > 1, system is not None))
     # text-only, one image, several images (or frames); with and without a system turn of the record's own
     assert kinds >= ({(False, False, True), (True, False, False), (True, True, False)} if run == "sft"
