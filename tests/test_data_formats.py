@@ -428,7 +428,8 @@ def test_quoted_chat_records_load_with_their_own_system_turns(tmp_path):
         _image(tmp_path / name)
     two_images, one_image = _chat_records("llamafactory_mllm_demo.json", tmp_path)
     assert two_images.system is None and two_images.images == ("mllm_demo_data/1.jpg",) * 2
-    assert two_images.instructions == (f"{IMAGE_PLACEHOLDER} Who are they?", f"{IMAGE_PLACEHOLDER} What are they doing?")
+    assert two_images.instructions == (f"{IMAGE_PLACEHOLDER} Who are they?",
+                                       f"{IMAGE_PLACEHOLDER} What are they doing?")
     assert one_image.instructions == (f"{IMAGE_PLACEHOLDER} Who is he?", "Why is he on the ground?")
 
 
@@ -440,7 +441,8 @@ def test_a_chat_section_serves_each_samples_system_turn(tmp_path):
         "images": {"storage": str(tmp_path)}}}
     train = reg.builders.get("chat_messages")(section).build()["train"]
     batch = train.collater([train[1], train[0]])
-    assert batch["system"] == ["You are a useful and harmless math calculator", "You are a useful and harmless assistant"]
+    assert batch["system"] == ["You are a useful and harmless math calculator",
+                               "You are a useful and harmless assistant"]
     assert batch["num_images"] == [0, 0] and batch["image"].shape[0] == 0
     assert train.text_sample(0)["system"] == "You are a useful and harmless assistant"  # counted by token budgets
 

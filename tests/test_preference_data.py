@@ -66,7 +66,8 @@ def test_llamafactory_sharegpt_ranking_records_load(image_root):
 def test_chinese_pairs_with_their_own_system_turns_load(image_root):
     (shoes,) = _load("llamafactory_dpo_zh_demo.json", "sharegpt", image_root)
     assert shoes.system == "你是一个非常聪明的AI助手，非常擅长按照指示行事。尽你所能地帮助。"
-    assert shoes.instructions[0].startswith("请阅读以下文章并选择最佳答案。") and shoes.chosen == "每个房间里的展品都共享相同的主题。"
+    assert shoes.instructions[0].startswith("请阅读以下文章并选择最佳答案。")
+    assert shoes.chosen == "每个房间里的展品都共享相同的主题。"
     weather, math = _load("swift_rlhf_text_zh.jsonl", "swift", image_root)
     assert (weather.system, weather.instructions, weather.chosen, weather.rejected) == (
         "你是个有用无害的助手", ("告诉我明天的天气",), "明天天气晴朗", "我不知道")

@@ -182,7 +182,8 @@ class ChatPrompt:
         keep their answers.
 
         ``num_images`` other than 1: the instructions mark each image with ``<ImageHere>``, in image order.
-        ``system``: the conversation's own system turn, as in ``training_example``. Not truncated: cutting the end would drop the question or the assistant header.
+        ``system``: the conversation's own system turn, as in ``training_example``.
+        Not truncated: cutting the end would drop the question or the assistant header.
         """
         instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
                                                  num_images)

@@ -239,7 +239,8 @@ def precomputed_store(trainer: Any, resuming: bool) -> ReferenceStore:
             dataset = concat(trainer.data.datasets, [split])
             scored = store.compute(trainer.engine, ReferenceScorer(), dataset, run.batch_size_eval, trainer.rank,
                                    trainer.world_size, split)
-            summary[split] = {"pairs": len(dataset), "distinct": len(scored), "logps/accuracies": preference_accuracy(scored)}
+            summary[split] = {"pairs": len(dataset), "distinct": len(scored),
+                              "logps/accuracies": preference_accuracy(scored)}
             if trainer.rank == 0:
                 print(f"lavis_ds: reference pass, {split}: {reference_line(summary[split])}", flush=True)
     store.finish(trainer.rank, summary)
