@@ -72,12 +72,6 @@ def show(args: argparse.Namespace) -> str:
                         for shown in training_sequences(prompt, dataset, args.index, where, pack_to))
 
 
-def shown_samples(args: argparse.Namespace) -> list[ShownSample]:
-    """What ``show`` prints, as token ids and labels (for checking them against the model's)."""
-    prompt, dataset, where, _, pack_to = sample_source(args)
-    return training_sequences(prompt, dataset, args.index, where, pack_to)
-
-
 def sample_source(args: argparse.Namespace) -> tuple[ChatPrompt, Any, str, str | None, int | None]:
     """``(prompt, dataset, where, image name, pack_to)`` of the sample ``args`` names: the run's prompt, the split of
     its section, and training's packing (its row length, None unpacked)."""

@@ -16,8 +16,8 @@ turn (for templates without a system role).
 """
 from __future__ import annotations
 
-import logging
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
