@@ -124,7 +124,7 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
                                  Blip2ImageEvalProcessor(image_size=16), max_frames=4)
     for index in range(3):
         loaded, text = dataset[index], dataset.text_sample(index)
-        assert text == {key: loaded[key] for key in ("instruction", "output", "num_images")}
+        assert text == {key: loaded[key] for key in ("instruction", "output", "num_images", "system")}
     assert [shape_of(dataset, i)[2:] for i in range(3)] == [(1, 0), (1, 2), (1, 4)]
 
     model = Blip2Qwen.from_config(tiny_model_config)

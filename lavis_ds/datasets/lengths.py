@@ -57,7 +57,7 @@ def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int, int]:
     """(words, characters, turns, images) of a record: what its token count grows with. A video counts the
     frames its dataset samples at most (``max_frames``)."""
     record = leaf.records[local]
-    texts = (*record.instructions, *record.outputs)
+    texts = (*record.instructions, *record.outputs, *((record.system,) if record.system else ()))  # its own system
     images = len(record.images) + (leaf.max_frames if record.video else 0)
     return sum(len(text.split()) for text in texts), sum(map(len, texts)), len(record.instructions), images
 
