@@ -69,8 +69,6 @@ class _Page:
 
     def ask(self, question: str, session: ChatSession | None, chat: list[dict], seed_value: float | None,
             system: str | None, *settings: Any) -> Iterator[tuple]:
-        import gradio as gr
-
         session = self.session_of(session)
         try:
             session.settings = self.settings(settings)
@@ -79,7 +77,7 @@ class _Page:
             session.system = (system or "").strip() or None  # empty: the model's own system_prompt
             pieces = session.ask(question)
         except ValueError as e:
-            gr.Warning(str(e))
+            _warn(str(e))
             yield question, chat, session, self.images_note(session)
             return
         chat = chat + [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
@@ -91,7 +89,7 @@ class _Page:
                 chat[-1] = {"role": "assistant", "content": text}
                 yield "", chat, session, self.images_note(session)
         except (Interrupted, ValueError) as e:
-            gr.Warning(str(e))
+            _warn(str(e))
         chat[-1] = {"role": "assistant", "content": session.turns[-1].answer if session.turns else text}
         yield "", chat, session, self.images_note(session)
 
@@ -106,6 +104,13 @@ class _Page:
         if session is not None:
             session.reset()
         return session, [], None, self.images_note(session)
+
+
+def _warn(message: str) -> None:
+    """A warning on the page (gradio imported only then: the handlers run without it in tests)."""
+    import gradio as gr
+
+    gr.Warning(message)
 
 
 def _setting_controls(defaults: GenerationSettings, context: int) -> list:
