@@ -464,12 +464,14 @@ CHAT_BAD = [
      r"record 0: 'system' must be a string \(the record's system prompt\), got 3"),
     ({"messages": [{"role": "tool", "content": "Q"}]}, r"record 0: messages\[0\] has role 'tool'; valid: human, user"),
     ({"instruction": "Q", "output": "A"}, r"record 0: missing 'messages' \(or 'conversations'\)"),
+    ({"messages": [{"role": "system", "content": "S"}]},
+     r"record 0: 'messages' holds only a system turn: a record needs a user turn and its answer"),
 ]
 
 
 @pytest.mark.parametrize("record, message", CHAT_BAD, ids=["system-not-first", "two-system-turns",
                                                           "system-column-and-turn", "system-not-text", "role",
-                                                          "no-turns"])
+                                                          "no-turns", "only-system"])
 def test_each_bad_chat_record_is_named_with_what_would_be_valid(tmp_path, record, message):
     from lavis_ds.datasets.messages import parse_messages_file
 

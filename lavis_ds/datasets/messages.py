@@ -91,6 +91,8 @@ def parse_messages_record(raw: Any, source: Path, position: int) -> InstructionR
     where = record_where(source, position, visual=f"images {list(images)}" if images else None)
     turn_system, turns = conversation(raw[key], key, where)
     system = record_system(raw, turn_system, key, where)
+    if not turns:
+        raise BadRecord(where, f"{key!r} holds only a system turn: a record needs a user turn and its answer")
     instructions, outputs = conversation_pairs(turns, where, len(images))
     return InstructionRecord(images, instructions, outputs, source, position, system=system)
 
