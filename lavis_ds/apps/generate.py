@@ -57,7 +57,7 @@ class Sample:
         record = dataset.records[self.record]
         line = {"index": self.index, "id": record.record_id, "image": record.image,
                 "prompt": record.instructions[-1], "references": list(self.references)}
-        if record.system is not None:  # the record's own system turn: what the model was asked with
+        if record.system is not None:  # the record's own system turn: what the model is asked with
             line["system"] = record.system
         if len(record.instructions) > 1:
             line["history"] = [list(turn) for turn in zip(record.instructions[:-1], record.outputs[:-1])]
