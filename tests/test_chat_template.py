@@ -3,6 +3,7 @@ tokenizer_config.json files) and the answer-only mask derived from the render, f
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,21 +132,30 @@ def test_a_samples_own_system_turn_renders_as_the_models_own_system_prompt_would
         prompt.training_example(QUESTIONS[:1], ANSWERS[:1])
 
 
-def test_gemma_refuses_a_records_system_turn_naming_the_record_unless_folded(tokenizers):
+def test_gemma_refuses_a_records_system_turn_naming_the_record_unless_folded(tokenizers, tmp_path):
+    from lavis_ds.common import registry as reg
     from lavis_ds.models.vision_llm_batch import token_batch
 
+    quoted = Path(__file__).parent / "fixtures" / "chat_messages" / "swift_sft_en.jsonl"  # ms-swift's own examples
+    section = {"builder": "chat_messages", "build_info": {"annotations": {"train": {"storage": str(quoted)}},
+                                                          "images": {"storage": str(tmp_path)}}}
+    train = reg.builders.get("chat_messages")(section).build()["train"]
     prompt = chat_prompt(tokenizers, "gemma2")
-    samples = {"instruction": [QUESTIONS[:1], QUESTIONS[:1]], "output": [ANSWERS[:1]] * 2, "num_images": [1, 1],
-               "image": torch.zeros(2, 3, 4, 4), "system": [None, OWN_SYSTEM], "index": [3, 7]}
-    with pytest.raises(ChatTemplateError, match=r"^record 7: the chat template of '.*gemma2' takes no system message, "
-                                                r"and the sample has its own \('You are a useful and harmless math "
-                                                r"calculator'\); set model.record_system_prompt: fold"):
-        token_batch(prompt, samples, 0)
+    with pytest.raises(ChatTemplateError, match=r"swift_sft_en\.jsonl: record 1: the chat template of '.*gemma2' takes "
+                                                r"no system message, and the sample has its own \('You are a useful "
+                                                r"and harmless math calculator'\); set model.record_system_prompt: "
+                                                r"fold"):
+        token_batch(prompt, train.collater([train[1]]), 0)
     folded = chat_prompt(tokenizers, "gemma2", record_system_prompt="fold")
     ids, _ = folded.training_example(QUESTIONS[:1], ANSWERS[:1], system=OWN_SYSTEM)
     # Gemma's own way with a system message (Gemma 3's template): its text and a blank line open the first user turn
     assert ids == prompt.training_example([f"{OWN_SYSTEM}\n\n{QUESTIONS[0]}"], ANSWERS[:1])[0]
     assert tokenizers["gemma2"].decode(ids).startswith(f"<bos><start_of_turn>user\n{OWN_SYSTEM}\n\n<Img>")
+    # a batch without a file's records (built in code) names the sample by its index
+    samples = {"instruction": [QUESTIONS[:1]], "output": [ANSWERS[:1]], "num_images": [1],
+               "image": torch.zeros(1, 3, 4, 4), "system": [OWN_SYSTEM], "index": [7]}
+    with pytest.raises(ChatTemplateError, match=r"^record 7: the chat template of"):
+        token_batch(prompt, samples, 0)
 
 
 def test_a_template_that_breaks_the_prefix_property_is_refused(tmp_path):

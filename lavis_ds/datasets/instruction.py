@@ -220,6 +220,7 @@ class InstructionDataset(Dataset):
             # What evaluation scores the generated answer against (raw: metrics normalise for themselves).
             "references": list(record.references or record.outputs[-1:]),
             "system": record.system,  # the record's own system turn; None: model.system_prompt
+            "where": record.where(),  # names the record in errors found when the batch is tokenized
             "index": index,
         }
 
@@ -313,5 +314,6 @@ class InstructionDataset(Dataset):
             "output": [list(s["output"]) for s in samples],
             "references": [list(s["references"]) for s in samples],
             "system": [s.get("system") for s in samples],
+            "where": [s.get("where") for s in samples],
             "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
         }

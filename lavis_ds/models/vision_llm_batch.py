@@ -16,9 +16,10 @@ from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_b
 
 
 def sample_names(samples: dict[str, Any]) -> list[str]:
-    """How messages name each sample of a batch: its ``where`` (a pair's side), else its record index."""
+    """How messages name each sample of a batch: its ``where`` (its record's file and position; a pair's side),
+    else its record index."""
     count = len(samples["instruction"])
-    if samples.get("where") is not None:
+    if samples.get("where") is not None and None not in samples["where"]:
         return list(samples["where"])
     index = samples.get("index")
     return [f"record {int(i)}" for i in index] if index is not None else [f"sample {i} of the batch"

@@ -30,7 +30,8 @@ def side_batch(pairs: dict[str, Any]) -> dict[str, Any]:
     history = pairs.get("output") or [[] for _ in pairs["instruction"]]
     image = pairs.get("image")
     index = pairs.get("index")
-    where = None if index is None else [f"pair {int(i)} ({side})" for side in ("chosen", "rejected") for i in index]
+    names = pairs.get("where") or (None if index is None else [f"pair {int(i)}" for i in index])
+    where = None if names is None else [f"{name} ({side})" for side in ("chosen", "rejected") for name in names]
     return {
         "instruction": [list(turns) for turns in pairs["instruction"]] * 2,
         "output": ([list(h) + [c] for h, c in zip(history, pairs["chosen"], strict=True)]
