@@ -1,10 +1,13 @@
-"""Print one training sample as the model sees it: the rendered prompt, the image placeholders, the loss mask.
+"""Print one training sample as the model sees it: the token ids the training forward receives, rendered, with the
+image placeholders and the loss mask.
 
     python -m lavis_ds.show_sample --cfg-path projects/demo/tiny_zero2.yaml [--options k=v ...]
                                    [--index N] [--split train] [--dataset NAME] [--color auto|always|never]
 
 It reads the run's real dataset (annotation files, image and text processors) and the
-model's tokenizer and chat template, and builds no model weights. Supervised tokens
+model's tokenizer and chat template, and builds no model weights. The ids come from the functions training
+calls (the dataset's sample and collater, the model's tokenizing): the record's real image and video-frame
+counts, its own system turn, a pair's two sides, and the packed layout when the run packs. Supervised tokens
 (what the loss is computed on: each answer and its end-of-turn token) are shown
 between ``[[`` and ``]]`` (in green on a terminal); each run of image placeholders is
 collapsed to ``<image xN>``. The last line counts the tokens: total, image, supervised.
@@ -20,6 +23,7 @@ from typing import Any
 from lavis_ds.common.errors import LavisDsError, message_of, report
 from lavis_ds.models.chat_template import GENERATION_BLOCK, template_text
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt
+from lavis_ds.models.vision_llm_batch import token_batch
 
 OPEN, CLOSE = "[[", "]]"  # around supervised text when not in colour
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -49,8 +53,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ShownSample:
+    """One sequence exactly as the training forward receives it (a pair gives two, its chosen and rejected side)."""
+
+    where: str
+    ids: list[int]
+    labels: list[int]
+    untruncated: int  # its length before the cut at max_txt_len
+    packed: bool = False  # laid out by run.packing: positions restart at 0 where it starts in its row
+
+
 def show(args: argparse.Namespace) -> str:
     """The text ``main`` prints for ``args``."""
+    prompt, dataset, where, image, pack_to = sample_source(args)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    return "\n\n".join(describe(prompt, shown, image, color, pack_to)
+                        for shown in training_sequences(prompt, dataset, args.index, where, pack_to))
+
+
+def sample_source(args: argparse.Namespace) -> tuple[ChatPrompt, Any, str, str | None, int | None]:
+    """``(prompt, dataset, where, image name, pack_to)`` of the sample ``args`` names: the run's prompt, the split of
+    its section, and training's packing (its row length, None unpacked)."""
     import lavis_ds  # noqa: F401  (fills the registries)
     from lavis_ds.build import prepare_datasets
     from lavis_ds.config import load_config
@@ -63,15 +87,49 @@ def show(args: argparse.Namespace) -> str:
     name, dataset = dataset_of(cfg, args.split, args.dataset, parsed_files)
     if not 0 <= args.index < len(dataset):
         raise IndexError(f"--index {args.index}: datasets.{name} split {args.split!r} has {len(dataset)} samples")
-    sample = dataset[args.index]
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    where, image = f"datasets.{name} {args.split}[{args.index}]", _image_name(dataset, sample)
-    if "chosen" in sample:  # a preference pair: both sides, each with its last answer supervised (as DPO scores it)
-        return "\n\n".join(describe(prompt, {"instruction": sample["instruction"],
-                                               "output": [*sample["output"], sample[side]]},
-                                      f"{where} ({side})", image, color, last_answer_only=True)
-                             for side in ("chosen", "rejected"))
-    return describe(prompt, sample, where, image, color)
+    # Training packs its own micro-batches only (runners.data): evaluation splits are padded.
+    pack_to = cfg.run.get("max_seq_len") if cfg.run.get("packing") and args.split == "train" else None
+    return prompt, dataset, f"datasets.{name} {args.split}[{args.index}]", _image_name(dataset, args.index), pack_to
+
+
+def training_sequences(prompt: ChatPrompt, dataset: Any, index: int, where: str,
+                       pack_to: int | None = None) -> list[ShownSample]:
+    """The sequences sample ``index`` becomes in the training forward, built by the functions training calls: the
+    dataset's sample and collater (its real image and video-frame counts, its own system turn), then the model's
+    tokenizing (``models.vision_llm_batch.token_batch``; a pair's two sides by ``objectives.model_calls``, only
+    each side's last answer supervised), packed when the run packs."""
+    batch = dataset.collater([dataset[index]])
+    if "chosen" in batch:
+        from lavis_ds.objectives.model_calls import prepare_pairs
+
+        rows = prepare_pairs(_Tokenizing(prompt), batch)
+        full = prepare_pairs(_Tokenizing(dataclasses.replace(prompt, max_len=sys.maxsize)), batch)
+        names = [f"{where} ({side})" for side in ("chosen", "rejected")]
+    else:
+        rows = token_batch(prompt, batch, _pad_id(prompt), pack_to)
+        full = token_batch(dataclasses.replace(prompt, max_len=sys.maxsize), batch, _pad_id(prompt))
+        names = [where]
+    shown = []
+    for row, name in enumerate(names):
+        filled = rows["attention_mask"][row].bool()
+        shown.append(ShownSample(name, rows["input_ids"][row][filled].tolist(), rows["labels"][row][filled].tolist(),
+                                 int(full["attention_mask"][row].sum()), packed="position_ids" in rows))
+    return shown
+
+
+class _Tokenizing:
+    """The model's ``prepare_batch`` without its weights: the token fields ``token_batch`` makes (the host-side
+    fields of an image path, such as InstructBLIP's Q-Former text, are not shown)."""
+
+    def __init__(self, prompt: ChatPrompt):
+        self.prompt = prompt
+
+    def prepare_batch(self, samples: dict[str, Any]) -> dict[str, Any]:
+        return {**samples, **token_batch(self.prompt, samples, _pad_id(self.prompt))}
+
+
+def _pad_id(prompt: ChatPrompt) -> int:
+    return prompt.tokenizer.pad_token_id  # models.tokenizer.prepare_tokenizer guarantees one, as for the model
 
 
 def prompt_of(cfg) -> ChatPrompt:
@@ -103,27 +161,21 @@ def dataset_of(cfg, split: str, name: str | None, parsed_files) -> tuple[str, An
     raise KeyError(f"--split {split!r}: no split of that name in datasets {', '.join(names)}")
 
 
-def describe(prompt: ChatPrompt, sample: dict[str, Any], where: str, image: str | None, color: bool,
-             last_answer_only: bool = False) -> str:
-    """The header, the marked-up prompt and the token counts of one sample. ``last_answer_only``: only the last
-    answer supervised, the earlier ones prompt (a side of a preference pair)."""
-    ids, labels = prompt.training_example(sample["instruction"], sample["output"])
-    if last_answer_only:
-        import torch
-
-        from lavis_ds.objectives.model_calls import last_answer_labels
-
-        turns = [len(sample["output"])]
-        labels = last_answer_labels(torch.tensor([labels]), turns, [where])[0].tolist()
-    full, _ = dataclasses.replace(prompt, max_len=sys.maxsize).training_example(sample["instruction"], sample["output"])
-    supervised = sum(label != IGNORE_INDEX for label in labels)
-    image_tokens = ids.count(prompt.image_token_id)
-    lines = [f"sample: {where}" + (f"  image: {image}" if image else ""),
+def describe(prompt: ChatPrompt, shown: ShownSample, image: str | None, color: bool,
+             pack_to: int | None = None) -> str:
+    """The header, the marked-up prompt and the token counts of one training sequence."""
+    supervised = sum(label != IGNORE_INDEX for label in shown.labels)
+    image_tokens = shown.ids.count(prompt.image_token_id)
+    cut = shown.untruncated > len(shown.ids)
+    lines = [f"sample: {shown.where}" + (f"  image: {image}" if image else ""),
              f"prompt: {_format_name(prompt)}",
              f"supervised: {'green' if color else f'between {OPEN} and {CLOSE}'}", "",
-             render(prompt, ids, labels, color), "",
-             f"tokens: {len(ids)} total, {image_tokens} image, {supervised} supervised"
-             + (f" (cut to max_txt_len={prompt.max_len} from {len(full)})" if len(full) > len(ids) else "")]
+             render(prompt, shown.ids, shown.labels, color), "",
+             f"tokens: {len(shown.ids)} total, {image_tokens} image, {supervised} supervised"
+             + (f" (cut to max_txt_len={prompt.max_len} from {shown.untruncated})" if cut else "")]
+    if shown.packed:
+        lines.append(f"packed: positions 0-{len(shown.ids) - 1} in a row of up to run.max_seq_len={pack_to} tokens, "
+                     f"beside the other samples of its micro-batch (each restarts at position 0)")
     return "\n".join(lines)
 
 
@@ -157,9 +209,9 @@ def _format_name(prompt: ChatPrompt) -> str:
     return f"chat template of tokenizer {tokenizer}{variables}; answer mask from {source}"
 
 
-def _image_name(dataset: Any, sample: dict[str, Any]) -> str | None:
+def _image_name(dataset: Any, index: int) -> str | None:
     namer = getattr(dataset, "image_name", None)
-    return namer(int(sample["index"])) if namer is not None and "index" in sample else None
+    return namer(index) if namer is not None else None
 
 
 if __name__ == "__main__":

@@ -110,6 +110,24 @@ def test_several_images_in_one_batch_reach_their_own_sample(model, demo_export, 
     assert ids.count(model.prompt.image_token_id) == 2 * model.prompt.num_image_tokens == 16
 
 
+def test_the_conversations_own_system_prompt_is_sent_as_training_sends_a_records(session, demo_export, model,
+                                                                                 pixels):
+    own = "You are a useful and harmless assistant"  # ms-swift's example record (tests/fixtures/chat_messages)
+    session.system = own
+    session.set("max_new_tokens", "12")
+    session.add_image(demo_export.image("test", 2))
+    image = pixels(demo_export.image("test", 2))
+    assert session.answer(CAPTION) == generate(model, image, [[f"{IMG} {CAPTION}"]], systems=[own],
+                                               max_new_tokens=12)[0]
+    text = model.llm_tokenizer.decode(model.prompt.generation_prompt([f"{IMG} {CAPTION}"], system=own))
+    assert text.startswith(f"<|im_start|>system\n{own}<|im_end|>\n<|im_start|>user\n")
+    # batch inference: each sample of a batch keeps its own system prompt (or the model's)
+    both = generate(model, torch.cat([image, image]), [[f"{IMG} {CAPTION}"]] * 2, num_images=[1, 1],
+                    systems=[own, None], max_new_tokens=12)
+    assert both == [generate(model, image, [[f"{IMG} {CAPTION}"]], systems=[own], max_new_tokens=12)[0],
+                    generate(model, image, [[f"{IMG} {CAPTION}"]], max_new_tokens=12)[0]]
+
+
 def test_seed_makes_sampling_repeatable(session, demo_export):
     session.add_image(demo_export.image("test", 2))
     session.settings = GenerationSettings(max_new_tokens=12, do_sample=True, temperature=2.0, top_k=0)

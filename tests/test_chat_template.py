@@ -3,8 +3,10 @@ tokenizer_config.json files) and the answer-only mask derived from the render, f
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from families import FAMILIES, TEMPLATES, tokenizer_dir
@@ -31,7 +33,7 @@ def chat_prompt(tokenizers, name: str, **overrides) -> ChatPrompt:
     model = {"system_prompt": SYSTEM, "image_token": "<|image_pad|>", "chat_template_kwargs": {},
              **FAMILIES[name].model, **overrides}
     return ChatPrompt(tokenizers[name], model["system_prompt"], model["image_token"], N_IMG, 4096,
-                      model["chat_template_kwargs"])
+                      model["chat_template_kwargs"], model.get("record_system_prompt", "use"))
 
 
 def supervised_runs(tokenizer, ids, labels) -> list[str]:
@@ -110,6 +112,51 @@ def test_gemma_refuses_a_system_message_and_says_how_to_leave_it_out(tokenizers)
     prompt = chat_prompt(tokenizers, "gemma2", system_prompt=SYSTEM)
     with pytest.raises(ChatTemplateError, match=r"System role not supported; .*set model.system_prompt: null"):
         prompt.training_example(QUESTIONS[:1], ANSWERS[:1])
+
+
+OWN_SYSTEM = "You are a useful and harmless math calculator"  # ms-swift's example (tests/fixtures/chat_messages)
+
+
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "gemma2"])
+def test_a_samples_own_system_turn_renders_as_the_models_own_system_prompt_would(tokenizers, name):
+    prompt = chat_prompt(tokenizers, name)
+    as_configured = chat_prompt(tokenizers, name, system_prompt=OWN_SYSTEM)
+    for turns in (1, 2):
+        own = prompt.training_example(QUESTIONS[:turns], ANSWERS[:turns], system=OWN_SYSTEM)
+        assert own == as_configured.training_example(QUESTIONS[:turns], ANSWERS[:turns])
+        assert own != prompt.training_example(QUESTIONS[:turns], ANSWERS[:turns])
+        assert prompt.generation_prompt(QUESTIONS[:turns], ANSWERS[:turns - 1], system=OWN_SYSTEM) == \
+            as_configured.generation_prompt(QUESTIONS[:turns], ANSWERS[:turns - 1])
+    ignoring = chat_prompt(tokenizers, name, record_system_prompt="ignore")
+    assert ignoring.training_example(QUESTIONS[:1], ANSWERS[:1], system=OWN_SYSTEM) == \
+        prompt.training_example(QUESTIONS[:1], ANSWERS[:1])
+
+
+def test_gemma_refuses_a_records_system_turn_naming_the_record_unless_folded(tokenizers, tmp_path):
+    from lavis_ds.common import registry as reg
+    from lavis_ds.models.vision_llm_batch import token_batch
+
+    quoted = Path(__file__).parent / "fixtures" / "chat_messages" / "swift_sft_en.jsonl"  # ms-swift's own examples
+    section = {"builder": "chat_messages", "build_info": {"annotations": {"train": {"storage": str(quoted)}},
+                                                          "images": {"storage": str(tmp_path)}}}
+    train = reg.builders.get("chat_messages")(section).build()["train"]
+    prompt = chat_prompt(tokenizers, "gemma2")
+    with pytest.raises(ChatTemplateError, match=r"swift_sft_en\.jsonl: record 1: the chat template of '.*gemma2' takes "
+                                                r"no system message, and the sample has its own \('You are a useful "
+                                                r"and harmless math calculator'\); set model.record_system_prompt: "
+                                                r"fold"):
+        token_batch(prompt, train.collater([train[1]]), 0)
+    folded = chat_prompt(tokenizers, "gemma2", record_system_prompt="fold")
+    ids, _ = folded.training_example(QUESTIONS[:1], ANSWERS[:1], system=OWN_SYSTEM)
+    # Gemma's own way with a system message (Gemma 3's template): its text and a blank line open the first user turn
+    assert ids == prompt.training_example([f"{OWN_SYSTEM}\n\n{QUESTIONS[0]}"], ANSWERS[:1])[0]
+    assert tokenizers["gemma2"].decode(ids).startswith(f"<bos><start_of_turn>user\n{OWN_SYSTEM}\n\n<Img>")
+    # a batch without a file's records (built in code) names the sample by its index
+    samples = {"instruction": [QUESTIONS[:1]], "output": [ANSWERS[:1]], "num_images": [1],
+               "image": torch.zeros(1, 3, 4, 4), "system": [OWN_SYSTEM], "index": [7]}
+    with pytest.raises(ChatTemplateError,
+                       match=r"^sample 0 of the micro-batch \(dataset index 7\): the chat template of"):
+        token_batch(prompt, samples, 0)
 
 
 def test_a_template_that_breaks_the_prefix_property_is_refused(tmp_path):

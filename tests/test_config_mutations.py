@@ -97,6 +97,8 @@ MUTATIONS = {
     "vit key set at top level": ("model.vit.img_size=64", r"^model\.vit\.img_size: set it with model\.image_size"),
     "LoRA on a trainable LLM": ("model.get_lora=true model.freeze_llm=false",
                                 r"^model\.get_lora: true trains only the LoRA adapters, so it needs model\.freeze_llm: true$"),
+    "record_system_prompt": ("model.record_system_prompt=always",
+                             r"^model\.record_system_prompt: expected 'use' \| 'ignore' \| 'fold', got 'always'$"),
     "no tokenizer": ("model.tokenizer=null", r"^model\.tokenizer: required when model\.llm_model is null"),
     # unknown names
     "arch": ("model.arch=blip2_qwn",

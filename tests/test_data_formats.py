@@ -399,3 +399,83 @@ def test_every_kind_of_bad_record_is_covered_by_skip_bad_records():
     assert LlavaOptions(skip_bad_records=True).skipped_kinds() == ALL_KINDS
     assert LlavaOptions(skip_text_only=True).skipped_kinds() == {BadRecord.TEXT_ONLY}
     assert CocoCaptionOptions().skipped_kinds() == frozenset()
+
+
+# ---- chat records with roles (LLaMA-Factory sharegpt, ms-swift messages): their own system turns ---------------
+CHAT_FIXTURES = Path(__file__).parent / "fixtures" / "chat_messages"
+
+
+def _chat_records(name: str, image_root: Path) -> list:
+    from lavis_ds.datasets.messages import parse_messages_file
+
+    return list(RecordLoader(parse_messages_file).load([CHAT_FIXTURES / name], image_root).records)
+
+
+def test_quoted_chat_records_load_with_their_own_system_turns(tmp_path):
+    weather, math = _chat_records("swift_sft_en.jsonl", tmp_path)
+    assert (weather.system, weather.instructions, weather.outputs, weather.images) == (
+        "You are a useful and harmless assistant", ("Tell me tomorrow's weather",),
+        ("Tomorrow's weather will be sunny",), ())
+    assert math.system == "You are a useful and harmless math calculator" and math.outputs == ("It equals 2",
+                                                                                               "It equals 3")
+    zh_weather, zh_math = _chat_records("swift_sft_zh.jsonl", tmp_path)
+    assert (zh_weather.system, zh_math.system, zh_math.instructions) == (
+        "你是个有用无害的助手", "你是个有用无害的数学计算器", ("1+1等于几", "再加1呢"))
+    (shoes,) = _chat_records("llamafactory_sharegpt_system_column.json", tmp_path)
+    assert shoes.system == "你是一个非常聪明的AI助手，非常擅长按照指示行事。尽你所能地帮助。"
+    assert shoes.outputs == ("每个房间里的展品都共享相同的主题。",)
+    for name in ("mllm_demo_data/1.jpg", "mllm_demo_data/2.jpg"):
+        _image(tmp_path / name)
+    two_images, one_image = _chat_records("llamafactory_mllm_demo.json", tmp_path)
+    assert two_images.system is None and two_images.images == ("mllm_demo_data/1.jpg",) * 2
+    assert two_images.instructions == (f"{IMAGE_PLACEHOLDER} Who are they?",
+                                       f"{IMAGE_PLACEHOLDER} What are they doing?")
+    assert one_image.instructions == (f"{IMAGE_PLACEHOLDER} Who is he?", "Why is he on the ground?")
+
+
+def test_a_chat_section_serves_each_samples_system_turn(tmp_path):
+    from lavis_ds.common import registry as reg
+
+    section = {"builder": "chat_messages", "vis_processor": EVAL_16, "build_info": {
+        "annotations": {"train": {"storage": str(CHAT_FIXTURES / "swift_sft_en.jsonl")}},
+        "images": {"storage": str(tmp_path)}}}
+    train = reg.builders.get("chat_messages")(section).build()["train"]
+    batch = train.collater([train[1], train[0]])
+    assert batch["system"] == ["You are a useful and harmless math calculator",
+                               "You are a useful and harmless assistant"]
+    assert batch["num_images"] == [0, 0] and batch["image"].shape[0] == 0
+    assert train.text_sample(0)["system"] == "You are a useful and harmless assistant"  # counted by token budgets
+
+
+CHAT_BAD = [
+    ({"messages": [{"role": "user", "content": "Q"}, {"role": "system", "content": "S"},
+                   {"role": "assistant", "content": "A"}]},
+     r"record 0: messages\[1\] is a system turn but not the first turn: the system prompt opens the conversation "
+     r"\(move it to messages\[0\]\)"),
+    ({"messages": [{"role": "system", "content": "S"}, {"role": "system", "content": "T"},
+                   {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+     r"record 0: messages\[0\] and messages\[1\] are both system turns: a conversation has one system prompt, its "
+     r"first turn; join their texts into it"),
+    ({"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                        {"from": "gpt", "value": "A"}], "system": "T"},
+     r"record 0: has a 'system' column \('T'\) and a system turn in 'conversations' \('S'\): give the system "
+     r"prompt once"),
+    ({"messages": [{"role": "user", "content": "Q"}], "system": 3},
+     r"record 0: 'system' must be a string \(the record's system prompt\), got 3"),
+    ({"messages": [{"role": "tool", "content": "Q"}]}, r"record 0: messages\[0\] has role 'tool'; valid: human, user"),
+    ({"instruction": "Q", "output": "A"}, r"record 0: missing 'messages' \(or 'conversations'\)"),
+    ({"messages": [{"role": "system", "content": "S"}]},
+     r"record 0: 'messages' holds only a system turn: a record needs a user turn and its answer"),
+]
+
+
+@pytest.mark.parametrize("record, message", CHAT_BAD, ids=["system-not-first", "two-system-turns",
+                                                          "system-column-and-turn", "system-not-text", "role",
+                                                          "no-turns", "only-system"])
+def test_each_bad_chat_record_is_named_with_what_would_be_valid(tmp_path, record, message):
+    from lavis_ds.datasets.messages import parse_messages_file
+
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([record]))
+    with pytest.raises(BadRecordsError, match=message):
+        RecordLoader(parse_messages_file).load([path], tmp_path)

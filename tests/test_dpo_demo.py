@@ -26,7 +26,9 @@ def test_dpo_demo_raises_held_out_preference_accuracy_above_0_9(tmp_path, monkey
     out = tmp_path / "output" / "demo_dpo"
     summary = json.loads(next((out / "reference_logps").glob("*/summary.json")).read_text())
     sft_accuracy = summary["val"]["logps/accuracies"]
-    assert f"val: the starting model prefers the chosen answer of {sft_accuracy:.3f} of 100 pairs" in dpo.stdout
+    distinct = summary["val"]["distinct"]  # pairs of identical content are scored once
+    assert f"val: the starting model prefers the chosen answer of {sft_accuracy:.3f} of 100 pairs ({distinct} " \
+           f"distinct)" in dpo.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     validations = [r for r in records if r.get("split") == "val"]
     final = validations[-1]

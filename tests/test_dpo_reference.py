@@ -3,6 +3,10 @@ pairs: a pass cut short continues with the parts it stored (a half-written or da
 complete store holds every pair, and a pair the pass did not score is named instead of given another's numbers."""
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +16,9 @@ from lavis_ds.datasets.demo_pairs import ensure_demo_pairs
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.objectives import reference
-from lavis_ds.objectives.reference import REF_CHOSEN, ReferenceScorer, ReferenceStore
+from lavis_ds.objectives.reference import REF_CHOSEN, ReferenceScorer, ReferenceStore, pair_keys, reference_line
+
+FIXTURES = Path(__file__).parent / "fixtures" / "preference"
 
 
 class Forwarding:
@@ -69,3 +75,26 @@ def test_a_pair_the_pass_did_not_score_is_named(setting, tmp_path):
     with pytest.raises(LavisDsError, match=r"pair 1: not in the reference log-probs of .* the train vis_processor "
                                            r"must be deterministic"):
         store.lookup(changed)
+
+
+def test_the_pass_counts_records_beside_distinct_pairs_and_keys_each_pairs_own_system_turn(setting, tmp_path):
+    """ms-swift's two quoted pairs, each twice, and the first again with another system turn: 5 records, 3 distinct
+    contents scored once each; the line the pass prints counts the records."""
+    _, model = setting
+    weather, math = (FIXTURES / "swift_rlhf_text.jsonl").read_text().splitlines()
+    terse = json.loads(weather)
+    terse["messages"][0]["content"] = "You are a terse assistant"
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join([weather, math, weather, math, json.dumps(terse)]) + "\n")
+    section = {"pair_format": "swift", "build_info": {"annotations": {"train": {"storage": str(path)}},
+                                                      "images": {"storage": str(tmp_path)}}}
+    dataset = registry.get_builder_class("preference_pairs")(section).build()["train"]
+    with torch.no_grad():
+        scored = ReferenceStore(tmp_path / "store").compute(Forwarding(model), ReferenceScorer(), dataset, 4, 0, 1,
+                                                            "train")
+    assert len(dataset) == 5 and len(scored) == 3
+    first, again, other_system = pair_keys(dataset.collater([dataset[0], dataset[2], dataset[4]]))
+    assert first == again != other_system and scored[first] != scored[other_system]
+    line = reference_line({"pairs": len(dataset), "distinct": len(scored),
+                           "logps/accuracies": reference.preference_accuracy(scored)})
+    assert re.fullmatch(r"the starting model prefers the chosen answer of [01]\.\d{3} of 5 pairs \(3 distinct\)", line)

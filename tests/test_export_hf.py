@@ -282,9 +282,34 @@ def test_the_chat_template_writes_lavis_ds_s_prompt(tiny_model_config, tmp_path)
                                                {"type": "image"}, {"type": "text", "text": "b"}]}]
     assert ids(two_images) == prompt.generation_prompt("<Img><ImageHere></Img> a <Img><ImageHere></Img> b",
                                                        num_images=2)
-    own_system = [{"role": "system", "content": "Be terse."}] + _messages(CAPTION)
-    other = Blip2Qwen.from_config(tiny_model_config | {"system_prompt": "Be terse."})
-    assert ids(own_system) == other.prompt.generation_prompt(CAPTION)
+    # A conversation's own system message: as training sends a record's own system turn (ms-swift's example's, and
+    # a Chinese one), under transformers alone; with the answer, the template's render is the training ids.
+    for own in ("You are a useful and harmless assistant", "你是个有用无害的助手"):
+        own_system = [{"role": "system", "content": own}] + _messages(CAPTION)
+        assert ids(own_system) == prompt.generation_prompt(CAPTION, system=own)
+        trained = [*own_system, {"role": "assistant", "content": "A red circle."}]
+        text = tokenizer.apply_chat_template(trained, tokenize=False)
+        assert tokenizer(text, add_special_tokens=False).input_ids == \
+            prompt.training_example(f"<Img><ImageHere></Img> {CAPTION}", "A red circle.", system=own)[0]
+
+
+@pytest.mark.parametrize("record_system", ["ignore", "fold"])
+def test_the_chat_template_treats_a_system_message_as_training_treated_a_records(tiny_model_config, tmp_path,
+                                                                                 record_system):
+    from lavis_ds.apps.export_hf_processor import save_processor
+    from transformers import AutoTokenizer
+
+    model = Blip2Qwen.from_config(tiny_model_config | {"record_system_prompt": record_system})
+    save_processor(model, EVAL_IMAGES, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    own = "You are a useful and harmless math calculator"
+    messages = [{"role": "system", "content": own}, *_messages(["What is 1 + 1?", "What about adding 1?"],
+                                                                ["It equals 2"])]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = model.prompt.generation_prompt(["<Img><ImageHere></Img> What is 1 + 1?", "What about adding 1?"],
+                                              ["It equals 2"], system=own)
+    assert tokenizer(text, add_special_tokens=False).input_ids == expected
+    assert (own in text) == (record_system == "fold")
 
 
 def test_the_image_processor_gives_lavis_ds_s_pixels(tiny_model, tmp_path):

@@ -218,6 +218,24 @@ def test_llava_conversations_answer_the_last_turn_after_the_earlier_ones(demo_ex
     assert single["prompt"] == f"{IMAGE_PLACEHOLDER} Describe the image in a few words." and "history" not in single
 
 
+def test_chat_records_are_answered_with_their_own_system_turns(demo_export, model, tmp_path):
+    """ms-swift's quoted records (tests/fixtures/chat_messages): text-only, each with its own system turn."""
+    import torch
+
+    data = tmp_path / "swift.jsonl"
+    shutil.copy(Path(__file__).parent / "fixtures" / "chat_messages" / "swift_sft_en.jsonl", data)
+    out = tmp_path / "preds.jsonl"
+    assert _run("--model", str(demo_export.folder), "--data", str(data), "--images", str(tmp_path),
+                "--out", str(out)) == 0
+    weather, math = _lines(out)
+    assert weather["system"] == "You are a useful and harmless assistant"
+    assert math["system"] == "You are a useful and harmless math calculator"
+    assert math["prompt"] == "What about adding 1?" and math["history"] == [["What is 1 + 1?", "It equals 2"]]
+    expected = generate(model, torch.zeros((0, 3, 1, 1)), [["What is 1 + 1?", "What about adding 1?"]],
+                        [["It equals 2"]], num_images=[0], systems=[math["system"]], max_new_tokens=MAX_NEW_TOKENS)
+    assert math["generated"] == expected[0]
+
+
 # ----------------------------------------------------------------------------- bad input
 def _error(capsys, *args: str) -> str:
     try:

@@ -30,8 +30,8 @@ def pairs():
             "system": [None, None], "index": torch.tensor([0, 1])}
 
 
-def _sft_loss_sum(model, image, instructions, outputs):
-    batch = {"image": image, "num_images": [1], "instruction": [instructions], "output": [outputs]}
+def _sft_loss_sum(model, image, instructions, outputs, system=None):
+    batch = {"image": image, "num_images": [1], "instruction": [instructions], "output": [outputs], "system": [system]}
     out = model(batch)
     return float(out["loss_sum"]), int(out["num_tokens"])
 
@@ -90,9 +90,17 @@ def test_dpo_without_reference_logps_says_what_is_missing(model, pairs):
         Dpo()(model, pairs)
 
 
-def test_a_pair_with_its_own_system_prompt_is_not_dropped_silently(model, pairs):
-    with pytest.raises(LavisDsError, match=r"a pair has its own system prompt \('Be terse.'"):
-        Simpo()(model, {**pairs, "system": ["Be terse.", None]})
+@torch.no_grad()
+def test_a_pair_is_scored_with_its_own_system_prompt_as_sft_trains_it(model, pairs):
+    own = {**pairs, "system": ["Be terse.", None]}
+    batch = model_calls.prepare_pairs(model, own)
+    logps, _ = model_calls.answer_logps(model, batch, model_calls.image_features(model, batch))
+    loss, _ = _sft_loss_sum(model, pairs["image"][:1], pairs["instruction"][0], [pairs["chosen"][0]], "Be terse.")
+    default, _ = _sft_loss_sum(model, pairs["image"][:1], pairs["instruction"][0], [pairs["chosen"][0]])
+    assert float(logps[0]) == pytest.approx(-loss, rel=1e-5) and loss != pytest.approx(default, rel=1e-5)
+    text = model.llm_tokenizer.decode(batch["input_ids"][0])
+    assert "<|im_start|>system\nBe terse.<|im_end|>" in text and "helpful assistant" not in text
+    assert "helpful assistant" in model.llm_tokenizer.decode(batch["input_ids"][1])  # pair 1 has none of its own
 
 
 def test_last_answer_labels_keep_only_the_last_answer_and_name_a_cut_one():

@@ -63,6 +63,18 @@ def test_llamafactory_sharegpt_ranking_records_load(image_root):
     assert list(pack([single, multi, with_system])) == [single, multi, with_system]
 
 
+def test_chinese_pairs_with_their_own_system_turns_load(image_root):
+    (shoes,) = _load("llamafactory_dpo_zh_demo.json", "sharegpt", image_root)
+    assert shoes.system == "你是一个非常聪明的AI助手，非常擅长按照指示行事。尽你所能地帮助。"
+    assert shoes.instructions[0].startswith("请阅读以下文章并选择最佳答案。")
+    assert shoes.chosen == "每个房间里的展品都共享相同的主题。"
+    weather, math = _load("swift_rlhf_text_zh.jsonl", "swift", image_root)
+    assert (weather.system, weather.instructions, weather.chosen, weather.rejected) == (
+        "你是个有用无害的助手", ("告诉我明天的天气",), "明天天气晴朗", "我不知道")
+    assert math.system == "你是个有用无害的数学计算器" and math.history == ("等于2",)
+    assert list(pack([shoes, weather, math])) == [shoes, weather, math]
+
+
 def test_llamafactory_multimodal_both_spellings(image_root):
     conversations, messages = _load("llamafactory_multimodal.json", "sharegpt", image_root)
     assert conversations.images == ("shapes/red_circle.png",)
@@ -144,7 +156,20 @@ def test_missing_side_is_one_named_error(image_root):
       "rejected": {"from": "gpt", "value": " "}, "images": ["kitten.png"]}, r"rejected is empty"),
     ({"conversations": [{"from": "human", "value": "<image><image> Q"}], "chosen": {"from": "gpt", "value": "A"},
       "rejected": {"from": "gpt", "value": "B"}, "images": ["kitten.png"]}, r"'<image>' appears 2 time\(s\)"),
-], ids=["missing-side", "no-prompt", "chosen-not-assistant", "empty-rejected", "markers"])
+    ({"conversations": [{"from": "human", "value": "Q"}, {"from": "system", "value": "S"}],
+      "chosen": {"from": "gpt", "value": "A"}, "rejected": {"from": "gpt", "value": "B"}},
+     r"record 0: conversations\[1\] is a system turn but not the first turn: the system prompt opens the "
+     r"conversation \(move it to conversations\[0\]\)"),
+    ({"conversations": [{"from": "system", "value": "S"}, {"from": "system", "value": "T"},
+                        {"from": "human", "value": "Q"}],
+      "chosen": {"from": "gpt", "value": "A"}, "rejected": {"from": "gpt", "value": "B"}},
+     r"record 0: conversations\[0\] and conversations\[1\] are both system turns: a conversation has one system "
+     r"prompt"),
+    ({"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}], "system": "T",
+      "chosen": {"from": "gpt", "value": "A"}, "rejected": {"from": "gpt", "value": "B"}},
+     r"has a 'system' column \('T'\) and a system turn in 'conversations' \('S'\): give the system prompt once"),
+], ids=["missing-side", "no-prompt", "chosen-not-assistant", "empty-rejected", "markers", "system-not-first",
+        "two-system-turns", "system-column-and-turn"])
 def test_bad_sharegpt_pairs_are_named(tmp_path, image_root, record, message):
     import json
 

@@ -124,8 +124,8 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
                                  Blip2ImageEvalProcessor(image_size=16), max_frames=4)
     for index in range(3):
         loaded, text = dataset[index], dataset.text_sample(index)
-        assert {key: text[key] for key in ("instruction", "output", "num_images")} == \
-            {key: loaded[key] for key in ("instruction", "output", "num_images")}
+        keys = ("instruction", "output", "num_images", "system")
+        assert {key: text[key] for key in keys} == {key: loaded[key] for key in keys}
         assert text["image_sizes"] == [tuple(image.shape[-2:]) for image in loaded["image"]]
     assert [shape_of(dataset, i)[2:] for i in range(3)] == [(1, 0), (1, 2), (1, 4)]
 

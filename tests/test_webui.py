@@ -172,3 +172,24 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys, demo_export):
     assert "lavis_ds webui:" in err and "is not an export folder" in err and "Traceback" not in err
     assert main(["--model", str(demo_export.folder), "--top-p", "1.5"]) == 2
     assert "top_p=1.5 is out of range (in (0, 1])" in capsys.readouterr().err
+
+
+def test_the_pages_system_prompt_box_is_the_conversations_own(demo_export):
+    """The page's handler in-process (no browser): the box's text is the system prompt the model is asked with, as
+    training sent a record's own; an empty box sends the model's."""
+    import torch
+
+    from lavis_ds.apps.generation import GenerationSettings
+    from lavis_ds.apps.webui import SETTING_FIELDS, _Page
+
+    model = load_exported(demo_export.folder)
+    image_processor, text_processor = eval_processors(demo_export.folder)
+    page = _Page(model, image_processor, text_processor, GenerationSettings(max_new_tokens=8), 42)
+    settings = [getattr(page.defaults, name) for name in SETTING_FIELDS]
+    own = "You are a useful and harmless assistant"  # ms-swift's example record (tests/fixtures/chat_messages)
+    *_, (_, chat, session, _) = page.ask(CAPTION, None, [], 42, own, *settings)
+    assert session.system == own
+    assert chat[-1]["content"] == generate(model, torch.zeros((0, 3, 1, 1)), [[CAPTION]], num_images=[0],
+                                           systems=[own], max_new_tokens=8)[0]
+    *_, (_, _, session, _) = page.ask(COLOUR, session, chat, 42, "  ", *settings)
+    assert session.system is None

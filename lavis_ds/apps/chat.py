@@ -8,7 +8,8 @@ that start with ``:`` are commands (``:help`` lists them), after MiniGPT4Qwen's
 settings and the seed.
 
 The conversation is the ChatML prompt the model was trained on
-(:mod:`lavis_ds.models.prompt`): the system turn, then every earlier question with
+(:mod:`lavis_ds.models.prompt`): the system turn (``--system``, as a training record's own system turn; by
+default the model's ``system_prompt``), then every earlier question with
 the model's answer, then the new question. An image is shown once, in front of
 the question asked after it was loaded, as ``<Img><ImageHere></Img>`` (the
 training format of one image); several images give one such marker each, in the
@@ -82,6 +83,8 @@ class ChatSession:
         settings: Generation settings; change them with :meth:`set`.
         seed: Set before every answer, so the same conversation gives the same answers
             (also when sampling).
+        system: The conversation's system prompt, sent as training sent a record's own system turn
+            (``model.record_system_prompt``); None sends the model's ``system_prompt``.
     """
 
     model: nn.Module
@@ -89,6 +92,7 @@ class ChatSession:
     text_processor: Callable[[str], str] | None = None
     settings: GenerationSettings = field(default_factory=lambda: CHAT_DEFAULTS)
     seed: int = 42
+    system: str | None = None  # the conversation's own system prompt, as a record's system turn; None: the model's
     turns: list[Turn] = field(default_factory=list)
     images: list[LoadedImage] = field(default_factory=list)  # every image, in the order loaded
     pending: list[int] = field(default_factory=list)  # images not shown yet: they go with the next question
@@ -191,7 +195,8 @@ class ChatSession:
             instructions = [self._instruction(t.question, t.images) for t in turns]
             instructions.append(self._instruction(question, pending))
             num_images = sum(len(t.images) for t in turns) + len(pending)
-            length = len(self.model.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images))
+            length = len(self.model.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images,
+                                                             self.system))
             if limit is None or length + self.settings.max_new_tokens <= limit:
                 return turns, pending
             if not turns:
@@ -207,7 +212,8 @@ class ChatSession:
     def _stream(self, images: torch.Tensor, instructions: list[str], answers: list[str], num_images: int,
                 kwargs: dict[str, Any], stop: threading.Event) -> Iterator[str]:
         """Yield the answer's text as generated (a generator returning the whole answer)."""
-        call = dict(images=images, prompts=[instructions], answers=[answers], num_images=[num_images])
+        call = dict(images=images, prompts=[instructions], answers=[answers], num_images=[num_images],
+                    systems=[self.system])
         if self.settings.num_beams > 1:  # transformers' streamers do not support beam search: all at once
             answer = generate(self.model, **call, **kwargs)[0]
             yield answer
@@ -383,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="export folder (lavis-ds export ... --out <folder>)")
     parser.add_argument("--image", nargs="+", default=[], help="image file(s) to talk about (more with :img)")
     parser.add_argument("--seed", type=int, default=42, help="random seed, set before every answer")
+    parser.add_argument("--system", default=None,
+                        help="the conversation's system prompt, sent as training sent a record's own system turn "
+                             "(default: the model's system_prompt)")
     add_generation_arguments(parser, CHAT_DEFAULTS)
     parser.add_argument("--dtype", default="auto", help="auto (the dtype it trained in), fp32, bf16 or fp16")
     parser.add_argument("--device", default="cpu")
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         defaults = settings_from_args(args)
         images = [(path, open_image(path)) for path in args.image]  # bad paths fail before the model loads
         session = ChatSession.from_export(args.model, device=args.device, dtype=args.dtype, settings=defaults,
-                                          seed=args.seed)
+                                          seed=args.seed, system=args.system)
     except (ExportError, ValueError) as e:
         print(f"lavis_ds chat: {e}", file=sys.stderr)
         return 2

@@ -27,17 +27,23 @@ from torch import nn
 from lavis_ds.models.hf.family import HfFamily, exporting_family
 
 
-def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -> str:
+def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, record_system: str = "use") -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
 
     A ``{"type": "image"}`` item becomes lavis_ds's default image prefix with its placeholders
     (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands one token
-    per image itself, so its template writes 1); text items are copied as they are. Without a system message the
-    model's own ``system_prompt`` is used, as lavis_ds always does.
+    per image itself, so its template writes 1); text items are copied as they are. A first system message is
+    what a record's own system turn is in training (``record_system``, the model's ``record_system_prompt``):
+    ``use`` sends it instead of the model's ``system_prompt``, ``ignore`` sends the model's, ``fold`` sends the
+    model's and puts its text and a blank line in front of the first user message. Without one the model's own
+    ``system_prompt`` is used, as lavis_ds always does.
     Strings go in as JSON literals, which Jinja reads back unchanged (quotes, newlines, non-ASCII).
     """
     image_run = json.dumps("<Img>" + image_token * num_query_tokens + "</Img> ", ensure_ascii=False)
     system = json.dumps(system_prompt, ensure_ascii=False)
+    own = {"use": "{%- set system = render(messages[0]['content']) -%}",
+           "ignore": "",
+           "fold": "{%- set fold = render(messages[0]['content']) + '\\n\\n' -%}"}[record_system]
     return (
         "{%- macro render(content) -%}"
         "{%- if content is string -%}{{ content }}"
@@ -46,12 +52,14 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int) -
         "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
         "{%- endfor -%}{%- endif -%}"
         "{%- endmacro -%}"
+        "{%- set system = " + system + " -%}{%- set fold = '' -%}{%- set turns = messages -%}"
         "{%- if messages and messages[0]['role'] == 'system' -%}"
-        "{%- set system = render(messages[0]['content']) -%}{%- set turns = messages[1:] -%}"
-        "{%- else -%}{%- set system = " + system + " -%}{%- set turns = messages -%}{%- endif -%}"
+        + own + "{%- set turns = messages[1:] -%}"
+        "{%- endif -%}"
         "{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' -}}"
         "{%- for message in turns -%}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' -}}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + (fold if loop.first else '') + render(message['content'])"
+        " + '<|im_end|>\\n' -}}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
@@ -97,7 +105,8 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
         raise ValueError(f"{type(model).__name__}: no transformers class holds it (check_expressible says why)")
     prompt = model.prompt
     images = family.image_processor(image_processing_of(image_cfg or default_image_cfg(model)))
-    template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model))
+    template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model),
+                             prompt.record_system_prompt)
     model.llm_tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every

@@ -40,7 +40,7 @@ from lavis_ds.apps.generation import (GenerationSettings, add_generation_argumen
 from lavis_ds.apps.predictions_file import finished_lines, merge, open_for_append, share_path, share_paths
 
 # Annotation formats --data reads: the builders whose parser reads one JSON file.
-FORMATS = ("minigpt4qwen_instruction", "llava_conversation", "coco_caption")
+FORMATS = ("minigpt4qwen_instruction", "llava_conversation", "chat_messages", "coco_caption")
 
 
 # ----------------------------------------------------------------------------- annotation files
@@ -57,6 +57,8 @@ class Sample:
         record = dataset.records[self.record]
         line = {"index": self.index, "id": record.record_id, "image": record.image,
                 "prompt": record.instructions[-1], "references": list(self.references)}
+        if record.system is not None:  # the record's own system turn: what the model is asked with
+            line["system"] = record.system
         if len(record.instructions) > 1:
             line["history"] = [list(turn) for turn in zip(record.instructions[:-1], record.outputs[:-1])]
         return line
@@ -71,13 +73,17 @@ def detect_format(path: Path) -> str:
         return "coco_caption"
     first = raw[0] if isinstance(raw, list) and raw else None
     keys = set(first) if isinstance(first, dict) else set()
+    # LLaMA-Factory's sharegpt records have `conversations` as LLaVA's do, with `images` or `system` beside them
+    if "messages" in keys or ("conversations" in keys and keys & {"images", "system"}):
+        return "chat_messages"
     for format_name, marker in (("llava_conversation", "conversations"),
                                 ("minigpt4qwen_instruction", "instruction"), ("coco_caption", "caption")):
         if marker in keys:
             return format_name
     found = f"first record has keys {sorted(keys)}" if keys else f"content is {type(raw).__name__}"
     raise ValueError(f"{path}: cannot tell its annotation format ({found}); expected records with 'conversations' "
-                     f"(LLaVA), 'instruction'/'output' (MiniGPT4Qwen) or 'caption' (COCO), or pass --format "
+                     f"(LLaVA), 'messages' (ms-swift, LLaMA-Factory), 'instruction'/'output' (MiniGPT4Qwen) or "
+                     f"'caption' (COCO), or pass --format "
                      f"({', '.join(FORMATS)})")
 
 
@@ -248,7 +254,7 @@ def run_file(args: argparse.Namespace, processes: Processes) -> int:
                 # Seeded by the batch's first sample: sampling gives the same text when the run is resumed.
                 set_seed(args.seed + batch["sample"][0])
                 texts = generate(model, batch["image"], batch["instruction"], batch["output"],
-                                 num_images=batch["num_images"], **settings.to_kwargs())
+                                 num_images=batch["num_images"], systems=batch["system"], **settings.to_kwargs())
                 writer.writelines(json.dumps({**expected[index], "generated": text}, ensure_ascii=False) + "\n"
                                   for index, text in zip(batch["sample"], texts))
                 writer.flush()

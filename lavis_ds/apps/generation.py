@@ -64,14 +64,15 @@ def as_trained(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any],
 @torch.no_grad()
 def generate(model: nn.Module, images: torch.Tensor, prompts: Sequence[str | Sequence[str]],
              answers: Sequence[Sequence[str]] | None = None, num_images: Sequence[int] | None = None,
-             **generate_kwargs: Any) -> list[str]:
+             systems: Sequence[str | None] | None = None, **generate_kwargs: Any) -> list[str]:
     """Answers for a batch: ``images [N, 3, H, W]`` (processed) and one prompt per sample.
 
     A prompt is a string, or the turns of a conversation whose earlier answers are in
     ``answers``; the last turn is answered. ``num_images`` (default: one per sample)
     says how many of ``images`` belong to each sample, in order (0: a text-only sample;
     ``images`` may then be empty); each image's features go where its ``<ImageHere>``
-    stands (one image may go unmarked). Keyword arguments go to the model's ``generate``
+    stands (one image may go unmarked). ``systems``: each sample's own system prompt (None: the model's
+    ``system_prompt``), as training sent it. Keyword arguments go to the model's ``generate``
     (``max_new_tokens``, ``num_beams``, ``do_sample``, ``streamer``, ...).
     """
     batch = {"image": images, "instruction": [[p] if isinstance(p, str) else list(p) for p in prompts]}
@@ -79,6 +80,8 @@ def generate(model: nn.Module, images: torch.Tensor, prompts: Sequence[str | Seq
         batch["output"] = [list(a) for a in answers]
     if num_images is not None:
         batch["num_images"] = list(num_images)
+    if systems is not None:
+        batch["system"] = list(systems)
     batch, context = as_trained(model, batch)
     with context:
         return model.generate(batch, **generate_kwargs)

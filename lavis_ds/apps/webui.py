@@ -68,17 +68,16 @@ class _Page:
                    else int(v)) for name, v in zip(SETTING_FIELDS, values)})
 
     def ask(self, question: str, session: ChatSession | None, chat: list[dict], seed_value: float | None,
-            *settings: Any) -> Iterator[tuple]:
-        import gradio as gr
-
+            system: str | None, *settings: Any) -> Iterator[tuple]:
         session = self.session_of(session)
         try:
             session.settings = self.settings(settings)
             if seed_value is not None:
                 session.seed = int(seed_value)
+            session.system = (system or "").strip() or None  # empty: the model's own system_prompt
             pieces = session.ask(question)
         except ValueError as e:
-            gr.Warning(str(e))
+            _warn(str(e))
             yield question, chat, session, self.images_note(session)
             return
         chat = chat + [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
@@ -90,7 +89,7 @@ class _Page:
                 chat[-1] = {"role": "assistant", "content": text}
                 yield "", chat, session, self.images_note(session)
         except (Interrupted, ValueError) as e:
-            gr.Warning(str(e))
+            _warn(str(e))
         chat[-1] = {"role": "assistant", "content": session.turns[-1].answer if session.turns else text}
         yield "", chat, session, self.images_note(session)
 
@@ -105,6 +104,13 @@ class _Page:
         if session is not None:
             session.reset()
         return session, [], None, self.images_note(session)
+
+
+def _warn(message: str) -> None:
+    """A warning on the page (gradio imported only then: the handlers run without it in tests)."""
+    import gradio as gr
+
+    gr.Warning(message)
 
 
 def _setting_controls(defaults: GenerationSettings, context: int) -> list:
@@ -124,7 +130,7 @@ def _setting_controls(defaults: GenerationSettings, context: int) -> list:
 
 
 def build_demo(model, image_processor, text_processor, defaults: GenerationSettings = CHAT_DEFAULTS,
-               seed: int = 42, export_name: str = ""):
+               seed: int = 42, export_name: str = "", system: str | None = None):
     """The Gradio page for one loaded model (not launched)."""
     import gradio as gr
 
@@ -146,6 +152,8 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
                 with gr.Accordion("Generation settings", open=True):
                     controls = _setting_controls(defaults, context)
                     seed_box = gr.Number(value=seed, precision=0, label="Seed (set before every answer)")
+                    system_box = gr.Textbox(value=system or "", label="System prompt (empty: the model's own)",
+                                            elem_id="system")
             with gr.Column(scale=2):
                 chatbot = gr.Chatbot(label="Conversation", height=560, elem_id="chatbot")
                 question = gr.Textbox(label="Question", placeholder="Ask about the image and press Enter",
@@ -155,7 +163,8 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
                     stop = gr.Button("Stop", elem_id="stop")
 
         image.upload(page.add_image, [image, session, chatbot], [session, chatbot, note])
-        inputs, outputs = [question, session, chatbot, seed_box, *controls], [question, chatbot, session, note]
+        inputs = [question, session, chatbot, seed_box, system_box, *controls]
+        outputs = [question, chatbot, session, note]
         asked = [question.submit(page.ask, inputs, outputs), send.click(page.ask, inputs, outputs)]
         # Cancelling ends the page's updates; interrupt() ends the generation behind them (its turn is not kept).
         stop.click(lambda s: s.interrupt() if s is not None else None, [session], None, cancels=asked, queue=False)
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--seed", type=int, default=42, help="the page's initial seed")
+    parser.add_argument("--system", default=None, help="the page's initial system prompt (default: the model's)")
     add_generation_arguments(parser, CHAT_DEFAULTS)
     parser.add_argument("--dtype", default="auto", help="auto (the dtype it trained in), fp32, bf16 or fp16")
     parser.add_argument("--device", default="cpu")
@@ -184,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, ValueError) as e:
         print(f"lavis_ds webui: {e}", file=sys.stderr)
         return 2
-    demo = build_demo(model, image_processor, text_processor, defaults, args.seed, export_name=args.model)
+    demo = build_demo(model, image_processor, text_processor, defaults, args.seed, export_name=args.model,
+                      system=args.system)
     try:
         # ssr_mode=False: server-side rendering needs Node.js, which a Python install does not have.
         demo.queue().launch(server_name=args.host, server_port=args.port, ssr_mode=False, show_error=True,

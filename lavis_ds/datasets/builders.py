@@ -24,8 +24,8 @@ Besides that layout a section may set the options of its builder's ``OPTIONS``
 dataclass (every builder: ``sample_ratio``, ``skip_bad_records``; some add their
 own); the config validator checks them against those fields.
 
-About 430 lines: ``BaseDatasetBuilder`` is most of it (the section's layout read, checked and turned into
-datasets, one step per method), and the four builders after it are a few lines each.
+About 440 lines: ``BaseDatasetBuilder`` is most of it (the section's layout read, checked and turned into
+datasets, one step per method), and the builders after it are a few lines each.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.datasets.coco_caption import parse_coco_caption_file
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES, InstructionDataset, parse_instruction_file
 from lavis_ds.datasets.llava import llava_parser
+from lavis_ds.datasets.messages import parse_messages_file
 from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
 from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, PairOptions, SectionOptions
 from lavis_ds.datasets.preference import PairDataset, pair_parser
@@ -391,6 +392,15 @@ class LlavaConversationBuilder(BaseDatasetBuilder):
 
     def parse_file(self) -> ParseFile:
         return llava_parser(self.options().skip_text_only)
+
+
+@reg.builders.register("chat_messages")
+class ChatMessagesBuilder(BaseDatasetBuilder):
+    """SFT chat records with roles (LLaMA-Factory's sharegpt, ms-swift's messages), each with its own system turn if
+    it has one, + the image folder; see :mod:`lavis_ds.datasets.messages`."""
+
+    def parse_file(self) -> ParseFile:
+        return parse_messages_file
 
 
 @reg.builders.register("preference_pairs")

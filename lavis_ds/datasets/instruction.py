@@ -219,6 +219,8 @@ class InstructionDataset(Dataset):
             "output": [self._text(t) for t in record.outputs],
             # What evaluation scores the generated answer against (raw: metrics normalise for themselves).
             "references": list(record.references or record.outputs[-1:]),
+            "system": record.system,  # the record's own system turn; None: model.system_prompt
+            "where": record.where(),  # names the record in errors found when the batch is tokenized
             "index": index,
         }
 
@@ -231,7 +233,7 @@ class InstructionDataset(Dataset):
         if record.video:
             instructions = expand_video_marker(instructions, self.max_frames)
         sample = {"instruction": instructions, "output": [self._text(t) for t in record.outputs],
-                  "num_images": num_images}
+                  "num_images": num_images, "system": record.system}
         sizes = self.image_sizes(index)
         return sample if sizes is None else {**sample, "image_sizes": sizes}
 
@@ -313,7 +315,7 @@ class InstructionDataset(Dataset):
     @staticmethod
     def collater(samples: Iterable[dict[str, Any]]) -> dict[str, Any]:
         """One flat ``image`` tensor of every sample's images in order, ``num_images`` per sample; turns as
-        lists of lists (one inner list per sample)."""
+        lists of lists (one inner list per sample); ``system`` per sample (None: the model's own)."""
         samples = list(samples)
         images = [s["image"] for s in samples if len(s["image"])]
         return {
@@ -323,5 +325,7 @@ class InstructionDataset(Dataset):
             "instruction": [list(s["instruction"]) for s in samples],
             "output": [list(s["output"]) for s in samples],
             "references": [list(s["references"]) for s in samples],
+            "system": [s.get("system") for s in samples],
+            "where": [s.get("where") for s in samples],
             "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
         }

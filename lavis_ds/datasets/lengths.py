@@ -60,7 +60,7 @@ def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int, int]:
     """(words, characters, turns, images) of a record: what its token count grows with. A video counts the
     frames its dataset samples at most (``max_frames``)."""
     record = leaf.records[local]
-    texts = (*record.instructions, *record.outputs)
+    texts = (*record.instructions, *record.outputs, *((record.system,) if record.system else ()))  # its own system
     images = len(record.images) + (leaf.max_frames if record.video else 0)
     return sum(len(text.split()) for text in texts), sum(map(len, texts)), len(record.instructions), images
 
@@ -156,7 +156,8 @@ def counted_by(prepare_batch: Callable[[dict[str, Any]], dict[str, Any]]) -> Cal
     training; no image is read. A sample truncation would cut into an image (which training drops or refuses)
     counts its whole length: the fit leaves out samples at the model's limit."""
     def batch_of(samples: list[dict]) -> dict[str, Any]:
-        batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
+        batch = {key: [sample.get(key) for sample in samples] for key in ("instruction", "output", "num_images",
+                                                                           "system")}
         batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
         sizes = [sample.get("image_sizes") for sample in samples]
         if all(s is not None for s in sizes):  # what the model's tokens_for_image counts the images by

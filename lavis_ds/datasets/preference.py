@@ -6,7 +6,8 @@ Each record becomes one pair: shared prompt turns and images, a chosen and a rej
   "sharegpt"``; ``data/README.md``): ``conversations`` (or ``messages``) ending with the user's turn,
   ``chosen`` and ``rejected`` one assistant turn each, ``images`` a list of paths. Turns are ``{"from",
   "value"}`` with ``human``/``gpt``/``system`` (its default tags) or ``{"role", "content"}`` with
-  ``user``/``assistant``/``system`` (its OpenAI-style tags).
+  ``user``/``assistant``/``system`` (its OpenAI-style tags); the system prompt is a first ``system`` turn or the
+  ``system`` column (``lavis_ds.datasets.messages`` reads the turns).
 - ms-swift's RLHF format (``docs/source_en/Customization/Custom-dataset.md``): ``messages`` ending with the
   chosen assistant turn, ``images``, and ``rejected_response`` (a string, or one assistant message in a list)
   or ``rejected_messages`` (the whole rejected conversation); ``rejected_images`` may repeat ``images``.
@@ -33,39 +34,8 @@ from typing import Any, Callable, Iterator
 
 from lavis_ds.datasets.instruction import InstructionDataset
 from lavis_ds.datasets.llava import GPT, HUMAN, conversation_pairs
+from lavis_ds.datasets.messages import conversation, images_of, record_system, turn_of
 from lavis_ds.datasets.records import BadRecord, PairRecord, record_where
-
-ROLES = {"human": HUMAN, "user": HUMAN, "gpt": GPT, "assistant": GPT, "system": "system"}
-
-
-def _turn(turn: Any, key: str, where: str) -> tuple[str, str]:
-    """``(role, text)`` of a ``{from, value}`` or ``{role, content}`` turn, the role as ``human``/``gpt``/``system``."""
-    if isinstance(turn, dict) and {"from", "value"} <= set(turn):
-        role, text = turn["from"], turn["value"]
-    elif isinstance(turn, dict) and {"role", "content"} <= set(turn):
-        role, text = turn["role"], turn["content"]
-    else:
-        raise BadRecord(where, f"{key} must be a turn {{'from', 'value'}} or {{'role', 'content'}}, got {turn!r}")
-    if role not in ROLES:
-        raise BadRecord(where, f"{key} has role {role!r}; valid: {', '.join(ROLES)}")
-    if not isinstance(text, str):
-        raise BadRecord(where, f"{key}'s text must be a string, got {type(text).__name__}: {text!r}")
-    return ROLES[role], text
-
-
-def _conversation(raw: Any, key: str, where: str) -> tuple[str | None, list[tuple[int, str, str]]]:
-    """``(system prompt or None, [(position, role, text)])`` of a list of turns; a system turn may open it."""
-    if not isinstance(raw, list) or not raw:
-        raise BadRecord(where, f"{key!r} must be a non-empty list of turns, got {raw!r}")
-    turns = [(i, *_turn(t, f"{key}[{i}]", where)) for i, t in enumerate(raw)]
-    system = None
-    if turns[0][1] == "system":
-        system, turns = turns[0][2] or None, turns[1:]
-    late = [i for i, role, _ in turns if role == "system"]
-    if late:
-        raise BadRecord(where, f"{key}[{late[0]}] is a system turn after the first turn; only the first may be one")
-    return system, turns
-
 
 def _answer(raw: Any, key: str, where: str) -> str:
     """One assistant answer: a turn object, a list of exactly one assistant turn, or a string."""
@@ -73,20 +43,12 @@ def _answer(raw: Any, key: str, where: str) -> str:
         text = raw
     else:
         turn = raw[0] if isinstance(raw, list) and len(raw) == 1 else raw
-        role, text = _turn(turn, key, where)
+        role, text = turn_of(turn, key, where)
         if role != GPT:
             raise BadRecord(where, f"{key} must be an assistant ('gpt' / 'assistant') turn, got role {role!r}")
     if not text.strip():
         raise BadRecord(where, f"{key} is empty: a pair needs two answers to compare")
     return text
-
-
-def _images(raw: dict, key: str, where: str) -> tuple[str, ...]:
-    value = raw.get(key, [])
-    images = [value] if isinstance(value, str) else value
-    if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
-        raise BadRecord(where, f"{key!r} must be a path or a list of paths under the image root, got {value!r}")
-    return tuple(images)
 
 
 def _pair(turns: list[tuple[int, str, str]], chosen: str, rejected: str, images: tuple[str, ...], source: Path,
@@ -111,9 +73,10 @@ def parse_sharegpt_ranking(raw: Any, source: Path, position: int) -> PairRecord:
     key = "conversations" if "conversations" in raw else "messages"
     _missing(raw, (key, "chosen", "rejected"), where,
              "a ranking record holds the prompt turns and one chosen and one rejected answer")
-    images = _images(raw, "images", where)
+    images = images_of(raw, "images", where)
     where = record_where(source, position, visual=f"images {list(images)}" if images else None)
-    system, turns = _conversation(raw[key], key, where)
+    turn_system, turns = conversation(raw[key], key, where)
+    system = record_system(raw, turn_system, key, where)
     if not turns or turns[-1][1] != HUMAN:
         raise BadRecord(where, f"{key!r} must end with the user's turn: the answers to compare are in 'chosen' and "
                                f"'rejected'")
@@ -127,13 +90,13 @@ def parse_swift_rlhf(raw: Any, source: Path, position: int) -> PairRecord:
     if not isinstance(raw, dict):
         raise BadRecord(where, f"expected an object with messages and rejected_response; got {type(raw).__name__}")
     _missing(raw, ("messages",), where, "ms-swift's RLHF records hold the chosen conversation in 'messages'")
-    images = _images(raw, "images", where)
+    images = images_of(raw, "images", where)
     where = record_where(source, position, visual=f"images {list(images)}" if images else None)
-    if "rejected_images" in raw and _images(raw, "rejected_images", where) != images:
+    if "rejected_images" in raw and images_of(raw, "rejected_images", where) != images:
         raise BadRecord(where, f"'rejected_images' {raw['rejected_images']!r} differ from 'images' {list(images)}: "
                                f"lavis_ds trains pairs whose sides share their images (encoded once per pair); "
                                f"drop 'rejected_images' or make it equal 'images'")
-    system, turns = _conversation(raw["messages"], "messages", where)
+    system, turns = conversation(raw["messages"], "messages", where)
     if not turns or turns[-1][1] != GPT:
         raise BadRecord(where, "'messages' must end with the chosen assistant turn")
     prompt, chosen = turns[:-1], turns[-1][2]
@@ -149,7 +112,7 @@ def parse_swift_rlhf(raw: Any, source: Path, position: int) -> PairRecord:
 
 def _rejected_from_messages(raw: Any, system: str | None, prompt: list, where: str) -> str:
     """The rejected last answer of ``rejected_messages``, whose other turns must be the chosen side's."""
-    rejected_system, turns = _conversation(raw, "rejected_messages", where)
+    rejected_system, turns = conversation(raw, "rejected_messages", where)
     if not turns or turns[-1][1] != GPT:
         raise BadRecord(where, "'rejected_messages' must end with the rejected assistant turn")
     same = rejected_system == system and [t[1:] for t in turns[:-1]] == [t[1:] for t in prompt]
@@ -226,7 +189,7 @@ def parse_vlfeedback(raw: Any, source: Path, position: int) -> PairRecord:
     if not isinstance(raw, dict):
         raise BadRecord(where, f"expected an object with prompt, img_path, completions; got {type(raw).__name__}")
     _missing(raw, ("prompt", "img_path", "completions"), where, "a VLFeedback record rates completions of a prompt")
-    images = _images(raw, "img_path", where)
+    images = images_of(raw, "img_path", where)
     where = record_where(source, position, record_id=raw.get("id"), image=images[0] if images else None)
     prompt = _string(raw["prompt"], "'prompt'", where)
     completions = _completion_list(raw["completions"], where)
@@ -312,7 +275,7 @@ class PairDataset(InstructionDataset):
         if not isinstance(record, PairRecord):
             raise TypeError(f"{record.where()}: not a preference pair; read the file with a pair format")
         return {**sample, "output": sample["output"][:-1], "chosen": sample["output"][-1],
-                "rejected": self._text(record.rejected), "system": record.system}
+                "rejected": self._text(record.rejected)}
 
     def text_sample(self, index: int) -> dict[str, Any]:
         """Both sides' text, for counting a pair's tokens: the longer side stands for the pair."""
@@ -326,6 +289,5 @@ class PairDataset(InstructionDataset):
         """One flat ``image`` tensor of every pair's images (each pair's once), the turns and both answers per pair."""
         samples = list(samples)
         batch = InstructionDataset.collater(samples)  # references: the chosen answers, for generation metrics
-        return {**batch, "chosen": [s["chosen"] for s in samples], "rejected": [s["rejected"] for s in samples],
-                "system": [s["system"] for s in samples]}
+        return {**batch, "chosen": [s["chosen"] for s in samples], "rejected": [s["rejected"] for s in samples]}
 

@@ -67,11 +67,11 @@ class RecordStore(Sequence[InstructionRecord]):
         part = self._parts[p]
         local = index - (self._ends[p - 1] if p else 0)
         start, end = int(part.offsets[local]), int(part.offsets[local + 1])
-        source, position, images, instructions, outputs, record_id, list_name, references, video, *pair = \
+        source, position, images, instructions, outputs, record_id, list_name, references, video, system, *pair = \
             pickle.loads(memoryview(part.buffer)[start:end])
-        cls, more = (PairRecord, dict(zip(("rejected", "system"), pair))) if pair else (InstructionRecord, {})
+        cls, more = (PairRecord, {"rejected": pair[0]}) if pair else (InstructionRecord, {})
         return cls(images, instructions, outputs, part.sources[source], position, record_id=record_id,
-                   list_name=list_name, references=references, video=video, **more)
+                   list_name=list_name, references=references, video=video, system=system, **more)
 
     def __iter__(self) -> Iterator[InstructionRecord]:
         return (self[i] for i in range(len(self)))
@@ -98,7 +98,7 @@ class RecordStoreWriter:
         self._buffer += pickle.dumps(
             (source, record.position, tuple(record.images), tuple(record.instructions), tuple(record.outputs),
              record.record_id, record.list_name, None if record.references is None else tuple(record.references),
-             record.video, *((record.rejected, record.system) if isinstance(record, PairRecord) else ())),
+             record.video, record.system, *((record.rejected,) if isinstance(record, PairRecord) else ())),
             protocol=pickle.HIGHEST_PROTOCOL)
         self._offsets.append(len(self._buffer))
 

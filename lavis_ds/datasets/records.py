@@ -55,6 +55,9 @@ class InstructionRecord:
     # None: the last output is the only one. Evaluation keeps them together on one sample.
     references: tuple[str, ...] | None = None
     video: str | None = None  # a video under the same root: its sampled frames are the record's images
+    # The record's own system turn (ms-swift's first {"role": "system"} message, LLaMA-Factory's `system` column);
+    # None: the model's configured system prompt (model.system_prompt) is used.
+    system: str | None = None
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -101,7 +104,6 @@ class PairRecord(InstructionRecord):
     the earlier answers and the images."""
 
     rejected: str = ""
-    system: str | None = None  # the record's own system prompt, if its format has one
 
     @property
     def chosen(self) -> str:

@@ -67,6 +67,18 @@ def unstable_render(tokenizer: PreTrainedTokenizerBase, variables: Mapping[str, 
     return None
 
 
+def takes_system_message(tokenizer: PreTrainedTokenizerBase, variables: Mapping[str, Any]) -> bool:
+    """Whether the tokenizer's chat template writes a system message it is given: Gemma 2's raises on one, and a
+    template that drops it takes none either (a probe conversation rendered once)."""
+    probe = "lavis_ds system probe"
+    messages = [{"role": "system", "content": probe}, {"role": "user", "content": "Hi"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **variables)
+    except TemplateError:
+        return False
+    return probe in text
+
+
 def check_turns(instructions: Sequence[str], answers: Sequence[str], add_generation_prompt: bool) -> int:
     """How many turns keep their answer: training needs one answer per instruction, generation all but the last
     (a reference answer for the last turn, if given, is ignored)."""

@@ -9,9 +9,14 @@ construction: every token of an assistant answer and its closing end-of-turn tok
 the ``\\n`` after ``<|im_end|>``, the image placeholders) gets ``IGNORE_INDEX``.
 Generation prompts are built from the same segments, so the model sees at
 inference exactly the tokens it was trained on.
+
+A sample may bring its own system turn (its record's, ``system=``): it is sent as the template's system message
+in place of ``system_prompt``, unless ``record_system_prompt`` says to ignore it or to fold it into the first user
+turn (for templates without a system role).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -21,7 +26,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lavis_ds.common.errors import ImageSpanCut
-from lavis_ds.models.chat_template import ChatTemplate, check_turns, template_text, unstable_render
+from lavis_ds.models.chat_template import (ChatTemplate, ChatTemplateError, check_turns, takes_system_message,
+                                           template_text, unstable_render)
 from lavis_ds.models.image_tokens import batch_images
 
 logger = logging.getLogger(__name__)
@@ -100,6 +106,9 @@ class ChatPrompt:
             the image's size does (``VisionLLMForward.image_token_counts``).
         max_len: Longest training sequence, in tokens.
         template_variables: Extra chat-template variables (``enable_thinking: false`` for Qwen3, ...).
+        record_system_prompt: What a sample's own system turn does: ``use`` (it is the system message; samples
+            without one get ``system_prompt``), ``ignore`` (every sample gets ``system_prompt``), ``fold`` (its text
+            and a blank line go in front of the first user turn, as Gemma's templates fold a system message).
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -108,6 +117,7 @@ class ChatPrompt:
     num_image_tokens: int | None
     max_len: int
     template_variables: Mapping[str, Any] = field(default_factory=dict)
+    record_system_prompt: Literal["use", "ignore", "fold"] = "use"
 
     def __post_init__(self) -> None:
         if (why := unstable_render(self.tokenizer, self.template_variables)) is not None:
@@ -124,13 +134,10 @@ class ChatPrompt:
             return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         return ChatTemplate(self.tokenizer, self.system_prompt, self.template_variables).end_of_turn_id()
 
-    def segments(self, instructions: Turns, answers: Turns,
-                 add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-        """The conversation as ``(text, supervised)`` pieces: by the tokenizer's chat template, else ChatML."""
-        if template_text(self.tokenizer) is None:
-            return chatml_segments(self.system_prompt, instructions, answers, add_generation_prompt)
-        return ChatTemplate(self.tokenizer, self.system_prompt, self.template_variables).segments(
-            list(instructions), list(answers), add_generation_prompt)
+    @functools.cached_property
+    def takes_system_message(self) -> bool:
+        """Whether the chat template renders a system message (Gemma 2's refuses one; ChatML written here takes it)."""
+        return template_text(self.tokenizer) is None or takes_system_message(self.tokenizer, self.template_variables)
 
     def placeholder_counts(self, num_images: int, image_tokens: Sequence[int] | None) -> list[int]:
         """Each image's placeholder count: ``image_tokens`` as given, else ``num_image_tokens`` per image."""
@@ -141,9 +148,34 @@ class ChatPrompt:
                              "(image_tokens, from the model's image_token_counts)")
         return [self.num_image_tokens] * num_images
 
+    def system_and_turns(self, instructions: list[str], system: str | None) -> tuple[str | None, list[str]]:
+        """The system message to send and the instructions, for a sample whose own system turn is ``system``."""
+        if system is None or self.record_system_prompt == "ignore":
+            return self.system_prompt, instructions
+        if self.record_system_prompt == "fold":
+            return self.system_prompt, [f"{system}\n\n{instructions[0]}", *instructions[1:]]
+        if not self.takes_system_message:
+            name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+            raise ChatTemplateError(f"the chat template of {name!r} takes no system message, and the sample has its "
+                                    f"own ({system[:60]!r}); set model.record_system_prompt: fold (its text goes in "
+                                    f"front of the first user turn) or ignore (model.system_prompt for every sample)")
+        return system, instructions
+
+    def segments(self, instructions: Turns, answers: Turns, add_generation_prompt: bool = False,
+                 system: str | None = None) -> list[tuple[str, bool]]:
+        """The conversation as ``(text, supervised)`` pieces: by the tokenizer's chat template, else ChatML.
+        ``system``: the sample's own system turn (None: ``system_prompt``)."""
+        system, instructions = self.system_and_turns(list(instructions), system)
+        if template_text(self.tokenizer) is None:
+            return chatml_segments(system, instructions, answers, add_generation_prompt)
+        return ChatTemplate(self.tokenizer, system, self.template_variables).segments(
+            instructions, list(answers), add_generation_prompt)
+
     def training_example(self, instructions: str | Turns, answers: str | Turns, num_images: int = 1,
-                         image_tokens: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
-        """``(input_ids, labels)`` of one sample with ``num_images`` images, truncated to ``max_len`` tokens.
+                         image_tokens: Sequence[int] | None = None,
+                         system: str | None = None) -> tuple[list[int], list[int]]:
+        """``(input_ids, labels)`` of one sample with ``num_images`` images (and its own system turn ``system``,
+        None: ``system_prompt``), truncated to ``max_len`` tokens.
 
         ``image_tokens``: each image's placeholder count (then ``num_images`` is its length); default
         ``num_image_tokens`` each. Truncation keeps the start and cuts the end, never inside or before an image's
@@ -151,7 +183,7 @@ class ChatPrompt:
         """
         counts = self.placeholder_counts(num_images, image_tokens)
         instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts)
-        segments = self.segments(instructions, as_turns(answers))
+        segments = self.segments(instructions, as_turns(answers), system=system)
         input_ids, labels = self._tokenize(segments, counts)
         if len(input_ids) > self.max_len and sum(counts):
             last_image_pos = max(i for i, t in enumerate(input_ids) if t == self.image_token_id)
@@ -160,17 +192,17 @@ class ChatPrompt:
         return input_ids[: self.max_len], labels[: self.max_len]
 
     def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1,
-                          image_tokens: Sequence[int] | None = None) -> list[int]:
+                          image_tokens: Sequence[int] | None = None, system: str | None = None) -> list[int]:
         """Token ids up to the last turn's assistant header (ChatML: ``<|im_start|>assistant\\n``); earlier turns
         keep their answers.
 
         ``num_images`` other than 1: the instructions mark each image with ``<ImageHere>``, in image order.
-        ``image_tokens`` as in ``training_example``. Not truncated: cutting the end would drop the question or the
-        assistant header.
+        ``image_tokens`` as in ``training_example``; ``system``: the conversation's own system turn, as there.
+        Not truncated: cutting the end would drop the question or the assistant header.
         """
         counts = self.placeholder_counts(num_images, image_tokens)
         instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts)
-        segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True)
+        segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True, system=system)
         return self._tokenize(segments, counts)[0]
 
     def _tokenize(self, segments: list[tuple[str, bool]], counts: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -80,6 +80,7 @@ class VisionLLM(VisionLLMForward):
         lora_target_modules: list[str] | None = None,
         max_txt_len: int = 512,
         system_prompt: str | None = "You are a helpful assistant.",
+        record_system_prompt: Literal["use", "ignore", "fold"] = "use",
         image_token: str = "<|image_pad|>",
         chat_template_kwargs: dict[str, Any] | None = None,
         loss_chunks: int = 8,
@@ -108,7 +109,10 @@ class VisionLLM(VisionLLMForward):
                 LLM's decoder blocks (the names its family gives them).
             max_txt_len: Longest training sequence in tokens, image placeholders included.
             system_prompt: Text of the system message; null sends none (for templates without a system role,
-                such as Gemma's).
+                such as Gemma's). A record's own system turn replaces it for that record (``record_system_prompt``).
+            record_system_prompt: What a record's own system turn does: ``use`` (it is that sample's system message),
+                ``ignore`` (``system_prompt`` for every sample), ``fold`` (its text goes in front of the first user
+                turn: for templates without a system role).
             image_token: Placeholder token; added to the tokenizer if missing (the LLM embeddings grow
                 only if its id has no row; its row never trains: image features replace it).
             chat_template_kwargs: Variables for the tokenizer's chat template, e.g. ``enable_thinking: false``
@@ -125,7 +129,8 @@ class VisionLLM(VisionLLMForward):
                              freeze_llm=freeze_llm, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
                              lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
                              max_txt_len=max_txt_len, system_prompt=system_prompt, image_token=image_token,
-                             chat_template_kwargs=chat_template_kwargs or {})
+                             chat_template_kwargs=chat_template_kwargs or {},
+                             record_system_prompt=record_system_prompt)
         self.llm_grad_checkpoint = llm_grad_checkpoint
         self.loss_chunks = loss_chunks
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
@@ -157,7 +162,8 @@ class VisionLLM(VisionLLMForward):
         initialisation draws random numbers, and the image path's must come first)."""
         args = self.llm_args
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
-                                 self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"])
+                                 self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
+                                 args["record_system_prompt"])
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.positions = position_provider(self.llm_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
@@ -223,7 +229,7 @@ class VisionLLM(VisionLLMForward):
         args = cls.settings_of(section)
         tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"])
         return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
-                          args["max_txt_len"], args["chat_template_kwargs"] or {})
+                          args["max_txt_len"], args["chat_template_kwargs"] or {}, args["record_system_prompt"])
 
     # ----------------------------------------------------------------- the LLM as a whole
     @property

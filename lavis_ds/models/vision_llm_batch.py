@@ -1,5 +1,10 @@
-"""Where each sample of a prepared batch sits: its images in packed order, the sample of each supervised position;
-and the batch without the samples truncation would cut into an image (``prepare_batch``'s ``on_image_cut: drop``)."""
+"""A batch's samples as the LLM receives them (token ids, labels, padded or packed), and where each sample of a
+prepared batch sits: its images in packed order, the sample of each supervised position; and the batch without the
+samples truncation would cut into an image (``prepare_batch``'s ``on_image_cut: drop``).
+
+``training_examples`` and ``lay_out`` are the one path from samples to what trains: the model's ``prepare_batch``
+calls them, and so does ``lavis_ds.show_sample`` (through ``token_batch``), which shows those very ids.
+"""
 from __future__ import annotations
 
 import logging
@@ -8,12 +13,74 @@ from typing import Any
 import torch
 
 from lavis_ds.common.errors import ImageSpanCut
+from lavis_ds.models.chat_template import ChatTemplateError
 from lavis_ds.models.image_tokens import GRID_KEY, SIZES_KEY, select_images
-from lavis_ds.models.prompt import IGNORE_INDEX, image_counts
+from lavis_ds.models.packing import pack
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
 
 logger = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY)  # fields with a row (or block of rows) per image, not per sample
+Example = tuple[list[int], list[int]]  # a sample's (input_ids, labels)
+
+
+def sample_names(samples: dict[str, Any]) -> list[str]:
+    """How messages name each sample of a batch: its ``where`` (its record's file and position; a pair's side),
+    else its place in the micro-batch and its dataset index."""
+    count = len(samples["instruction"])
+    if samples.get("where") is not None and None not in samples["where"]:
+        return list(samples["where"])
+    index = samples.get("index")
+    return [f"sample {i} of the micro-batch" + ("" if index is None else f" (dataset index {int(index[i])})")
+            for i in range(count)]
+
+
+def training_examples(prompt: ChatPrompt, samples: dict[str, Any],
+                      image_tokens: list[list[int]] | None = None) -> list[Example | ImageSpanCut]:
+    """``(input_ids, labels)`` of each sample: its turns, its images' placeholder counts (``image_tokens``, a list per
+    sample; None: the prompt's fixed count), its own system turn (if any). A sample that truncation would cut into
+    an image gives its :class:`ImageSpanCut`, naming it, in its place: the caller refuses or drops it."""
+    names = sample_names(samples)
+    systems = samples.get("system") or [None] * len(names)
+    counts = image_tokens if image_tokens is not None else [None] * len(names)
+    examples: list[Example | ImageSpanCut] = []
+    for name, instructions, answers, num_images, system, mine in zip(
+            names, samples["instruction"], samples["output"], image_counts(samples), systems, counts, strict=True):
+        try:
+            examples.append(prompt.training_example(instructions, answers, num_images, image_tokens=mine,
+                                                    system=system))
+        except ImageSpanCut as cut:
+            examples.append(cut.at(name))
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{name}: {e}") from None
+    return examples
+
+
+def lay_out(examples: list[Example], pad_id: int, pack_to: int | None = None,
+            rope: list[torch.Tensor] | None = None) -> dict[str, Any]:
+    """The LLM's fields of a batch: ``input_ids``, ``attention_mask``, ``labels`` padded on the right (with each
+    sample's M-RoPE rows ``rope``: ``rope_position_ids``), or with ``pack_to`` the samples laid end to end in rows
+    of at most that many tokens (``models.packing``: adds ``position_ids``, per-sample lengths and the packed
+    ``order``)."""
+    if pack_to is not None:
+        return pack(examples, pack_to, pad_id, IGNORE_INDEX, rope)
+    input_ids, attention_mask = pad_batch([ids for ids, _ in examples], pad_id, side="right")
+    labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
+    fields = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if rope is not None:
+        fields["rope_position_ids"] = pad_positions(rope, input_ids.shape[1], side="right")
+    return fields
+
+
+def token_batch(prompt: ChatPrompt, samples: dict[str, Any], pad_id: int, pack_to: int | None = None
+                ) -> dict[str, Any]:
+    """What ``prepare_batch`` lays out for a batch of a model with a fixed count of tokens per image, from its prompt
+    alone (no weights): a sample truncation would cut into an image is refused."""
+    examples = training_examples(prompt, samples)
+    for example in examples:
+        if isinstance(example, ImageSpanCut):
+            raise example
+    return lay_out(examples, pad_id, pack_to)
 
 
 def packed_image_order(samples: dict[str, Any]) -> torch.Tensor:
@@ -44,12 +111,6 @@ def sample_of_positions(samples: dict[str, Any], rows: torch.Tensor, labels: tor
     # Position t predicts token t+1, which belongs to the same sample: a sample's first token is never supervised.
     owner = order[packed_index[:, 1:][supervised]]
     return owner, len(samples["order"])
-
-
-def sample_name(samples: dict[str, Any], i: int) -> str:
-    """How messages name sample ``i`` of a batch: its dataset index where the batch has one."""
-    index = samples.get("index")
-    return f"sample {i} of the micro-batch" + ("" if index is None else f" (dataset index {int(index[i])})")
 
 
 def log_drop(where: str, cut: ImageSpanCut, dropped: int) -> None:

@@ -16,11 +16,10 @@ from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows
                                            per_sample, select_images)
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
-from lavis_ds.models.packing import pack
 from lavis_ds.models.positions import PositionProvider, Visual
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, ImageSpanCut, image_counts, pad_batch, pad_positions
-from lavis_ds.models.vision_llm_batch import (blank_sample, keep_samples, log_drop, packed_image_order,
-                                              sample_name, sample_of_positions)
+from lavis_ds.models.vision_llm_batch import (blank_sample, keep_samples, lay_out, log_drop, packed_image_order,
+                                              sample_of_positions, training_examples)
 
 
 class VisionLLMForward(BaseModel):
@@ -88,13 +87,7 @@ class VisionLLMForward(BaseModel):
         examples, samples = self._examples(samples, on_image_cut)
         extra = {**self.batch_fields(samples), "image_tokens": self.image_token_counts(samples)}
         rope = self._rope_positions([ids for ids, _ in examples], samples)
-        if pack_to is not None:
-            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX, rope)}
-        input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
-        labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
-        if rope is not None:
-            extra["rope_position_ids"] = pad_positions(rope, input_ids.shape[1], side="right")
-        return {**samples, **extra, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {**samples, **extra, **lay_out(examples, self.pad_id, pack_to, rope)}
 
     def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
         """Each image as the LLM's position provider sees it (flat image order): its token count and, for an image
@@ -116,22 +109,18 @@ class VisionLLMForward(BaseModel):
         """Each sample's ``(input_ids, labels)`` and the batch they belong to: ``samples``, or without the samples
         truncation would cut into an image (``on_image_cut: drop``; a batch left empty keeps one blank sample)."""
         counts = per_sample(self.image_token_counts(samples), image_counts(samples))
-        examples, kept = [], []
-        for i, (ins, out, mine) in enumerate(zip(samples["instruction"], samples["output"], counts, strict=True)):
-            try:
-                examples.append(self.prompt.training_example(ins, out, len(mine), image_tokens=mine))
-                kept.append(i)
-            except ImageSpanCut as cut:
-                where = sample_name(samples, i)
-                if on_image_cut != "drop":
-                    raise cut.at(where) from None
-                self.image_cut_drops += 1
-                log_drop(where, cut, self.image_cut_drops)
-        if len(kept) == len(counts):
+        examples = training_examples(self.prompt, samples, counts)
+        kept = [i for i, example in enumerate(examples) if not isinstance(example, ImageSpanCut)]
+        if len(kept) == len(examples):
             return examples, samples
+        for cut in (example for example in examples if isinstance(example, ImageSpanCut)):
+            if on_image_cut != "drop":
+                raise cut
+            self.image_cut_drops += 1
+            log_drop(cut.where, cut, self.image_cut_drops)
         if not kept:  # every rank runs a forward (ZeRO-3 / FSDP collectives): one token, nothing supervised
             return [([self.pad_id], [IGNORE_INDEX])], blank_sample(samples)
-        return examples, keep_samples(samples, kept)
+        return [examples[i] for i in kept], keep_samples(samples, kept)
 
     def supervised_tokens(self, samples: dict[str, Any]) -> int:
         """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
@@ -274,16 +263,18 @@ class VisionLLMForward(BaseModel):
         empty or left out for text-only samples), ``instruction`` (turns per sample),
         optionally ``output`` (the answers of the earlier turns) and ``num_images`` (images
         per sample, default 1 each; each image has its ``<ImageHere>`` marker in the
-        sample's turns, one image may go unmarked). ``synced_gpus`` must be true under
+        sample's turns, one image may go unmarked) and ``system`` (each sample's own system turn, None: the
+        model's ``system_prompt``). ``synced_gpus`` must be true under
         ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
         Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
         """
         image = samples.get("image")
         answers = samples.get("output") or [()] * len(samples["instruction"])
+        systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
         counts = per_sample(self.image_token_counts(samples), num_images)
-        prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine)
-                   for ins, out, mine in zip(samples["instruction"], answers, counts, strict=True)]
+        prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system)
+                   for ins, out, mine, system in zip(samples["instruction"], answers, counts, systems, strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         device = self._device() if image is None else image.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)

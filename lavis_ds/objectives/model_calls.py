@@ -25,14 +25,20 @@ IGNORE_INDEX = -100  # lavis_ds.models.prompt.IGNORE_INDEX (common to every mode
 
 
 def side_batch(pairs: dict[str, Any]) -> dict[str, Any]:
-    """The 2B sequence samples of B pairs: chosen sides, then rejected sides, sharing prompt turns and images."""
+    """The 2B sequence samples of B pairs: chosen sides, then rejected sides, sharing prompt turns, images and the
+    pair's own system turn."""
     history = pairs.get("output") or [[] for _ in pairs["instruction"]]
     image = pairs.get("image")
+    index = pairs.get("index")
+    names = pairs.get("where") or (None if index is None else [f"pair {int(i)}" for i in index])
+    where = None if names is None else [f"{name} ({side})" for side in ("chosen", "rejected") for name in names]
     return {
         "instruction": [list(turns) for turns in pairs["instruction"]] * 2,
         "output": ([list(h) + [c] for h, c in zip(history, pairs["chosen"], strict=True)]
                    + [list(h) + [r] for h, r in zip(history, pairs["rejected"], strict=True)]),
         "num_images": list(pairs["num_images"]) * 2,
+        "system": list(pairs.get("system") or [None] * len(pairs["instruction"])) * 2,  # a pair's own system turn
+        "where": where,  # names a side in errors (models.vision_llm_batch.sample_names)
         # the pixels are not run twice (answer_logps takes the features); the layout check counts them
         "image": None if image is None else torch.cat([image, image]),
     }
@@ -66,21 +72,13 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
     ``batch_fields``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and the other
     keys of ``pairs``, and ``num_pairs``.
     """
-    systems = [s for s in pairs.get("system") or [] if s]
-    if systems and not getattr(model, "PER_SAMPLE_SYSTEM", False):
-        # Not dropped silently: the pair was judged with this system prompt.
-        raise LavisDsError(f"a pair has its own system prompt ({systems[0][:60]!r}...), which this model cannot "
-                           f"take per sample (its system turn is model.system_prompt); remove the records' system "
-                           f"turns (and set model.system_prompt to that text if all pairs share it)")
     sides = model.prepare_batch(side_batch(pairs))
     images = 0 if pairs.get("image") is None else pairs["image"].shape[0]
     for key in getattr(model, "PER_IMAGE_FIELDS", ()):  # the sides' rows per image: chosen's first, then rejected's
         if images and key in sides and sides[key].shape[0] == 2 * images:
             sides[key] = sides[key][:images]  # the pair's images, once (both sides ask the same instruction of them)
     turns = [len(turns) for turns in sides["instruction"]]
-    index = pairs.get("index")
-    where = None if index is None else [f"pair {int(i)} ({side})" for side in ("chosen", "rejected") for i in index]
-    labels = last_answer_labels(sides["labels"], turns, where)
+    labels = last_answer_labels(sides["labels"], turns, sides["where"])
     return {**pairs, **sides, "labels": labels, "image": pairs.get("image"), "num_images": list(pairs["num_images"]),
             "num_pairs": len(pairs["chosen"])}
 

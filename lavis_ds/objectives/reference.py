@@ -70,15 +70,17 @@ def resolve_kind(kind: str, model: torch.nn.Module) -> str:
 
 # ----------------------------------------------------------------- precomputed
 def pair_keys(pairs: dict[str, Any]) -> list[str]:
-    """A hash of each pair's content in a collated (not yet prepared) pair batch: prompt turns, earlier answers,
-    both last answers, and its images' pixels as the dataset made them."""
+    """A hash of each pair's content in a collated (not yet prepared) pair batch: its own system turn, prompt turns,
+    earlier answers, both last answers, and its images' pixels as the dataset made them."""
     image, counts = pairs.get("image"), [int(n) for n in pairs["num_images"]]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     history = pairs.get("output") or [[] for _ in counts]
+    systems = pairs.get("system") or [None] * len(counts)
     keys = []
     for i, (start, count) in enumerate(zip(starts, counts, strict=True)):
-        digest = hashlib.sha256(json.dumps([pairs["instruction"][i], list(history[i]), pairs["chosen"][i],
-                                            pairs["rejected"][i]]).encode())
+        content = [pairs["instruction"][i], list(history[i]), pairs["chosen"][i], pairs["rejected"][i]]
+        # Without a system turn the key hashes the content alone: stores written without the field stay readable.
+        digest = hashlib.sha256(json.dumps(content if systems[i] is None else [*content, systems[i]]).encode())
         if count:
             digest.update(image[start:start + count].detach().float().cpu().contiguous().numpy().tobytes())
         keys.append(digest.hexdigest())
@@ -205,6 +207,14 @@ def preference_accuracy(logps: dict[str, tuple[float, float]]) -> float:
     return sum(chosen > rejected for chosen, rejected in logps.values()) / max(len(logps), 1)
 
 
+def reference_line(split_summary: dict[str, Any]) -> str:
+    """What the reference pass says of a split: the records' count, with the distinct pairs beside it (pairs of
+    identical content are scored once, and the share counts each content once)."""
+    pairs, distinct = split_summary["pairs"], split_summary["distinct"]
+    return (f"the starting model prefers the chosen answer of {split_summary['logps/accuracies']:.3f} of {pairs} "
+            f"pairs ({distinct} distinct)")
+
+
 def precomputed_store(trainer: Any, resuming: bool) -> ReferenceStore:
     """The reference log-probs of the run's training and validation pairs: stored, or computed now by the trainer's
     engine with the starting weights (collective). ``resuming``: the weights will be a checkpoint's, so a store
@@ -222,12 +232,13 @@ def precomputed_store(trainer: Any, resuming: bool) -> ReferenceStore:
     summary = {}
     with torch.no_grad(), eval_mode(module):
         for split in dict.fromkeys(splits):
-            scored = store.compute(trainer.engine, ReferenceScorer(), concat(trainer.data.datasets, [split]),
-                                   run.batch_size_eval, trainer.rank, trainer.world_size, split)
-            summary[split] = {"pairs": len(scored), "logps/accuracies": preference_accuracy(scored)}
+            dataset = concat(trainer.data.datasets, [split])
+            scored = store.compute(trainer.engine, ReferenceScorer(), dataset, run.batch_size_eval, trainer.rank,
+                                   trainer.world_size, split)
+            summary[split] = {"pairs": len(dataset), "distinct": len(scored),
+                              "logps/accuracies": preference_accuracy(scored)}
             if trainer.rank == 0:
-                print(f"lavis_ds: reference pass, {split}: the starting model prefers the chosen answer of "
-                      f"{summary[split]['logps/accuracies']:.3f} of {len(scored)} pairs", flush=True)
+                print(f"lavis_ds: reference pass, {split}: {reference_line(summary[split])}", flush=True)
     store.finish(trainer.rank, summary)
     return store
 
