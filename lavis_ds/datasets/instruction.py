@@ -33,7 +33,7 @@ from lavis_ds.common.errors import InputError
 from lavis_ds.datasets.loading import RecordLoader
 from lavis_ds.datasets.record_store import RecordStore
 from lavis_ds.datasets.records import (IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, count_markers,
-                                       record_where)
+                                       each_record, record_where)
 from lavis_ds.datasets.video import UnreadableVideoError, read_frames
 
 __all__ = ["IMAGE_PLACEHOLDER", "InstructionRecord", "InstructionDataset", "UnreadableImageError",
@@ -115,13 +115,7 @@ def parse_record(raw: Any, source: Path, position: int) -> InstructionRecord:
 
 def parse_instruction_file(raw: Any, source: Path) -> Iterator[InstructionRecord | BadRecord]:
     """The MiniGPT4Qwen format (see the module docstring) as a :data:`~lavis_ds.datasets.loading.ParseFile`."""
-    if not isinstance(raw, list):
-        raise ValueError(f"{source}: expected a JSON list of records, got a {type(raw).__name__}")
-    for position, item in enumerate(raw):
-        try:
-            yield parse_record(item, source, position)
-        except BadRecord as bad:
-            yield bad
+    yield from each_record(raw, source, "records", parse_record)
 
 
 def process_text(text: str, text_processor: TextProcessor) -> str:

@@ -27,7 +27,8 @@ import functools
 from pathlib import Path
 from typing import Any, Iterator
 
-from lavis_ds.datasets.records import IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, record_where
+from lavis_ds.datasets.records import (IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, each_record,
+                                       record_where)
 
 LLAVA_IMAGE_TOKEN = "<image>"
 HUMAN, GPT = "human", "gpt"
@@ -39,14 +40,8 @@ def parse_llava_file(raw: Any, source: Path, skip_text_only: bool = False) -> It
     ``skip_text_only``: a record without ``image`` is a bad record of kind ``text_only`` (for a loader
     that skips that kind) instead of a text-only sample.
     """
-    if not isinstance(raw, list):
-        raise ValueError(f"{source}: expected a JSON list of LLaVA records ({{id, image, conversations}}), "
-                         f"got a {type(raw).__name__}")
-    for position, item in enumerate(raw):
-        try:
-            yield parse_llava_record(item, source, position, skip_text_only)
-        except BadRecord as bad:
-            yield bad
+    yield from each_record(raw, source, "LLaVA records ({id, image, conversations})",
+                           lambda item, source, position: parse_llava_record(item, source, position, skip_text_only))
 
 
 def llava_parser(skip_text_only: bool):

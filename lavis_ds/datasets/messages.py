@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lavis_ds.datasets.llava import GPT, HUMAN, conversation_pairs
-from lavis_ds.datasets.records import BadRecord, InstructionRecord, record_where
+from lavis_ds.datasets.records import BadRecord, InstructionRecord, each_record, record_where
 
 SYSTEM = "system"
 ROLES = {"human": HUMAN, "user": HUMAN, "gpt": GPT, "assistant": GPT, "system": SYSTEM}
@@ -99,11 +99,4 @@ def parse_messages_record(raw: Any, source: Path, position: int) -> InstructionR
 
 def parse_messages_file(raw: Any, source: Path) -> Iterator[InstructionRecord | BadRecord]:
     """A JSON list (or JSON Lines) of SFT chat records as a :data:`~lavis_ds.datasets.loading.ParseFile`."""
-    if not isinstance(raw, list):
-        raise ValueError(f"{source}: expected a JSON list of chat records ({{messages}} or {{conversations}}), got "
-                         f"a {type(raw).__name__}")
-    for position, item in enumerate(raw):
-        try:
-            yield parse_messages_record(item, source, position)
-        except BadRecord as bad:
-            yield bad
+    yield from each_record(raw, source, "chat records ({messages} or {conversations})", parse_messages_record)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 from lavis_ds.datasets.instruction import InstructionDataset
 from lavis_ds.datasets.llava import GPT, HUMAN, conversation_pairs
 from lavis_ds.datasets.messages import conversation, images_of, record_system, turn_of
-from lavis_ds.datasets.records import BadRecord, PairRecord, record_where
+from lavis_ds.datasets.records import BadRecord, PairRecord, each_record, record_where
 
 def _answer(raw: Any, key: str, where: str) -> str:
     """One assistant answer: a turn object, a list of exactly one assistant turn, or a string."""
@@ -243,15 +243,7 @@ PAIR_FORMATS: dict[str, Callable[[Any, Path, int], PairRecord]] = {
 
 def parse_pair_file(raw: Any, source: Path, pair_format: str) -> Iterator[PairRecord | BadRecord]:
     """A JSON list of pair records in ``pair_format`` (a key of :data:`PAIR_FORMATS`) as a ``ParseFile``."""
-    parse = PAIR_FORMATS[pair_format]
-    if not isinstance(raw, list):
-        raise ValueError(f"{source}: expected a JSON list of {pair_format} preference records, got a "
-                         f"{type(raw).__name__}")
-    for position, item in enumerate(raw):
-        try:
-            yield parse(item, source, position)
-        except BadRecord as bad:
-            yield bad
+    yield from each_record(raw, source, f"{pair_format} preference records", PAIR_FORMATS[pair_format])
 
 
 def pair_parser(pair_format: str):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 # Where the model splices in the projected query embeddings; text processors
 # must never see it (blip_caption would lowercase it into something unrecognisable).
@@ -132,3 +132,16 @@ class BadRecord(ValueError):
 
     def __reduce__(self):  # picklable although __init__ takes more than the message
         return type(self), (self.where, self.problem, self.kind)
+
+
+def each_record(raw: Any, source: Path, what: str, parse: Callable[[Any, Path, int], Any]) -> Iterator[Any]:
+    """The records of a JSON list ``raw`` read from ``source``, each ``parse(item, source, position)``; a record
+    ``parse`` refuses comes as its :class:`BadRecord` (the loader reports them all at once). ``what`` names the
+    records a file of this format lists, for the message when ``raw`` is no list."""
+    if not isinstance(raw, list):
+        raise ValueError(f"{source}: expected a JSON list of {what}, got a {type(raw).__name__}")
+    for position, item in enumerate(raw):
+        try:
+            yield parse(item, source, position)
+        except BadRecord as bad:
+            yield bad
