@@ -113,11 +113,12 @@ def test_instruction_rows_follow_the_images_into_packed_order(tiny_tokenizer_dir
     packed = model.prepare_batch(dict(samples), pack_to=lengths[0] + lengths[2])
     assert packed["order"] == [0, 2, 1]  # the packer moved samples: the instruction rows must move with them
     with torch.no_grad():
-        in_packed_order = model.image_features(padded)[packed_image_order(packed)]
+        per_image = model.image_features(padded).unflatten(0, (3, -1))  # flat features: 3 images' rows in turn
+        in_packed_order = per_image[packed_image_order(packed)].flatten(0, 1)
         torch.testing.assert_close(model.image_features(packed), in_packed_order, atol=1e-6, rtol=0)
         # each image's own instruction matters: the same images with their instructions swapped differ
         swapped = model.image_features(model.prepare_batch({**samples, "instruction": samples["instruction"][::-1]}))
-    assert not torch.allclose(swapped, model.image_features(padded)[[0, 1, 2]])
+    assert not torch.allclose(swapped, model.image_features(padded))
 
 
 def test_image_free_batch_runs_the_blank_image_with_one_instruction(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):

@@ -88,7 +88,7 @@ def test_lora_reference_is_the_model_with_its_adapters_disabled(arch, tiny_token
         out["loss_sums"]["pairs"].backward()
         optimizer.step()
     with torch.no_grad():  # still the starting model's log-probs after training the adapters
-        reference = objective.reference_logps(model, batch, model.image_features(batch).repeat(2, 1, 1))
+        reference = objective.reference_logps(model, batch, model.image_features(batch).repeat(2, 1))
     torch.testing.assert_close(torch.cat([reference[REF_CHOSEN], reference[REF_REJECTED]]), precomputed,
                                rtol=1e-5, atol=1e-5)
     assert float(out["metric_sums"]["rewards/margins"][1]) != 0.0

@@ -124,15 +124,18 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
                                  Blip2ImageEvalProcessor(image_size=16), max_frames=4)
     for index in range(3):
         loaded, text = dataset[index], dataset.text_sample(index)
-        assert text == {key: loaded[key] for key in ("instruction", "output", "num_images")}
+        assert {key: text[key] for key in ("instruction", "output", "num_images")} == \
+            {key: loaded[key] for key in ("instruction", "output", "num_images")}
+        assert text["image_sizes"] == [tuple(image.shape[-2:]) for image in loaded["image"]]
     assert [shape_of(dataset, i)[2:] for i in range(3)] == [(1, 0), (1, 2), (1, 4)]
 
     model = Blip2Qwen.from_config(tiny_model_config)
 
-    length_of = token_length_of(dataset, counted_by(model.prepare_batch), longest=256)
-    for index in range(3):
-        real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
-        assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
+    for tokens_for_image in (None, model.tokens_for_image):  # image tokens fitted per image, or counted exactly
+        length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, tokens_for_image)
+        for index in range(3):
+            real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
+            assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
 
 
 demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)

@@ -53,6 +53,25 @@ class ConfigError(InputError, ValueError):
                          "\n".join(f"  - {p}" for p in self.problems))
 
 
+class ImageSpanCut(LavisDsError, ValueError):
+    """Truncation at ``max_len`` would cut into (or drop) a sample's image placeholders: the sample cannot be kept
+    whole, so ``prepare_batch`` drops it or refuses it (``run.sft.on_image_cut``). Raised by
+    ``lavis_ds.models.prompt.ChatPrompt``."""
+
+    def __init__(self, max_len: int, last_image_pos: int, length: int, where: str = "a sample"):
+        super().__init__(f"{where}: max_txt_len={max_len} would cut the image placeholders of its {length} tokens "
+                         f"(the last one is token {last_image_pos}); raise model.max_txt_len, or set "
+                         "run.sft.on_image_cut: drop to leave such samples out")
+        self.max_len, self.last_image_pos, self.length, self.where = max_len, last_image_pos, length, where
+
+    def at(self, where: str) -> "ImageSpanCut":
+        """The same cut, naming the sample."""
+        return type(self)(self.max_len, self.last_image_pos, self.length, where)
+
+    def __reduce__(self):  # picklable although __init__ takes more than the message
+        return type(self), (self.max_len, self.last_image_pos, self.length, self.where)
+
+
 # torch's DataLoader re-raises a worker's exception as ``type(msg)`` with the worker's
 # formatted traceback inside the message; the original message is its last entry.
 _WORKER_WRAPPER = re.compile(r"^Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback", re.S)

@@ -127,6 +127,8 @@ connectors = Registry("connector")
 # published folders back (lavis_ds.models.hf). Entries are family records (HfFamily instances); each names the
 # config.json model_type its folders carry.
 hf_families = Registry("Hugging Face family")
+# How an LLM family numbers its tokens (lavis_ds.models.positions; the family table in models.llm_families).
+position_providers = Registry("position provider")
 
 
 class _LavisStyle:

@@ -230,8 +230,20 @@ class InstructionDataset(Dataset):
         num_images = len(record.images) + (self.max_frames if record.video else 0)
         if record.video:
             instructions = expand_video_marker(instructions, self.max_frames)
-        return {"instruction": instructions, "output": [self._text(t) for t in record.outputs],
-                "num_images": num_images}
+        sample = {"instruction": instructions, "output": [self._text(t) for t in record.outputs],
+                  "num_images": num_images}
+        sizes = self.image_sizes(index)
+        return sample if sizes is None else {**sample, "image_sizes": sizes}
+
+    def image_sizes(self, index: int) -> list[tuple[int, int]] | None:
+        """Each image's (height, width) as the model receives it (a video's ``max_frames`` frames), without reading
+        an image: the processor's square ``image_size``; None for a processor whose output size depends on the
+        image (then only reading the image would tell)."""
+        side = getattr(self.vis_processor, "image_size", None)
+        if not isinstance(side, int):
+            return None
+        record = self.records[index]
+        return [(side, side)] * (len(record.images) + (self.max_frames if record.video else 0))
 
     def image_name(self, index: int) -> str | None:
         """The record's image (or video) path as the annotation file gives it, several joined by ", " (for reports)."""

@@ -6,9 +6,12 @@ turns, and a text-only sample (no image) counts as negative so that it groups wi
 
 A token budget (``run.batch_unit: tokens``) needs tokens, not words. Tokenizing every sample of a 665k
 mix up front would cost minutes on every process; reading the words of a record costs microseconds.
-So ``TokenEstimate`` predicts a sample's tokens from its words, characters, turns and images, fitted once by least
-squares on the exact token counts of a few hundred samples spread over the training set (the model
-tokenizes their text, as its ``prepare_batch`` does in training; no image is read). The estimate only
+So ``TokenEstimate`` predicts a sample's text tokens from its words, characters, turns and images, fitted once by
+least squares on the exact token counts of a few hundred samples spread over the training set (the model
+tokenizes their text, as its ``prepare_batch`` does in training; no image is read), and adds its image tokens
+exactly: each image's count from the model's own ``tokens_for_image`` of the size the dataset gives it
+(``image_sizes``), the count its prompt reserves in training. Where the dataset cannot tell the sizes without
+reading the images, the fitted per-image term stands for them. The estimate only
 decides which samples share a micro-batch: packing then lays out the exact tokens, so a wrong estimate
 costs padding, never a sample or a token.
 """
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from lavis_ds.common.errors import InputError
+from lavis_ds.common.errors import ImageSpanCut, InputError
 from lavis_ds.common.seeding import SeededDataset
 from lavis_ds.datasets.mixing import MixedDataset
 
@@ -82,17 +85,22 @@ class TokenEstimate:
                 f"{self.per_turn:.1f}/turn + {self.per_image:.1f}/image + {self.fixed:.1f} + {self.margin:.1f} "
                 "(fitted on exact counts)")
 
-    def tokens(self, shape: tuple[int, int, int, int]) -> int:
+    def tokens(self, shape: tuple[int, int, int, int], image_tokens: int = 0) -> int:
+        """The estimate for a record of ``shape`` whose images take ``image_tokens`` placeholders (known exactly)."""
         words, chars, turns, images = shape
         guess = (self.per_word * words + self.per_char * chars + self.per_turn * turns + self.per_image * images
-                 + self.fixed + self.margin)
+                 + self.fixed + self.margin + image_tokens)
         return int(min(max(round(guess), 1), self.longest))
 
 
-def fit_token_estimate(shapes: list[tuple[int, int, int, int]], exact: list[int], longest: int) -> TokenEstimate:
-    """The least-squares ``TokenEstimate`` of ``exact`` token counts from record ``shapes``. Samples the model
-    truncated say nothing about how tokens grow with words, so they are left out of the fit."""
-    rows = [(shape, n) for shape, n in zip(shapes, exact, strict=True) if n < longest] or list(zip(shapes, exact))
+def fit_token_estimate(shapes: list[tuple[int, int, int, int]], exact: list[int], longest: int,
+                       image_tokens: list[int] | None = None) -> TokenEstimate:
+    """The least-squares ``TokenEstimate`` of ``exact`` token counts from record ``shapes``, less each sample's
+    ``image_tokens`` where they are known exactly (the fit then covers the text around the images). Samples the
+    model truncated say nothing about how tokens grow with words, so they are left out of the fit."""
+    known = image_tokens if image_tokens is not None else [0] * len(exact)
+    exact = [n - m for n, m in zip(exact, known, strict=True)]
+    rows = [(shape, n) for shape, n, m in zip(shapes, exact, known) if n + m < longest] or list(zip(shapes, exact))
     features = torch.tensor([[*shape, 1.0] for shape, _ in rows], dtype=torch.float64)
     target = torch.tensor([[float(n)] for _, n in rows], dtype=torch.float64)
     # gelsd: least squares that tolerates a column the sample does not vary (every sample one image)
@@ -103,9 +111,12 @@ def fit_token_estimate(shapes: list[tuple[int, int, int, int]], exact: list[int]
 
 
 def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any]]], list[int]],
-                    longest: int) -> Callable[[int, int], int]:
+                    longest: int, tokens_for_image: Callable[[tuple[int, ...]], int] | None = None
+                    ) -> Callable[[int, int], int]:
     """``(index, epoch) -> estimated tokens`` of the training set's samples. ``count_tokens`` gives the exact
-    tokens of text-only samples (the model's ``prepare_batch`` on ``instruction``/``output``/``num_images``)."""
+    tokens of text-only samples (the model's ``prepare_batch`` on ``instruction``/``output``/``num_images``);
+    ``tokens_for_image`` (the model's) each image's tokens from its size, for records whose dataset gives their
+    images' sizes (``image_sizes``)."""
     setting = "run.batch_unit=tokens"
     step = max(1, len(dataset) // CALIBRATION_SAMPLES)
     picked = [leaf_of(dataset, i, 0, setting) for i in range(0, len(dataset), step)][:CALIBRATION_SAMPLES]
@@ -117,7 +128,12 @@ def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any
             raise InputError(f"{setting}: {type(leaf).__name__} cannot give a sample's text without its images "
                              "(text_sample), so its token counts cannot be estimated; use run.batch_unit=samples")
         texts.append(sample)
-    estimate = fit_token_estimate(shapes, count_tokens(texts), longest)
+    def image_tokens(leaf: Dataset, local: int) -> int:
+        sizes = leaf.image_sizes(local) if tokens_for_image and hasattr(leaf, "image_sizes") else None
+        return 0 if sizes is None else sum(tokens_for_image(size) for size in sizes)
+
+    estimate = fit_token_estimate(shapes, count_tokens(texts), longest,
+                                  [image_tokens(leaf, local) for leaf, local in picked])
     # Each record's estimate, kept once made: a record's words cost ~20 us to read (about 13 s for a 665k mix,
     # once); a later epoch, or another sample drawing the same record, only looks it up.
     known: dict[int, np.ndarray] = {}  # id(leaf dataset) -> estimated tokens per record, 0 = not made yet
@@ -128,7 +144,7 @@ def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any
         if tokens is None:
             tokens = known[id(leaf)] = np.zeros(len(leaf.records), dtype=np.int32)
         if not tokens[local]:
-            tokens[local] = estimate.tokens(shape_of(leaf, local))
+            tokens[local] = estimate.tokens(shape_of(leaf, local), image_tokens(leaf, local))
         return int(tokens[local])
 
     length_of.estimate = estimate  # for the log line that says how the plan was made
@@ -137,9 +153,28 @@ def token_length_of(dataset: Dataset, count_tokens: Callable[[list[dict[str, Any
 
 def counted_by(prepare_batch: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[list[dict]], list[int]]:
     """Exact tokens of text-only samples (``text_sample``'s) as a model's ``prepare_batch`` lays them out for
-    training; no image is read."""
-    def count(samples: list[dict]) -> list[int]:
+    training; no image is read. A sample truncation would cut into an image (which training drops or refuses)
+    counts its whole length: the fit leaves out samples at the model's limit."""
+    def batch_of(samples: list[dict]) -> dict[str, Any]:
         batch = {key: [sample[key] for sample in samples] for key in ("instruction", "output", "num_images")}
         batch["image"] = torch.empty((sum(batch["num_images"]), 0))  # stands for the images: their count only
-        return prepare_batch(batch)["attention_mask"].sum(dim=1).tolist()
+        sizes = [sample.get("image_sizes") for sample in samples]
+        if all(s is not None for s in sizes):  # what the model's tokens_for_image counts the images by
+            batch["image_sizes"] = [size for sample_sizes in sizes for size in sample_sizes]
+        return batch
+
+    def tokens(samples: list[dict]) -> list[int]:
+        return prepare_batch(batch_of(samples))["attention_mask"].sum(dim=1).tolist()
+
+    def count(samples: list[dict]) -> list[int]:
+        try:
+            return tokens(samples)
+        except ImageSpanCut:  # one by one, to find the cut ones
+            counts = []
+            for sample in samples:
+                try:
+                    counts += tokens([sample])
+                except ImageSpanCut as cut:
+                    counts.append(cut.length)
+            return counts
     return count

@@ -41,7 +41,7 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     # every training or validation split: the loss, and what averages it exactly over micro-batches and ranks
     "train": (Need("forward", "forward(samples) -> {'loss', 'loss_sum', 'num_tokens'}"),),
     # a preference objective (run.task: dpo, simpo, orpo): one vision pass per pair, both answers' log-probs
-    "pairs": (Need("image_features", "image_features(samples) -> [images, tokens, hidden]"),
+    "pairs": (Need("image_features", "image_features(samples) -> [image tokens, hidden] (flat)"),
               Need("answer_logps", "answer_logps(samples, image_features) -> (logp_sum [B], num_tokens [B])"),
               Need("prepare_batch", "prepare_batch({'instruction', 'output', 'num_images'}) -> {'labels', ...}"),
               Need("forward", "forward(samples) -> samples['objective'](self, samples).as_dict() where a batch "

@@ -208,8 +208,8 @@ class ComposedVisionLLM(VisionLLM):
             return {}
         if sum(image_counts(samples)):
             return self.connector.prepare(samples)
-        blank = torch.zeros(1, 3, self.image_size, self.image_size)  # what image_embeds feeds the tower
-        return self.connector.prepare({"instruction": [""], "num_images": [1], "image": blank})
+        blank = self.blank_images(torch.device("cpu"))  # what image_embeds feeds the tower
+        return self.connector.prepare({"instruction": [""], "num_images": [1], **blank})
 
     def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
         """``connector(vision_tower(images), inputs)``; the connector's inputs follow the images into packed order."""

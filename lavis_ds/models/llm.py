@@ -43,6 +43,7 @@ from lavis_ds.common import dist, safe_files
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.chat_template import renders_chatml
 from lavis_ds.models.llm_families import causal_lm_class
+from lavis_ds.models.qwen_vl_text import TEXT_CAUSAL_LMS
 from lavis_ds.models.llm_placement import current_placement, empty_weights, holds_pieces
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,9 @@ class Recipe:
 
     def whole(self) -> PreTrainedModel:
         if self.path is not None:
+            own = TEXT_CAUSAL_LMS.get(AutoConfig.from_pretrained(self.path).model_type)  # not in AutoModelForCausalLM
             with safe_files.library_reads(self.path):  # a .bin weights file is a pickle: refused by name if unsafe
-                return AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype or "auto")
+                return (own or AutoModelForCausalLM).from_pretrained(self.path, dtype=self.dtype or "auto")
         llm = causal_lm_class(self.config)(self.config)
         return llm if self.dtype is None else llm.to(self.dtype)
 

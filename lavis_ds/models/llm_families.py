@@ -1,4 +1,5 @@
-"""What differs between LLM families, found from the model itself: its class, its decoder layers, its LoRA targets.
+"""What differs between LLM families, found from the model itself: its class, its decoder layers, its LoRA targets;
+and how each numbers its tokens (``position_provider``: the table ``FAMILY_POSITIONS``).
 
 The LLM slot takes any causal LM transformers knows (Qwen2/2.5, Qwen3, Llama 3.x,
 Gemma, Mistral, ...): ``model.llm_model`` (a folder) goes through ``AutoModelForCausalLM``,
@@ -15,14 +16,23 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from lavis_ds.common.registry import position_providers
 from lavis_ds.common.suggest import did_you_mean
+from lavis_ds.models.positions import PositionProvider
+from lavis_ds.models.qwen_vl_text import TEXT_CAUSAL_LMS
 
 DEFAULT_MODEL_TYPE = "qwen2"  # what llm_config meant before it took a model_type
+# The position provider (lavis_ds.models.positions) of each family that does not take plain 1-D positions, by its
+# text model's transformers model_type: Qwen2-VL's and Qwen2.5-VL's text models take M-RoPE's three rows (and the
+# plain positions as a fourth row in front, for packed sample boundaries). Every other family: rope_1d.
+FAMILY_POSITIONS = {"qwen2_vl_text": "mrope", "qwen2_5_vl_text": "mrope"}
 
 
 def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
     """What is wrong with ``model.llm_config``'s ``model_type``, found before anything is built (empty: nothing)."""
     model_type = (llm_config or {}).get("model_type", DEFAULT_MODEL_TYPE)
+    if model_type in TEXT_CAUSAL_LMS:
+        return _mrope_section_problems(llm_config or {})
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return []
     if model_type in CONFIG_MAPPING:
@@ -44,9 +54,24 @@ def llm_config(llm_config: Mapping[str, Any], **defaults: Any) -> PretrainedConf
     return AutoConfig.for_model(kwargs.pop("model_type", DEFAULT_MODEL_TYPE), **kwargs)
 
 
+def _mrope_section_problems(section: Mapping[str, Any]) -> list[str]:
+    """M-RoPE splits each head's rotary frequencies into temporal, height and width parts: ``mrope_section`` must add
+    up to half the head dimension (transformers' default [16, 24, 24] fits head_dim 128 only)."""
+    config = AutoConfig.for_model(**{k: v for k, v in section.items()})
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    parts = (config.rope_parameters or {}).get("mrope_section", [16, 24, 24])
+    if sum(parts) == head_dim // 2:
+        return []
+    return [f"model.llm_config.rope_parameters.mrope_section: {list(parts)} adds up to {sum(parts)}, but M-RoPE "
+            f"splits half the head dimension ({head_dim} // 2 = {head_dim // 2}) into its temporal, height and width "
+            "parts; give three numbers that add up to it"]
+
+
 def causal_lm_class(config: PretrainedConfig) -> type:
-    """The transformers class ``AutoModelForCausalLM`` builds for ``config``."""
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    """The class that builds ``config``'s causal LM: ``AutoModelForCausalLM``'s, or lavis_ds's text-only Qwen-VL
+    language models (``lavis_ds.models.qwen_vl_text``)."""
+    own = TEXT_CAUSAL_LMS.get(getattr(config, "model_type", None))
+    return own if own is not None else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def decoder_layers(llm: nn.Module) -> list[nn.Module]:
@@ -66,3 +91,8 @@ def decoder_layers(llm: nn.Module) -> list[nn.Module]:
         raise ValueError(f"cannot find the decoder layers of {type(llm).__name__}: its decoder has no `layers` "
                          f"ModuleList and no module of a class in _no_split_modules ({sorted(unsplit)})")
     return blocks
+
+
+def position_provider(config: PretrainedConfig) -> PositionProvider:
+    """How the LLM of ``config`` numbers its tokens (``FAMILY_POSITIONS``; 1-D unless the table says otherwise)."""
+    return position_providers.get(FAMILY_POSITIONS.get(getattr(config, "model_type", None), "rope_1d"))()

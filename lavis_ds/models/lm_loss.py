@@ -29,7 +29,8 @@ from lavis_ds.models.prompt import IGNORE_INDEX
 # (Gemma 2's `final_logit_softcapping`, reproduced below). Any other family (e.g. Cohere's `logit_scale`,
 # Granite's `logits_scaling`, or an architecture not checked against its transformers source) falls back to the
 # full-logits path of its own forward, which is exact whatever it does.
-HEAD_ONLY_FAMILIES = frozenset({"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2"})
+HEAD_ONLY_FAMILIES = frozenset({"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "qwen2_vl_text",
+                                "qwen2_5_vl_text"})
 
 
 def head_loss_supported(llm: PreTrainedModel) -> bool:

@@ -53,10 +53,14 @@ def _first_fit(order: Iterable[int], lengths: Sequence[int], max_len: int) -> li
 
 
 def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, pad_id: int,
-         ignore_index: int) -> dict[str, torch.Tensor | list[int]]:
+         ignore_index: int, rope_positions: Sequence[torch.Tensor] | None = None
+         ) -> dict[str, torch.Tensor | list[int]]:
     """``examples`` (input_ids, labels) packed: ``input_ids``, ``labels``, ``position_ids`` ``[rows, longest row]``,
     ``attention_mask`` (1 where a token stands, 0 in the tails: for counting, the model passes positions instead),
-    ``sample_lengths`` (for counting attention FLOPs) and ``order`` (the sample index of each packed sample, in row-major order)."""
+    ``sample_lengths`` (for counting attention FLOPs) and ``order`` (the sample index of each packed sample, in row-major order).
+
+    ``rope_positions``: each sample's own ``[k, L]`` ids of a family with k rows (M-RoPE's three), laid end to end
+    the same way as ``rope_position_ids [k, rows, longest row]`` (the tails as ``position_ids``'s, in every row)."""
     rows = plan_rows([len(ids) for ids, _ in examples], max_len)
     width = max(sum(len(examples[i][0]) for i in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -74,6 +78,18 @@ def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, 
         positions[r, start:] = torch.arange(width - start)  # the tail: its own span, seen by no real token
     filled = torch.tensor([sum(len(examples[i][0]) for i in row) for row in rows])
     attention_mask = (torch.arange(width).unsqueeze(0) < filled.unsqueeze(1)).long()
-    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": attention_mask,
-            "sample_lengths": torch.tensor([len(ids) for ids, _ in examples]),
-            "order": [i for row in rows for i in row]}
+    packed = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": attention_mask,
+              "sample_lengths": torch.tensor([len(ids) for ids, _ in examples]),
+              "order": [i for row in rows for i in row]}
+    if rope_positions is not None:
+        packed["rope_position_ids"] = _laid_out(rope_positions, rows, positions, filled)
+    return packed
+
+
+def _laid_out(per_sample: Sequence[torch.Tensor], rows: list[list[int]], positions: torch.Tensor,
+              filled: torch.Tensor) -> torch.Tensor:
+    """Each sample's ``[k, L]`` ids end to end in its row, ``[k, rows, width]``; the tails as ``positions``'."""
+    out = positions.unsqueeze(0).repeat(per_sample[0].shape[0] if per_sample else 1, 1, 1)
+    for r, row in enumerate(rows):
+        out[:, r, :int(filled[r])] = torch.cat([per_sample[i] for i in row], dim=1)
+    return out

@@ -13,13 +13,16 @@ inference exactly the tokens it was trained on.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplate, check_turns, template_text, unstable_render
+from lavis_ds.models.image_tokens import batch_images
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,10 @@ def as_turns(value: str | Turns) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def insert_image_placeholders(instructions: Turns, image_token: str, num_image_tokens: int,
+def insert_image_placeholders(instructions: Turns, image_token: str, num_image_tokens: int | Sequence[int],
                               num_images: int = 1) -> list[str]:
-    """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token``.
+    """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token`` (a list: each image's own count,
+    in image order, and as many images as it lists).
 
     Every image has its own marker, in the order of the images (a video's frames are
     images here: the dataset repeats its marker per frame), so each image's features
@@ -48,13 +52,16 @@ def insert_image_placeholders(instructions: Turns, image_token: str, num_image_t
     turns = list(instructions)
     if not turns:
         raise ValueError("a sample needs at least one instruction turn")
+    counts = [num_image_tokens] * num_images if isinstance(num_image_tokens, int) else list(num_image_tokens)
+    num_images = len(counts)
     markers = sum(turn.count(IMAGE_HERE) for turn in turns)
     if markers == 0 and num_images == 1:
         turns[0] = DEFAULT_IMAGE_PREFIX + turns[0]
     elif markers != num_images:
         raise ValueError(f"{num_images} image(s) but {markers} {IMAGE_HERE} marker(s) in {turns!r}: "
                          "each image needs its own marker, in image order")
-    return [turn.replace(IMAGE_HERE, image_token * num_image_tokens) for turn in turns]
+    runs = iter(counts)  # markers in reading order are the images in image order
+    return [re.sub(re.escape(IMAGE_HERE), lambda _: image_token * next(runs), turn) for turn in turns]
 
 
 def chatml_segments(
@@ -88,7 +95,9 @@ class ChatPrompt:
             prompt (ChatML written here if it has none).
         system_prompt: Text of the system turn; None sends none (for templates without a system role).
         image_token: Placeholder token whose embeddings the image features replace.
-        num_image_tokens: Placeholders per image (the Q-Former's query count).
+        num_image_tokens: Placeholders per image when every image takes the same number (the Q-Former's query
+            count); None: the callers give each image's count (``image_tokens``), as a model whose count depends on
+            the image's size does (``VisionLLMForward.image_token_counts``).
         max_len: Longest training sequence, in tokens.
         template_variables: Extra chat-template variables (``enable_thinking: false`` for Qwen3, ...).
     """
@@ -96,7 +105,7 @@ class ChatPrompt:
     tokenizer: PreTrainedTokenizerBase
     system_prompt: str | None
     image_token: str
-    num_image_tokens: int
+    num_image_tokens: int | None
     max_len: int
     template_variables: Mapping[str, Any] = field(default_factory=dict)
 
@@ -123,41 +132,48 @@ class ChatPrompt:
         return ChatTemplate(self.tokenizer, self.system_prompt, self.template_variables).segments(
             list(instructions), list(answers), add_generation_prompt)
 
-    def training_example(self, instructions: str | Turns, answers: str | Turns,
-                         num_images: int = 1) -> tuple[list[int], list[int]]:
+    def placeholder_counts(self, num_images: int, image_tokens: Sequence[int] | None) -> list[int]:
+        """Each image's placeholder count: ``image_tokens`` as given, else ``num_image_tokens`` per image."""
+        if image_tokens is not None:
+            return list(image_tokens)
+        if self.num_image_tokens is None:
+            raise ValueError("this prompt has no fixed count of tokens per image: pass each image's count "
+                             "(image_tokens, from the model's image_token_counts)")
+        return [self.num_image_tokens] * num_images
+
+    def training_example(self, instructions: str | Turns, answers: str | Turns, num_images: int = 1,
+                         image_tokens: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one sample with ``num_images`` images, truncated to ``max_len`` tokens.
 
-        Truncation keeps the start and cuts the end: cutting into the image placeholders
-        would leave fewer slots than image features. If ``max_len`` is too short to keep
-        all of them, that is a config error.
+        ``image_tokens``: each image's placeholder count (then ``num_images`` is its length); default
+        ``num_image_tokens`` each. Truncation keeps the start and cuts the end, never inside or before an image's
+        placeholders (fewer slots than features): such a sample raises :class:`ImageSpanCut`.
         """
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
-                                                 num_images)
+        counts = self.placeholder_counts(num_images, image_tokens)
+        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts)
         segments = self.segments(instructions, as_turns(answers))
-        input_ids, labels = self._tokenize(segments, num_images)
-        if len(input_ids) > self.max_len and num_images:
+        input_ids, labels = self._tokenize(segments, counts)
+        if len(input_ids) > self.max_len and sum(counts):
             last_image_pos = max(i for i, t in enumerate(input_ids) if t == self.image_token_id)
             if last_image_pos >= self.max_len:
-                raise ValueError(
-                    f"max_txt_len={self.max_len} would cut the image placeholders of a sample "
-                    f"(the last one is token {last_image_pos}); raise max_txt_len"
-                )
-            input_ids, labels = input_ids[: self.max_len], labels[: self.max_len]
-        return input_ids, labels
+                raise ImageSpanCut(self.max_len, last_image_pos, len(input_ids))
+        return input_ids[: self.max_len], labels[: self.max_len]
 
-    def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1) -> list[int]:
+    def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1,
+                          image_tokens: Sequence[int] | None = None) -> list[int]:
         """Token ids up to the last turn's assistant header (ChatML: ``<|im_start|>assistant\\n``); earlier turns
         keep their answers.
 
         ``num_images`` other than 1: the instructions mark each image with ``<ImageHere>``, in image order.
-        Not truncated: cutting the end would drop the question or the assistant header.
+        ``image_tokens`` as in ``training_example``. Not truncated: cutting the end would drop the question or the
+        assistant header.
         """
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, self.num_image_tokens,
-                                                 num_images)
+        counts = self.placeholder_counts(num_images, image_tokens)
+        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts)
         segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True)
-        return self._tokenize(segments, num_images)[0]
+        return self._tokenize(segments, counts)[0]
 
-    def _tokenize(self, segments: list[tuple[str, bool]], num_images: int = 1) -> tuple[list[int], list[int]]:
+    def _tokenize(self, segments: list[tuple[str, bool]], counts: Sequence[int]) -> tuple[list[int], list[int]]:
         input_ids: list[int] = []
         labels: list[int] = []
         for text, supervised in segments:
@@ -165,11 +181,11 @@ class ChatPrompt:
             input_ids += ids
             labels += ids if supervised else [IGNORE_INDEX] * len(ids)
         placeholders = input_ids.count(self.image_token_id)
-        if placeholders != num_images * self.num_image_tokens:
+        if placeholders != sum(counts):
             # A literal image token in user text, or a tokenizer that splits the image token.
             raise ValueError(
-                f"expected {num_images * self.num_image_tokens} {self.image_token} tokens in the prompt "
-                f"({num_images} image(s)), found {placeholders}"
+                f"expected {sum(counts)} {self.image_token} tokens in the prompt "
+                f"({len(counts)} image(s)), found {placeholders}"
             )
         return input_ids, labels
 
@@ -194,13 +210,22 @@ def pad_batch(
     return padded, mask
 
 
+def pad_positions(per_sample: Sequence[torch.Tensor], length: int, side: Literal["left", "right"]) -> torch.Tensor:
+    """Each sample's ``[k, L]`` position ids padded (with 0, as transformers leaves masked positions) to
+    ``[k, B, length]``, on the side ``pad_batch`` pads its tokens."""
+    out = torch.zeros((per_sample[0].shape[0], len(per_sample), length), dtype=torch.long)
+    for row, ids in enumerate(per_sample):
+        span = slice(length - ids.shape[1], length) if side == "left" else slice(0, ids.shape[1])
+        out[:, row, span] = ids
+    return out
+
+
 def image_counts(samples: dict[str, Any]) -> list[int]:
     """Images per sample of a batch: its ``num_images``, else one each (batches made before 0..N images);
     ``ValueError`` unless they add up to the rows of its flat ``image`` tensor (none without one)."""
     counts = samples.get("num_images")
     counts = [1] * len(samples["instruction"]) if counts is None else [int(n) for n in counts]
-    image = samples.get("image")
-    total = 0 if image is None else image.shape[0]
+    total = batch_images(samples)
     if sum(counts) != total or len(counts) != len(samples["instruction"]):
         raise ValueError(f"num_images {counts} adds up to {sum(counts)} images, but the batch holds {total} "
                          f"(for {len(samples['instruction'])} sample(s))")

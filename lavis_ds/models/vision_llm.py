@@ -3,11 +3,15 @@
 
 An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only its image path:
 
-- ``encode_images(images [N, 3, H, W], samples) -> [N, tokens_per_image, llm_hidden]``; ``samples`` is the
-  prepared batch (InstructBLIP reads the instruction from it). Under packing the images arrive in packed order:
-  ``samples["order"]`` lists the sample of each packed sample.
+- ``encode_images(images, samples)``: ``[N, tokens_per_image, llm_hidden]`` for ``images [N, 3, H, W]``, or the
+  flat ``[sum of counts, llm_hidden]`` (each image's rows a block, in image order) when the count depends on the
+  image; ``samples`` is the prepared batch (InstructBLIP reads the instruction from it, a Qwen-VL tower its
+  ``image_grid_thw``). Under packing the images arrive in packed order: ``samples["order"]`` lists the sample of each
+  packed sample.
 - ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, the classmethods
-  ``tokens_per_image_of(section)`` and ``image_size_of(section)``.
+  ``tokens_per_image_of(section)`` and ``image_size_of(section)``; an image path whose count depends on the image's
+  size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders and the splice both follow
+  (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
 - ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
 - optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
 
@@ -35,7 +39,7 @@ from lavis_ds.models.eva_vit import DTYPES
 from lavis_ds.models.flops import FlopModel, Flops, compose
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems
+from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems, position_provider
 from lavis_ds.models.prompt import ChatPrompt
 from lavis_ds.models.vision_llm_forward import VisionLLMForward
 
@@ -155,6 +159,7 @@ class VisionLLM(VisionLLMForward):
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"])
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
+        self.positions = position_provider(self.llm_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
         if args["get_lora"] and not args["freeze_llm"]:
             raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")

@@ -7,16 +7,20 @@ methods run (``llm_model``, ``prompt``, ...) and which architectures subclass; t
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lavis_ds.models.base import BaseModel
+from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
+                                           per_sample, select_images)
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
 from lavis_ds.models.packing import pack
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch
-from lavis_ds.models.vision_llm_batch import packed_image_order, sample_of_positions
+from lavis_ds.models.positions import PositionProvider, Visual
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, ImageSpanCut, image_counts, pad_batch, pad_positions
+from lavis_ds.models.vision_llm_batch import (blank_sample, keep_samples, log_drop, packed_image_order,
+                                              sample_name, sample_of_positions)
 
 
 class VisionLLMForward(BaseModel):
@@ -24,6 +28,9 @@ class VisionLLMForward(BaseModel):
     below."""
 
     PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+    # prepare_batch(samples, on_image_cut="drop") leaves out the samples truncation would cut into an image
+    # (the SFT objective's run.sft.on_image_cut)
+    CUTS_IMAGE_SAMPLES = True
     # Keys ``batch_fields`` adds that hold one row per image, in image order (e.g. an instruction connector's BERT
     # tokens): a batch whose samples share images (a preference pair's two sides) keeps one row per distinct image.
     PER_IMAGE_FIELDS: tuple[str, ...] = ()
@@ -37,6 +44,8 @@ class VisionLLMForward(BaseModel):
     llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA)
     loss_chunks: int
     llm_config: Any  # the LLM's transformers config (a VisionLLM property)
+    positions: PositionProvider  # how the LLM's family numbers its tokens (llm_families.position_provider)
+    image_cut_drops: int = 0  # samples prepare_batch dropped in this process (on_image_cut: drop), for the log
 
     def _head_at_supervised_positions(self) -> bool:
         """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
@@ -54,22 +63,75 @@ class VisionLLMForward(BaseModel):
         sample in sample order, computed by ``prepare_batch`` on the host. Default: none."""
         return {}
 
-    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
-        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels`` added
-        (and ``batch_fields``). A batch that has ``labels`` is already prepared and returned as given.
+    def tokens_for_image(self, size: Size) -> int:
+        """LLM tokens an image of ``size`` takes (``lavis_ds.models.image_tokens``: its grid row, or its pixels'
+        (height, width)): the one count the prompt's placeholders and the spliced features both follow. Default: the
+        architecture's fixed ``tokens_per_image``; an image path whose count depends on the size says."""
+        return self.tokens_per_image
+
+    def image_token_counts(self, samples: dict[str, Any]) -> list[int]:
+        """Each image's token count (``tokens_for_image``), in the batch's flat image order."""
+        return [self.tokens_for_image(size) for size in image_sizes(samples)]
+
+    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,
+                      on_image_cut: Literal["drop", "refuse"] = "refuse") -> dict[str, Any]:
+        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels``, each image's
+        placeholder count ``image_tokens`` added (and ``batch_fields``). A batch that has ``labels`` is already
+        prepared and returned as given.
 
         ``pack_to``: lay the samples end to end in rows of at most that many tokens instead of padding each
-        (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``)."""
+        (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``).
+        ``on_image_cut``: a sample that ``max_txt_len`` would cut inside (or before) an image's placeholders is
+        refused (``ImageSpanCut`` naming it) or dropped from the batch with its images, and counted in the log."""
         if "labels" in samples:
             return samples
-        examples = [self.prompt.training_example(ins, out, n) for ins, out, n in
-                    zip(samples["instruction"], samples["output"], image_counts(samples), strict=True)]
-        extra = self.batch_fields(samples)
+        examples, samples = self._examples(samples, on_image_cut)
+        extra = {**self.batch_fields(samples), "image_tokens": self.image_token_counts(samples)}
+        rope = self._rope_positions([ids for ids, _ in examples], samples)
         if pack_to is not None:
-            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX)}
+            return {**samples, **extra, **pack(examples, pack_to, self.pad_id, IGNORE_INDEX, rope)}
         input_ids, attention_mask = pad_batch([ids for ids, _ in examples], self.pad_id, side="right")
         labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
+        if rope is not None:
+            extra["rope_position_ids"] = pad_positions(rope, input_ids.shape[1], side="right")
         return {**samples, **extra, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
+        """Each image as the LLM's position provider sees it (flat image order): its token count and, for an image
+        path that lays its tokens out on a grid, that grid of LLM tokens. Default: no grid (a Q-Former's queries, a
+        pooled tower's tokens are numbered as text is); an image path with a grid (Qwen-VL's) says."""
+        return [Visual(n) for n in self.image_token_counts(samples)]
+
+    def _rope_positions(self, sequences: list[list[int]], samples: dict[str, Any]) -> list[torch.Tensor] | None:
+        """Each sample's ``[rows, L]`` position ids from the LLM family's provider, when it takes more than one row
+        (M-RoPE); None for 1-D families, whose positions are ``0..L-1`` (packing's ``position_ids``)."""
+        if self.positions.rows == 1:
+            return None
+        visuals = per_sample(self.image_visuals(samples), image_counts(samples))
+        image_token = [self.prompt.image_token_id]
+        return [self.positions.positions(ids, image_token, mine) for ids, mine in zip(sequences, visuals, strict=True)]
+
+    def _examples(self, samples: dict[str, Any], on_image_cut: str
+                  ) -> tuple[list[tuple[list[int], list[int]]], dict[str, Any]]:
+        """Each sample's ``(input_ids, labels)`` and the batch they belong to: ``samples``, or without the samples
+        truncation would cut into an image (``on_image_cut: drop``; a batch left empty keeps one blank sample)."""
+        counts = per_sample(self.image_token_counts(samples), image_counts(samples))
+        examples, kept = [], []
+        for i, (ins, out, mine) in enumerate(zip(samples["instruction"], samples["output"], counts, strict=True)):
+            try:
+                examples.append(self.prompt.training_example(ins, out, len(mine), image_tokens=mine))
+                kept.append(i)
+            except ImageSpanCut as cut:
+                where = sample_name(samples, i)
+                if on_image_cut != "drop":
+                    raise cut.at(where) from None
+                self.image_cut_drops += 1
+                log_drop(where, cut, self.image_cut_drops)
+        if len(kept) == len(counts):
+            return examples, samples
+        if not kept:  # every rank runs a forward (ZeRO-3 / FSDP collectives): one token, nothing supervised
+            return [([self.pad_id], [IGNORE_INDEX])], blank_sample(samples)
+        return examples, keep_samples(samples, kept)
 
     def supervised_tokens(self, samples: dict[str, Any]) -> int:
         """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
@@ -78,37 +140,53 @@ class VisionLLMForward(BaseModel):
     # ----------------------------------------------------------------- forward
     def image_embeds(self, image: torch.Tensor | None, dummy: bool, samples: dict[str, Any] | None = None
                      ) -> torch.Tensor:
-        """Features of every image of a batch, ``[N, tokens_per_image, llm_hidden]`` in the LLM embedding dtype
-        (``image`` is the flat ``[N, 3, H, W]`` of all samples' images in order; the tower runs once on it).
+        """Features of every image of a batch, flat: ``[sum of image_token_counts, llm_hidden]`` in the LLM
+        embedding dtype, each image's rows a block in image order (``image`` holds all samples' images in order, with
+        the batch's grid in ``samples`` where it has one; the tower runs once on it).
 
-        A batch with no image (text-only samples only) gives ``[0, ...]``, or with ``dummy`` the features of
-        one blank image, which the caller adds to its embeddings times zero (``forward``). Why run the towers
-        for nothing: ZeRO-3 and FSDP gather a module's parameters when it runs, as a collective, so every rank
-        must run the same modules in each forward or the ranks wait for each other forever; and the trainable
+        A batch with no image (text-only samples only) gives ``[0, hidden]``, or with ``dummy`` the features of
+        one blank image (``blank_images``), which the caller adds to its embeddings times zero (``forward``). Why run
+        the towers for nothing: ZeRO-3 and FSDP gather a module's parameters when it runs, as a collective, so every
+        rank must run the same modules in each forward or the ranks wait for each other forever; and the trainable
         parts (projection, queries) then get a gradient - zero - on every rank, as the engines' gradient
         reduction expects. Skipping the towers only where no rank has an image would need a collective per
         micro-batch; the blank image costs one image's tower pass, only in image-free micro-batches.
         """
-        samples = samples if samples is not None else {}
+        view = {**(samples or {}), "image": image}
         dtype = self._embedding_dtype()
-        if image is not None and image.shape[0]:
-            return self.encode_images(image, samples).to(dtype)
+        if image is not None and batch_images(view):
+            counts = self.image_token_counts(view)
+            nums = [int(n) for n in view.get("num_images") or ()]
+            images_per_sample = nums if sum(nums) == len(counts) else [len(counts)]
+            return flat_features(self.encode_images(image, view), counts, images_per_sample,
+                                 f"{type(self).__name__}.encode_images").to(dtype)
         device = self._device() if image is None else image.device
         if not dummy:
-            return torch.zeros((0, self.tokens_per_image, self.llm_config.hidden_size), device=device, dtype=dtype)
-        blank = torch.zeros((1, 3, self.image_size, self.image_size), device=device)
-        return self.encode_images(blank, samples).to(dtype)
+            return torch.zeros((0, self.llm_config.hidden_size), device=device, dtype=dtype)
+        blank = {**view, **self.blank_images(device)}
+        features = self.encode_images(blank["image"], blank)
+        return (features.flatten(0, 1) if features.dim() == 3 else features).to(dtype)
+
+    def blank_images(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The image fields of one blank image, which a batch without images runs the image path on (``image_embeds``):
+        ``image [1, 3, image_size, image_size]``; an image path that takes a grid adds its ``image_grid_thw``."""
+        return {"image": torch.zeros((1, 3, self.image_size, self.image_size), device=device)}
 
     def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
-        """``images [N, 3, H, W]`` -> ``[N, tokens_per_image, llm_hidden]``: the architecture's image path."""
+        """``images`` (the batch's ``image``; ``samples`` holds its grid, if any) -> the features of every image:
+        ``[N, tokens_per_image, llm_hidden]`` when every image takes the same count, else flat ``[sum of counts,
+        llm_hidden]``, each image's ``tokens_for_image(size)`` rows in image order. The architecture's image path."""
         raise NotImplementedError(f"{type(self).__name__} must define encode_images")
 
     def image_features(self, samples: dict[str, Any]) -> torch.Tensor:
-        """The image features of a prepared batch (packed order under packing; a blank image's when it has none),
-        to pass to ``answer_logps`` for several batches that share the images (a preference pair)."""
+        """The flat image features of a prepared batch (packed order under packing; a blank image's when it has
+        none), to pass to ``answer_logps`` for several batches that share the images (a preference pair)."""
         image = samples.get("image")
-        if image is not None and "position_ids" in samples:
-            image = image[packed_image_order(samples).to(image.device)]
+        if image is not None and "position_ids" in samples and batch_images(samples):
+            # The image fields in packed order; the per-sample fields stay in sample order (an instruction
+            # connector reorders its own rows, ComposedVisionLLM.encode_images).
+            samples = {**samples, **select_images(samples, packed_image_order(samples).tolist())}
+            image = samples["image"]
         return self.image_embeds(image, dummy=True, samples=samples)
 
     def _inputs(self, samples: dict[str, Any], image_features: torch.Tensor | None
@@ -117,12 +195,23 @@ class VisionLLMForward(BaseModel):
         image = samples.get("image")
         device = self._device() if image is None else image.device
         input_ids, labels = samples["input_ids"].to(device), samples["labels"].to(device)
+        rope = samples.get("rope_position_ids")  # a family's rows beyond 1-D (M-RoPE's three)
         if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
-            layout = {"position_ids": samples["position_ids"].to(device)}
+            positions = samples["position_ids"]
+            # the plain positions in front: the row the text model reads packed sample boundaries from
+            layout = {"position_ids": (positions if rope is None else torch.cat([positions[None], rope])).to(device)}
         else:
             layout = {"attention_mask": samples["attention_mask"].to(device)}
+            if rope is not None:
+                layout["position_ids"] = rope.to(device)
         features = self.image_features(samples) if image_features is None else image_features
-        has_images = image is not None and image.shape[0] > 0
+        has_images = batch_images(samples) > 0
+        if has_images:  # the placeholders prepare_batch reserved, against the rows given (host integers: no sync)
+            counts = samples.get("image_tokens") or self.image_token_counts(samples)
+            # Named per sample where the counts are the samples' (a preference pair's sides share the pair's images).
+            nums = [int(n) for n in samples.get("num_images") or ()]
+            check_feature_rows(features.shape[0], counts, nums if sum(nums) == len(counts) else [len(counts)],
+                               "the image features given")
         inputs_embeds = self._embed(input_ids, features if has_images else features[:0])
         if not has_images:
             # The dummy image's features times zero: in the graph, out of the numbers (see image_embeds).
@@ -192,8 +281,9 @@ class VisionLLMForward(BaseModel):
         image = samples.get("image")
         answers = samples.get("output") or [()] * len(samples["instruction"])
         num_images = image_counts(samples)
-        prompts = [self.prompt.generation_prompt(ins, out, n)
-                   for ins, out, n in zip(samples["instruction"], answers, num_images, strict=True)]
+        counts = per_sample(self.image_token_counts(samples), num_images)
+        prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine)
+                   for ins, out, mine in zip(samples["instruction"], answers, counts, strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         device = self._device() if image is None else image.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -207,6 +297,11 @@ class VisionLLMForward(BaseModel):
                        eos_token_id=self.stop_token_ids(), pad_token_id=self.pad_id, synced_gpus=synced_gpus,
                        suppress_tokens=[self.prompt.image_token_id])
         options.update(generate_kwargs)
+        rope = self._rope_positions(prompts, samples)
+        if rope is not None:
+            # The prompt's M-RoPE ids; generate continues each row at its last id + 1, which is a new token's plain
+            # position plus its sample's rope delta (what transformers' Qwen2-VL keeps as rope_deltas).
+            options["position_ids"] = pad_positions(rope, input_ids.shape[1], side="left").to(device)
         # With only inputs_embeds, generate returns just the new tokens.
         new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
         return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
@@ -216,9 +311,9 @@ class VisionLLMForward(BaseModel):
         embeds = self.llm_model.get_input_embeddings()(input_ids)
         is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
         # masked_scatter fills positions in row-major order: sample by sample, left to right,
-        # and ChatPrompt guarantees exactly tokens_per_image placeholders per image (image_counts
-        # checked that the batch holds each sample's images), so the flat images (in sample
-        # order, each sample's in marker order) land in their runs; a sample without images has no run.
+        # and ChatPrompt reserved exactly tokens_for_image(size) placeholders per image, the rows image_embeds
+        # checked the features have, so the flat features (in sample order, each sample's images in marker
+        # order) land in their runs; a sample without images has no run.
         return embeds.masked_scatter(is_image, image_embeds.to(embeds.dtype))
 
     def _embedding_dtype(self) -> torch.dtype:

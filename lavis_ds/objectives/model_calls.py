@@ -86,8 +86,8 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
 
 
 def image_features(model: torch.nn.Module, batch: dict[str, Any]) -> Tensor:
-    """Projected image features of the pairs' images for both sides, ``[2N, queries, hidden]``: the vision pass
-    runs once, on the pairs' N images; the chosen and the rejected sides take the same features."""
+    """Projected image features of the pairs' images for both sides, flat ``[2 x image tokens, hidden]``: the
+    vision pass runs once, on the pairs' N images; the chosen and the rejected sides take the same features."""
     features = model.image_features(batch)
     return torch.cat([features, features])
 

@@ -5,7 +5,7 @@ sum over the supervised tokens of the whole global batch (``run.loss_reduction: 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -19,14 +19,25 @@ class NextTokenSft(Objective):
 
     UNITS = (TOKENS,)
 
-    def __init__(self) -> None:
-        """SFT has no options (``run.sft`` may be left out or empty)."""
+    def __init__(self, on_image_cut: Literal["drop", "refuse"] = "drop") -> None:
+        """
+        Args:
+            on_image_cut: A sample that ``model.max_txt_len`` would cut inside (or before) an image's placeholders:
+                ``drop`` leaves it out of its micro-batch (with its images) and counts it in the log; ``refuse``
+                stops the run naming it. Drop by default: in a large mix such a sample is a rare long conversation,
+                and a run of days should not end on one record; the log says how many (a run that drops many has a
+                ``max_txt_len`` too short for its data).
+        """
+        self.on_image_cut = on_image_cut
 
     def prepare(self, model: torch.nn.Module, batch: dict[str, Any], pack_to: int | None = None) -> dict[str, Any]:
         # The model scores the batch itself (no "objective" key): its forward's next-token loss.
         if not hasattr(model, "prepare_batch"):
             return batch
-        return model.prepare_batch(batch, **({} if pack_to is None else {"pack_to": pack_to}))
+        options = {} if pack_to is None else {"pack_to": pack_to}
+        if getattr(model, "CUTS_IMAGE_SAMPLES", False):  # models whose prepare_batch takes on_image_cut
+            options["on_image_cut"] = self.on_image_cut
+        return model.prepare_batch(batch, **options)
 
     def counted(self, run: Any, model: torch.nn.Module) -> bool:
         """``run.loss_reduction: tokens`` and a model that prepares its batches on the host and counts their

@@ -1,0 +1,68 @@
+"""Qwen2-VL's and Qwen2.5-VL's text models as causal LMs for the LLM slot: the decoder and an output head.
+
+transformers has these decoders (``Qwen2VLTextModel``, ``Qwen2_5_VLTextModel``) only inside the vision-language
+classes, which own a vision tower too; lavis_ds composes its own image path, so the LLM slot takes the text model
+alone with ``lm_head`` on top, exactly as ``Qwen2VLForConditionalGeneration`` computes its logits
+(``lm_head(language_model(...).last_hidden_state)``), under the same parameter names (``model.*``, ``lm_head.*``).
+They take M-RoPE positions: ``position_ids [3, B, L]``, or ``[4, B, L]`` with the plain positions in front when
+samples are packed (``lavis_ds.models.positions``). ``model.llm_config: {model_type: qwen2_vl_text, ...}`` builds one
+(``lavis_ds.models.llm_families.causal_lm_class``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
+
+
+class Qwen2VLTextForCausalLM(Qwen2VLPreTrainedModel, GenerationMixin):
+    """``Qwen2VLTextModel`` + ``lm_head``: Qwen2-VL's language model on its own."""
+
+    config: Qwen2VLTextConfig
+    config_class = Qwen2VLTextConfig
+    TEXT_MODEL: type = Qwen2VLTextModel
+    input_modalities = ("text",)
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _no_split_modules = ["Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer"]
+
+    def __init__(self, config: Qwen2VLTextConfig):
+        super().__init__(config)
+        self.model = self.TEXT_MODEL(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_decoder(self) -> nn.Module:
+        return self.model
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, use_cache: bool | None = None, **kwargs
+                ) -> CausalLMOutputWithPast:
+        """The logits of every position (``labels``: transformers' shifted cross-entropy, for its own callers)."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+
+class Qwen2_5_VLTextForCausalLM(Qwen2VLTextForCausalLM):
+    """``Qwen2_5_VLTextModel`` + ``lm_head``: Qwen2.5-VL's language model on its own (the same decoder as Qwen2-VL's;
+    the families differ in their towers and in how video time enters the positions)."""
+
+    config: Qwen2_5_VLTextConfig
+    config_class = Qwen2_5_VLTextConfig
+    TEXT_MODEL = Qwen2_5_VLTextModel
+
+
+# The text-only causal LMs lavis_ds adds to AutoModelForCausalLM's, by model_type (llm_families.causal_lm_class).
+TEXT_CAUSAL_LMS: dict[str, type] = {"qwen2_vl_text": Qwen2VLTextForCausalLM,
+                                    "qwen2_5_vl_text": Qwen2_5_VLTextForCausalLM}
