@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from lavis_ds.common.errors import ImageSpanCut
-from lavis_ds.models.image_tokens import GRID_KEY, SIZES_KEY, select_images
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, SIZES_KEY, select_images
 from lavis_ds.models.prompt import IGNORE_INDEX, image_counts
 
 logger = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY)  # fields with a row (or block of rows) per image, not per sample
+IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY, SECONDS_KEY)  # fields with a row (or block of rows) per image, not per sample
 
 
 def packed_image_order(samples: dict[str, Any]) -> torch.Tensor:

@@ -235,6 +235,17 @@ class QwenVLProcessing:
         patches, grid = self._patchify(pixels.view(-1, self.temporal_patch_size, *pixels.shape[1:]))
         return QwenVisual(patches, grid, self.temporal_patch_size / (sampled_fps or 24))
 
+    def still_patches(self, pixels: torch.Tensor) -> QwenVisual:
+        """A normalised ``[3, H, W]`` float image whose sides are multiples of ``factor`` (already at a size the tower
+        takes: not resized) as one still image's patches and grid."""
+        height, width = pixels.shape[-2:]
+        if pixels.dim() != 3 or height % self.factor or width % self.factor:
+            raise QwenVisionInputError(f"a pixel tensor of shape {tuple(pixels.shape)} for a Qwen-VL tower; valid: "
+                                       f"[3, H, W] with H and W multiples of {self.factor} px (or PIL images through "
+                                       "the qwen_vl_image processor, which resizes them)")
+        frames = pixels[None, None].expand(-1, self.temporal_patch_size, -1, -1, -1)
+        return QwenVisual(*self._patchify(frames))
+
     def _resized(self, images: torch.Tensor) -> torch.Tensor:
         """``[N, 3, H, W]`` uint8 -> resized by ``smart_resize``, normalised float32 (transformers' fused rescale and
         normalisation: mean and std scaled by 255, applied to the 0..255 values)."""
