@@ -20,11 +20,11 @@ from typing import Any, Sequence
 import torch
 
 from lavis_ds.common.errors import LavisDsError
+# GRID_KEY: [N, 3] (t, h, w) patches per image, with flat patch pixels; SECONDS_KEY: per image seconds of video per
+# temporal patch (None for a still image), Qwen2.5-VL's absolute-time positions. Named where the processor makes them.
+from lavis_ds.processors.qwen_vl import GRID_KEY, SECONDS_KEY  # noqa: F401  (re-exported)
 
-GRID_KEY = "image_grid_thw"  # [N, 3] (t, h, w) patches per image, with flat patch pixels
 SIZES_KEY = "image_sizes"  # per image sizes of a batch that holds no pixels (token counting)
-# per image seconds of video per temporal patch (None for a still image): Qwen2.5-VL's absolute-time positions
-SECONDS_KEY = "second_per_grid_t"
 Size = tuple[int, ...]
 
 

@@ -31,6 +31,10 @@ from lavis_ds.common.errors import InputError
 from lavis_ds.processors.base import BaseProcessor
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
 
+# The batch fields of Qwen-VL visuals beside their flat patches (``image``): one (t, h, w) row per image or video, and
+# the seconds of video per temporal patch (None for a still image; Qwen2.5-VL's absolute-time positions).
+GRID_KEY = "image_grid_thw"
+SECONDS_KEY = "second_per_grid_t"
 # Qwen2-VL's published image processor: at least 4 and at most 1280 merged tokens per image.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
@@ -303,3 +307,10 @@ class QwenVLImageProcessor(BaseProcessor):
 
     def __call__(self, image: Image.Image) -> QwenVisual:
         return self.processing.image(image)
+
+    def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False) -> dict[str, Any]:
+        """A sample's visual fields: its images (``video``: the frames of one video, a single visual) as flat patches
+        end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t``."""
+        made = [self.processing.video(visuals)] if video else [self.processing.image(v) for v in visuals]
+        return {"image": torch.cat([v.pixel_values for v in made]), GRID_KEY: torch.stack([v.grid_thw for v in made]),
+                SECONDS_KEY: [v.second_per_grid_t for v in made]}
