@@ -50,7 +50,8 @@ class QwenVL(ComposedVisionLLM):
         for i, size in enumerate(image_sizes(samples)):
             t, h, w = self._grid(size)
             second = None if seconds is None else seconds[i]
-            visuals.append(Visual(t * h * w // (merge * merge), (t, h // merge, w // merge), self.time_interval(second)))
+            grid = (t, h // merge, w // merge)
+            visuals.append(Visual(t * h * w // (merge * merge), grid, self.time_interval(second)))
         return visuals
 
     def time_interval(self, second_per_grid_t: float | None) -> float:

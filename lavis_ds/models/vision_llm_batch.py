@@ -13,7 +13,8 @@ from lavis_ds.models.prompt import IGNORE_INDEX, image_counts
 
 logger = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY, SECONDS_KEY)  # fields with a row (or block of rows) per image, not per sample
+# Fields with a row (or block of rows) per image, not per sample.
+IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY, SECONDS_KEY)
 
 
 def packed_image_order(samples: dict[str, Any]) -> torch.Tensor:
