@@ -31,7 +31,8 @@ TEXT_PREFIXES = ("model.language_model.", "model.embed_tokens.", "model.layers."
 
 
 class QwenVLFamily(HfFamily):
-    """A ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` folder (data per class)."""
+    """A ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` folder; the subclasses below
+    are data only."""
 
     tower: str = ""  # the registry name of the tower (and the architecture) its folders need
     norm: str = ""  # the patch_merger's norm
@@ -39,10 +40,6 @@ class QwenVLFamily(HfFamily):
     tower_prefixes = ("visual.", "model.visual.")
     llm_prefixes = TEXT_PREFIXES
 
-    def __init__(self, hf_class: str, model_type: str, norm: str):
-        self.hf_class, self.model_type, self.tower, self.norm = hf_class, model_type, model_type, norm
-        self.pairs = ((model_type, "patch_merger"),)
-        self.exportable = f"a {model_type} tower + patch_merger (norm {norm}) + the {model_type}_text model"
 
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
@@ -130,5 +127,17 @@ def check_template(tokenizer_folder: str | None, folder: Path) -> None:
                         "chat_template) or a template that writes these tokens")
 
 
-reg.hf_families.register("qwen2_vl")(QwenVLFamily("Qwen2VLForConditionalGeneration", "qwen2_vl", "layernorm"))
-reg.hf_families.register("qwen2_5_vl")(QwenVLFamily("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "rmsnorm"))
+class Qwen2VLFamily(QwenVLFamily):
+    hf_class, model_type, tower, norm = "Qwen2VLForConditionalGeneration", "qwen2_vl", "qwen2_vl", "layernorm"
+    pairs = (("qwen2_vl", "patch_merger"),)
+    exportable = "a qwen2_vl tower + patch_merger (norm layernorm) + the qwen2_vl_text model"
+
+
+class Qwen25VLFamily(QwenVLFamily):
+    hf_class, model_type, tower, norm = "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "qwen2_5_vl", "rmsnorm"
+    pairs = (("qwen2_5_vl", "patch_merger"),)
+    exportable = "a qwen2_5_vl tower + patch_merger (norm rmsnorm) + the qwen2_5_vl_text model"
+
+
+reg.hf_families.register("qwen2_vl")(Qwen2VLFamily())
+reg.hf_families.register("qwen2_5_vl")(Qwen25VLFamily())
