@@ -144,3 +144,13 @@ def test_the_tiny_preset_trains_through_train_py_on_images_of_random_sizes(tmp_p
     losses = [m["loss"] for m in train_steps(tmp_path / "out")]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-2:]) < sum(losses[:2])  # it learns
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_hf_export_is_refused_naming_what_to_use(kind, models):
+    from lavis_ds.apps.export_hf_checks import ExportError, check_expressible
+
+    with pytest.raises(ExportError, match=rf"cannot export as transformers' Qwen2(_5)?_?VLForConditionalGeneration, "
+                                          rf"which cannot express:\n  - the {kind} architecture: lavis_ds loads .* but "
+                                          r"does not write them; export it with --format lavis_ds"):
+        check_expressible(models(kind))

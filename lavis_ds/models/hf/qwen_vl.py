@@ -41,6 +41,13 @@ class QwenVLFamily(HfFamily):
     llm_prefixes = TEXT_PREFIXES
 
 
+    # ----------------------------------------------------------------- export
+    def export_problems(self, model: nn.Module) -> list[str]:
+        """lavis_ds reads these folders but does not write them: one line saying so and what to use."""
+        return [f"the {self.model_type} architecture: lavis_ds loads {self.hf_class} folders (model.pretrained) but "
+                f"does not write them; export it with --format lavis_ds (the default), which lavis_ds's generate, "
+                "chat and web page load"]
+
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
         """The tower's architecture and pixel bounds, the text model's tied head; the architecture's tower and the
