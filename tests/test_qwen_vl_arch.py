@@ -147,10 +147,30 @@ def test_the_tiny_preset_trains_through_train_py_on_images_of_random_sizes(tmp_p
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_hf_export_is_refused_naming_what_to_use(kind, models):
-    from lavis_ds.apps.export_hf_checks import ExportError, check_expressible
+def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_tokens(kind, models, tmp_path):
+    """--format hf writes the family's class and processor; transformers' Auto classes read them back, the processor
+    prompts two images of other sizes as lavis_ds does, and greedy generation gives lavis_ds's answer."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    with pytest.raises(ExportError, match=rf"cannot export as transformers' Qwen2(_5)?_?VLForConditionalGeneration, "
-                                          rf"which cannot express:\n  - the {kind} architecture: lavis_ds loads .* but "
-                                          r"does not write them; export it with --format lavis_ds"):
-        check_expressible(models(kind))
+    from lavis_ds.apps.export_hf import write_hf_folder
+
+    model = models(kind)
+    assert write_hf_folder(model, tmp_path) == []  # fp32, nothing computed otherwise
+    theirs = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    assert type(theirs).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                                     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[kind]
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((90, 200), (150, 60))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=pictures, return_tensors="pt")
+    ours = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+    sample = {"instruction": [["<ImageHere><ImageHere>What is it?"]], "num_images": [2], **ours.sample_fields(pictures)}
+    torch.testing.assert_close(inputs["pixel_values"], sample["image"], atol=0, rtol=0)
+    assert model.prompt.generation_prompt(sample["instruction"][0], (), 2, model.image_token_counts(sample)) == \
+        inputs["input_ids"][0].tolist()
+    steps = dict(max_new_tokens=6, min_new_tokens=6)
+    new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
+    assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]

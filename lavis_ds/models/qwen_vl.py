@@ -26,6 +26,7 @@ from lavis_ds.models.positions import Visual
 from lavis_ds.processors.qwen_vl import tokens_for_grid
 
 VISION_SPAN = ("<|vision_start|>", "<|vision_end|>")  # Qwen2-VL's chat template around each image's placeholders
+VIDEO_TOKEN = "<|video_pad|>"
 
 
 class QwenVL(ComposedVisionLLM):
@@ -33,6 +34,7 @@ class QwenVL(ComposedVisionLLM):
 
     FLAT_FEATURES = True
     IMAGE_SPAN = VISION_SPAN
+    PROMPT_TOKENS = (*VISION_SPAN, VIDEO_TOKEN)  # the published tokenizer's; a transformers processor needs all
     # Qwen-VL trains without augmentation: training and evaluation images are processed alike.
     IMAGE_PROCESSORS = {"train": "qwen_vl_image", "eval": "qwen_vl_image"}
 

@@ -63,6 +63,9 @@ class VisionLLM(VisionLLMForward):
     # The tokens the family's chat template writes around each image's placeholders (Qwen-VL's vision start and end;
     # added to a tokenizer that lacks them), or None: the placeholders stand inside the data's <Img>...</Img>.
     IMAGE_SPAN: tuple[str, str] | None = None
+    # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
+    # added to a tokenizer that lacks them.
+    PROMPT_TOKENS: tuple[str, ...] = ()
     # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
@@ -133,7 +136,7 @@ class VisionLLM(VisionLLMForward):
         self.loss_chunks = loss_chunks
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
         self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token,
-                                                                   self.IMAGE_SPAN or ())
+                                                                   self.PROMPT_TOKENS)
 
     # ----------------------------------------------------------------- building (the subclass calls these)
     def build_llm(self) -> int:
@@ -227,7 +230,7 @@ class VisionLLM(VisionLLMForward):
         (``lavis_ds.show_sample``); the same tokens as the model's own ``prompt``."""
         args = cls.settings_of(section)
         tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
-                                         cls.IMAGE_SPAN or ())
+                                         cls.PROMPT_TOKENS)
         return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
                           args["max_txt_len"], args["chat_template_kwargs"] or {}, cls.IMAGE_SPAN)
 

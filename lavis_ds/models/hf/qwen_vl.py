@@ -26,6 +26,7 @@ from lavis_ds.models.hf.family import HfFamily, State, differences, part_name
 from lavis_ds.models.parts import PartError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VIDEO_TOKEN = "<|video_pad|>"
 # The text model's keys in the two layouts: the Hub's (model.layers.*) and transformers 5's (model.language_model.*).
 TEXT_PREFIXES = ("model.language_model.", "model.embed_tokens.", "model.layers.", "model.norm.", "lm_head.")
 
@@ -43,10 +44,93 @@ class QwenVLFamily(HfFamily):
 
     # ----------------------------------------------------------------- export
     def export_problems(self, model: nn.Module) -> list[str]:
-        """lavis_ds reads these folders but does not write them: one line saying so and what to use."""
-        return [f"the {self.model_type} architecture: lavis_ds loads {self.hf_class} folders (model.pretrained) but "
-                f"does not write them; export it with --format lavis_ds (the default), which lavis_ds's generate, "
-                "chat and web page load"]
+        """The class builds the text model of its own kind, with ``lm_head(hidden states)`` on top, and its
+        processor needs the vision tokens as single tokens of the tokenizer."""
+        from lavis_ds.models.llm import base_llm
+
+        llm = base_llm(model.llm_model)
+        problems = []
+        wanted = f"{self.model_type}_text"
+        if getattr(llm.config, "model_type", None) != wanted:
+            problems.append(f"llm_model: {type(llm).__name__} (model_type {getattr(llm.config, 'model_type', None)!r})"
+                            f"; {self.hf_class} holds the {wanted} text model (llm_config: {{model_type: {wanted}}})")
+        head = llm.get_output_embeddings()
+        if type(head) is not nn.Linear or head.bias is not None:
+            problems.append(f"llm_model's output layer: {head!r}; {self.hf_class}'s lm_head is a Linear without bias")
+        tokenizer = model.llm_tokenizer
+        missing = [t for t in (*VISION_TOKENS, VIDEO_TOKEN) if tokenizer.convert_tokens_to_ids(t) in
+                   (None, tokenizer.unk_token_id)]
+        if missing:
+            problems.append(f"the tokenizer lacks {', '.join(missing)}, which {self.hf_class}'s processor writes")
+        return problems
+
+    def to_hf_model(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """The class holding the tower and merger as ``model.visual``, the text model and head; strict per part."""
+        import transformers
+
+        from lavis_ds.models.llm import base_llm
+        from lavis_ds.models.llm_placement import empty_weights
+
+        llm = base_llm(model.llm_model)
+        with empty_weights():  # parameters on the meta device: every one is assigned below
+            hf_model = getattr(transformers, self.hf_class)(self.hf_config(model, dtype))
+        merger = {f"merger.{k}": v for k, v in model.connector.state_dict().items()}
+        visual = {**model.vision_tower.state_dict(), **merger}
+        pairs = [(hf_model.model.visual, visual), (hf_model.model.language_model, llm.model.state_dict()),
+                 (hf_model.lm_head, llm.lm_head.state_dict())]
+        for module, state in pairs:
+            state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            module.load_state_dict(state, strict=True, assign=True)
+        if hf_model.config.tie_word_embeddings:
+            hf_model.tie_weights()
+        left = [name for name, p in hf_model.named_parameters() if p.is_meta]
+        if left:  # the parts above and transformers' class disagree: a bug here, not the user's
+            raise RuntimeError(f"{self.hf_class} parameters left unassigned: {left[:8]}")
+        return hf_model.eval()
+
+    def hf_config(self, model: nn.Module, dtype: torch.dtype):
+        """The class's config: the tower's vision config (its output width the LLM's), the text model's config with
+        the stop and pad ids, the vision token ids."""
+        import transformers
+
+        from lavis_ds.models.llm import base_llm
+
+        llm, tokenizer = base_llm(model.llm_model), model.llm_tokenizer
+        vision = model.vision_tower.config.to_dict()
+        vision["out_hidden_size" if self.model_type == "qwen2_5_vl" else "hidden_size"] = llm.config.hidden_size
+        text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
+        ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
+            ("image_token_id", model.prompt.image_token), ("video_token_id", VIDEO_TOKEN),
+            ("vision_start_token_id", VISION_TOKENS[0]), ("vision_end_token_id", VISION_TOKENS[2]))}
+        config_class = getattr(transformers, self.hf_class.replace("ForConditionalGeneration", "Config"))
+        config = config_class(vision_config=vision, text_config=text,
+                              tie_word_embeddings=bool(getattr(llm.config, "tie_word_embeddings", False)), **ids)
+        config.dtype = dtype
+        for sub in (config.vision_config, config.text_config):
+            sub.dtype = dtype
+        return config
+
+    def image_processor(self, processing):
+        """``Qwen2VLImageProcessor`` (torchvision backend, as ``lavis_ds.processors.qwen_vl`` reproduces it) with the
+        tower's pixel bounds, mean, std and patch sizes."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor(**processor_settings(processing))
+
+    def template_image_tokens(self, model: nn.Module) -> int:
+        return 1  # the processor expands each <|image_pad|> into the image's tokens_for_grid
+
+    def template_image_run(self, model: nn.Module) -> str:
+        return VISION_TOKENS[0] + model.prompt.image_token + VISION_TOKENS[2]
+
+    def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
+        import transformers
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        processing = model.vision_tower.processing
+        processor_class = getattr(transformers, self.hf_class.replace("ForConditionalGeneration", "Processor"))
+        return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                               video_processor=Qwen2VLVideoProcessor(**processor_settings(processing)))
 
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
@@ -93,6 +177,13 @@ class QwenVLFamily(HfFamily):
         """The text model's keys as ``qwen_vl_text``'s causal LM names them (``model.*``, ``lm_head.*``)."""
         return {("model." + key.removeprefix("model.language_model.") if key.startswith("model.language_model.")
                  else key): value for key, value in state.items()}
+
+
+def processor_settings(processing) -> dict[str, Any]:
+    """A ``QwenVLProcessing`` as transformers' Qwen2-VL image and video processors' keyword arguments."""
+    return dict(min_pixels=processing.min_pixels, max_pixels=processing.max_pixels, image_mean=list(processing.mean),
+                image_std=list(processing.std), patch_size=processing.patch_size, merge_size=processing.merge_size,
+                temporal_patch_size=processing.temporal_patch_size)
 
 
 def vision_keys(vision_config: Any, valid: list[str]) -> dict[str, Any]:
