@@ -15,6 +15,15 @@ from lavis_ds.common.registry import connectors, models, registry
 from lavis_ds.models.vision_llm import VisionLLM
 
 ARCHITECTURES = sorted(name for name in models if issubclass(registry.get_model_class(name), VisionLLM))
+# Architectures whose images keep their own sizes (Qwen-VL: flat patches and a grid per image). They take a square
+# [N, 3, S, S] pixel tensor too (each a still image, S a multiple of 28 px), which is what these tests make.
+FLAT_ARCHITECTURES = [name for name in ARCHITECTURES if getattr(registry.get_model_class(name), "FLAT_FEATURES", False)]
+FLAT_SIDE = 56  # 2 x 2 merged tokens: the smallest image a Qwen-VL tower takes whole
+
+
+def image_side(model: VisionLLM) -> int:
+    """The side of the square test images ``model`` takes: its tower's, or ``FLAT_SIDE`` for images of any size."""
+    return model.image_size or FLAT_SIDE
 BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "what", "is", "in", "the", "image", "?", "a", "shape",
               "colour", "color", "which", "of", "and", "are", "same", "describe", "picture", "ball", "cat"]
 
@@ -83,7 +92,7 @@ def mixed_batch(model: VisionLLM) -> dict[str, Any]:
     """A text-only sample, a one-image sample and a two-turn two-image sample (0..N images per sample)."""
     import torch
 
-    side = model.image_size
+    side = image_side(model)
     return {"image": torch.randn(3, 3, side, side), "num_images": [0, 1, 2],
             "instruction": [["What color is the ball?"],
                             ["<Img><ImageHere></Img> What is in the image?"],

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from archs import ARCHITECTURES, build_tiny, without_dropout
+from archs import ARCHITECTURES, build_tiny, image_side, without_dropout
 from lavis_ds.apps.chat import ChatSession
 from lavis_ds.datasets.builders import build_processor
 from lavis_ds.datasets.instruction import expand_video_marker
@@ -30,7 +30,7 @@ def _samples(model, seed: int = 0) -> dict:
             instructions.append(expand_video_marker(["<Img><ImageHere></Img> " + question], n))
         else:
             instructions.append([("" if n == 0 else "<Img>" + "<ImageHere>" * n + "</Img> ") + question])
-    side = model.image_size
+    side = image_side(model)
     return {"image": torch.randn(sum(IMAGES), 3, side, side, generator=generator), "num_images": list(IMAGES),
             "instruction": instructions, "output": [[a] for a in ANSWERS]}
 
@@ -119,7 +119,7 @@ def test_batched_generation_answers_as_one_sample_at_a_time(arch, tiny_tokenizer
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_chat_answers_each_turn_as_generate_does_with_the_history(arch, tiny_tokenizer_dir, tmp_path):
     model = _model(arch, tiny_tokenizer_dir, tmp_path).eval()
-    processor = build_processor({"name": "blip2_image_eval", "image_size": model.image_size})
+    processor = build_processor({"name": "blip2_image_eval", "image_size": image_side(model)})
     session = ChatSession(model, processor)
     session.set("max_new_tokens", "6")
     colours = count(40, 90)

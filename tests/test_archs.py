@@ -9,6 +9,7 @@ import torch
 import yaml
 
 import lavis_ds  # noqa: F401  (fills the registries)
+from archs import image_side
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.registry import connectors, models, registry
 from lavis_ds.models.composed import ComposedVisionLLM
@@ -32,7 +33,7 @@ def tiny_section(arch: str, tokenizer, bert_tokenizer, **changes) -> dict:
 
 def batch(model, num_samples: int = 3, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
-    size = model.image_size
+    size = image_side(model)
     return {**{k: v[:num_samples] for k, v in SAMPLES.items()},
             "image": torch.randn(num_samples, 3, size, size, generator=generator)}
 

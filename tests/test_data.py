@@ -45,10 +45,10 @@ def test_every_registered_processor_builds_from_its_config_section(name):
     A processor that does a vision tower's processing has no defaults: built alone it names what it lacks, and
     with a tower's keys (what the config loader fills in) it makes that tower's images."""
     cls = processor_registry.get(name)
-    if name == "qwen_vl_image":  # a variable-size tower's: patches and their grid, Qwen's published keys by default
+    if name == "qwen_vl_image":  # Qwen's published processing by default: flat patches and a (t, h, w) grid
         out = cls.from_config({"name": name})(Image.new("RGB", (40, 30), (10, 20, 30)))
-        assert out.pixel_values.shape == (int(out.grid_thw.prod()), 3 * 2 * 14 * 14) and out.pixel_values.min() < 0
-        assert out.grid_thw.tolist() == [1, 4, 6]  # smart_resize: 30 x 40 px up to min_pixels, as 56 x 84
+        assert out.grid_thw.tolist() == [1, 4, 6]  # smart_resize: 30 x 40 px up to 56 x 84 (min_pixels)
+        assert out.pixel_values.shape == (24, 3 * 2 * 14 * 14) and out.pixel_values.min() < 0
         return
     if getattr(cls, "FROM_TOWER", False):
         with pytest.raises(ValueError, match=rf"^{name}: image_size, .* not set; they come from the model's vision"):

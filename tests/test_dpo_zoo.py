@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lavis_ds  # noqa: F401  (fills the registries)
-from archs import build_tiny
+from archs import build_tiny, image_side
 from lavis_ds.common.registry import models
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.objectives import Dpo
@@ -31,7 +31,7 @@ def tiny(arch: str, tokenizer_dir, files, **settings) -> VisionLLM:
 
 def pairs_for(model: VisionLLM) -> dict:
     torch.manual_seed(1)
-    size = model.image_size
+    size = image_side(model)
     return {"image": torch.randn(2, 3, size, size), "num_images": [1, 1],
             "instruction": [[f"{IMG} What is in the image?"], [f"{IMG} What colour is the ball?"]],
             "output": [[], []], "chosen": ["A cat on a mat.", "It is red."],

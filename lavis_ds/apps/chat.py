@@ -194,9 +194,13 @@ class ChatSession:
         while True:
             instructions = [self._instruction(t.question, t.images) for t in turns]
             instructions.append(self._instruction(question, pending))
-            num_images = sum(len(t.images) for t in turns) + len(pending)
+            shown = [i for t in turns for i in t.images] + pending
+            num_images = len(shown)
+            # Each image's own count (a Qwen-VL model's depends on the image's size).
+            counts = self.model.image_token_counts({"image": torch.stack([self.images[i].tensor for i in shown])}) \
+                if shown else []
             length = len(self.model.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images,
-                                                             self.system))
+                                                             image_tokens=counts, system=self.system))
             if limit is None or length + self.settings.max_new_tokens <= limit:
                 return turns, pending
             if not turns:

@@ -9,6 +9,8 @@ transformers user writes). The class follows the model (``export_hf_checks.hf_fa
     eva_vit_g + instruct_qformer            InstructBlipForConditionalGeneration + InstructBlipProcessor
                                             (with the Q-Former's BERT tokenizer under qformer_tokenizer/)
     clip or siglip + mlp2x_gelu             LlavaForConditionalGeneration + LlavaProcessor
+    qwen2_vl / qwen2_5_vl + patch_merger    Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration
+                                            + their processors
 
 (each a registered family, ``lavis_ds.models.hf``; a new class is a new family there), and the folder holds:
 
@@ -20,7 +22,8 @@ transformers user writes). The class follows the model (``export_hf_checks.hf_fa
         run's eval image processing
     lavis_ds_export.json                                      where it came from; ignored by transformers
 
-The weight mappings, checks and processors live with each family (``lavis_ds.models.hf.blip``, ``.llava``). What
+The weight mappings, checks and processors live with each family (``lavis_ds.models.hf.blip``, ``.llava``,
+``.qwen_vl``). What
 the class cannot compute the same way, and any tower + connector pair no transformers class holds, is refused before
 anything is written, every problem in one :class:`~lavis_ds.apps.export_io.ExportError` (exit 2 from the command
 line). This module and those it uses import no command-line module (``tests/test_layers.py``).

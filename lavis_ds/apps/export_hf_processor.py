@@ -27,7 +27,8 @@ from torch import nn
 from lavis_ds.models.hf.family import HfFamily, exporting_family
 
 
-def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, record_system: str = "use") -> str:
+def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, record_system: str = "use",
+                  image_run: str | None = None) -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
 
     A ``{"type": "image"}`` item becomes lavis_ds's default image prefix with its placeholders
@@ -38,8 +39,11 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
     model's and puts its text and a blank line in front of the first user message. Without one the model's own
     ``system_prompt`` is used, as lavis_ds always does.
     Strings go in as JSON literals, which Jinja reads back unchanged (quotes, newlines, non-ASCII).
+    ``image_run``: what an image item writes instead, for a family whose prompt spans images otherwise (Qwen-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``, ``HfFamily.template_image_run``).
     """
-    image_run = json.dumps("<Img>" + image_token * num_query_tokens + "</Img> ", ensure_ascii=False)
+    image_run = json.dumps(image_run if image_run is not None else "<Img>" + image_token * num_query_tokens
+                           + "</Img> ", ensure_ascii=False)
     system = json.dumps(system_prompt, ensure_ascii=False)
     own = {"use": "{%- set system = render(messages[0]['content']) -%}",
            "ignore": "",
@@ -70,9 +74,18 @@ def image_processing_of(image_cfg: dict[str, Any]):
 
     Every registered image processor carries one (``processing``): ``blip2_image_eval`` a square bicubic resize,
     ``tower_image_eval`` its tower's processing; one that augments (random crops, flips) is served by none."""
+    from lavis_ds.datasets.builders import build_processor
     from lavis_ds.image_config import section_processing
+    from lavis_ds.processors.qwen_vl import QwenVLProcessing
 
-    return section_processing(image_cfg, served=True)
+    processing = section_processing(image_cfg, served=True)
+    if processing is not None:
+        return processing
+    try:  # a processor of images at their own sizes (qwen_vl_image) carries its own kind of processing
+        own = getattr(build_processor(image_cfg), "processing", None)
+    except (KeyError, ValueError, TypeError):
+        return None
+    return own if isinstance(own, QwenVLProcessing) else None
 
 
 def default_image_cfg(model: nn.Module) -> dict[str, Any]:
@@ -106,7 +119,7 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     prompt = model.prompt
     images = family.image_processor(image_processing_of(image_cfg or default_image_cfg(model)))
     template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model),
-                             prompt.record_system_prompt)
+                             prompt.record_system_prompt, family.template_image_run(model))
     model.llm_tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every

@@ -16,7 +16,8 @@ class DemoShapesBuilder(BaseDatasetBuilder):
     """The embedded demo: coloured shapes, generated into ``build_info.storage`` on first use.
 
     ``build_info`` keys: ``storage`` (folder; default under ``$LAVIS_DS_CACHE`` or
-    ``~/.cache/lavis_ds``), ``num_train``, ``num_val``, ``num_test``, ``image_size``, ``seed``.
+    ``~/.cache/lavis_ds``), ``num_train``, ``num_val``, ``num_test``, ``image_size``, ``seed``, ``size_jitter``
+    (images of random sizes around ``image_size``).
     """
 
     SPEC_KEYS: ClassVar[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(DemoShapesSpec))

@@ -64,6 +64,9 @@ class DemoShapesSpec:
     num_test: int = 100
     image_size: int = 64
     seed: int = 0
+    # 0: every image is image_size x image_size. Above: each image's width and height are drawn independently from
+    # image_size * [1 - size_jitter, 1 + size_jitter] (towers that take images at their own sizes: Qwen-VL).
+    size_jitter: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_train", "num_val", "num_test"):
@@ -74,12 +77,18 @@ class DemoShapesSpec:
             raise ValueError(f"demo_shapes: image_size must be an integer >= 16, got {self.image_size!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"demo_shapes: seed must be an integer, got {self.seed!r}")
+        if isinstance(self.size_jitter, bool) or not isinstance(self.size_jitter, (int, float)) \
+                or not 0 <= self.size_jitter < 1:
+            raise ValueError(f"demo_shapes: size_jitter must be a number in [0, 1), got {self.size_jitter!r}")
 
     def split_sizes(self) -> dict[str, int]:
         return {"train": self.num_train, "val": self.num_val, "test": self.num_test}
 
     def to_json(self) -> dict:
-        return {"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+        fields = dataclasses.asdict(self)
+        if not self.size_jitter:  # square images: stored as before size_jitter existed, so those caches stay valid
+            del fields["size_jitter"]
+        return {"format_version": FORMAT_VERSION, **fields}
 
 
 def caption(colour: str, shape: str) -> str:
@@ -161,11 +170,16 @@ def generate_split(out_dir: Path, split: str, count: int, spec: DemoShapesSpec) 
     rng = random.Random(f"demo_shapes/{spec.seed}/{split}")
     # Legacy RandomState: its integer stream is frozen by NumPy's compatibility policy.
     noise_rng = np.random.RandomState([spec.seed % 2**32, split_number])
+    # Sizes from a stream of their own: the shapes, colours and questions are those of square images.
+    size_rng = random.Random(f"demo_shapes/{spec.seed}/{split}/sizes")
     records = []
     for i in range(count):
         colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
         name = f"{split}_{i:05d}.png"
         image = draw_shape_image(shape, colour, spec.image_size, rng, noise_rng)
+        if spec.size_jitter:
+            low, high = (round(spec.image_size * (1 + sign * spec.size_jitter)) for sign in (-1, 1))
+            image = image.resize((size_rng.randint(low, high), size_rng.randint(low, high)), Image.Resampling.BICUBIC)
         # Fast zlib level: noisy pixels barely compress anyway, and generation should take seconds.
         image.save(out_dir / "images" / name, compress_level=1)
         task = "caption" if split == "test" else rng.choices(_TASKS, _TASK_WEIGHTS)[0]

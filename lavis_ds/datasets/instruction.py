@@ -35,6 +35,7 @@ from lavis_ds.datasets.record_store import RecordStore
 from lavis_ds.datasets.records import (IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, count_markers,
                                        each_record, record_where)
 from lavis_ds.datasets.video import UnreadableVideoError, read_frames
+from lavis_ds.processors.qwen_vl import GRID_KEY, SECONDS_KEY
 
 __all__ = ["IMAGE_PLACEHOLDER", "InstructionRecord", "InstructionDataset", "UnreadableImageError",
            "UnreadableVideoError", "parse_record", "parse_instruction_file", "process_text", "expand_video_marker"]
@@ -204,11 +205,13 @@ class InstructionDataset(Dataset):
         index, visuals = self._visuals_or_replacement(index)
         record = self.records[index]
         instructions = [self._text(t) for t in record.instructions]
+        fields = self._visual_fields(visuals, bool(record.video))
+        num_images = len(fields[GRID_KEY]) if GRID_KEY in fields else len(visuals)
         if record.video:  # after the text processor, which keeps marker groups as they are written
-            instructions = expand_video_marker(instructions, len(visuals))
+            instructions = expand_video_marker(instructions, num_images)
         return {
-            "image": self._pixels(visuals),
-            "num_images": len(visuals),
+            **fields,
+            "num_images": num_images,
             "instruction": instructions,
             "output": [self._text(t) for t in record.outputs],
             # What evaluation scores the generated answer against (raw: metrics normalise for themselves).
@@ -248,11 +251,16 @@ class InstructionDataset(Dataset):
     def _text(self, text: str) -> str:
         return text if self.text_processor is None else process_text(text, self.text_processor)
 
-    def _pixels(self, visuals: list[Image.Image]) -> torch.Tensor:
+    def _visual_fields(self, visuals: list[Image.Image], video: bool) -> dict[str, Any]:
+        """``image``: the processed images stacked; a processor of images at their own sizes (``sample_fields``,
+        Qwen-VL's) gives flat patches with a grid row per image, and a video as one visual of its frames."""
+        own_sizes = getattr(self.vis_processor, "sample_fields", None)
+        if visuals and own_sizes is not None:
+            return own_sizes(visuals, video)
         if visuals:
-            return torch.stack([self.vis_processor(v) for v in visuals])
+            return {"image": torch.stack([self.vis_processor(v) for v in visuals])}
         size = getattr(self.vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater
-        return torch.zeros((0, 3, size, size))
+        return {"image": torch.zeros((0, 3, size, size))}
 
     def _visuals_or_replacement(self, index: int) -> tuple[int, list[Image.Image]]:
         if not self.replace_unreadable_images:
@@ -308,11 +316,16 @@ class InstructionDataset(Dataset):
 
     @staticmethod
     def collater(samples: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        """One flat ``image`` tensor of every sample's images in order, ``num_images`` per sample; turns as
-        lists of lists (one inner list per sample); ``system`` per sample (None: the model's own)."""
+        """One flat ``image`` tensor of every sample's images in order (with their grid rows and video seconds where
+        the processor keeps each image's size), ``num_images`` per sample; turns as lists of lists (one inner list
+        per sample); ``system`` per sample (None: the model's own)."""
         samples = list(samples)
         images = [s["image"] for s in samples if len(s["image"])]
+        grids = [s for s in samples if GRID_KEY in s]  # images at their own sizes: flat patches, a grid row each
+        own_sizes = {GRID_KEY: torch.cat([s[GRID_KEY] for s in grids]),
+                     SECONDS_KEY: [t for s in grids for t in s[SECONDS_KEY]]} if grids else {}
         return {
+            **own_sizes,
             # A micro-batch without any image keeps an empty tensor: the model's encoding rule decides what runs.
             "image": torch.cat(images) if images else samples[0]["image"],
             "num_images": [int(s["num_images"]) for s in samples],

@@ -76,7 +76,9 @@ class ComposedVisionLLM(VisionLLM):
         self.connector = build_part(connectors, connector_section, "model.connector",
                                     vision_width=self.vision_tower.num_features, llm_width=llm_width)
         self.image_size = self.vision_tower.image_size
-        self.tokens_per_image = self.connector.tokens_per_image(self.vision_tower.num_tokens)
+        # A flat-feature tower has no count per image: tokens_for_image says it per image size.
+        self.tokens_per_image = None if self.vision_tower.num_tokens is None \
+            else self.connector.tokens_per_image(self.vision_tower.num_tokens)
         self.finish_build()
 
     @classmethod
@@ -245,11 +247,12 @@ def _part_section_problems(kind: Registry, section: Mapping[str, Any], path: str
 
 
 class Geometry(NamedTuple):
-    """What the config side knows of a tower and connector pair without building it."""
+    """What the config side knows of a tower and connector pair without building it (a flat-feature tower's image
+    size and tokens per image: None, each image has its own)."""
 
-    image_size: int
-    tokens_per_image: int
-    processing: ImageProcessing
+    image_size: int | None
+    tokens_per_image: int | None
+    processing: ImageProcessing | Any
 
 
 def check_layouts(arch: type, tower: Mapping[str, Any], connector: Mapping[str, Any]) -> None:
@@ -283,4 +286,5 @@ def _geometry(tower_json: str, connector_json: str, arch: type) -> Geometry:
         tower = (tower_cls.from_folder(pretrained, tower_section, "model.vision_tower") if pretrained
                  else tower_cls(**tower_section))
         connector = connector_cls(vision_width=tower.num_features, llm_width=8, **connector_section)
-    return Geometry(tower.image_size, connector.tokens_per_image(tower.num_tokens), tower.processing)
+    tokens = None if tower.num_tokens is None else connector.tokens_per_image(tower.num_tokens)
+    return Geometry(tower.image_size, tokens, tower.processing)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +60,11 @@ def is_single_token(tokenizer: PreTrainedTokenizerBase, token: str) -> bool:
     return len(ids) == 1 and ids[0] == tokenizer.convert_tokens_to_ids(token)
 
 
-def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTrainedTokenizerBase, list[str]]:
-    """Load a tokenizer folder and make sure the prompt's tokens (ChatML's if it renders ChatML, the image token)
-    and a pad token work.
+def prepare_tokenizer(path: str | Path | None, image_token: str, prompt_tokens: Sequence[str] = ()
+                      ) -> tuple[PreTrainedTokenizerBase, list[str]]:
+    """Load a tokenizer folder and make sure the prompt's tokens (ChatML's if it renders ChatML, the image token,
+    ``prompt_tokens``: the prompt's other special tokens, Qwen-VL's ``<|vision_start|>``) and a pad token
+    work.
 
     Returns:
         ``(tokenizer, added)``: ``added`` lists the tokens that were not single tokens of
@@ -72,7 +75,8 @@ def prepare_tokenizer(path: str | Path | None, image_token: str) -> tuple[PreTra
         raise ValueError("the model needs a tokenizer: set model.tokenizer (or model.llm_model) to a local folder")
     tokenizer = AutoTokenizer.from_pretrained(path)
     added = []
-    for token in (*CHATML_TOKENS, image_token) if renders_chatml(tokenizer) else (image_token,):
+    for token in (*CHATML_TOKENS, image_token, *prompt_tokens) if renders_chatml(tokenizer) \
+            else (image_token, *prompt_tokens):
         if not is_single_token(tokenizer, token):
             # special: never split by the BPE, dropped by decode(skip_special_tokens=True).
             tokenizer.add_tokens([AddedToken(token, special=True, normalized=False)], special_tokens=True)

@@ -45,7 +45,7 @@ def as_turns(value: str | Turns) -> list[str]:
 
 
 def insert_image_placeholders(instructions: Turns, image_token: str, num_image_tokens: int | Sequence[int],
-                              num_images: int = 1) -> list[str]:
+                              num_images: int = 1, image_span: tuple[str, str] | None = None) -> list[str]:
     """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token`` (a list: each image's own count,
     in image order, and as many images as it lists).
 
@@ -54,6 +54,11 @@ def insert_image_placeholders(instructions: Turns, image_token: str, num_image_t
     land where its marker stands. A sample with no image has no marker. One image may
     go unmarked: it is then put in front of the first turn as ``<Img><ImageHere></Img> ``
     (COCO-caption style data has no marker).
+
+    ``image_span``: the text a family's chat template writes around each image's placeholders (Qwen-VL's
+    ``<|vision_start|>``, ``<|vision_end|>``). Each marker then becomes ``start + placeholders + end``, MiniGPT4Qwen's
+    ``<Img>``/``</Img>`` around markers (and one space after ``</Img>``) are dropped, and an unmarked image goes in
+    front of the first turn with nothing between it and the text, as Qwen2-VL's template places an image item.
     """
     turns = list(instructions)
     if not turns:
@@ -62,12 +67,21 @@ def insert_image_placeholders(instructions: Turns, image_token: str, num_image_t
     num_images = len(counts)
     markers = sum(turn.count(IMAGE_HERE) for turn in turns)
     if markers == 0 and num_images == 1:
-        turns[0] = DEFAULT_IMAGE_PREFIX + turns[0]
+        turns[0] = (DEFAULT_IMAGE_PREFIX if image_span is None else IMAGE_HERE) + turns[0]
     elif markers != num_images:
         raise ValueError(f"{num_images} image(s) but {markers} {IMAGE_HERE} marker(s) in {turns!r}: "
                          "each image needs its own marker, in image order")
     runs = iter(counts)  # markers in reading order are the images in image order
-    return [re.sub(re.escape(IMAGE_HERE), lambda _: image_token * next(runs), turn) for turn in turns]
+    start, end = image_span or ("", "")
+    if image_span is not None:
+        turns = [_without_img_tags(turn) for turn in turns]
+    return [re.sub(re.escape(IMAGE_HERE), lambda _: start + image_token * next(runs) + end, turn) for turn in turns]
+
+
+def _without_img_tags(turn: str) -> str:
+    """MiniGPT4Qwen's ``<Img>``/``</Img>`` removed where they enclose markers (and one space after ``</Img>``)."""
+    marked = f"(?:{re.escape(IMAGE_HERE)})+"
+    return re.sub(f"<Img>({marked})</Img> ?", r"\1", turn)
 
 
 def chatml_segments(
@@ -109,6 +123,8 @@ class ChatPrompt:
         record_system_prompt: What a sample's own system turn does: ``use`` (it is the system message; samples
             without one get ``system_prompt``), ``ignore`` (every sample gets ``system_prompt``), ``fold`` (its text
             and a blank line go in front of the first user turn, as Gemma's templates fold a system message).
+        image_span: The text around each image's placeholders (``insert_image_placeholders``); None: the
+            placeholders stand where ``<ImageHere>`` stands, inside the data's own ``<Img>...</Img>``.
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -118,6 +134,7 @@ class ChatPrompt:
     max_len: int
     template_variables: Mapping[str, Any] = field(default_factory=dict)
     record_system_prompt: Literal["use", "ignore", "fold"] = "use"
+    image_span: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if (why := unstable_render(self.tokenizer, self.template_variables)) is not None:
@@ -182,7 +199,8 @@ class ChatPrompt:
         placeholders (fewer slots than features): such a sample raises :class:`ImageSpanCut`.
         """
         counts = self.placeholder_counts(num_images, image_tokens)
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts)
+        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts,
+                                                 image_span=self.image_span)
         segments = self.segments(instructions, as_turns(answers), system=system)
         input_ids, labels = self._tokenize(segments, counts)
         if len(input_ids) > self.max_len and sum(counts):
@@ -201,7 +219,8 @@ class ChatPrompt:
         Not truncated: cutting the end would drop the question or the assistant header.
         """
         counts = self.placeholder_counts(num_images, image_tokens)
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts)
+        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts,
+                                                 image_span=self.image_span)
         segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True, system=system)
         return self._tokenize(segments, counts)[0]
 

@@ -60,6 +60,12 @@ class VisionLLM(VisionLLMForward):
     # Parameters built from the LLM's width (the connector): export writes them even when frozen, so that a model
     # rebuilt on the merged LLM never depends on how the LLM was built. Subclasses name theirs.
     CONNECTOR_PREFIXES: tuple[str, ...] = ()
+    # The tokens the family's chat template writes around each image's placeholders (Qwen-VL's vision start and end;
+    # added to a tokenizer that lacks them), or None: the placeholders stand inside the data's <Img>...</Img>.
+    IMAGE_SPAN: tuple[str, str] | None = None
+    # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
+    # added to a tokenizer that lacks them.
+    PROMPT_TOKENS: tuple[str, ...] = ()
     # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
@@ -134,7 +140,8 @@ class VisionLLM(VisionLLMForward):
         self.llm_grad_checkpoint = llm_grad_checkpoint
         self.loss_chunks = loss_chunks
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
-        self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token)
+        self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token,
+                                                                   self.PROMPT_TOKENS)
 
     # ----------------------------------------------------------------- building (the subclass calls these)
     def build_llm(self) -> int:
@@ -163,7 +170,7 @@ class VisionLLM(VisionLLMForward):
         args = self.llm_args
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
-                                 args["record_system_prompt"])
+                                 record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN)
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.positions = position_provider(self.llm_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
@@ -227,9 +234,11 @@ class VisionLLM(VisionLLMForward):
         """The prompt a ``model:`` section builds, from its tokenizer alone, without any weights
         (``lavis_ds.show_sample``); the same tokens as the model's own ``prompt``."""
         args = cls.settings_of(section)
-        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"])
+        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
+                                         cls.PROMPT_TOKENS)
         return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
-                          args["max_txt_len"], args["chat_template_kwargs"] or {}, args["record_system_prompt"])
+                          args["max_txt_len"], args["chat_template_kwargs"] or {},
+                          record_system_prompt=args["record_system_prompt"], image_span=cls.IMAGE_SPAN)
 
     # ----------------------------------------------------------------- the LLM as a whole
     @property

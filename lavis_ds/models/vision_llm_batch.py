@@ -14,13 +14,14 @@ import torch
 
 from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplateError
-from lavis_ds.models.image_tokens import GRID_KEY, SIZES_KEY, select_images
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, SIZES_KEY, select_images
 from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
 
 logger = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY)  # fields with a row (or block of rows) per image, not per sample
+# Fields with a row (or block of rows) per image, not per sample.
+IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY, SECONDS_KEY)
 Example = tuple[list[int], list[int]]  # a sample's (input_ids, labels)
 
 

@@ -31,6 +31,10 @@ from lavis_ds.common.errors import InputError
 from lavis_ds.processors.base import BaseProcessor
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
 
+# The batch fields of Qwen-VL visuals beside their flat patches (``image``): one (t, h, w) row per image or video, and
+# the seconds of video per temporal patch (None for a still image; Qwen2.5-VL's absolute-time positions).
+GRID_KEY = "image_grid_thw"
+SECONDS_KEY = "second_per_grid_t"
 # Qwen2-VL's published image processor: at least 4 and at most 1280 merged tokens per image.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
@@ -235,6 +239,17 @@ class QwenVLProcessing:
         patches, grid = self._patchify(pixels.view(-1, self.temporal_patch_size, *pixels.shape[1:]))
         return QwenVisual(patches, grid, self.temporal_patch_size / (sampled_fps or 24))
 
+    def still_patches(self, pixels: torch.Tensor) -> QwenVisual:
+        """A normalised ``[3, H, W]`` float image whose sides are multiples of ``factor`` (already at a size the tower
+        takes: not resized) as one still image's patches and grid."""
+        height, width = pixels.shape[-2:]
+        if pixels.dim() != 3 or height % self.factor or width % self.factor:
+            raise QwenVisionInputError(f"a pixel tensor of shape {tuple(pixels.shape)} for a Qwen-VL tower; valid: "
+                                       f"[3, H, W] with H and W multiples of {self.factor} px (or PIL images through "
+                                       "the qwen_vl_image processor, which resizes them)")
+        frames = pixels[None, None].expand(-1, self.temporal_patch_size, -1, -1, -1)
+        return QwenVisual(*self._patchify(frames))
+
     def _resized(self, images: torch.Tensor) -> torch.Tensor:
         """``[N, 3, H, W]`` uint8 -> resized by ``smart_resize``, normalised float32 (transformers' fused rescale and
         normalisation: mean and std scaled by 255, applied to the 0..255 values)."""
@@ -292,3 +307,10 @@ class QwenVLImageProcessor(BaseProcessor):
 
     def __call__(self, image: Image.Image) -> QwenVisual:
         return self.processing.image(image)
+
+    def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False) -> dict[str, Any]:
+        """A sample's visual fields: its images (``video``: the frames of one video, a single visual) as flat patches
+        end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t``."""
+        made = [self.processing.video(visuals)] if video else [self.processing.image(v) for v in visuals]
+        return {"image": torch.cat([v.pixel_values for v in made]), GRID_KEY: torch.stack([v.grid_thw for v in made]),
+                SECONDS_KEY: [v.second_per_grid_t for v in made]}

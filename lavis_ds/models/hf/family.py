@@ -93,6 +93,10 @@ class HfFamily:
         """Image tokens the chat template writes per image (the processor expands them where its class does)."""
         return model.prompt.num_image_tokens
 
+    def template_image_run(self, model: nn.Module) -> str | None:
+        """What the chat template writes for an image item; None: lavis_ds's ``<Img>`` + image tokens + ``</Img> ``."""
+        return None
+
     def processor(self, model: nn.Module, image_processor: Any, tokenizer: Any, template: str) -> Any:
         """The class's processor of ``model`` around its image processor, tokenizer and chat template."""
         raise NotImplementedError(f"{self!r} does not export")

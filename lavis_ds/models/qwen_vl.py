@@ -1,0 +1,122 @@
+"""Qwen2-VL and Qwen2.5-VL (``qwen2_vl``, ``qwen2_5_vl``): a Qwen-VL tower, the ``patch_merger``, Qwen-VL's text model.
+
+Each image keeps (nearly) its own size: the ``qwen_vl_image`` processor gives its flat patches and grid, the batch
+carries every image's patches end to end (``image``), one ``image_grid_thw`` row per image and, for videos,
+``second_per_grid_t``. An image of grid (t, h, w) takes ``t*h*w // 4`` LLM tokens (``tokens_for_grid``), reserved in
+the prompt between ``<|vision_start|>`` and ``<|vision_end|>`` as Qwen2-VL's chat template and processor write them,
+and numbered by M-RoPE over its grid of merged tokens (the text model's ``mrope`` provider; the batch carries the
+rows as ``rope_position_ids``). transformers' ``Qwen2VLForConditionalGeneration`` /
+``Qwen2_5_VLForConditionalGeneration`` hold the same parts (``visual`` with its ``merger``, ``language_model``,
+``lm_head``); its published folders load with ``load_pretrained`` (the family record: ``lavis_ds.models.hf.qwen_vl``).
+
+A batch may also give images as a normalised ``[N, 3, H, W]`` tensor with sides that are multiples of 28 px (the
+tensors the chat app and the generic tests make): each is then a still image at that size, patchified here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lavis_ds.common import registry as reg
+from lavis_ds.common.errors import LavisDsError
+from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, Size, image_sizes
+from lavis_ds.models.positions import Visual
+from lavis_ds.processors.qwen_vl import tokens_for_grid
+
+VISION_SPAN = ("<|vision_start|>", "<|vision_end|>")  # Qwen2-VL's chat template around each image's placeholders
+VIDEO_TOKEN = "<|video_pad|>"
+
+
+class QwenVL(ComposedVisionLLM):
+    """What Qwen2-VL and Qwen2.5-VL share; the subclasses name their parts, presets and video time spacing."""
+
+    FLAT_FEATURES = True
+    IMAGE_SPAN = VISION_SPAN
+    PROMPT_TOKENS = (*VISION_SPAN, VIDEO_TOKEN)  # the published tokenizer's; a transformers processor needs all
+    # Qwen-VL trains without augmentation: training and evaluation images are processed alike.
+    IMAGE_PROCESSORS = {"train": "qwen_vl_image", "eval": "qwen_vl_image"}
+
+    # ----------------------------------------------------------------- counts and positions
+    def tokens_for_image(self, size: Size) -> int:
+        """An image's LLM tokens: ``tokens_for_grid`` of its grid row (t, h, w), or of the still image a pixel tensor
+        of (height, width) px makes."""
+        return tokens_for_grid(self._grid(size), self.vision_tower.layout.merge_size)
+
+    def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
+        """Each image's grid of merged tokens, for M-RoPE, and its temporal spacing (``time_interval``)."""
+        merge = self.vision_tower.layout.merge_size
+        seconds = samples.get(SECONDS_KEY)
+        visuals = []
+        for i, size in enumerate(image_sizes(samples)):
+            t, h, w = self._grid(size)
+            second = None if seconds is None else seconds[i]
+            grid = (t, h // merge, w // merge)
+            visuals.append(Visual(t * h * w // (merge * merge), grid, self.time_interval(second)))
+        return visuals
+
+    def time_interval(self, second_per_grid_t: float | None) -> float:
+        """The spacing of a visual's temporal position ids: 1 (Qwen2-VL counts temporal patches)."""
+        return 1.0
+
+    def _grid(self, size: Size) -> tuple[int, int, int]:
+        if len(size) == 3:
+            return tuple(int(v) for v in size)  # type: ignore[return-value]
+        layout = self.vision_tower.layout
+        height, width = size
+        factor = layout.patch_size * layout.merge_size
+        if height % factor or width % factor:
+            raise LavisDsError(f"an image tensor of {height}x{width} px (height x width) for {type(self).__name__}: "
+                               f"valid sides are multiples of {factor} px; give PIL images through the qwen_vl_image "
+                               "processor (it resizes them), or pixel tensors at such a size")
+        return 1, height // layout.patch_size, width // layout.patch_size
+
+    # ----------------------------------------------------------------- the image path
+    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
+        """``patch_merger(tower(patches, grid))``: flat ``[sum of tokens, llm_hidden]``, image by image."""
+        grid = samples.get(GRID_KEY)
+        if grid is None:  # normalised [N, 3, H, W] pixels: still images at their size
+            visuals = [self.vision_tower.processing.still_patches(image) for image in images]
+            images = torch.cat([v.pixel_values for v in visuals]).to(images.device)
+            grid = torch.stack([v.grid_thw for v in visuals])
+        return self.connector(self.vision_tower(images, torch.as_tensor(grid)))
+
+    def blank_images(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """One merge window of zero patches (the smallest image the tower takes), with its grid."""
+        kernel = self.vision_tower.patch_embed.kernel
+        merge = self.vision_tower.layout.merge_size
+        width = kernel[0] * kernel[1] * kernel[2] * kernel[3]
+        return {"image": torch.zeros((merge * merge, width), device=device),
+                GRID_KEY: torch.tensor([[1, merge, merge]], dtype=torch.long)}
+
+
+@reg.models.register("qwen2_vl")
+class Qwen2VL(QwenVL):
+    """Qwen2-VL: the ``qwen2_vl`` tower, ``patch_merger`` with LayerNorm, Qwen2-VL's text model."""
+
+    PRETRAINED_MODEL_CONFIG_DICT = {
+        "2b": "models/qwen2_vl/2b.yaml",
+        "7b": "models/qwen2_vl/7b.yaml",
+        "tiny": "models/qwen2_vl/tiny.yaml",
+    }
+    DEFAULT_PARTS = {"vision_tower": {"name": "qwen2_vl"}, "connector": {"name": "patch_merger", "norm": "layernorm"}}
+
+
+@reg.models.register("qwen2_5_vl")
+class Qwen25VL(QwenVL):
+    """Qwen2.5-VL: the ``qwen2_5_vl`` tower (windowed attention), ``patch_merger`` with RMSNorm, Qwen2.5-VL's text
+    model; a video's temporal ids are spaced in absolute time."""
+
+    PRETRAINED_MODEL_CONFIG_DICT = {
+        "3b": "models/qwen2_5_vl/3b.yaml",
+        "7b": "models/qwen2_5_vl/7b.yaml",
+        "tiny": "models/qwen2_5_vl/tiny.yaml",
+    }
+    DEFAULT_PARTS = {"vision_tower": {"name": "qwen2_5_vl"}, "connector": {"name": "patch_merger", "norm": "rmsnorm"}}
+
+    def time_interval(self, second_per_grid_t: float | None) -> float:
+        """``tokens_per_second * second_per_grid_t`` for a video (transformers' get_rope_index); 1 for an image."""
+        if second_per_grid_t is None:
+            return 1.0
+        return float(self.vision_tower.config.tokens_per_second) * float(second_per_grid_t)

@@ -1,0 +1,176 @@
+"""The qwen2_vl and qwen2_5_vl architectures on their data: the qwen_vl_image processor's output (images of their own
+sizes, several per sample, a video) through the dataset and the collater into the model, the vision span in the
+prompt, packed equal to padded (loss and gradients, fp32) with images of different grids, and the tiny preset
+training through train.py on the demo's images of random sizes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from archs import build_tiny
+from lavis_ds.common.errors import LavisDsError
+from lavis_ds.common.registry import processors
+from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
+from lavis_ds.datasets.instruction import InstructionDataset
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY
+from lavis_ds.models.prompt import insert_image_placeholders
+from lavis_ds.processors.qwen_vl import tokens_for_grid
+from run_utils import REPO, run_train, train_steps, write_yaml
+from test_images_per_sample import write_json, write_video
+
+KINDS = ["qwen2_vl", "qwen2_5_vl"]
+# Sizes (width, height) px: two of another aspect each, and one large enough for Qwen2.5-VL's 112 px windows.
+RECORDS = [{"instruction": "Say hello.", "output": "Hello."},
+           {"image": ["wide.png", "tall.png"], "instruction": "<Img><ImageHere><ImageHere></Img> Same shape?",
+            "output": "No, one is wider."},
+           {"video": "clip.mp4", "instruction": "<Img><ImageHere></Img> What happens?", "output": "It brightens."},
+           {"image": "large.png", "instruction": "<Img><ImageHere></Img> What is it?", "output": "A square."}]
+SIZES = {"wide.png": (150, 70), "tall.png": (60, 130), "large.png": (180, 170)}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen_data")
+    rng = np.random.default_rng(0)
+    for name, (w, h) in SIZES.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / name)
+    write_video(root / "clip.mp4", frames=4, size=(112, 84))
+    return write_json(root / "records.json", RECORDS), root
+
+
+def batch_of(model, data) -> dict:
+    """The four records through the dataset (the model's own processor, filled from its tower) and the collater."""
+    path, root = data
+    processor = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+    dataset = InstructionDataset(path, root, processor, max_frames=4)
+    return dataset.collater([dataset[i] for i in range(len(dataset))])
+
+
+@pytest.fixture(scope="module")
+def models(tiny_tokenizer_dir, tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            torch.manual_seed(0)
+            made[kind] = build_tiny(kind, tiny_tokenizer_dir, tmp_path_factory.mktemp(kind)).eval()
+        return made[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_processed_images_travel_through_the_collater_into_the_model(kind, models, data):
+    model = models(kind)
+    batch = batch_of(model, data)
+    grids = batch[GRID_KEY].tolist()
+    assert batch["num_images"] == [0, 2, 1, 1] and len(grids) == 4  # the video is one visual of its frames
+    assert grids[2][0] == 2 and len({tuple(g[1:]) for g in grids}) == 4  # two temporal patches; four grids
+    assert batch["image"].shape[0] == sum(t * h * w for t, h, w in grids)  # flat patches, end to end
+    assert batch[SECONDS_KEY][2] is not None and batch[SECONDS_KEY][:2] + batch[SECONDS_KEY][3:] == [None] * 3
+    prepared = model.prepare_batch(batch)
+    counts = [tokens_for_grid(g) for g in grids]
+    assert prepared["image_tokens"] == counts
+    image_id = model.prompt.image_token_id
+    assert (prepared["input_ids"] == image_id).sum(1).tolist() == [0, counts[0] + counts[1], counts[2], counts[3]]
+    start, end = (model.llm_tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    ids = prepared["input_ids"][1].tolist()  # two images: <vs> pads <ve> <vs> pads <ve> Same shape?
+    first = ids.index(start)
+    assert ids[first + 1:first + 1 + counts[0]] == [image_id] * counts[0] and ids[first + 1 + counts[0]] == end
+    assert prepared["rope_position_ids"].shape == (3, *prepared["input_ids"].shape)
+    out = model(batch)
+    assert math.isfinite(float(out["loss"].detach())) and int(out["num_tokens"]) > 0
+
+
+def _loss_and_grads(model, batch, pack_to):
+    model.zero_grad(set_to_none=True)
+    prepared = model.prepare_batch(dict(batch), pack_to=pack_to)
+    out = model(prepared)
+    out["loss_sum"].backward()
+    return prepared, out["loss_sum"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_equals_padded_with_images_of_different_grids(kind, models, data):
+    model = models(kind)
+    batch = batch_of(model, data)
+    padded, loss_a, grads_a = _loss_and_grads(model, batch, None)
+    longest = int(padded["attention_mask"].sum(1).max())
+    # The shortest rows that lay the samples out in another order: each sample's images must follow it.
+    row = next(n for n in range(longest, 3 * longest)
+               if model.prepare_batch(dict(batch), pack_to=n)["order"] != [0, 1, 2, 3])
+    packed, loss_b, grads_b = _loss_and_grads(model, batch, row)
+    assert packed["input_ids"].shape[0] < 4  # samples share rows
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and any(n.startswith("vision_tower.") for n in grads_a)
+    whole = torch.cat([g.flatten() for g in grads_a.values()]).norm()
+    for name, grad in grads_a.items():
+        assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole, name
+
+
+def test_the_vision_span_replaces_minigpt4qwens_img_tags():
+    span = ("<|vision_start|>", "<|vision_end|>")
+    assert insert_image_placeholders(["<Img><ImageHere><ImageHere></Img> Same?"], "P", [1, 2], image_span=span) == \
+        ["<|vision_start|>P<|vision_end|><|vision_start|>PP<|vision_end|>Same?"]
+    assert insert_image_placeholders(["What is it?"], "P", [2], image_span=span) == \
+        ["<|vision_start|>PP<|vision_end|>What is it?"]  # an unmarked image in front, as Qwen's template puts it
+    assert insert_image_placeholders(["What is it?"], "P", [2]) == ["<Img>PP</Img> What is it?"]
+
+
+def test_a_pixel_tensor_of_a_size_the_tower_cannot_take_is_named(models):
+    model = models("qwen2_vl")
+    with pytest.raises(LavisDsError, match=r"an image tensor of 56x60 px \(height x width\) for Qwen2VL: valid sides "
+                                           r"are multiples of 28 px; give PIL images through the qwen_vl_image"):
+        model.prepare_batch({"image": torch.zeros(1, 3, 56, 60), "instruction": [["What?"]], "output": [["A."]]})
+
+
+def test_the_tiny_preset_trains_through_train_py_on_images_of_random_sizes(tmp_path):
+    """projects/demo/tiny_qwen2_5_vl_zero2.yaml on one process (ZeRO-2, fp32), on demo images of random sizes."""
+    import yaml
+
+    storage = ensure_demo_shapes(tmp_path / "shapes", DemoShapesSpec(num_train=32, num_val=4, num_test=4,
+                                                                     size_jitter=0.5))
+    sizes = {Image.open(p).size for p in (storage / "images").glob("train_*.png")}
+    assert len(sizes) > 16  # random sizes, not one
+    cfg = yaml.safe_load((REPO / "projects/demo/tiny_qwen2_5_vl_zero2.yaml").read_text())
+    cfg["datasets"]["demo_shapes"]["build_info"].update(storage=str(storage), num_train=32, num_val=4, num_test=4)
+    cfg["run"].update(output_dir=str(tmp_path / "out"), max_epoch=2, batch_size_train=8, warmup_steps=2,
+                      valid_splits=[], test_splits=[], log_freq=1)
+    run_train(write_yaml(tmp_path / "run.yaml", cfg), nproc=0)
+    losses = [m["loss"] for m in train_steps(tmp_path / "out")]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-2:]) < sum(losses[:2])  # it learns
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_tokens(kind, models, tmp_path):
+    """--format hf writes the family's class and processor; transformers' Auto classes read them back, the processor
+    prompts two images of other sizes as lavis_ds does, and greedy generation gives lavis_ds's answer."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from lavis_ds.apps.export_hf import write_hf_folder
+
+    model = models(kind)
+    assert write_hf_folder(model, tmp_path) == []  # fp32, nothing computed otherwise
+    theirs = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    assert type(theirs).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                                     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[kind]
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((90, 200), (150, 60))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=pictures, return_tensors="pt")
+    ours = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+    sample = {"instruction": [["<ImageHere><ImageHere>What is it?"]], "num_images": [2], **ours.sample_fields(pictures)}
+    torch.testing.assert_close(inputs["pixel_values"], sample["image"], atol=0, rtol=0)
+    assert model.prompt.generation_prompt(sample["instruction"][0], (), 2, model.image_token_counts(sample)) == \
+        inputs["input_ids"][0].tolist()
+    steps = dict(max_new_tokens=6, min_new_tokens=6)
+    new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
+    assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
