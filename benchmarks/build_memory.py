@@ -94,12 +94,12 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
     from lavis_ds.runners import Trainer
 
     cfg = load_config(cfg_path, [f"run.runner={runner_name}"], world_size=int(os.environ["WORLD_SIZE"]))
-    runner_class = registry.get_runner_class(runner_name)
-    runner_class.setup.prepare_process(cfg)
-    runner_class.setup.init_process_group()
+    engine_class = registry.get_engine_class(runner_name)
+    engine_class.setup.prepare_process(cfg)
+    engine_class.setup.init_process_group()
     datasets = build_datasets(cfg.datasets)
     torch_dist.barrier()
-    placement = runner_class.setup.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
+    placement = engine_class.setup.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
     with PeakRSS() as rss:
         with PeakRSS() as building:
             model = build_model(cfg.model, cfg.run.seed, placement)

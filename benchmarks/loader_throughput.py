@@ -89,13 +89,13 @@ def section(annotation: Path, root: Path, image_size: int) -> dict:
                               "eval": {"name": "blip2_image_eval", "image_size": image_size}}}
 
 
-def build_runner(cfg_path: Path):
-    from lavis_ds.build import build_runner as build
+def build_trainer(cfg_path: Path):
+    from lavis_ds.build import build_trainer as build
     from lavis_ds.common.registry import registry
     from lavis_ds.config import load_config
 
     cfg = load_config(cfg_path, world_size=1)
-    registry.get_runner_class(cfg.run.runner).setup.init_process_group()
+    registry.get_engine_class(cfg.run.runner).setup.init_process_group()
     runner = build(cfg)
     runner.setup()  # the engine, the data order and the hooks, as train() starts
     runner.call_hooks("before_train")  # the logging hook opens its writer here, as train() does
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     storage = ensure_demo_shapes(args.data / "demo_shapes", DemoShapesSpec(num_train=128, num_val=16, num_test=8))  # tiny_config's
     with tempfile.TemporaryDirectory(prefix="loader_throughput_") as tmp:
         cfg = tiny_config(Path(tmp) / "out", storage, stage=2, micro=args.micro, max_epoch=100, log_freq=1000)
-        runner = build_runner(write_yaml(Path(tmp) / "run.yaml", cfg))
+        runner = build_trainer(write_yaml(Path(tmp) / "run.yaml", cfg))
         step = step_time(runner, args.steps)
         need = runner.plan.micro_batch * runner.plan.accum / step
         print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; tiny BLIP2-Qwen demo step "

@@ -61,12 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
-    from loader_throughput import build_runner
+    from loader_throughput import build_trainer
     from harness.configs import write_yaml
 
     folder = "_".join(name.replace("(", "").replace(")", "").split())  # "packed (tokens)" -> packed_tokens
     cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "batch_size_train": micro, **run}}
-    return build_runner(write_yaml(tmp / f"{folder}.yaml", cfg))
+    return build_trainer(write_yaml(tmp / f"{folder}.yaml", cfg))
 
 
 def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:

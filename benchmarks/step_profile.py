@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_profile_")
-    runner = step_time.build_runner(args, output_dir)
+    runner = step_time.build_trainer(args, output_dir)
     loader = runner.data.epoch(0, 0)
     steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
     warmup = step_time.stepping_as_the_loop(runner, steps)

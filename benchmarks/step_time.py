@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_runner(args: argparse.Namespace, output_dir: str):
+def build_trainer(args: argparse.Namespace, output_dir: str):
     """The trainer of the YAML on its engine, its hooks set up as `train()` would, no resume."""
     from lavis_ds.build import build_datasets, build_model, prepare_datasets
     from lavis_ds.config import load_config
@@ -101,7 +101,7 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                f"run.zero_stage={args.stage}",
                f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
-    registry.get_runner_class(cfg.run.runner).setup.init_process_group()
+    registry.get_engine_class(cfg.run.runner).setup.init_process_group()
     prepare_datasets(cfg.datasets)  # the demo's data and tokenizer, generated on first use
     runner = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
     runner.setup()  # the engine, the data order and the hooks, as train() starts
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # initialize() prints pages at INFO
     output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_time_")  # the runner's metrics.jsonl + TensorBoard
-    runner = build_runner(args, output_dir)
+    runner = build_trainer(args, output_dir)
 
     # Read once, before anything is timed: data loading is in neither loop.
     loader = runner.data.epoch(0, 0)

@@ -191,7 +191,7 @@ def test_unknown_arch_model_type_builder_and_runner_come_with_every_other_proble
     assert "model.frezee_vit: unknown key; did you mean 'freeze_vit'?" in text
     assert "datasets.llava_instruction: Unknown dataset builder 'llava_instrucion'" in text
     assert "datasets.llava_instruction.skip_bad_record: unknown key; did you mean 'skip_bad_records'?" in text
-    assert "run.runner: Unknown runner 'deepspeed_runer'. Did you mean 'deepspeed_runner'?" in text
+    assert "run.runner: Unknown engine 'deepspeed_runer'. Did you mean 'deepspeed_runner'?" in text
     assert "run.max_epoc: unknown key; did you mean 'max_epoch'?" in text
     assert "run.deepspeed_config.zero_optimization.stag: unknown key; did you mean 'stage'?" in text
     assert len(problems) == 8, problems

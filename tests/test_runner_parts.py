@@ -15,8 +15,8 @@ from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig, Eng
 from lavis_ds.runners.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = [*sorted((REPO / "lavis_ds" / "runners").rglob("*.py")), REPO / "tests" / "plain_runner.py",
-           REPO / "tests" / "ddp_engine.py", REPO / "tests" / "control_runner.py"]
+SOURCES = [*sorted((REPO / "lavis_ds" / "runners").rglob("*.py")), REPO / "tests" / "plain_engine.py",
+           REPO / "tests" / "ddp_engine.py", REPO / "tests" / "control_engine.py"]
 
 
 def _self_attributes(function: ast.FunctionDef) -> set[str]:
@@ -85,7 +85,7 @@ def _members(cls: type, classes: dict) -> set[str]:
 @pytest.fixture
 def ddp_engine_imported():
     """The user's engine, registered for this test only."""
-    with user_module_imported("ddp_engine", reg.runners):
+    with user_module_imported("ddp_engine", reg.engines):
         yield
 
 
@@ -94,7 +94,7 @@ def test_every_engine_holds_its_config_checkpoints_and_setup_parts_and_stays_nea
     interface = _members(Engine, classes)
     assert {"config", "checkpoints", "setup", "wrap", "forward_backward", "run", "plan"} <= interface
     assert len(interface) <= 22, sorted(interface)
-    engines = reg.runners.distinct()
+    engines = reg.engines.distinct()
     assert {"runner_deepspeed", "runner_fsdp", "runner_ddp_test"} <= set(engines)
     for name, engine in engines.items():
         assert issubclass(engine.config, EngineConfig) and issubclass(engine.checkpoints, EngineCheckpoints), name

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common import safe_files
-from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.common.registry import engines as engine_registry
 from lavis_ds.models.export_folder import (CONFIG_FILE, WEIGHTS_FILE, ExportError, is_export,  # noqa: F401
                                            load_trained_weights, read_export_config)
 from lavis_ds.runners import checkpoint as ckpt
@@ -72,11 +72,11 @@ def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
     """
     writer = ckpt.writer_of(tag_dir)
-    if writer not in runner_registry:
+    if writer not in engine_registry:
         raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
-                          f"(known: {', '.join(runner_registry)})")
+                          f"(known: {', '.join(engine_registry)})")
     # Each engine reads its own files (the DeepSpeed runner: its consolidation of the fp32 partitions).
-    weights, client_state, layout = runner_registry.get(writer).checkpoints.read_trained_weights(tag_dir)
+    weights, client_state, layout = engine_registry.get(writer).checkpoints.read_trained_weights(tag_dir)
     return weights, _info(tag_dir, client_state, writer, layout.get("zero_stage"), layout["precision"])
 
 

@@ -28,7 +28,7 @@ class RunConfig:
     # the training objective (LAVIS's key): a registered objective, options in the run section of its name
     # (run.task: dpo, run.dpo: {beta: 0.1}); unset: sft. LAVIS's task names (image_text_pretrain, ...) mean sft
     task: str | None = None
-    runner: str | None = None  # a registered runner; unset: the default engine (lavis_ds.runners.DEFAULT_RUNNER)
+    runner: str | None = None  # a registered engine; unset: the default one (lavis_ds.runners.DEFAULT_ENGINE)
     lr_sched: str = "linear_warmup_cosine_lr"
     init_lr: Annotated[float, NonNegative] = 1e-4
     min_lr: Annotated[float, NonNegative] = 0.0

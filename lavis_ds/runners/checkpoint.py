@@ -22,7 +22,7 @@ import torch
 
 from lavis_ds.common import dist, safe_files
 from lavis_ds.common.errors import CheckpointError, LavisDsError  # noqa: F401  (CheckpointError: ckpt.CheckpointError)
-from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.common.registry import engines as engine_registry
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
 DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
@@ -143,7 +143,7 @@ def writer_of(tag_dir: Path) -> str:
 def _writers_by_files(folder: Path) -> list[str]:
     """The registered runners whose checkpoint files (``Engine.checkpoints.FILES``) ``folder`` holds, the
     most basic class first (a user's subclass writes its parent's files)."""
-    found = [(name, cls) for name, cls in runner_registry.distinct().items()
+    found = [(name, cls) for name, cls in engine_registry.distinct().items()
              if any(any(folder.glob(pattern)) for pattern in cls.checkpoints.FILES)]
     return [name for name, cls in sorted(found, key=lambda found: len(found[1].__mro__))]
 

@@ -104,7 +104,7 @@ class DeepSpeedSetup(EngineSetup):
         return zero3_construction(ds_config)
 
 
-@reg.runners.register("runner_deepspeed")
+@reg.engines.register("runner_deepspeed")
 class DeepSpeedEngine(Engine):
     """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
@@ -314,7 +314,7 @@ def _hyper_parameters(optimizer) -> list[dict]:
 
 
 # MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
-reg.runners.register_alias("deepspeed_runner", "runner_deepspeed")
+reg.engines.register_alias("deepspeed_runner", "runner_deepspeed")
 
 
 def _check_precision_supported(precision: str) -> None:

@@ -80,7 +80,7 @@ class FSDPSetup(EngineSetup):
         return llm_placement(Rank0Placement()) if dist.world_size() > 1 else contextlib.nullcontext()
 
 
-@reg.runners.register("runner_fsdp")
+@reg.engines.register("runner_fsdp")
 class FSDPEngine(Engine):
     """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
@@ -251,7 +251,7 @@ class FSDPEngine(Engine):
 
 
 # A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
-reg.runners.register_alias("fsdp_runner", "runner_fsdp")
+reg.engines.register_alias("fsdp_runner", "runner_fsdp")
 
 
 def built_on_rank0(model) -> bool:
