@@ -75,7 +75,7 @@ def user_module(tmp_path_factory):
 
 
 def _config(out: Path, demo_storage: Path, hooks: list | None = None, **run) -> dict:
-    cfg = tiny_config(out, demo_storage, accum=2, max_epoch=EPOCHS, trainer="runner_plain_test",
+    cfg = tiny_config(out, demo_storage, accum=2, max_epoch=EPOCHS, runner="runner_plain_test",
                       valid_splits=["val"], test_splits=["test"], **run)
     if hooks is not None:
         cfg["run"]["hooks"] = hooks

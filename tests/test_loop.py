@@ -23,7 +23,7 @@ demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 def _runner(tmp_path, demo_storage, name: str, **run):
     cfg = tiny_config(tmp_path / name, demo_storage, accum=2, max_epoch=EPOCHS, save_freq_steps=3,
-                      trainer="runner_plain_test", valid_splits=["val"], test_splits=["test"], **run)
+                      runner="runner_plain_test", valid_splits=["val"], test_splits=["test"], **run)
     return build_trainer(load_config(write_yaml(tmp_path / f"{name}.yaml", cfg)))
 
 

@@ -219,5 +219,5 @@ def test_a_marker_naming_no_runner_beside_no_engine_files_is_damaged(tmp_path):
     from lavis_ds.runners import checkpoint as ckpt
 
     ckpt.mark_complete(tmp_path, {"global_step": 4})
-    with pytest.raises(ckpt.DamagedCheckpoint, match="names no runner and the folder holds no registered runner's"):
+    with pytest.raises(ckpt.DamagedCheckpoint, match="names no engine and the folder holds no registered engine's"):
         ckpt.writer_of(tmp_path)

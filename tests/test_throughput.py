@@ -156,7 +156,7 @@ demo_storage = demo_storage_fixture(num_train=16, num_val=8, num_test=8)
 
 def _config(out, demo_storage, **run) -> dict:
     """The tiny model on 16 demo samples: 2 optimizer steps of micro-batches 4 x accumulation 2, in this process."""
-    return tiny_config(out, demo_storage, accum=2, trainer="runner_plain_test", **run)
+    return tiny_config(out, demo_storage, accum=2, runner="runner_plain_test", **run)
 
 
 @pytest.mark.parametrize("value, message", [

@@ -29,7 +29,7 @@ def foreign_writer(engine: Engine, tag_dir: Path) -> type[Engine] | None:
     """The engine class that wrote ``tag_dir`` if it is another engine's (None: ``engine``'s own kind)."""
     writer = ckpt.writer_of(tag_dir)  # whole, or DamagedCheckpoint
     if writer not in engine_registry:
-        raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
+        raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered engine here "
                                    f"(known: {', '.join(engine_registry)}); list its module under `imports:`")
     source = reg.engines.get(writer)
     return None if isinstance(engine, source) else source

@@ -30,8 +30,8 @@ def demo_storage(tmp_path_factory):
 
 
 def _config(out, demo_storage, engine: str, dtype: str = "bf16", **run) -> dict:
-    trainer, stage = ENGINES[engine]
-    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, micro=8, trainer=trainer, valid_splits=["val"],
+    engine_name, stage = ENGINES[engine]
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, micro=8, runner=engine_name, valid_splits=["val"],
                       test_splits=["test"], save_freq_steps=4, **run)
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=128, num_val=16, num_test=16)
     return cfg

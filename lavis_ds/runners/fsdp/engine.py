@@ -4,7 +4,7 @@ Each repeated block (ViT block, Q-Former layer, LLM decoder layer) is a sharding
 the model as a whole (embeddings, norms, heads, queries, projection). The optimizer is
 torch's AdamW on the same parameter groups as DeepSpeed's, stepped by the same schedulers.
 Checkpoints are ``torch.distributed.checkpoint`` folders of the trainable parameters and
-their optimizer state, in the same step_<N> protocol as every runner's; a checkpoint saved
+their optimizer state, in the same step_<N> protocol as every engine's; a checkpoint saved
 by N processes loads on M (DCP reshards).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class FSDPEngineConfig(EngineConfig):
         check_section(options, fields_of(FSDPOptions), "run.fsdp", problems, require=False)
         if settings_ok and training_settings(run, world_size).precision == "fp16":
             problems.append("run.precision: fp16 is not supported by runner_fsdp (fp16 needs a loss scaler, which "
-                            "runner_fsdp does not have); use bf16, or the DeepSpeed runner")
+                            "runner_fsdp does not have); use bf16, or the DeepSpeed engine (runner_deepspeed)")
         return problems
 
 
@@ -250,7 +250,7 @@ class FSDPEngine(Engine):
         return None
 
 
-# A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
+# A short name, as the DeepSpeed engine has MiniGPT4Qwen's.
 reg.engines.register_alias("fsdp_runner", "runner_fsdp")
 
 

@@ -1,8 +1,8 @@
 """What a hook is, and the one place events reach the hooks of a run.
 
 A hook reacts to events of the run; every method is optional. While an event is being dispatched, a
-hook never calls into another hook or into ``runner.save()``: it *logs* a record
-(``runner.hooks.log``) and *asks* for a checkpoint (``runner.request_save``). After every hook has
+hook never calls into another hook or into ``trainer.save()``: it *logs* a record
+(``trainer.hooks.log``) and *asks* for a checkpoint (``trainer.request_save``). After every hook has
 handled the event, the records logged meanwhile go to every hook's ``log``, in the order they were
 logged, and then the loop cuts the checkpoint that was asked for, once (``Trainer.call_hooks``),
 whose ``after_save`` goes to every hook in its turn. So no handler runs inside another one, and the
@@ -22,13 +22,13 @@ class Hook:
     REQUIRES: dict[str, str] = {}
 
     def before_train(self, trainer) -> None:
-        """The run starts (after a resume: ``runner.state`` is where it continues); also before ``evaluate``."""
+        """The run starts (after a resume: ``trainer.state`` is where it continues); also before ``evaluate``."""
 
     def after_step(self, trainer, metrics: dict) -> None:
         """An optimizer step is done: ``metrics`` has its loss (None if skipped), lr and grad_norm."""
 
     def after_epoch(self, trainer) -> None:
-        """An epoch is done (``runner.state.epoch`` counts it)."""
+        """An epoch is done (``trainer.state.epoch`` counts it)."""
 
     def log(self, trainer, record: dict) -> None:
         """A record was logged (rank 0 only): a training step's numbers every ``run.log_freq`` steps, or an
@@ -62,7 +62,7 @@ class HookList:
         self.event: str | None = None  # the event being dispatched
         self.records: list[dict] = []
         self.save_reasons: list[str] = []
-        self.failure: Exception | None = None  # the first deferred failure, for the runner's next agreement
+        self.failure: Exception | None = None  # the first deferred failure, for the trainer's next agreement
 
     def __iter__(self) -> Iterator[Hook]:
         return iter(self.hooks)
@@ -104,7 +104,7 @@ class HookList:
 
     def defer(self, error: Exception) -> None:
         """Keep a failure of work done on one rank only (rank 0 writing metrics.jsonl or predictions) for the
-        runner's next agreement, where every rank stops with it (``faults.agree``). Raising at once would stop
+        trainer's next agreement, where every rank stops with it (``faults.agree``). Raising at once would stop
         rank 0 alone, while the others wait for it in their next collective."""
         self.failure = self.failure or error
 

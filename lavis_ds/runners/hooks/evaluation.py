@@ -71,7 +71,7 @@ class Validation(Hook):
     (`run.val_metrics` or the section's `metrics`) - at every epoch end and every `run.val_freq_steps` steps.
 
     Each split's results are one record (``{"split": "val", "loss": ..., "caption/CIDEr": ...}``), logged
-    through ``runner.hooks.log``: metrics.jsonl, the trackers and the best-checkpoint scoring read them there.
+    through ``trainer.hooks.log``: metrics.jsonl, the trackers and the best-checkpoint scoring read them there.
     """
 
     def __init__(self, valid_splits: tuple[str, ...] = (), val_freq_steps: int = 0,
