@@ -59,7 +59,7 @@ def fixed_batch() -> dict:
 
 
 def report_for(cfg, partitioned: bool) -> dict:
-    """Build (in the runner's placement, or whole), wrap, and take one optimizer step on the fixed batch."""
+    """Build (in the engine's placement, or whole), wrap, and take one optimizer step on the fixed batch."""
     import contextlib
     import gc
 
@@ -120,14 +120,14 @@ def noting_backward(model: torch.nn.Module) -> list[str]:
     return events
 
 
-def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
+def main(cfg_path: str, report_path: str, engines: list[str]) -> None:
     importlib.import_module("lavis_ds")  # fills the registries
     from lavis_ds.common.registry import registry
     from lavis_ds.config import load_config
 
     world = int(os.environ["WORLD_SIZE"])
     reports = {}
-    for name in runners:
+    for name in engines:
         cfg = load_config(cfg_path, [f"run.runner={name}"], world_size=world)
         engine_class = registry.get_engine_class(name)
         engine_class.setup.prepare_process(cfg)

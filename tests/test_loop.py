@@ -21,7 +21,7 @@ EPOCHS = 2
 demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 
-def _runner(tmp_path, demo_storage, name: str, **run):
+def _trainer(tmp_path, demo_storage, name: str, **run):
     cfg = tiny_config(tmp_path / name, demo_storage, accum=2, max_epoch=EPOCHS, save_freq_steps=3,
                       runner="runner_plain_test", valid_splits=["val"], test_splits=["test"], **run)
     return build_trainer(load_config(write_yaml(tmp_path / f"{name}.yaml", cfg)))
@@ -35,7 +35,7 @@ class Crash(Exception):
 def plain_run(tmp_path_factory, demo_storage):
     """One uninterrupted run: (its trainer, its output_dir); also the crash tests' reference."""
     root = tmp_path_factory.mktemp("loop")
-    trainer = _runner(root, demo_storage, "plain")
+    trainer = _trainer(root, demo_storage, "plain")
     trainer.train()
     return trainer, root / "plain"
 
@@ -57,7 +57,7 @@ def test_the_loop_runs_in_process_on_an_engine_of_a_few_lines(plain_run):
 @pytest.mark.parametrize("crash_after", [4, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
 def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, demo_storage, plain_run, crash_after):
     _, reference_out = plain_run  # the same run uninterrupted
-    crashing = _runner(tmp_path, demo_storage, "crashed")
+    crashing = _trainer(tmp_path, demo_storage, "crashed")
     step = crashing.run_step
 
     def run_step_then_crash(*step_args):
@@ -71,7 +71,7 @@ def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, dem
     assert crashing.hooks[0].writer is None  # closed in train()'s finally
     assert not (tmp_path / "crashed" / "finished.json").exists()
 
-    _runner(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
+    _trainer(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
     assert comparable(train_steps(tmp_path / "crashed")) == comparable(train_steps(reference_out))
 
 
@@ -85,7 +85,7 @@ def test_a_step_makes_one_collective_and_the_next_steps_agreement_rides_on_it(tm
     # every all-reduce starts here, collected at once (comm.all_reduce) or later (the loss check)
     monkeypatch.setattr(comm, "start_all_reduce",
                         lambda *a, _start=comm.start_all_reduce, **k: calls.append(1) or _start(*a, **k))
-    trainer = _runner(tmp_path, demo_storage, "counted")
+    trainer = _trainer(tmp_path, demo_storage, "counted")
     step = trainer.run_step
 
     def counted_step(*step_args):
@@ -105,7 +105,8 @@ def test_a_step_makes_one_collective_and_the_next_steps_agreement_rides_on_it(tm
     assert comparable(train_steps(tmp_path / "counted")) == comparable(train_steps(plain_run[1]))
 
 
-def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path, demo_storage, plain_run, monkeypatch):
+def test_building_a_trainer_reads_no_checkpoint_and_calls_no_collective(tmp_path, demo_storage, plain_run,
+                                                                        monkeypatch):
     """The constructor only assigns; setup() (train's first step) chooses the checkpoint and sets a damaged one aside."""
     from lavis_ds.common import comm
 
@@ -118,7 +119,7 @@ def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path,
     for name in ("all_reduce", "all_gather_object", "barrier", "broadcast_object"):
         monkeypatch.setattr(comm, name, _no_collective(name))
 
-    trainer = _runner(tmp_path, demo_storage, "copy")  # run.resume: auto
+    trainer = _trainer(tmp_path, demo_storage, "copy")  # run.resume: auto
     assert newest.is_dir() and trainer.plan is None and len(trainer.hooks) == 0
 
     monkeypatch.undo()
@@ -131,15 +132,15 @@ def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path,
 
 def _no_collective(name: str):
     def refuse(*args, **kwargs):
-        raise AssertionError(f"comm.{name} called while building a runner")
+        raise AssertionError(f"comm.{name} called while building a trainer")
     return refuse
 
 
 def test_a_hook_failing_to_set_up_still_closes_the_others(tmp_path, demo_storage):
-    trainer = _runner(tmp_path, demo_storage, "failing_hook")
+    trainer = _trainer(tmp_path, demo_storage, "failing_hook")
     trainer.setup()
 
-    def fail(_runner):
+    def fail(_trainer):
         raise Crash("before_train")
 
     trainer.hooks[1].before_train = fail  # after the logger opened its writer

@@ -1,6 +1,7 @@
-"""The runner is built from parts: every attribute a runner class keeps is declared in its constructor, the
-loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits), and so do the
-engines (their config section, checkpoint reading and process set-up are parts they hold as class attributes)."""
+"""The trainer and its engines are built from parts: every attribute their classes keep is declared in a
+constructor, the loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits),
+and so do the engines (their config section, checkpoint reading and process set-up are parts they hold as class
+attributes)."""
 from __future__ import annotations
 
 import ast
@@ -36,7 +37,7 @@ def _self_attributes(function: ast.FunctionDef) -> set[str]:
 
 
 def _classes() -> dict[str, tuple[list[str], set[str], dict[str, set[str]]]]:
-    """Every class of the runner's sources: (its bases' names, what its __init__ and class body declare,
+    """Every class of the loop's and the engines' sources: (its bases' names, what its __init__ and class body declare,
     what each other method assigns on self)."""
     classes = {}
     for path in SOURCES:
@@ -53,7 +54,7 @@ def _classes() -> dict[str, tuple[list[str], set[str], dict[str, set[str]]]]:
     return classes
 
 
-def test_no_runner_attribute_appears_after_the_constructor():
+def test_no_trainer_or_engine_attribute_appears_after_the_constructor():
     classes = _classes()
 
     def declared(name: str) -> set[str]:

@@ -41,7 +41,7 @@ class Payload:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo_storage) -> dict[str, Path]:
-    """Each runner's run folder (one process, 2 steps, a checkpoint at the end), trained side by side."""
+    """Each engine's run folder (one process, 2 steps, a checkpoint at the end), trained side by side."""
     root = tmp_path_factory.mktemp("safe_runs")
     jobs, folders = {}, {}
     for runner, keys in RUNS.items():
@@ -57,7 +57,7 @@ def runs(tmp_path_factory, demo_storage) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def model(runs):
-    """The runs' model (both runners train the same one), built as the runs built it."""
+    """The runs' model (both engines train the same one), built as the runs built it."""
     from lavis_ds.build import build_model
     from lavis_ds.config import load_config
 

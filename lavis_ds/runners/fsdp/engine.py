@@ -63,7 +63,7 @@ class FSDPEngineConfig(EngineConfig):
         check_section(options, fields_of(FSDPOptions), "run.fsdp", problems, require=False)
         if settings_ok and training_settings(run, world_size).precision == "fp16":
             problems.append("run.precision: fp16 is not supported by runner_fsdp (fp16 needs a loss scaler, which "
-                            "runner_fsdp does not have); use bf16, or the DeepSpeed engine (runner_deepspeed)")
+                            "runner_fsdp does not have); use bf16, or the DeepSpeed engine")
         return problems
 
 
