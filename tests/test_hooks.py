@@ -194,6 +194,27 @@ def test_records_exist_on_rank_0_only():
     assert seen == ["asking.after_step", "listening.after_step"]
 
 
+
+class NamingItRunner(Hook):
+    """A hook written for LAVIS, whose events name the trainer `runner`."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def after_step(self, runner, metrics):
+        self.seen.append(("after_step", runner.rank, metrics))
+
+    def log(self, runner, record):
+        self.seen.append(("log", runner.rank, record))
+
+
+def test_the_trainer_reaches_a_hook_by_position_whatever_the_hook_calls_it():
+    seen = []
+    hooks = _hook_list(0, NamingItRunner(seen))
+    hooks.call("after_step", {"loss": 1.0})
+    hooks.log({"step": 1})
+    assert seen == [("after_step", 0, {"loss": 1.0}), ("log", 0, {"step": 1})]
+
 # ---- a real run: a user's hook and the trackers ---------------------------------------------------------
 
 TRACKERS = ["tensorboard", {"name": "mlflow", "experiment": "hooks_test"},
