@@ -235,7 +235,7 @@ def test_the_step_time_benchmark_runs_both_loops_on_two_processes(tmp_path, demo
     stdout = _benchmark(tmp_path, demo_storage, "step_time", "--json", str(figures))
     assert "ratio trainer/raw (medians, rank 0): " in stdout and "; rank 1: " in stdout
     written = json.loads(figures.read_text())
-    assert written["runner"]["median"] > 0 and written["raw"]["median"] > 0 and written["paired_ratio"] > 0
+    assert written["trainer"]["median"] > 0 and written["raw"]["median"] > 0 and written["paired_ratio"] > 0
     assert written["world_size"] == 2 and written["global_batch"] == 8 and written["tokens"] > 0
 
 
