@@ -81,7 +81,7 @@ class PeakRSS:
         self.peak = max(self.peak, self.after)
 
 
-def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
+def worker(cfg_path: str, engine_name: str, build: str, report: str) -> None:
     """One process of a measured launch (under torchrun)."""
     import contextlib
 
@@ -93,8 +93,8 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
     from lavis_ds.config import load_config
     from lavis_ds.runners import Trainer
 
-    cfg = load_config(cfg_path, [f"run.runner={runner_name}"], world_size=int(os.environ["WORLD_SIZE"]))
-    engine_class = registry.get_engine_class(runner_name)
+    cfg = load_config(cfg_path, [f"run.runner={engine_name}"], world_size=int(os.environ["WORLD_SIZE"]))
+    engine_class = registry.get_engine_class(engine_name)
     engine_class.setup.prepare_process(cfg)
     engine_class.setup.init_process_group()
     datasets = build_datasets(cfg.datasets)

@@ -19,7 +19,7 @@ fill R rows of ``--max-len``, with R chosen so that a micro-batch holds about th
 ``--micro`` samples (from the padded batches' real tokens). Each reads its micro-batches up front
 through its own sampler and DataLoader, and prepares them on the host (tokenizing; packing) before
 anything is timed, so data loading and tokenizing are in none of the timings. Then the four
-alternate in blocks of ``--block`` optimizer steps (``runner.run_step``), so that changing machine
+alternate in blocks of ``--block`` optimizer steps (``trainer.run_step``), so that changing machine
 load hits all alike. Reported per mode: supervised tokens per second (answer tokens the loss is
 summed over), all positions per second, the padding share (positions that hold no token / all
 positions) and the speed-up over padded. Nothing is asserted; figures go to docs/benchmarks.md.

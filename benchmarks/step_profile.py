@@ -45,14 +45,15 @@ def timed(times: dict[str, dict[int, float]], name: str, function):
 
 
 def instrument(trainer, times: dict[str, list[float]]) -> None:
-    """Time every phase of ``runner.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
-    from lavis_ds.runners import agreement, faults, losses, throughput, trainer
+    """Time every phase of ``trainer.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
+    from lavis_ds.runners import agreement, faults, losses, throughput
+    from lavis_ds.runners import trainer as trainer_module
 
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
     agreement.unit_counts = timed(times, "unit_counts", agreement.unit_counts)
-    trainer.seed_everything = timed(times, "seed_everything", trainer.seed_everything)
+    trainer_module.seed_everything = timed(times, "seed_everything", trainer_module.seed_everything)
     # the loss check starts before the last backward and is finished after it
-    trainer.LossCheck = timed(times, "loss check start", trainer.LossCheck)
+    trainer_module.LossCheck = timed(times, "loss check start", trainer_module.LossCheck)
     losses.LossCheck.finish = timed(times, "loss check finish", losses.LossCheck.finish)
     # an epoch's first step agrees alone; the others' agreement rides on the loss check
     faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
