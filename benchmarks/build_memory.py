@@ -8,12 +8,12 @@ measured side by side in one run; and the same on paper for Qwen2.5-7B and -72B,
 Measured. A scaled-down Qwen2 LLM (default: hidden 1536, 16 layers, MLP 4224, vocabulary 32,000, untied:
 ~0.5B parameters, 1.0 GB in bf16) is written with `save_pretrained` in bf16, next to a ChatML tokenizer;
 the model is our real tiny BLIP2-Qwen with that folder as `llm_model` (the LLM is >95% of its weights),
-every part frozen but the projection (the MiniGPT4Qwen recipe), bf16 engine. For each runner
-(runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the runner's `setup.model_placement`, or whole on
+every part frozen but the projection (the MiniGPT4Qwen recipe), bf16 engine. For each engine
+(runner_deepspeed at ZeRO-3, runner_fsdp) and each build (in the engine's `setup.model_placement`, or whole on
 every process), `torchrun --nproc_per_node=<nproc>` starts fresh processes that do what train.py
-does: start the process group, build the model, build the runner (the engine shards the model; FSDP's
+does: start the process group, build the model, build the trainer (the engine shards the model; FSDP's
 processes receive their shards there). Each process samples its resident set size (psutil, every 2 ms, in
-a thread) from just before the build to the end of the runner's construction, and reports, above its RSS
+a thread) from just before the build to the end of the trainer's construction, and reports, above its RSS
 just before the build (imports and process group already paid):
   peak while building   the highest RSS while the model is built (and, ZeRO-3, loaded);
   peak until sharded    the highest RSS from the build to the engine holding the model (FSDP's processes
@@ -81,7 +81,7 @@ class PeakRSS:
         self.peak = max(self.peak, self.after)
 
 
-def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
+def worker(cfg_path: str, engine_name: str, build: str, report: str) -> None:
     """One process of a measured launch (under torchrun)."""
     import contextlib
 
@@ -93,25 +93,25 @@ def worker(cfg_path: str, runner_name: str, build: str, report: str) -> None:
     from lavis_ds.config import load_config
     from lavis_ds.runners import Trainer
 
-    cfg = load_config(cfg_path, [f"run.runner={runner_name}"], world_size=int(os.environ["WORLD_SIZE"]))
-    runner_class = registry.get_runner_class(runner_name)
-    runner_class.setup.prepare_process(cfg)
-    runner_class.setup.init_process_group()
+    cfg = load_config(cfg_path, [f"run.runner={engine_name}"], world_size=int(os.environ["WORLD_SIZE"]))
+    engine_class = registry.get_engine_class(engine_name)
+    engine_class.setup.prepare_process(cfg)
+    engine_class.setup.init_process_group()
     datasets = build_datasets(cfg.datasets)
     torch_dist.barrier()
-    placement = runner_class.setup.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
+    placement = engine_class.setup.model_placement(cfg) if build == "partitioned" else contextlib.nullcontext()
     with PeakRSS() as rss:
         with PeakRSS() as building:
             model = build_model(cfg.model, cfg.run.seed, placement)
-        runner = Trainer.from_config(cfg, model, datasets)
-        runner.setup()  # wraps the model: the engine's start is part of what is measured
+        trainer = Trainer.from_config(cfg, model, datasets)
+        trainer.setup()  # wraps the model: the engine's start is part of what is measured
     mine = {"built": building.peak - rss.before, "peak": rss.peak - rss.before, "after": rss.after - rss.before,
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     everyone = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(everyone, mine)
     if torch_dist.get_rank() == 0:
         Path(report).write_text(json.dumps(everyone))
-    del runner
+    del trainer
 
 
 def write_run(workdir: Path, hidden: int, layers: int, vocab: int) -> tuple[Path, int]:
@@ -143,29 +143,29 @@ def write_run(workdir: Path, hidden: int, layers: int, vocab: int) -> tuple[Path
 def measure(cfg_path: Path, nproc: int, workdir: Path) -> dict:
     results = {}
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    for runner, build in BUILDS:
-        report = workdir / f"{runner}_{build}.json"
+    for engine, build in BUILDS:
+        report = workdir / f"{engine}_{build}.json"
         port = 29000 + os.getpid() % 1000
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={port}", __file__, "--worker", str(cfg_path), runner, build, str(report)]
+                   f"--master_port={port}", __file__, "--worker", str(cfg_path), engine, build, str(report)]
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise SystemExit(f"{runner} {build} failed:\n{proc.stderr[-4000:]}")
-        results[(runner, build)] = json.loads(report.read_text())
+            raise SystemExit(f"{engine} {build} failed:\n{proc.stderr[-4000:]}")
+        results[(engine, build)] = json.loads(report.read_text())
     return results
 
 
 def measured_table(results: dict, weights: int, nproc: int) -> str:
     lines = [f"LLM weights in the folder: {weights / MB:.0f} MB (bf16); {nproc} processes. MB above each "
              "process's RSS just before the build.", "",
-             "| runner | process | build | peak while building | peak until sharded | after | "
+             "| engine | process | build | peak while building | peak until sharded | after | "
              "whole / partitioned (peak until sharded) |", "|---|---|---|---|---|---|---|"]
-    for runner in ("runner_deepspeed", "runner_fsdp"):
+    for engine in ("runner_deepspeed", "runner_fsdp"):
         for rank in range(nproc):
-            whole, part = results[(runner, "whole")][rank], results[(runner, "partitioned")][rank]
+            whole, part = results[(engine, "whole")][rank], results[(engine, "partitioned")][rank]
             for build, r in (("whole", whole), ("partitioned", part)):
                 ratio = f"{whole['peak'] / max(part['peak'], 1):.2f}" if build == "partitioned" else ""
-                lines.append(f"| {runner} | {rank} | {build} | {r['built'] / MB:.0f} | {r['peak'] / MB:.0f} | "
+                lines.append(f"| {engine} | {rank} | {build} | {r['built'] / MB:.0f} | {r['peak'] / MB:.0f} | "
                              f"{r['after'] / MB:.0f} | {ratio} |")
     return "\n".join(lines)
 
@@ -202,7 +202,7 @@ def on_paper(nproc: int) -> str:
     lines = [f"GB (10^9 bytes) of host memory per process while the LLM is built and loaded, {nproc} processes "
              "sharding it; bf16 LLM weights (2 bytes), ViT in fp16 (2 bytes), Q-Former, queries and projection "
              "in fp32 (4 bytes): these are built whole on every process in every row.", "",
-             "| LLM | runner | build | process 0 | each other process | all processes of the node |",
+             "| LLM | engine | build | process 0 | each other process | all processes of the node |",
              "|---|---|---|---|---|---|"]
     for name, config in (("Qwen2.5-7B", None), ("Qwen2.5-72B", QWEN25_72B)):
         c = counts(config)
@@ -218,8 +218,8 @@ def on_paper(nproc: int) -> str:
             # process 0 keeps its whole model until every tensor is broadcast; the others receive one at a time.
             ("runner_fsdp", "meta on processes > 0", llm + share + rest, share + largest + rest),
         ]
-        for runner, build, first, other in rows:
-            lines.append(f"| {name} ({c['llm'] / 1e9:.2f}B) | {runner} | {build} | {first / GB:.1f} | "
+        for engine, build, first, other in rows:
+            lines.append(f"| {name} ({c['llm'] / 1e9:.2f}B) | {engine} | {build} | {first / GB:.1f} | "
                          f"{other / GB:.1f} | {(first + (nproc - 1) * other) / GB:.0f} |")
     return "\n".join(lines)
 

@@ -95,7 +95,7 @@ def main() -> None:
         for name, run in paths.items():
             results[name].append(measured(device, run))
     memory = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (psutil, 1 ms)"
-    print(f"dpo step: tiny BLIP2-Qwen, vocabulary {model.llm_config.vocab_size:,}, fp32, {device.type}, "
+    print(f"dpo step: tiny BLIP2-Qwen, vocabulary {model.llm_transformers_config.vocab_size:,}, fp32, {device.type}, "
           f"{torch.get_num_threads()} threads; {args.pairs} pairs x {tuple(sft['input_ids'].shape)[1]} tokens per "
           f"side; memory: {memory}, above the built model; forward + backward")
     base_mem, base_time = max(r[0] for r in results[next(iter(paths))]), statistics.median(

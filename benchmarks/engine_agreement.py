@@ -21,7 +21,7 @@ from harness.checks import train_steps  # noqa: E402
 from harness.configs import tiny_config, write_yaml  # noqa: E402
 from harness.processes import command, env  # noqa: E402
 
-RUNS = {  # name -> (runner, ZeRO stage, precision, run.fsdp)
+RUNS = {  # name -> (engine, ZeRO stage, precision, run.fsdp)
     "fp32 fsdp": ("runner_fsdp", 3, "fp32", {}),
     "fp32 zero2": ("runner_deepspeed", 2, "fp32", {}),
     "fp32 zero3": ("runner_deepspeed", 3, "fp32", {}),
@@ -43,9 +43,9 @@ def main() -> None:
 
     storage = ensure_demo_shapes(args.out / "demo_shapes", DemoShapesSpec(num_train=128, num_val=16, num_test=8))
     losses = {}
-    for name, (runner, stage, dtype, fsdp) in RUNS.items():
+    for name, (engine, stage, dtype, fsdp) in RUNS.items():
         out = args.out / name.replace(" ", "_")
-        cfg = tiny_config(out, storage, stage=stage, dtype=dtype, runner=runner, max_epoch=args.epochs,
+        cfg = tiny_config(out, storage, stage=stage, dtype=dtype, runner=engine, max_epoch=args.epochs,
                           resume=False, **({"fsdp": fsdp} if fsdp else {}))
         subprocess.run(command(write_yaml(args.out / f"{out.name}.yaml", cfg)), cwd=REPO, env=env(), check=True,
                        capture_output=True)

@@ -7,14 +7,14 @@ hand-written loop on the same engine in the same run.
 For each LLM preset (``--llms``: ``qwen2.5_1.5b_instruct``, ``qwen2.5_7b_instruct``; weights randomly
 initialised, as no download is possible) and engine (``--engines``: ZeRO-2, ZeRO-3, FSDP2; bf16 on a
 GPU), ``benchmarks/step_time.py`` runs in its own process (one process per GPU, ``--nproc``): the
-runner's ``run_step`` and a hand-written loop on the same engine, the same model, optimizer groups and
+trainer's ``run_step`` and a hand-written loop on the same engine, the same model, optimizer groups and
 micro-batches, alternating in blocks. The model is the MiniGPT4Qwen recipe: EVA-ViT-G (frozen,
 224 px), BLIP-2's Q-Former (frozen), the trained projection, the frozen LLM. The data are LLaVA-1.5
 conversation records with the lengths of llava_v1_5_mix665k.json's image parts
 (``benchmarks/llava_mix.py``), up to ``--max-len`` tokens each.
 
-Reported per run: the median optimizer step of the runner and of the raw loop and their ratio (the
-runner's overhead), samples/s and tokens/s of the runner, achieved TFLOP/s per device and MFU (FLOPs
+Reported per run: the median optimizer step of the trainer and of the raw loop and their ratio (the
+trainer's overhead), samples/s and tokens/s of the trainer, achieved TFLOP/s per device and MFU (FLOPs
 from ``lavis_ds.models.flops``: the formula is in docs/throughput.md; the peak from
 ``lavis_ds.common.hardware``: dense bf16 of A100/H100/H200), and the peak memory. Figures go to
 docs/benchmarks.md; nothing is asserted.
@@ -68,14 +68,15 @@ def write_config(folder: Path, llm: str, args) -> Path:
 
 
 def run_one(cfg: Path, engine: str, args, out: Path) -> dict | None:
-    runner, stage = ENGINES[engine]
+    engine_name, stage = ENGINES[engine]
     import torch
 
     dtype = "bf16" if torch.cuda.is_available() else "fp32"  # bf16 engines are GPU work; CPUs run the smoke test
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-               str(REPO / "benchmarks/step_time.py"), "--cfg-path", str(cfg), "--runner", runner, "--stage", str(stage),
-               "--dtype", dtype, "--steps", str(args.steps), "--block", str(max(1, args.steps // 4)), "--warmup", "2",
-               "--distinct", "4", "--json", str(out), "--options", f"run.precision={dtype}", *args.options]
+               str(REPO / "benchmarks/step_time.py"), "--cfg-path", str(cfg), "--runner", engine_name,
+               "--stage", str(stage), "--dtype", dtype, "--steps", str(args.steps),
+               "--block", str(max(1, args.steps // 4)), "--warmup", "2", "--distinct", "4", "--json", str(out),
+               "--options", f"run.precision={dtype}", *args.options]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"{cfg.stem} {engine}: failed ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
@@ -89,10 +90,10 @@ def report(rows: list[tuple[str, str, dict]]) -> None:
     name = device_name()
     peak = peak_bf16_tflops(name)
     print(f"\n{name}; peak {peak or 'unknown'} TFLOP/s (dense bf16); medians of the timed steps")
-    print(f"{'LLM':<24}{'engine':<8}{'runner ms':>10}{'raw ms':>9}{'ratio':>7}{'samples/s':>11}{'tokens/s':>10}"
+    print(f"{'LLM':<24}{'engine':<8}{'trainer ms':>11}{'raw ms':>9}{'ratio':>7}{'samples/s':>11}{'tokens/s':>10}"
           f"{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}")
     for llm, engine, r in rows:
-        step = r["runner"]["median"]
+        step = r["trainer"]["median"]
         tflops = r["flops"] / step / 1e12  # this rank's work over the step: per device
         mfu = f"{tflops / peak:.1%}" if peak else "-"
         print(f"{llm:<24}{engine:<8}{step * 1e3:>10.1f}{r['raw']['median'] * 1e3:>9.1f}"

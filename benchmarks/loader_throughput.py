@@ -6,16 +6,16 @@ Data: ``--images`` JPEGs of COCO's size (640x480, ~100 KB, smooth colour fields 
 that they compress like photographs) and a LLaVA conversation file of ``--records`` records
 using them (``benchmarks/llava_mix.py``'s record shapes), written once under ``--data``.
 
-The loader is the runner's own: the tiny BLIP2-Qwen demo run (``harness.configs.tiny_config``:
+The loader is the trainer's own: the tiny BLIP2-Qwen demo run (``harness.configs.tiny_config``:
 one process, ZeRO-2, fp32, micro-batch ``--micro``, 64-pixel images) is built as ``train.py``
 builds it, and for each worker count its ``_loader`` makes the training DataLoader over a
 dataset of this data (``SeededDataset`` + ``InstructionDataset``: JPEG decode, the
-``blip2_image_train`` processor, collate) and a ``StepBatchSampler``, as the runner does for
+``blip2_image_train`` processor, collate) and a ``StepBatchSampler``, as the trainer does for
 its own training set. Two datasets from the ``llava_conversation`` builder: 64-pixel
 processors (the tiny model's) and 224-pixel ones (the full-size recipes'). Per setting the
 first batch (worker start-up) is timed apart, then ``--batches`` batches give samples/s.
 
-The step it must feed: that runner's ``run_step`` on micro-batches of its demo data read
+The step it must feed: that trainer's ``run_step`` on micro-batches of its demo data read
 beforehand (median of ``--steps`` steps after 3 warm-up steps); the loader keeps up when its
 samples/s exceed micro-batch x accumulation / step time. Nothing is asserted; figures go to
 docs/benchmarks.md.
@@ -89,42 +89,42 @@ def section(annotation: Path, root: Path, image_size: int) -> dict:
                               "eval": {"name": "blip2_image_eval", "image_size": image_size}}}
 
 
-def build_runner(cfg_path: Path):
-    from lavis_ds.build import build_runner as build
+def build_trainer(cfg_path: Path):
+    from lavis_ds.build import build_trainer as build
     from lavis_ds.common.registry import registry
     from lavis_ds.config import load_config
 
     cfg = load_config(cfg_path, world_size=1)
-    registry.get_runner_class(cfg.run.runner).setup.init_process_group()
-    runner = build(cfg)
-    runner.setup()  # the engine, the data order and the hooks, as train() starts
-    runner.call_hooks("before_train")  # the logging hook opens its writer here, as train() does
-    runner.engine.module.train()
-    return runner
+    registry.get_engine_class(cfg.run.runner).setup.init_process_group()
+    trainer = build(cfg)
+    trainer.setup()  # the engine, the data order and the hooks, as train() starts
+    trainer.call_hooks("before_train")  # the logging hook opens its writer here, as train() does
+    trainer.engine.module.train()
+    return trainer
 
 
-def step_time(runner, steps: int) -> float:
-    """Median seconds of the runner's optimizer step on micro-batches read beforehand."""
-    loader = runner.data.epoch(0, 0)
-    batches = [runner.data.next_step(loader) for _ in range(min(4, runner.data.steps_per_epoch))]
+def step_time(trainer, steps: int) -> float:
+    """Median seconds of the trainer's optimizer step on micro-batches read beforehand."""
+    loader = trainer.data.epoch(0, 0)
+    batches = [trainer.data.next_step(loader) for _ in range(min(4, trainer.data.steps_per_epoch))]
     times = []
     for i in range(3 + steps):
         start = time.perf_counter()
-        runner.run_step(batches[i % len(batches)])
+        trainer.run_step(batches[i % len(batches)])
         times.append(time.perf_counter() - start)
     return statistics.median(times[3:])
 
 
-def loader_rate(runner, dataset, workers: int, batches: int) -> tuple[float, float]:
-    """(seconds to the first batch, samples/s over the next ``batches``) of the runner's training DataLoader."""
+def loader_rate(trainer, dataset, workers: int, batches: int) -> tuple[float, float]:
+    """(seconds to the first batch, samples/s over the next ``batches``) of the trainer's training DataLoader."""
     from lavis_ds.datasets.samplers import StepBatchSampler
 
-    runner.run.num_workers = workers
+    trainer.run.num_workers = workers
     from lavis_ds.runners.data import make_loader
 
-    sampler = StepBatchSampler(len(dataset), runner.plan.micro_batch, 1, 1, 0, seed=runner.run.seed)
+    sampler = StepBatchSampler(len(dataset), trainer.plan.micro_batch, 1, 1, 0, seed=trainer.run.seed)
     start = time.perf_counter()
-    iterator = iter(make_loader(dataset, sampler, runner.run))
+    iterator = iter(make_loader(dataset, sampler, trainer.run))
     next(iterator)
     first_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -158,22 +158,22 @@ def main(argv=None) -> None:
     storage = ensure_demo_shapes(args.data / "demo_shapes", DemoShapesSpec(num_train=128, num_val=16, num_test=8))  # tiny_config's
     with tempfile.TemporaryDirectory(prefix="loader_throughput_") as tmp:
         cfg = tiny_config(Path(tmp) / "out", storage, stage=2, micro=args.micro, max_epoch=100, log_freq=1000)
-        runner = build_runner(write_yaml(Path(tmp) / "run.yaml", cfg))
-        step = step_time(runner, args.steps)
-        need = runner.plan.micro_batch * runner.plan.accum / step
+        trainer = build_trainer(write_yaml(Path(tmp) / "run.yaml", cfg))
+        step = step_time(trainer, args.steps)
+        need = trainer.plan.micro_batch * trainer.plan.accum / step
         print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; tiny BLIP2-Qwen demo step "
-              f"(micro-batch {runner.plan.micro_batch}, 64-pixel images, one process): {step * 1000:.0f} ms -> it "
+              f"(micro-batch {trainer.plan.micro_batch}, 64-pixel images, one process): {step * 1000:.0f} ms -> it "
               f"consumes {need:.0f} samples/s")
         print(f"{'image':>6} {'workers':>8} {'first batch s':>14} {'samples/s':>10} {'x the tiny step needs':>22} "
               f"{'load':>5}")
         for size in (64, 224):
             dataset = SeededDataset(LlavaConversationBuilder(section(annotation, root, size)).build()["train"],
-                                    runner.run.seed)
+                                    trainer.run.seed)
             for workers in (int(w) for w in args.workers.split(",")):
-                first_s, rate = loader_rate(runner, dataset, workers, args.batches)
+                first_s, rate = loader_rate(trainer, dataset, workers, args.batches)
                 print(f"{size:>6} {workers:>8} {first_s:>14.2f} {rate:>10.0f} {rate / need:>22.2f} "
                       f"{os.getloadavg()[0]:>5.1f}", flush=True)
-        runner.close()
+        trainer.close()
 
 
 if __name__ == "__main__":

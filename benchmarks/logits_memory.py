@@ -81,7 +81,7 @@ def build(tokens: int, device: torch.device):
     cfg["llm_config"] = {**cfg["llm_config"], "vocab_size": QWEN_VOCAB, "max_position_embeddings": tokens + 64}
     torch.manual_seed(0)
     model = Blip2Qwen.from_config(cfg).to(device).train()
-    assert model.llm_config.vocab_size == QWEN_VOCAB
+    assert model.llm_transformers_config.vocab_size == QWEN_VOCAB
     return model
 
 

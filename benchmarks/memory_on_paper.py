@@ -83,7 +83,7 @@ class Counts:
     trainable: int
     micro_batch: int
     lora_cfg: dict | None
-    llm_config: object
+    llm_transformers_config: object
 
 
 def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
@@ -110,14 +110,14 @@ def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
                   qformer_layers=n(model.qformer.encoder.layer),
                   trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                   micro_batch=int(cfg.run.batch_size_train),
-                  lora_cfg=lora_cfg, llm_config=model.llm_model.config)
+                  lora_cfg=lora_cfg, llm_transformers_config=model.llm_model.config)
 
 
-def measured_bytes_per_token_layer(llm_config, lora_cfg: dict | None, s: int = 64) -> float:
+def measured_bytes_per_token_layer(llm_transformers_config, lora_cfg: dict | None, s: int = 64) -> float:
     """Bytes autograd saves per token for one real-width Qwen2 decoder layer in bf16 (CPU, b=1)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-    config = llm_config.__class__.from_dict(llm_config.to_dict())
+    config = llm_transformers_config.__class__.from_dict(llm_transformers_config.to_dict())
     config._attn_implementation = "sdpa"  # transformers' default for Qwen2
     torch.manual_seed(0)
     layer = Qwen2DecoderLayer(config, 0).to(torch.bfloat16).requires_grad_(False)
@@ -155,7 +155,7 @@ def korthikanti_bytes_per_token_layer(h: int) -> float:
 def table(title: str, c: Counts, gpus: int, gpu_gb: float, seq: int, answer: int, per_token_layer: float,
           formula: float) -> str:
     # Over 50 lines: one table's rows, each a line of arithmetic on the same counts; split, they would pass them all.
-    cfg = c.llm_config
+    cfg = c.llm_transformers_config
     b, layers, vocab = c.micro_batch, cfg.num_hidden_layers, cfg.vocab_size
     total_params = c.vit + c.qformer + c.proj + c.llm + c.lora
     T = c.trainable
@@ -233,8 +233,9 @@ def main(argv=None) -> int:
         tokenizer_dir = train_chatml_tokenizer(["You are a helpful assistant."], tmp, vocab_size=300)
         for title, path in PROJECTS.items():
             c = count(path, args.gpus, tokenizer_dir)
-            formula = korthikanti_bytes_per_token_layer(c.llm_config.hidden_size)
-            per_token = formula if args.no_measure else measured_bytes_per_token_layer(c.llm_config, c.lora_cfg)
+            formula = korthikanti_bytes_per_token_layer(c.llm_transformers_config.hidden_size)
+            per_token = (formula if args.no_measure else
+                         measured_bytes_per_token_layer(c.llm_transformers_config, c.lora_cfg))
             print(table(title, c, args.gpus, args.gpu_gb, args.seq_len, args.answer_len, per_token, formula))
             print()
     return 0

@@ -11,7 +11,7 @@ of the demo with the MiniGPT4Qwen recipe (ViT and Q-Former frozen) and a wider L
 ZeRO-2, fp32, ``model.max_txt_len`` = ``--max-len``, with a byte-level BPE tokenizer of 8k tokens
 trained on the records' text (``corpus_tokenizer``).
 
-Four runners are built from the same YAML, differing only in ``run.packing`` /
+Four trainers are built from the same YAML, differing only in ``run.packing`` /
 ``run.length_grouped`` / ``run.batch_unit``: padded and length-grouped micro-batches of ``--micro``
 samples; packed, the same ``--micro`` samples laid into rows (``batch_unit: samples``); and packed
 by a token budget (``batch_unit: tokens``, packing's default), micro-batches of as many samples as
@@ -19,7 +19,7 @@ fill R rows of ``--max-len``, with R chosen so that a micro-batch holds about th
 ``--micro`` samples (from the padded batches' real tokens). Each reads its micro-batches up front
 through its own sampler and DataLoader, and prepares them on the host (tokenizing; packing) before
 anything is timed, so data loading and tokenizing are in none of the timings. Then the four
-alternate in blocks of ``--block`` optimizer steps (``runner.run_step``), so that changing machine
+alternate in blocks of ``--block`` optimizer steps (``trainer.run_step``), so that changing machine
 load hits all alike. Reported per mode: supervised tokens per second (answer tokens the loss is
 summed over), all positions per second, the padding share (positions that hold no token / all
 positions) and the speed-up over padded. Nothing is asserted; figures go to docs/benchmarks.md.
@@ -61,23 +61,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(cfg: dict, tmp: Path, name: str, micro: int, **run):
-    from loader_throughput import build_runner
+    from loader_throughput import build_trainer
     from harness.configs import write_yaml
 
     folder = "_".join(name.replace("(", "").replace(")", "").split())  # "packed (tokens)" -> packed_tokens
     cfg = {**cfg, "run": {**cfg["run"], "output_dir": str(tmp / folder), "batch_size_train": micro, **run}}
-    return build_runner(write_yaml(tmp / f"{folder}.yaml", cfg))
+    return build_trainer(write_yaml(tmp / f"{folder}.yaml", cfg))
 
 
-def prepared_steps(runner, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:
+def prepared_steps(trainer, steps: int) -> tuple[list[list[dict]], list[tuple[int, int, int]]]:
     """``steps`` optimizer steps of micro-batches, prepared on the host, and per step (supervised tokens, token
     positions that hold a token, all positions, samples)."""
-    loader = runner.data.epoch(0, 0)
+    loader = trainer.data.epoch(0, 0)
     batches, counts = [], []
     for _ in range(steps):
-        step = runner.data.next_step(loader)
+        step = trainer.data.next_step(loader)
         batches.append(step)
-        counts.append((sum(runner.engine.module.supervised_tokens(b) for b in step),
+        counts.append((sum(trainer.engine.module.supervised_tokens(b) for b in step),
                        sum(int(b["attention_mask"].sum()) for b in step),
                        sum(b["input_ids"].numel() for b in step), sum(len(b["instruction"]) for b in step)))
     return batches, counts
@@ -110,26 +110,26 @@ def main(argv=None) -> int:
                                         "num_key_value_heads": max(1, width // 128), "intermediate_size": width * 11 // 4,
                                         "max_position_embeddings": args.max_len, "tie_word_embeddings": False})
         cfg["datasets"] = {"llava": section(annotation, root, 64)}
-        runners, data = {}, {}
+        trainers, data = {}, {}
         for name, run in MODES.items():
             micro = args.micro
             if name == "packed (tokens)":  # rows holding about the tokens of --micro samples
                 real = sum(c[1] for c in data["padded"][1]) / (args.steps * args.accum)
                 micro = max(1, round(real / args.max_len))
-            runners[name] = build(cfg, Path(tmp), name, micro, **run)
-            data[name] = prepared_steps(runners[name], args.steps)
+            trainers[name] = build(cfg, Path(tmp), name, micro, **run)
+            data[name] = prepared_steps(trainers[name], args.steps)
         args.rows = micro
         times = {name: [] for name in MODES}
-        for name, runner in runners.items():  # warm-up: one step each
-            runner.run_step(data[name][0][0])
+        for name, trainer in trainers.items():  # warm-up: one step each
+            trainer.run_step(data[name][0][0])
         for block in range(args.steps // args.block):
-            for name, runner in runners.items():
+            for name, trainer in trainers.items():
                 for s in range(block * args.block, (block + 1) * args.block):
                     start = time.perf_counter()
-                    runner.run_step(data[name][0][s])
+                    trainer.run_step(data[name][0][s])
                     times[name].append(time.perf_counter() - start)
-        for runner in runners.values():
-            runner.close()
+        for trainer in trainers.values():
+            trainer.close()
     report(args, data, times)
     return 0
 

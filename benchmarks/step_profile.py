@@ -1,8 +1,8 @@
-"""Where a runner's optimizer step spends its time beyond the engine's own work, phase by phase.
+"""Where a trainer's optimizer step spends its time beyond the engine's own work, phase by phase.
 
     torchrun --nproc_per_node=2 benchmarks/step_profile.py [--runner runner_fsdp] [--stage 3] [--steps 100]
 
-The runner and its micro-batches are built as in ``benchmarks/step_time.py`` (same flags). Each phase the loop's
+The trainer and its micro-batches are built as in ``benchmarks/step_time.py`` (same flags). Each phase the loop's
 ``run_step`` goes through is timed on every step (``time.perf_counter`` around the call, rank 0 reported): the
 token counts, the objective's unit counts (supervised tokens, pairs), the step's agreement (one all-reduce, alone at
 an epoch's first step only), reseeding, the forwards with every backward but the last (``forward_backward``), the
@@ -44,24 +44,25 @@ def timed(times: dict[str, dict[int, float]], name: str, function):
     return wrapper
 
 
-def instrument(runner, times: dict[str, list[float]]) -> None:
-    """Time every phase of ``runner.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
-    from lavis_ds.runners import agreement, faults, losses, throughput, trainer
+def instrument(trainer, times: dict[str, list[float]]) -> None:
+    """Time every phase of ``trainer.run_step`` from outside (the functions it calls, wrapped where it finds them)."""
+    from lavis_ds.runners import agreement, faults, losses, throughput
+    from lavis_ds.runners import trainer as trainer_module
 
     throughput.count_tokens = timed(times, "count_tokens", throughput.count_tokens)
     agreement.unit_counts = timed(times, "unit_counts", agreement.unit_counts)
-    trainer.seed_everything = timed(times, "seed_everything", trainer.seed_everything)
+    trainer_module.seed_everything = timed(times, "seed_everything", trainer_module.seed_everything)
     # the loss check starts before the last backward and is finished after it
-    trainer.LossCheck = timed(times, "loss check start", trainer.LossCheck)
+    trainer_module.LossCheck = timed(times, "loss check start", trainer_module.LossCheck)
     losses.LossCheck.finish = timed(times, "loss check finish", losses.LossCheck.finish)
     # an epoch's first step agrees alone; the others' agreement rides on the loss check
     faults.agree_on_step = timed(times, "agreement all_reduce", faults.agree_on_step)
-    engine = runner.engine
+    engine = trainer.engine
     engine.forward_backward = with_timed_last_backward(times, timed(times, "forward_backward",
                                                                     engine.forward_backward))
     engine.optimizer_step = timed(times, "optimizer_step", engine.optimizer_step)
-    runner.scheduler.step = timed(times, "scheduler", runner.scheduler.step)
-    runner.call_hooks = timed(times, "after_step hooks", runner.call_hooks)
+    trainer.scheduler.step = timed(times, "scheduler", trainer.scheduler.step)
+    trainer.call_hooks = timed(times, "after_step hooks", trainer.call_hooks)
 
 
 def with_timed_last_backward(times: dict[str, dict[int, float]], forward_backward):
@@ -88,20 +89,20 @@ def main(argv=None) -> int:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_profile_")
-    runner = step_time.build_runner(args, output_dir)
-    loader = runner.data.epoch(0, 0)
-    steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
-    warmup = step_time.stepping_as_the_loop(runner, steps)
+    trainer = step_time.build_trainer(args, output_dir)
+    loader = trainer.data.epoch(0, 0)
+    steps = [trainer.data.next_step(loader) for _ in range(min(args.distinct, trainer.data.steps_per_epoch))]
+    warmup = step_time.stepping_as_the_loop(trainer, steps)
     for i in range(args.warmup):
         warmup(steps[i % len(steps)])
     times: dict[str, dict[int, float]] = {}
-    instrument(runner, times)
-    step = timed(times, "whole step", step_time.stepping_as_the_loop(runner, steps))
+    instrument(trainer, times)
+    step = timed(times, "whole step", step_time.stepping_as_the_loop(trainer, steps))
     comm.barrier()
     for i in range(args.steps):
         _current_step[0] = i
         step(steps[i % len(steps)])
-    runner.close()
+    trainer.close()
     shutil.rmtree(output_dir, ignore_errors=True)
     if dist.is_main_process():
         per_step = {name: [per.get(i, 0.0) for i in range(args.steps)] for name, per in times.items()}

@@ -1,23 +1,24 @@
-"""Optimizer-step time: a lavis_ds runner against a minimal hand-written loop on the same engine.
+"""Optimizer-step time: a lavis_ds trainer against a minimal hand-written loop on the same engine.
 
     torchrun --nproc_per_node=2 benchmarks/step_time.py [--stage 2 --dtype fp32]
     torchrun --nproc_per_node=2 benchmarks/step_time.py --runner runner_fsdp [--dtype bf16]
 
 With `--runner runner_fsdp` the raw loop is FSDP2 by hand: the same `fully_shard` units and
-mixed-precision policy, torch AdamW (foreach, as the runner's), `set_requires_gradient_sync` for accumulation, clipping.
+mixed-precision policy, torch AdamW (foreach, as the trainer's), `set_requires_gradient_sync` for accumulation,
+clipping.
 
 Both loops get the same model (the tiny BLIP2-Qwen of the demo YAML, built twice from
 the same seed), the same DeepSpeed config (`build_deepspeed_config` of that YAML, with
 the ZeRO stage and dtype set from the command line), the same optimizer groups (the
-runner's: no weight decay on biases and norms; `--raw-groups one` gives the raw loop a
+trainer's: no weight decay on biases and norms; `--raw-groups one` gives the raw loop a
 single group instead, which is other math and, under ZeRO, fewer flat buffers) and the
 same micro-batches. The
-micro-batches are read once from the runner's DataLoader and prepared by the model on the host
-(`prepare_batch`: tokenizing, as the runner's data side does before each step) before anything
+micro-batches are read once from the trainer's DataLoader and prepared by the model on the host
+(`prepare_batch`: tokenizing, as the trainer's data side does before each step) before anything
 is timed, and reused by both loops in the same order, so data loading is excluded from both.
 
 What one timed step is (wall clock, `time.perf_counter`, on every rank):
-  runner  `runner.run_step(micro_batches, load_following)`: the real loop's step - the token
+  trainer `trainer.run_step(micro_batches, load_following)`: the real loop's step - the token
           counts, lr from the scheduler, cast + forward + `engine.backward` + `engine.step` per
           micro-batch, the loss all_reduce (which carries the next step's agreement: stop
           signals, failures and its supervised tokens), scheduler step, counters,
@@ -26,10 +27,10 @@ What one timed step is (wall clock, `time.perf_counter`, on every rank):
   raw     per micro-batch: cast float tensors to the engine's device/dtype, `engine(batch)`,
           `engine.backward(loss)`, `engine.step()`. Nothing else.
 
-After `--warmup` steps of each, the loops alternate in blocks of `--block` steps (runner,
-raw, runner, raw, ...) so that changing machine load hits both alike. Reported: the
-median over all timed steps of each loop and their ratio runner/raw, and the median over
-pairs of adjacent blocks of (runner block mean / raw block mean), which cancels slow
+After `--warmup` steps of each, the loops alternate in blocks of `--block` steps (trainer,
+raw, trainer, raw, ...) so that changing machine load hits both alike. Reported: the
+median over all timed steps of each loop and their ratio trainer/raw, and the median over
+pairs of adjacent blocks of (trainer block mean / raw block mean), which cancels slow
 drifts in load. `--block 1` pairs steps a few hundred milliseconds apart (faster drifts cancel too), at a cost
 every loop pays alike: a step that follows the other loop's finds the cache holding the other model. Timings are
 printed, never asserted: shared machines are noisy.
@@ -58,7 +59,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from lavis_ds.common import comm, dist  # noqa: E402
 
-LOOPS = ("runner", "raw", "control")  # the order within each round of blocks (control: with --control only)
+LOOPS = ("trainer", "raw", "control")  # the order within each round of blocks (control: with --control only)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the figures (and tokens, FLOPs and peak memory per step) to this file")
     parser.add_argument("--raw-groups", default="same", choices=("same", "one"),
-                        help="the raw loop's optimizer groups: the runner's decay/no-decay groups (same math), or one "
-                             "group of every trainable parameter")
+                        help="the raw loop's optimizer groups: the trainer's decay/no-decay groups (same math), "
+                             "or one group of every trainable parameter")
     parser.add_argument("--control", action="store_true",
                         help="also time a second raw loop built as the first: their ratio is this run's resolution")
     parser.add_argument("--pin", action="store_true",
@@ -88,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_runner(args: argparse.Namespace, output_dir: str):
+def build_trainer(args: argparse.Namespace, output_dir: str):
     """The trainer of the YAML on its engine, its hooks set up as `train()` would, no resume."""
     from lavis_ds.build import build_datasets, build_model, prepare_datasets
     from lavis_ds.config import load_config
@@ -101,13 +102,13 @@ def build_runner(args: argparse.Namespace, output_dir: str):
                f"run.zero_stage={args.stage}",
                f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
-    registry.get_runner_class(cfg.run.runner).setup.init_process_group()
+    registry.get_engine_class(cfg.run.runner).setup.init_process_group()
     prepare_datasets(cfg.datasets)  # the demo's data and tokenizer, generated on first use
-    runner = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
-    runner.setup()  # the engine, the data order and the hooks, as train() starts
-    runner.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
-    runner.engine.module.train()  # as train() leaves it before its loop
-    return runner
+    trainer = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
+    trainer.setup()  # the engine, the data order and the hooks, as train() starts
+    trainer.call_hooks("before_train")  # the logging hook opens its writer and progress bar here
+    trainer.engine.module.train()  # as train() leaves it before its loop
+    return trainer
 
 
 def build_raw_fsdp_step(cfg, args) -> Callable[[list[dict]], None]:
@@ -176,7 +177,7 @@ def build_raw_step(cfg, args) -> Callable[[list[dict]], None]:
 
 
 def _param_groups(model, cfg, kind: str) -> list[dict]:
-    """The raw loop's optimizer groups: the runner's own (``same``: no weight decay on biases, norms and 1-d
+    """The raw loop's optimizer groups: the trainer's own (``same``: no weight decay on biases, norms and 1-d
     parameters, lr_scales), or all trainable parameters in one decayed group (``one``: the least a loop does)."""
     from lavis_ds.optim import build_param_groups
 
@@ -232,44 +233,45 @@ def main(argv=None) -> int:
     import lavis_ds  # noqa: F401  (fills the registries)
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # initialize() prints pages at INFO
-    output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_time_")  # the runner's metrics.jsonl + TensorBoard
-    runner = build_runner(args, output_dir)
+    output_dir = tempfile.mkdtemp(prefix="lavis_ds_step_time_")  # the trainer's metrics.jsonl + TensorBoard
+    trainer = build_trainer(args, output_dir)
 
     # Read once, before anything is timed: data loading is in neither loop.
-    loader = runner.data.epoch(0, 0)
-    steps = [runner.data.next_step(loader) for _ in range(min(args.distinct, runner.data.steps_per_epoch))]
+    loader = trainer.data.epoch(0, 0)
+    steps = [trainer.data.next_step(loader) for _ in range(min(args.distinct, trainer.data.steps_per_epoch))]
 
     raw = build_raw_fsdp_step if args.runner == "runner_fsdp" else build_raw_step
-    loops = {"runner": stepping_as_the_loop(runner, steps), "raw": raw(runner.cfg, args)}
+    loops = {"trainer": stepping_as_the_loop(trainer, steps), "raw": raw(trainer.cfg, args)}
     if args.control:
-        loops["control"] = raw(runner.cfg, args)
+        loops["control"] = raw(trainer.cfg, args)
     per_step, block_means = interleave({name: loops[name] for name in LOOPS if name in loops}, steps, args.warmup,
                                        args.block, args.steps // args.block)
-    runner.close()  # not call_hooks("after_train"): that would also run the test generation
+    trainer.close()  # not call_hooks("after_train"): that would also run the test generation
     shutil.rmtree(output_dir, ignore_errors=True)
 
     summary = {name: _summary(per_step[name], block_means[name]) for name in loops}
-    summary["paired_ratio"] = _paired(block_means, "runner")
+    summary["paired_ratio"] = _paired(block_means, "trainer")
     if args.control:
         summary["control_paired_ratio"] = _paired(block_means, "control")
     per_rank = comm.all_gather_object(summary)
     if dist.is_main_process():
-        _report(args, runner, per_rank)
+        _report(args, trainer, per_rank)
         if args.json:
-            args.json.write_text(json.dumps({**summary, **_work_per_step(runner, steps), "engine": args.runner,
+            args.json.write_text(json.dumps({**summary, **_work_per_step(trainer, steps), "engine": args.runner,
                                              "stage": args.stage, "dtype": args.dtype,
-                                             "world_size": runner.world_size, "global_batch": runner.plan.global_batch}))
+                                             "world_size": trainer.world_size,
+                                             "global_batch": trainer.plan.global_batch}))
     return 0
 
 
-def stepping_as_the_loop(runner, steps: list[list[dict]]) -> Callable[[list[dict]], None]:
+def stepping_as_the_loop(trainer, steps: list[list[dict]]) -> Callable[[list[dict]], None]:
     """``runner.run_step`` as ``Trainer.train`` calls it: with the next step's micro-batches to load during the
     step (here: the next of ``steps``, already read), so that its agreement rides on this step's loss check."""
     position = itertools.count(1)
 
     def run_step(micro_batches: list[dict]) -> None:
         following = steps[next(position) % len(steps)]
-        runner.run_step(micro_batches, lambda: following)
+        trainer.run_step(micro_batches, lambda: following)
 
     return run_step
 
@@ -281,14 +283,14 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _work_per_step(runner, steps: list[list[dict]]) -> dict:
+def _work_per_step(trainer, steps: list[list[dict]]) -> dict:
     """Per optimizer step of this rank, averaged over the steps read: samples, tokens, supervised tokens, training
     FLOPs (lavis_ds.models.flops, real tokens only) and the peak memory the process reached."""
     from lavis_ds.common.hardware import peak_memory_bytes
     from lavis_ds.runners.throughput import count_tokens
 
     counts = [count_tokens(step) for step in steps]
-    flop_model = runner.engine.module.flop_model()
+    flop_model = trainer.engine.module.flop_model()
     flops = [flop_model.training_flops(c.images, c.tokens, c.squared_tokens, c.supervised, c.image_text_tokens,
                                        c.squared_image_text_tokens) for c in counts]
     return {"samples": statistics.fmean(c.samples for c in counts), "tokens": statistics.fmean(c.tokens for c in counts),
@@ -313,11 +315,12 @@ def _summary(per_step: list[float], block_means: list[float]) -> dict:
             "block_median": statistics.median(block_means)}
 
 
-def _report(args, runner, per_rank: list[dict]) -> None:
+def _report(args, trainer, per_rank: list[dict]) -> None:
     ms = 1e3
     engine = "FSDP2" if args.runner == "runner_fsdp" else f"ZeRO-{args.stage}"
-    print(f"\nstep time: {args.runner} ({engine}) {args.dtype}, {runner.world_size} processes, micro-batch "
-          f"{runner.plan.micro_batch} x accumulation {runner.plan.accum} (global batch {runner.plan.global_batch}); "
+    print(f"\nstep time: {args.runner} ({engine}) {args.dtype}, {trainer.world_size} processes, micro-batch "
+          f"{trainer.plan.micro_batch} x accumulation {trainer.plan.accum} "
+          f"(global batch {trainer.plan.global_batch}); "
           f"{args.warmup} warm-up steps, then {args.steps} timed steps per loop in alternating blocks of "
           f"{args.block}; data loading excluded")
     print(f"{'loop':<8}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'median of block means ms':>27}")
@@ -325,8 +328,8 @@ def _report(args, runner, per_rank: list[dict]) -> None:
         s = per_rank[0][name]
         print(f"{name:<8}{s['median'] * ms:>11.1f}{s['p25'] * ms:>9.1f}{s['p75'] * ms:>9.1f}"
               f"{s['block_median'] * ms:>27.1f}")
-    print(f"ratio runner/raw (medians, rank 0): {_median_ratios(per_rank, 'runner')}")
-    print(f"ratio runner/raw (median over pairs of adjacent blocks, rank 0): {per_rank[0]['paired_ratio']:.3f}",
+    print(f"ratio trainer/raw (medians, rank 0): {_median_ratios(per_rank, 'trainer')}")
+    print(f"ratio trainer/raw (median over pairs of adjacent blocks, rank 0): {per_rank[0]['paired_ratio']:.3f}",
           flush=True)
     if "control" in per_rank[0]:
         print(f"ratio control/raw, two identical raw loops (medians, rank 0): {_median_ratios(per_rank, 'control')}"

@@ -1,4 +1,4 @@
-"""From a validated config to live objects: model, datasets, runner."""
+"""From a validated config to live objects: model, datasets, trainer."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +16,7 @@ from lavis_ds.models.export_folder import WEIGHTS_FILE, is_export, load_trained_
 
 def build_model(model_cfg: DictConfig, seed: int = 42,
                 placement: contextlib.AbstractContextManager | None = None) -> torch.nn.Module:
-    """The model of ``model_cfg``; inside ``placement`` (a runner's ``setup.model_placement``) if given.
+    """The model of ``model_cfg``; inside ``placement`` (an engine class's ``setup.model_placement``) if given.
 
     ``model.pretrained`` (with ``load_pretrained``) may name a lavis_ds export (``python export.py``): the model is
     then built as the export's run built it (from the export's seed: the weights it did not train are those) and
@@ -64,13 +64,13 @@ def build_datasets(datasets_cfg: DictConfig, parsed_files: ParsedFiles | None = 
             for name, section in datasets_cfg.items()}
 
 
-def build_runner(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
+def build_trainer(cfg: DictConfig, parsed_files: ParsedFiles | None = None):
     """The run's trainer (``runners.Trainer``) holding the engine ``run.runner`` names, on its model and datasets.
     The checkpoint to resume from is chosen, and the engine wrapped, in ``trainer.setup()``, which ``train()`` and
     ``evaluate_only()`` call first."""
     from lavis_ds.runners import Trainer
 
-    engine_class = reg.runners.get(cfg.run.runner)
+    engine_class = reg.engines.get(cfg.run.runner)
     prepare_datasets(cfg.datasets)
     # The engine that will shard the model says where its LLM is built (e.g. partitioned from the start).
     model = build_model(cfg.model, cfg.run.seed, engine_class.setup.model_placement(cfg))

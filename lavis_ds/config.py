@@ -5,16 +5,16 @@ the dataset builder's default YAML (with the model's own image processors, if it
 any: `lavis_ds.image_config`), the `RunConfig` defaults, the user's YAML,
 the `--options key=value` overrides; then what a `tower_image_*` processor leaves out is
 filled from the model's vision tower. LAVIS / MiniGPT4Qwen keys are translated
-first (`lavis_compat`), and each runner's options section is read by its runner (e.g. a
-DeepSpeed JSON file named by its path). What a runner's section says about the engine-neutral
+first (`lavis_compat`), and each engine's options section is read by its engine class (e.g. a
+DeepSpeed JSON file named by its path). What an engine's section says about the engine-neutral
 run keys (batch, precision, clipping, AdamW's betas/eps: its "twins") is mapped onto those keys
-whichever runner the run chose, so switching `run.runner` keeps them. The merged config is checked as a
+whichever engine the run chose, so switching `run.runner` keeps them. The merged config is checked as a
 whole and every problem is reported in one `ConfigError`, each with its key path:
-an unknown name (arch, model_type, builder, runner, hook) is reported with the rest,
+an unknown name (arch, model_type, builder, engine, hook) is reported with the rest,
 which is checked against the closest known name.
 
 It lives beside the build step (``lavis_ds.build``), above ``common/``: checking a config asks the
-registered models, builders, metrics and runners about their own sections.
+registered models, builders, metrics and engines about their own sections.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from lavis_ds import run_checks
 from lavis_ds.metrics.selection import metric_problems
 from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 from lavis_ds.objectives.config import data_problems, objective_problems, option_section_keys
-from lavis_ds.runners import DEFAULT_RUNNER
+from lavis_ds.runners import DEFAULT_ENGINE
 from lavis_ds.runners.hooks import hook_problems
 
 logger = logging.getLogger(__name__)
@@ -86,12 +86,12 @@ def load_config(cfg_path: str | os.PathLike, options: Iterable[str] = (), world_
     if not errors:
         # The neutral keys as resolved with their twins; then the engine completes its section as it will use it
         # (DeepSpeed: autos filled, batch layout). config.yaml records both.
-        runner = reg.runners.get(cfg.run.runner)
-        run, runner_notes = runner.config.complete({**OmegaConf.to_container(cfg.run), **neutral}, world_size)
+        engine_class = reg.engines.get(cfg.run.runner)
+        run, engine_notes = engine_class.config.complete({**OmegaConf.to_container(cfg.run), **neutral}, world_size)
         cfg.run = OmegaConf.create(run)
-        runner_notes += run_checks.foreign_options_notes(run, runner)
+        engine_notes += run_checks.foreign_options_notes(run, engine_class)
         if dist.is_main_process():  # every rank loads the config; one says what it did
-            for line in notes + runner_notes:
+            for line in notes + engine_notes:
                 logger.warning("%s", line)
     if check_files:  # files too, for every section whose structure is sound: all problems in one round
         errors += _file_problems(cfg, errors, parsed_files)
@@ -153,18 +153,18 @@ def _read_yaml(path: str | os.PathLike, source: str) -> DictConfig:
 
 
 def _translate(user: DictConfig, errors: list[str]) -> tuple[DictConfig, list[str]]:
-    """Let each runner read its options section (e.g. a DeepSpeed JSON file's path), then map the LAVIS keys."""
+    """Let each engine class read its options section (e.g. a DeepSpeed JSON file's path), then map the LAVIS keys."""
     plain = OmegaConf.to_container(user, resolve=False)
     run = plain.get("run")
     if isinstance(run, dict):
-        for runner in run_checks.runners_by_name().values():
-            key = runner.config.KEY
+        for engine_class in run_checks.engines_by_name().values():
+            key = engine_class.config.KEY
             if key in run:
-                section, problems = runner.config.read(run[key])
+                section, problems = engine_class.config.read(run[key])
                 errors.extend(problems)
                 if section is not None:
                     run[key] = section
-    # what the runners' sections say about the run keys (their problems: reported by validate)
+    # what the engines' sections say about the run keys (their problems: reported by validate)
     twins, _ = run_checks.option_twins(run) if isinstance(run, dict) else ([], [])
     problems, notes = lavis_compat.translate(plain, twins)
     errors.extend(problems)
@@ -227,7 +227,7 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
         datasets[name] = merge_section_defaults(defaults, section)
 
     run_defaults = {**{k: v for k, (_, v) in fields_of(RunConfig).items() if k != "output_dir"},
-                    "runner": DEFAULT_RUNNER}
+                    "runner": DEFAULT_ENGINE}
     return OmegaConf.create({
         **({"imports": user.imports} if "imports" in user else {}),
         "model": OmegaConf.merge(cls.preset_under(model_defaults, model) if cls is not None else model_defaults,
@@ -283,11 +283,11 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
         _check_dataset(name, section, errors)
 
     run = plain["run"]
-    options_sections = ({cls.config.KEY for cls in run_checks.runners_by_name().values() if cls.config.KEY}
+    options_sections = ({cls.config.KEY for cls in run_checks.engines_by_name().values() if cls.config.KEY}
                         | option_section_keys())
     check_section(run, fields_of(RunConfig), "run", errors, extra_keys=options_sections)
-    runner_class = reg.runners.get(run["runner"]) if run.get("runner") in reg.runners else None
-    errors.extend(objective_problems(run, runner_class))  # run.task and the options section named after it
+    engine_class = reg.engines.get(run["runner"]) if run.get("runner") in reg.engines else None
+    errors.extend(objective_problems(run, engine_class))  # run.task and the options section named after it
     if isinstance(run.get("adam_betas"), list) and not valid_betas(run["adam_betas"]):  # a non-list: a type error
         errors.append(f"run.adam_betas: expected two numbers in [0, 1) (beta1, beta2), got {run['adam_betas']!r}")
     training = {name: section for name, section in plain["datasets"].items()
@@ -296,19 +296,19 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(data_problems(run, {name: builder_class(section.get("builder", name))
                                       for name, section in training.items()}))
     errors.extend(image_problems(plain["datasets"], training, model, cls, [e for e in errors if e.startswith("model")]))
-    for key, registry in (("runner", reg.runners), ("lr_sched", reg.lr_schedulers)):
+    for key, registry in (("runner", reg.engines), ("lr_sched", reg.lr_schedulers)):
         if isinstance(run.get(key), str) and run[key] not in registry:
             errors.append(f"run.{key}: {_lookup_error(registry, run[key])}")
     neutral = run_checks.neutral_settings(run, errors, world_size)
-    runner = run.get("runner")
-    close = runner if runner in reg.runners else reg.runners.closest(str(runner))
+    engine_name = run.get("runner")
+    close = engine_name if engine_name in reg.engines else reg.engines.closest(str(engine_name))
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
-        errors.extend(reg.runners.get(close).config.problems({**run, **(neutral or {})}, world_size,
+        errors.extend(reg.engines.get(close).config.problems({**run, **(neutral or {})}, world_size,
                                                              neutral is not None))
     errors.extend(run_checks.split_problems(run, plain["datasets"]))
     errors.extend(metric_problems(run, plain["datasets"]))
     if cls is not None and close is not None:
-        errors.extend(contract_problems(cls, model.get("arch"), run, reg.runners.get(close)))
+        errors.extend(contract_problems(cls, model.get("arch"), run, reg.engines.get(close)))
     errors.extend(run_checks.packing_problems(run, model, cls))
     errors.extend(hook_problems(run.get("hooks")))
     resume = run.get("resume")
@@ -354,9 +354,9 @@ def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:
             if not Path(os.path.expanduser(path)).exists()]
 
 
-def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str]:
+def contract_problems(cls: type, arch: str, run: dict, engine_class: type) -> list[str]:
     """What the model class lacks of the model contract (``models.base.CONTRACT``) for this run: training, the
-    generation its test splits and validation metrics need, and what the runner calls (``config.MODEL_NEEDS``)."""
+    generation its test splits and validation metrics need, and what the engine calls (``config.MODEL_NEEDS``)."""
     from lavis_ds.common.registry import objectives as objective_registry
     from lavis_ds.models.base import missing
 
@@ -368,6 +368,7 @@ def contract_problems(cls: type, arch: str, run: dict, runner: type) -> list[str
     task = run.get("task")
     pairwise = isinstance(task, str) and task in objective_registry and objective_registry.get(task).DATA == "pairs"
     uses["pairs"] = f"run.task: {task}" if pairwise else None
-    uses.update({need: f"run.runner: {run.get('runner') or runner.__name__}" for need in runner.config.MODEL_NEEDS})
+    uses.update({need: f"run.runner: {run.get('runner') or engine_class.__name__}"
+                 for need in engine_class.config.MODEL_NEEDS})
     return [f"model.arch: {arch} ({cls.__name__}) has no {need.call}, which {why} needs (docs/extending.md, "
             f"\"The model contract\")" for use, why in uses.items() if why for need in missing(cls, [use])]

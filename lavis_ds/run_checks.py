@@ -1,48 +1,48 @@
 """Checks of the `run` section beyond its schema: the engine-neutral settings resolved with their twins in the
-runners' sections, the token budget and packing, the splits. ``lavis_ds.config`` calls them on the merged config."""
+engines' sections, the token budget and packing, the splits. ``lavis_ds.config`` calls them on the merged config."""
 from __future__ import annotations
 
 from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import NEUTRAL_KEYS, ZERO_KEYS, Twin, batch_unit, resolve_twins, training_settings
 
 
-def runners_by_name() -> dict[str, type]:
-    """Every registered runner class once, by its name (a user's subclass may share its parent's options section)."""
-    return reg.runners.distinct()
+def engines_by_name() -> dict[str, type]:
+    """Every registered engine class once, by its name (a user's subclass may share its parent's options section)."""
+    return reg.engines.distinct()
 
 
 def option_twins(run: dict) -> tuple[list[Twin], list[str]]:
-    """What the runners' options sections of ``run`` say about the neutral run keys, and problems with it."""
+    """What the engines' options sections of ``run`` say about the neutral run keys, and problems with it."""
     twins, problems, seen = [], [], set()
-    for runner in runners_by_name().values():
-        key = runner.config.KEY
+    for engine_class in engines_by_name().values():
+        key = engine_class.config.KEY
         if key is None or key in seen or not isinstance(run.get(key), dict):
             continue
         seen.add(key)
-        more_twins, more_problems = runner.config.twins(run[key])
+        more_twins, more_problems = engine_class.config.twins(run[key])
         twins += more_twins
         problems += more_problems
     return twins, problems
 
 
 def foreign_options_notes(run: dict, chosen: type) -> list[str]:
-    """Another runner's options section or own run keys in this run: what of them this runner uses (the twins of
+    """Another engine's options section or own run keys in this run: what of them this run's engine uses (the twins of
     the neutral run keys) and what it does not."""
     notes, seen = [], set(chosen.config.OWN_RUN_KEYS)
-    for name, runner in runners_by_name().items():
-        own = [f"run.{key}={run[key]!r}" for key in runner.config.OWN_RUN_KEYS
+    for name, engine_class in engines_by_name().items():
+        own = [f"run.{key}={run[key]!r}" for key in engine_class.config.OWN_RUN_KEYS
                if key not in seen and run.get(key) is not None]
-        seen.update(runner.config.OWN_RUN_KEYS)
+        seen.update(engine_class.config.OWN_RUN_KEYS)
         if own:
-            notes.append(f"{', '.join(own)}: read by {name} only; {reg.runners.canonical(run['runner'])} does not "
+            notes.append(f"{', '.join(own)}: read by {name} only; {reg.engines.canonical(run['runner'])} does not "
                          f"use {'it' if len(own) == 1 else 'them'}")
-        key = runner.config.KEY
+        key = engine_class.config.KEY
         if key is None or key == chosen.config.KEY or not isinstance(run.get(key), dict) or not run[key]:
             continue
-        used = {twin.path.split(".")[2] for twin in runner.config.twins(run[key])[0] if twin.key in NEUTRAL_KEYS}
+        used = {twin.path.split(".")[2] for twin in engine_class.config.twins(run[key])[0] if twin.key in NEUTRAL_KEYS}
         unused = sorted(k for k in run[key] if k not in used)
         if unused:
-            notes.append(f"run.{key} is {name}'s section; {reg.runners.canonical(run['runner'])} reads only what it "
+            notes.append(f"run.{key} is {name}'s section; {reg.engines.canonical(run['runner'])} reads only what it "
                          f"says about the run keys (batch, clipping, precision, AdamW's betas/eps); not used: "
                          f"{', '.join(unused)}")
     return notes
@@ -65,7 +65,7 @@ def split_problems(run: dict, datasets: dict) -> list[str]:
 
 
 def neutral_settings(run: dict, errors: list[str], world_size: int) -> dict | None:
-    """Batch layout, clipping, precision and AdamW's betas/eps from the run keys and their twins in the runners'
+    """Batch layout, clipping, precision and AdamW's betas/eps from the run keys and their twins in the engines'
     sections, once their values passed the type and range checks (a micro-batch of 0 is reported once, as
     run.batch_size_train's); None if they cannot be resolved."""
     twins, problems = option_twins(run)

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
 def train(args: argparse.Namespace) -> int:
     import lavis_ds  # noqa: F401  (fills the registries)
-    from lavis_ds.build import build_runner
+    from lavis_ds.build import build_trainer
     from lavis_ds.common.device import check_one_gpu_per_process, configure_numerics
     from lavis_ds.config import load_config
     from lavis_ds.common import registry as reg
@@ -75,9 +75,9 @@ def train(args: argparse.Namespace) -> int:
     cfg = load_config(args.cfg_path, args.options, world_size=int(os.environ["WORLD_SIZE"]),
                       parsed_files=parsed_files)
     configure_numerics(cfg.run.tf32, cfg.run.deterministic)  # before any kernel runs
-    runner_class = reg.runners.get(cfg.run.runner)
-    runner_class.setup.prepare_process(cfg)
-    runner_class.setup.init_process_group()  # binds this process's GPU first (common.device)
+    engine_class = reg.engines.get(cfg.run.runner)
+    engine_class.setup.prepare_process(cfg)
+    engine_class.setup.init_process_group()  # binds this process's GPU first (common.device)
     check_one_gpu_per_process()  # named here, before NCCL would stop at "Duplicate GPU detected"
     lock, error = None, None
     if dist.is_main_process():
@@ -88,12 +88,12 @@ def train(args: argparse.Namespace) -> int:
     try:
         faults.agree(0, error)  # every rank stops if rank 0 could not create or lock the output folder
         faults.agree(0, not_shared_error(Path(cfg.run.output_dir)))  # checkpoints need one folder every node sees
-        runner = build_runner(cfg, parsed_files)
+        trainer = build_trainer(cfg, parsed_files)
         del parsed_files  # the datasets hold what they use; the rest (files of unused splits) can go
         if dist.is_main_process():
             # Beside config.yaml: what export and inference need to read the checkpoints (the tokenizer as used).
-            runner.engine.model.save_run_files(cfg.run.output_dir)
-        runner.evaluate_only() if cfg.run.evaluate else runner.train()
+            trainer.engine.model.save_run_files(cfg.run.output_dir)
+        trainer.evaluate_only() if cfg.run.evaluate else trainer.train()
     finally:  # however the run ends; a killed one leaves the file, which the next run takes over
         if lock is not None:
             lock.release()

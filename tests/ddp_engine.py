@@ -28,7 +28,7 @@ class DDPCheckpoints(EngineCheckpoints):
     FILES = (STATE_FILE,)
 
 
-@registry.register_runner("runner_ddp_test")
+@registry.register_engine("runner_ddp_test")
 class DDPEngine(Engine):
     checkpoints = DDPCheckpoints
 

@@ -1,15 +1,15 @@
 """Run on 2 processes by test_partitioned_build.py (forked: ``cli``): build a run's model the way train.py does, in
-the place its runner asks for, and report what each process holds.
+the place its engine asks for, and report what each process holds.
 
-    torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> runner [runner ...]
+    torchrun --nproc_per_node=2 tests/placement_worker.py <run.yaml> <report.json> engine [engine ...]
 
-For each runner named, the model is built twice: in the place the runner asks for (``setup.model_placement``) and
+For each engine named, the model is built twice: in the place the engine asks for (``setup.model_placement``) and
 whole, as before. For each build, on every process: how many elements of the LLM's own weights (no LoRA
 adapters, no token rows) this process holds right after the build - materialised in full, as its ZeRO-3
 partition, or on the meta device - and after the engine wrapped the model; and the loss of one fixed batch
 before and after one optimizer step on it, and whether the engine let the loop start its loss check before
 the backward. Process 0 writes
-``{"<runner>/<partitioned|whole>": [report of rank 0, report of rank 1, ...]}``.
+``{"<engine>/<partitioned|whole>": [report of rank 0, report of rank 1, ...]}``.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def fixed_batch() -> dict:
 
 
 def report_for(cfg, partitioned: bool) -> dict:
-    """Build (in the runner's placement, or whole), wrap, and take one optimizer step on the fixed batch."""
+    """Build (in the engine's placement, or whole), wrap, and take one optimizer step on the fixed batch."""
     import contextlib
     import gc
 
@@ -67,13 +67,13 @@ def report_for(cfg, partitioned: bool) -> dict:
     from lavis_ds.common.registry import registry
     from lavis_ds.runners import Trainer
 
-    runner_class = registry.get_runner_class(cfg.run.runner)
-    placement = runner_class.setup.model_placement(cfg) if partitioned else contextlib.nullcontext()
+    engine_class = registry.get_engine_class(cfg.run.runner)
+    placement = engine_class.setup.model_placement(cfg) if partitioned else contextlib.nullcontext()
     model = build_model(cfg.model, cfg.run.seed, placement)
     built = held(base_llm_params(model))
-    runner = Trainer.from_config(cfg, model, build_datasets(cfg.datasets))
-    runner.setup()  # wraps the model
-    engine = runner.engine
+    trainer = Trainer.from_config(cfg, model, build_datasets(cfg.datasets))
+    trainer.setup()  # wraps the model
+    engine = trainer.engine
     wrapped = held(base_llm_params(engine.module))
     engine.module.train()
     torch.manual_seed(0)  # LoRA dropout draws alike in both builds
@@ -87,7 +87,7 @@ def report_for(cfg, partitioned: bool) -> dict:
     engine.module.eval()
     with torch.no_grad():
         losses.append(float(engine.forward(fixed_batch())["loss"]))
-    del runner, engine, model, last_backward
+    del trainer, engine, model, last_backward
     gc.collect()
     return {"built": built, "wrapped": wrapped, "losses": losses, "events": events, "gathered": gathered}
 
@@ -120,18 +120,18 @@ def noting_backward(model: torch.nn.Module) -> list[str]:
     return events
 
 
-def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
+def main(cfg_path: str, report_path: str, engines: list[str]) -> None:
     importlib.import_module("lavis_ds")  # fills the registries
     from lavis_ds.common.registry import registry
     from lavis_ds.config import load_config
 
     world = int(os.environ["WORLD_SIZE"])
     reports = {}
-    for name in runners:
+    for name in engines:
         cfg = load_config(cfg_path, [f"run.runner={name}"], world_size=world)
-        runner_class = registry.get_runner_class(name)
-        runner_class.setup.prepare_process(cfg)
-        runner_class.setup.init_process_group()  # once: a started process group is kept
+        engine_class = registry.get_engine_class(name)
+        engine_class.setup.prepare_process(cfg)
+        engine_class.setup.init_process_group()  # once: a started process group is kept
         for partitioned in (True, False):
             mine = report_for(cfg, partitioned)
             everyone = [None] * torch_dist.get_world_size()
@@ -143,7 +143,7 @@ def main(cfg_path: str, report_path: str, runners: list[str]) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    """The command line above: ``<run.yaml> <report.json> runner [runner ...]``."""
+    """The command line above: ``<run.yaml> <report.json> engine [engine ...]``."""
     main(argv[0], argv[1], argv[2:])
     return 0
 

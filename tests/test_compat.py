@@ -180,7 +180,7 @@ def test_amp_alone_means_lavis_fp16(tmp_path):
 # ----------------------------------------------------------------------------------- errors in one round
 
 
-def test_unknown_arch_model_type_builder_and_runner_come_with_every_other_problem():
+def test_unknown_arch_model_type_builder_and_engine_come_with_every_other_problem():
     problems = _problems(FIXTURES / "minigpt4qwen" / "train_zero2_3090x4.yaml", [
         "model.arch=minigpt4qwn", "model.frezee_vit=true", "datasets.llava_instruction.builder=llava_instrucion",
         "datasets.llava_instruction.skip_bad_record=true", "run.runner=deepspeed_runer", "run.max_epoc=2",
@@ -191,7 +191,7 @@ def test_unknown_arch_model_type_builder_and_runner_come_with_every_other_proble
     assert "model.frezee_vit: unknown key; did you mean 'freeze_vit'?" in text
     assert "datasets.llava_instruction: Unknown dataset builder 'llava_instrucion'" in text
     assert "datasets.llava_instruction.skip_bad_record: unknown key; did you mean 'skip_bad_records'?" in text
-    assert "run.runner: Unknown runner 'deepspeed_runer'. Did you mean 'deepspeed_runner'?" in text
+    assert "run.runner: Unknown engine 'deepspeed_runer'. Did you mean 'deepspeed_runner'?" in text
     assert "run.max_epoc: unknown key; did you mean 'max_epoch'?" in text
     assert "run.deepspeed_config.zero_optimization.stag: unknown key; did you mean 'stage'?" in text
     assert len(problems) == 8, problems
@@ -381,16 +381,16 @@ def test_file_problems_come_with_structural_ones(tmp_path):
     assert "model.llm_model: 'ckpt/Qwen7B-chat' does not exist" in text
 
 
-def test_runner_subclass_forwarding_its_arguments_is_a_valid_runner(tmp_path):
+def test_engine_subclass_forwarding_its_arguments_is_a_valid_engine(tmp_path):
     from lavis_ds.runners import DeepSpeedEngine
 
-    @registry.register_runner("test_compat_forwarding_runner")
-    class ForwardingRunner(DeepSpeedEngine):
+    @registry.register_runner("test_compat_forwarding_engine")  # LAVIS's spelling of register_engine
+    class ForwardingEngine(DeepSpeedEngine):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
 
-    cfg = _demo_run(tmp_path, runner="test_compat_forwarding_runner")
-    assert load_config(write_yaml(tmp_path / "x.yaml", cfg)).run.runner == "test_compat_forwarding_runner"
+    cfg = _demo_run(tmp_path, runner="test_compat_forwarding_engine")
+    assert load_config(write_yaml(tmp_path / "x.yaml", cfg)).run.runner == "test_compat_forwarding_engine"
 
 
 @pytest.mark.parametrize("given, resume", [

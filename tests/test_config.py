@@ -248,11 +248,11 @@ def test_the_zero_keys_under_runner_fsdp_are_named_as_unused(instruction_data, t
       "run.deepspeed_config.zero_optimization": {"offload_param": {"device": "none"}}},
      r"^run\.offload_params=True and run\.deepspeed_config\.zero_optimization\.offload_param\.device='none' disagree"),
 ])
-@pytest.mark.parametrize("runner", ["runner_deepspeed", "runner_fsdp"])
-def test_a_neutral_key_and_its_twin_that_disagree_are_named_under_every_runner(instruction_data, tiny_tokenizer_dir,
-                                                                             edits, message, runner):
+@pytest.mark.parametrize("engine", ["runner_deepspeed", "runner_fsdp"])
+def test_a_neutral_key_and_its_twin_that_disagree_are_named_under_every_engine(instruction_data, tiny_tokenizer_dir,
+                                                                             edits, message, engine):
     tmp_path, ann = instruction_data
-    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.runner": runner, **edits}))
+    problems = _problems(_cfg(tmp_path, ann, tiny_tokenizer_dir, **{"run.runner": engine, **edits}))
     assert any(re.search(message, p) for p in problems), problems
 
 

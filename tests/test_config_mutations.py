@@ -109,7 +109,7 @@ MUTATIONS = {
                   rf"^{SECTION}\.vis_processor\.train\.name: Unknown processor 'blip2_image_trian'\. Did you mean "
                   rf"'blip2_image_train'\?"),
     "runner": ("run.runner=runner_deepspeeed",
-               r"^run\.runner: Unknown runner 'runner_deepspeeed'\. Did you mean 'runner_deepspeed'\?"),
+               r"^run\.runner: Unknown engine 'runner_deepspeeed'\. Did you mean 'runner_deepspeed'\?"),
     "lr_sched": ("run.lr_sched=linear_warmup_cosine",
                  r"^run\.lr_sched: Unknown lr scheduler 'linear_warmup_cosine'\. Did you mean"),
     "hook": ("run.hooks=[tensorboard,mlfow]",

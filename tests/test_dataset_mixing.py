@@ -93,7 +93,7 @@ def test_dataloader_workers_see_the_epoch_set_before_the_iterator_is_made():
     sampler = StepBatchSampler(len(mixed), 4, 1, 1, 0, seed=2, shuffle=False)
     loader = DataLoader(mixed, batch_sampler=sampler, num_workers=1, collate_fn=mixed.collater)
     for epoch in (0, 1):
-        mixed.set_epoch(epoch)  # what the runner does next to sampler.set_position, before iter()
+        mixed.set_epoch(epoch)  # what the trainer's data side does next to sampler.set_position, before iter()
         assert [x for batch in loader for x in batch] == [mixed.__getitem__(i) for i in range(12)]
     assert _epoch_items(mixed, 0) != _epoch_items(mixed, 1)
 
@@ -118,7 +118,7 @@ def test_the_mixed_order_does_not_depend_on_the_world_size(epoch):
     assert Counter(name for step in one for name, _ in step)["b"] > 0
 
 
-def test_without_sample_ratio_the_runner_keeps_concatenating():
+def test_without_sample_ratio_the_trainer_keeps_concatenating():
     datasets = {"a": {"train": Tagged("a", 5)}, "b": {"train": Tagged("b", 5), "val": Tagged("bv", 2)}}
     assert mix_train_splits(datasets, {"a": {}, "b": {}}, ["train"], seed=0) is None
     # One training dataset: a ratio has nothing to weigh against.

@@ -18,7 +18,7 @@ from run_utils import (REPO, assert_same_steps, comparable, continue_from, env, 
 
 PAIRS_PER_STEP = 8
 STEPS = 4
-SPLITS = {  # name: (processes, micro-batch, accumulation, runner, ZeRO stage)
+SPLITS = {  # name: (processes, micro-batch, accumulation, engine (run.runner), ZeRO stage)
     "8x1": (1, 8, 1, "runner_deepspeed", 2),
     "2x4": (1, 2, 4, "runner_deepspeed", 2),
     "2x2 on 2, zero0": (2, 2, 2, "runner_deepspeed", 0),

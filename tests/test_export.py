@@ -87,7 +87,7 @@ def _trained_results(output_dir: Path) -> tuple[list[str], float]:
 
 # Runs in a fresh interpreter that imports what loading and generating need, then forks one process per export
 # folder, which reports whether DeepSpeed got imported (by those imports or by its own work). It replays the
-# runner's evaluation batches (each rank's shard of the split, EvalBatchSampler) so that the numbers can be
+# trainer's evaluation batches (each rank's shard of the split, EvalBatchSampler) so that the numbers can be
 # compared exactly: the CLI generates the test split, the loaded model computes the validation loss.
 WITHOUT_DEEPSPEED = r"""
 import contextlib, io, json, os, sys, traceback

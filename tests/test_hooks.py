@@ -1,5 +1,5 @@
 """Hooks: `run.hooks` is checked like the rest of the config; the dispatcher's rules; a user's hook from
-`imports:` and the three trackers on one real in-process training run (tests/plain_runner.py), read back
+`imports:` and the three trackers on one real in-process training run (tests/plain_engine.py), read back
 with each tracker's own reader (TensorBoard's EventAccumulator, MLflow's client, W&B's run records)."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import plain_runner  # noqa: F401  (registers runner_plain_test)
+import plain_engine  # noqa: F401  (registers runner_plain_test)
 import wandb_offline
 from conftest import demo_storage_fixture
-from lavis_ds.build import build_runner
+from lavis_ds.build import build_trainer
 from lavis_ds.common.registry import hooks as hook_registry
 from lavis_ds.config import ConfigError, load_config
 from lavis_ds.runners.hooks import BUILTIN_HOOKS, Hook, HookList, hook_specs
@@ -36,28 +36,28 @@ class EventRecorder(Hook):
     def __init__(self, save_at_step: int = 0, label: str = ""):
         self.save_at_step, self.label, self.events = save_at_step, label, []
 
-    def before_train(self, runner):
-        self.events.append(("before_train", runner.state.global_step))
+    def before_train(self, trainer):
+        self.events.append(("before_train", trainer.state.global_step))
 
-    def after_step(self, runner, metrics):
-        self.events.append(("after_step", runner.state.global_step))
-        if runner.state.global_step == self.save_at_step:
-            runner.request_save(self.label)
+    def after_step(self, trainer, metrics):
+        self.events.append(("after_step", trainer.state.global_step))
+        if trainer.state.global_step == self.save_at_step:
+            trainer.request_save(self.label)
 
-    def after_epoch(self, runner):
-        self.events.append(("after_epoch", runner.state.global_step))
+    def after_epoch(self, trainer):
+        self.events.append(("after_epoch", trainer.state.global_step))
 
-    def log(self, runner, record):
+    def log(self, trainer, record):
         self.events.append(("log", record["step"], record.get("split", "train")))
 
-    def after_save(self, runner, tag_dir):
+    def after_save(self, trainer, tag_dir):
         self.events.append(("after_save", tag_dir.name))
 
-    def after_train(self, runner):
-        self.events.append(("after_train", runner.state.global_step))
+    def after_train(self, trainer):
+        self.events.append(("after_train", trainer.state.global_step))
 
-    def close(self, runner):
-        self.events.append(("close", runner.state.global_step))
+    def close(self, trainer):
+        self.events.append(("close", trainer.state.global_step))
 '''
 
 
@@ -137,16 +137,16 @@ class Asking(Hook):
     def __init__(self, event: str, seen: list):
         self.event, self.seen = event, seen
 
-    def after_step(self, runner, metrics):
+    def after_step(self, trainer, metrics):
         self.seen.append("asking.after_step")
-        runner.hooks.log({"step": 1, "epoch": 0, "loss": 0.5})
+        trainer.hooks.log({"step": 1, "epoch": 0, "loss": 0.5})
         if self.event == "after_step":
-            runner.hooks.request_save("asked")
+            trainer.hooks.request_save("asked")
 
-    def evaluate(self, runner):
-        runner.hooks.request_save("asked")
+    def evaluate(self, trainer):
+        trainer.hooks.request_save("asked")
 
-    def log(self, runner, record):
+    def log(self, trainer, record):
         self.seen.append(f"asking.log {record['loss']}")
 
 
@@ -154,20 +154,20 @@ class Listening(Hook):
     def __init__(self, seen: list):
         self.seen = seen
 
-    def after_step(self, runner, metrics):
+    def after_step(self, trainer, metrics):
         self.seen.append("listening.after_step")
 
-    def log(self, runner, record):
+    def log(self, trainer, record):
         self.seen.append(f"listening.log {record['loss']}")
 
-    def after_epoch(self, runner):
-        runner.hooks.call("after_step", {})
+    def after_epoch(self, trainer):
+        trainer.hooks.call("after_step", {})
 
 
 def _hook_list(rank: int, *hooks: Hook) -> HookList:
-    runner = SimpleNamespace(rank=rank)
-    runner.hooks = HookList(runner, list(hooks))
-    return runner.hooks
+    trainer = SimpleNamespace(rank=rank)
+    trainer.hooks = HookList(trainer, list(hooks))
+    return trainer.hooks
 
 
 def test_records_and_save_requests_wait_until_every_hook_saw_the_event():
@@ -194,6 +194,27 @@ def test_records_exist_on_rank_0_only():
     assert seen == ["asking.after_step", "listening.after_step"]
 
 
+
+class NamingItRunner(Hook):
+    """A hook written for LAVIS, whose events name the trainer `runner`."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def after_step(self, runner, metrics):
+        self.seen.append(("after_step", runner.rank, metrics))
+
+    def log(self, runner, record):
+        self.seen.append(("log", runner.rank, record))
+
+
+def test_the_trainer_reaches_a_hook_by_position_whatever_the_hook_calls_it():
+    seen = []
+    hooks = _hook_list(0, NamingItRunner(seen))
+    hooks.call("after_step", {"loss": 1.0})
+    hooks.log({"step": 1})
+    assert seen == [("after_step", 0, {"loss": 1.0}), ("log", 0, {"step": 1})]
+
 # ---- a real run: a user's hook and the trackers ---------------------------------------------------------
 
 TRACKERS = ["tensorboard", {"name": "mlflow", "experiment": "hooks_test"},
@@ -202,14 +223,14 @@ TRACKERS = ["tensorboard", {"name": "mlflow", "experiment": "hooks_test"},
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory, demo_storage, user_module):
-    """One training run with every tracker and the user's hook: (its runner, its output_dir)."""
+    """One training run with every tracker and the user's hook: (its trainer, its output_dir)."""
     root = tmp_path_factory.mktemp("tracked")
     cfg = _config(root / "out", demo_storage, hooks=[
         *TRACKERS, {"name": "event_recorder_test", "save_at_step": 2, "label": "the user asked"}])
     cfg["imports"] = [user_module]
-    runner = build_runner(load_config(write_yaml(root / "run.yaml", cfg)))
-    runner.train()
-    return runner, root / "out"
+    trainer = build_trainer(load_config(write_yaml(root / "run.yaml", cfg)))
+    trainer.train()
+    return trainer, root / "out"
 
 
 def _expected_numbers(out: Path) -> dict[str, list[tuple[int, float]]]:
@@ -276,9 +297,9 @@ def test_tensorboard_holds_the_metrics_of_the_run(tracked_run):
 
 
 def test_a_user_hook_from_imports_sees_every_event_in_order_and_its_save_follows_the_event(tracked_run):
-    runner, out = tracked_run
-    recorder = runner.hooks[-1]
-    assert [type(hook).__name__ for hook in runner.hooks] == [
+    trainer, out = tracked_run
+    recorder = trainer.hooks[-1]
+    assert [type(hook).__name__ for hook in trainer.hooks] == [
         "MetricsLog", "Validation", "Checkpointer", "BestCheckpoint", "TestGeneration", "TrainingClock", "TensorBoard",
         "MLflow", "Wandb", "EventRecorder"]
     assert recorder.label == "the user asked"
@@ -300,7 +321,7 @@ class Crash(Exception):
 
 def test_a_resumed_run_continues_its_mlflow_and_wandb_runs(tmp_path, demo_storage, monkeypatch):
     cfg = write_yaml(tmp_path / "run.yaml", _config(tmp_path / "out", demo_storage, hooks=TRACKERS))
-    crashing = build_runner(load_config(cfg))
+    crashing = build_trainer(load_config(cfg))
     step = crashing.run_step
 
     def run_step_then_crash(*step_args):
@@ -311,7 +332,7 @@ def test_a_resumed_run_continues_its_mlflow_and_wandb_runs(tmp_path, demo_storag
     crashing.run_step = run_step_then_crash
     with pytest.raises(Crash):
         crashing.train()
-    build_runner(load_config(cfg)).train()  # run.resume: auto, from the epoch-end checkpoint
+    build_trainer(load_config(cfg)).train()  # run.resume: auto, from the epoch-end checkpoint
 
     out = tmp_path / "out"
     expected = _expected_numbers(out)  # metrics.jsonl reads like one run

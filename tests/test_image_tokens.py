@@ -48,7 +48,8 @@ def test_the_prompt_reserves_what_the_models_count_says_and_the_batch_keeps_it(m
     placeholders = (batch["input_ids"] == model.prompt.image_token_id).sum(1).tolist()
     assert placeholders == [model.tokens_per_image, 0, model.tokens_per_image]
     features = model.image_features(batch)
-    assert features.shape == (2 * model.tokens_per_image, model.llm_config.hidden_size)  # flat, image by image
+    hidden = model.llm_transformers_config.hidden_size
+    assert features.shape == (2 * model.tokens_per_image, hidden)  # flat, image by image
 
 
 def test_an_image_path_that_disagrees_with_the_count_names_the_sample(model):

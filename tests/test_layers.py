@@ -1,7 +1,7 @@
 """The architecture as the folder names promise it: the packages form layers that import one way only (`common/`
 the ground floor, `build.py` between the runners and the apps), no import circle runs through any module (imports
-inside functions and under `TYPE_CHECKING` count), only the DeepSpeed runner's package (plus the registration of
-runners and the launcher glue) knows DeepSpeed, and the export library imports no command-line module."""
+inside functions and under `TYPE_CHECKING` count), only the DeepSpeed engine's package (plus the registration of
+engines and the launcher glue) knows DeepSpeed, and the export library imports no command-line module."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "lavis_ds"
 ABOVE_COMMON = ("lavis_ds.models", "lavis_ds.datasets", "lavis_ds.runners", "lavis_ds.processors", "lavis_ds.metrics",
                 "lavis_ds.optim", "lavis_ds.config", "lavis_ds.build", "lavis_ds.apps")
-# Where the word may stand: the engine's own package, the package that registers the runners and names the
+# Where the word may stand: the engine's own package, the package that registers the engines and names the
 # default one, and the launcher glue: the process-group set-up that also serves the `deepspeed` launcher, the
 # GPU binding whose messages name that launcher's --num_gpus, and the train command, which takes its --local_rank.
 KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py", "common/device.py", "train.py",
@@ -186,15 +186,15 @@ def test_common_imports_nothing_above_it():
     assert not {path: names for path, names in offenders.items() if names}
 
 
-def test_only_the_deepspeed_runner_and_the_launcher_glue_know_deepspeed():
+def test_only_the_deepspeed_engine_and_the_launcher_glue_know_deepspeed():
     """The issue's check, `grep -rln deepspeed lavis_ds`, as a test (code, config keys and docstrings alike)."""
     knowing = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*")
                      if path.is_file() and path.suffix in (".py", ".yaml") and "deepspeed" in path.read_text())
-    assert knowing, "the DeepSpeed runner itself must be found: the scan is broken"
+    assert knowing, "the DeepSpeed engine itself must be found: the scan is broken"
     assert [path for path in knowing if not path.startswith(tuple(KNOWS_DEEPSPEED))] == []
 
 
-def test_no_module_outside_the_deepspeed_runner_imports_deepspeed():
+def test_no_module_outside_the_deepspeed_engine_imports_deepspeed():
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         relative = str(path.relative_to(PACKAGE))

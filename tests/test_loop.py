@@ -1,4 +1,4 @@
-"""The shared loop and its hooks, in-process on a single-process test engine (tests/plain_runner.py):
+"""The shared loop and its hooks, in-process on a single-process test engine (tests/plain_engine.py):
 the trainer (runners/trainer.py) needs no real engine, no launcher and no process group."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-import plain_runner  # noqa: F401  (registers runner_plain_test)
+import plain_engine  # noqa: F401  (registers runner_plain_test)
 from conftest import demo_storage_fixture
-from lavis_ds.build import build_runner
+from lavis_ds.build import build_trainer
 from lavis_ds.config import load_config
 from lavis_ds.runners import checkpoint as ckpt
 from run_utils import comparable, tiny_config, train_steps, write_yaml
@@ -21,10 +21,10 @@ EPOCHS = 2
 demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=8)
 
 
-def _runner(tmp_path, demo_storage, name: str, **run):
+def _trainer(tmp_path, demo_storage, name: str, **run):
     cfg = tiny_config(tmp_path / name, demo_storage, accum=2, max_epoch=EPOCHS, save_freq_steps=3,
                       runner="runner_plain_test", valid_splits=["val"], test_splits=["test"], **run)
-    return build_runner(load_config(write_yaml(tmp_path / f"{name}.yaml", cfg)))
+    return build_trainer(load_config(write_yaml(tmp_path / f"{name}.yaml", cfg)))
 
 
 class Crash(Exception):
@@ -33,15 +33,15 @@ class Crash(Exception):
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, demo_storage):
-    """One uninterrupted run: (its runner, its output_dir); also the crash tests' reference."""
+    """One uninterrupted run: (its trainer, its output_dir); also the crash tests' reference."""
     root = tmp_path_factory.mktemp("loop")
-    runner = _runner(root, demo_storage, "plain")
-    runner.train()
-    return runner, root / "plain"
+    trainer = _trainer(root, demo_storage, "plain")
+    trainer.train()
+    return trainer, root / "plain"
 
 
 def test_the_loop_runs_in_process_on_an_engine_of_a_few_lines(plain_run):
-    runner, out = plain_run
+    trainer, out = plain_run
     steps = train_steps(out)
     assert [m["step"] for m in steps] == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
     assert steps[-1]["loss"] < steps[0]["loss"]
@@ -51,13 +51,13 @@ def test_the_loop_runs_in_process_on_an_engine_of_a_few_lines(plain_run):
                         .read_text())
     assert marker["runner"] == "runner_plain_test" and marker["global_batch"] == 8
     assert json.loads((out / "finished.json").read_text()) == {"global_step": STEPS_PER_EPOCH * EPOCHS}
-    assert runner.hooks[0].writer is None  # the logger closed what it opened
+    assert trainer.hooks[0].writer is None  # the logger closed what it opened
 
 
 @pytest.mark.parametrize("crash_after", [4, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2])
 def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, demo_storage, plain_run, crash_after):
     _, reference_out = plain_run  # the same run uninterrupted
-    crashing = _runner(tmp_path, demo_storage, "crashed")
+    crashing = _trainer(tmp_path, demo_storage, "crashed")
     step = crashing.run_step
 
     def run_step_then_crash(*step_args):
@@ -71,7 +71,7 @@ def test_a_crash_anywhere_resumes_bit_for_bit_and_closes_the_hooks(tmp_path, dem
     assert crashing.hooks[0].writer is None  # closed in train()'s finally
     assert not (tmp_path / "crashed" / "finished.json").exists()
 
-    _runner(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
+    _trainer(tmp_path, demo_storage, "crashed").train()  # run.resume: auto
     assert comparable(train_steps(tmp_path / "crashed")) == comparable(train_steps(reference_out))
 
 
@@ -85,8 +85,8 @@ def test_a_step_makes_one_collective_and_the_next_steps_agreement_rides_on_it(tm
     # every all-reduce starts here, collected at once (comm.all_reduce) or later (the loss check)
     monkeypatch.setattr(comm, "start_all_reduce",
                         lambda *a, _start=comm.start_all_reduce, **k: calls.append(1) or _start(*a, **k))
-    runner = _runner(tmp_path, demo_storage, "counted")
-    step = runner.run_step
+    trainer = _trainer(tmp_path, demo_storage, "counted")
+    step = trainer.run_step
 
     def counted_step(*step_args):
         calls.clear()
@@ -99,13 +99,14 @@ def test_a_step_makes_one_collective_and_the_next_steps_agreement_rides_on_it(tm
         del calls[before:]
         return saved
 
-    runner.run_step, save, runner.save = counted_step, runner.save, uncounted_save
-    runner.train()
+    trainer.run_step, save, trainer.save = counted_step, trainer.save, uncounted_save
+    trainer.train()
     assert per_step == ([2] + [1] * (STEPS_PER_EPOCH - 1)) * EPOCHS
     assert comparable(train_steps(tmp_path / "counted")) == comparable(train_steps(plain_run[1]))
 
 
-def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path, demo_storage, plain_run, monkeypatch):
+def test_building_a_trainer_reads_no_checkpoint_and_calls_no_collective(tmp_path, demo_storage, plain_run,
+                                                                        monkeypatch):
     """The constructor only assigns; setup() (train's first step) chooses the checkpoint and sets a damaged one aside."""
     from lavis_ds.common import comm
 
@@ -113,36 +114,36 @@ def test_building_a_runner_reads_no_checkpoint_and_calls_no_collective(tmp_path,
     shutil.copytree(reference_out, tmp_path / "copy")
     checkpoints = tmp_path / "copy" / "checkpoints"
     newest = checkpoints / f"step_{STEPS_PER_EPOCH * EPOCHS}"
-    state_file = newest / plain_runner.STATE_FILE
+    state_file = newest / plain_engine.STATE_FILE
     state_file.write_bytes(state_file.read_bytes()[:100])  # truncated: a damaged checkpoint
     for name in ("all_reduce", "all_gather_object", "barrier", "broadcast_object"):
         monkeypatch.setattr(comm, name, _no_collective(name))
 
-    runner = _runner(tmp_path, demo_storage, "copy")  # run.resume: auto
-    assert newest.is_dir() and runner.plan is None and len(runner.hooks) == 0
+    trainer = _trainer(tmp_path, demo_storage, "copy")  # run.resume: auto
+    assert newest.is_dir() and trainer.plan is None and len(trainer.hooks) == 0
 
     monkeypatch.undo()
-    runner.setup()
+    trainer.setup()
     assert not newest.exists() and (checkpoints / f"{newest.name}{ckpt.DAMAGED_SUFFIX}").is_dir()
-    assert runner.plan.source == (checkpoints, "step_6")
-    runner.setup()  # once: nothing more is set aside, nothing is rebuilt
-    assert runner.plan.source == (checkpoints, "step_6")
+    assert trainer.plan.source == (checkpoints, "step_6")
+    trainer.setup()  # once: nothing more is set aside, nothing is rebuilt
+    assert trainer.plan.source == (checkpoints, "step_6")
 
 
 def _no_collective(name: str):
     def refuse(*args, **kwargs):
-        raise AssertionError(f"comm.{name} called while building a runner")
+        raise AssertionError(f"comm.{name} called while building a trainer")
     return refuse
 
 
 def test_a_hook_failing_to_set_up_still_closes_the_others(tmp_path, demo_storage):
-    runner = _runner(tmp_path, demo_storage, "failing_hook")
-    runner.setup()
+    trainer = _trainer(tmp_path, demo_storage, "failing_hook")
+    trainer.setup()
 
-    def fail(_runner):
+    def fail(_trainer):
         raise Crash("before_train")
 
-    runner.hooks[1].before_train = fail  # after the logger opened its writer
+    trainer.hooks[1].before_train = fail  # after the logger opened its writer
     with pytest.raises(Crash):
-        runner.train()
-    assert runner.hooks[0].writer is None
+        trainer.train()
+    assert trainer.hooks[0].writer is None

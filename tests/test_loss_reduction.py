@@ -11,7 +11,7 @@ from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import REPO, env, tiny_config, train_args, train_steps, write_yaml
 
 STEPS = 10
-SPLITS = {  # name: (processes, micro-batch, accumulation, runner, loss_reduction)
+SPLITS = {  # name: (processes, micro-batch, accumulation, engine (run.runner), loss_reduction)
     "16x1": (1, 16, 1, "runner_deepspeed", "tokens"),
     "4x4": (1, 4, 4, "runner_deepspeed", "tokens"),
     "8x1 on 2": (2, 8, 1, "runner_deepspeed", "tokens"),

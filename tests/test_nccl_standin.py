@@ -5,7 +5,7 @@ machine any collective on a CPU tensor there fails with NCCL's own error ("No ba
 associated with device type cpu"). lavis_ds's control traffic goes over its control group
 (``common/comm.py``), so the loop must run whole. The engines' data plane cannot run under it
 here (their tensors are CPU tensors too), so the runs use ``runner_control_test``
-(tests/control_runner.py): the real loop, hooks, evaluation, checkpoints and resumption on 2
+(tests/control_engine.py): the real loop, hooks, evaluation, checkpoints and resumption on 2
 processes that exchange no data. DeepSpeed and FSDP on a real NCCL group are tests/gpu's.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _project(folder: Path, demo_storage: Path, **run) -> Path:
     cfg = tiny_config(folder / "out", demo_storage, max_epoch=2, runner="runner_control_test", valid_splits=["val"],
                       test_splits=["test"], val_metrics=["exact_match"], save_freq_steps=3, keep_last=2,
                       best_metric="val/loss", **run)
-    cfg["imports"] = ["control_runner"]
+    cfg["imports"] = ["control_engine"]
     return write_yaml(folder / "run.yaml", cfg)
 
 

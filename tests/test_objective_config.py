@@ -42,8 +42,8 @@ def test_an_engine_that_does_not_run_objectives_refuses_a_preference_task():
     run = {"task": "dpo", "dpo": {"beta": 0.2}}
     assert objective_problems(run, DeepSpeedEngine) == objective_problems(run, FSDPEngine) == []
     assert objective_problems(run, OwnLossEngine) == [
-        "run.task: 'dpo' trains on preference pairs, which the runner OwnLossEngine does not run (it trains the "
-        "model's next-token loss); use a runner that calls objectives (config.RUNS_OBJECTIVES)"]
+        "run.task: 'dpo' trains on preference pairs, which the engine OwnLossEngine does not run (it trains the "
+        "model's next-token loss); use an engine that calls objectives (config.RUNS_OBJECTIVES)"]
 
 
 def test_default_and_lavis_task_names_are_sft(cfg_path):

@@ -111,7 +111,7 @@ def test_log1mexp_is_accurate_on_both_branches():
 @pytest.mark.parametrize("split", [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (4, 2, 1)],
                          ids=lambda s: "micro{2}xaccum{0}xranks{1}".format(*s))
 def test_step_loss_does_not_depend_on_the_split(objective, split):
-    """8 pairs as (accumulation x processes) micro-batches: each micro-batch's share, weighted as the runner weights
+    """8 pairs as (accumulation x processes) micro-batches: each micro-batch's share, weighted as the trainer weights
     it (``micro_batch_weights`` from the all-reduced counts) and averaged as the engines average, gives the loss
     and gradient of the 8 pairs as one batch (1e-12)."""
     accum, ranks, micro = split

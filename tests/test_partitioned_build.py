@@ -1,4 +1,4 @@
-"""The LLM built where its runner shards it: ZeRO-3 partitioned from the start, FSDP empty (meta) on processes
+"""The LLM built where its engine shards it: ZeRO-3 partitioned from the start, FSDP empty (meta) on processes
 other than 0. On 2 processes, a tiny Qwen2 folder written with save_pretrained whose tokenizer lacks the
 ChatML tokens (so the embeddings are resized and the new rows train), LoRA on the LLM, LLM gradient
 checkpointing, everything else frozen: what each process holds, the same losses as a whole build, and a
@@ -49,7 +49,7 @@ def _config(out: Path, storage: Path, folder: Path, runner: str = "runner_deepsp
 
 @pytest.mark.parametrize("arch", ["blip2_qwen", "llava", "instructblip"])
 def test_other_processes_never_hold_the_whole_llm_and_losses_match_a_whole_build(setup, arch):
-    """Both runners, each built in its placement and whole (as before) in one launch: process 1 holds half of
+    """Both engines, each built in its placement and whole (as before) in one launch: process 1 holds half of
     the LLM (ZeRO-3) or none of it (FSDP) when the build ends, and the loss of one batch before and after one
     optimizer step is that of the whole build, exactly (fp32); each engine returns to the loop before the last
     backward. Every registered architecture."""

@@ -36,9 +36,11 @@ def test_duplicate_name_names_first_owner():
 
 def test_lavis_spelling_reaches_the_global_registries():
     import lavis_ds  # noqa: F401
+    from lavis_ds.common import registry as reg_module
     from lavis_ds.common.registry import registry
 
     assert registry.get_runner_class("runner_deepspeed").__name__ == "DeepSpeedEngine"
+    assert reg_module.runners is reg_module.engines  # LAVIS's name for the registry of engine classes
     assert registry.get_lr_scheduler_class("linear_warmup_cosine_lr").__name__ == "LinearWarmupCosineLR"
     with pytest.raises(KeyError, match="Did you mean 'linear_warmup_step_lr'"):
         registry.get_lr_scheduler_class("linear_warmup_stp_lr")
@@ -50,8 +52,8 @@ def test_every_lavis_spelling_is_a_thin_alias_of_a_registry_method():
 
     lavis = reg.registry
     for kind, registry in [("model", reg.models), ("builder", reg.builders), ("processor", reg.processors),
-                           ("lr_scheduler", reg.lr_schedulers), ("runner", reg.runners), ("metric", reg.metrics),
-                           ("hook", reg.hooks)]:
+                           ("lr_scheduler", reg.lr_schedulers), ("engine", reg.engines), ("runner", reg.engines),
+                           ("metric", reg.metrics), ("hook", reg.hooks)]:
         assert getattr(lavis, f"get_{kind}_class") == registry.get
         assert getattr(lavis, f"register_{kind}").__self__ is registry
 

@@ -200,8 +200,8 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, dem
 
 @pytest.mark.parametrize("engine_file, writer", [("mp_rank_00_model_states.pt", "runner_deepspeed"),
                                                  (".metadata", "runner_fsdp")])
-def test_a_checkpoint_is_known_by_its_runner_files_when_its_marker_names_no_runner(tmp_path, engine_file, writer):
-    """Markers written before they named their runner: the folder's files say which engine wrote it."""
+def test_a_checkpoint_is_known_by_its_engine_files_when_its_marker_names_no_engine(tmp_path, engine_file, writer):
+    """Markers written before they named their engine: the folder's files say which engine wrote it."""
     from lavis_ds.runners import checkpoint as ckpt
 
     tag_dir = tmp_path / "step_4"
@@ -215,9 +215,9 @@ def test_a_checkpoint_is_known_by_its_runner_files_when_its_marker_names_no_runn
     assert ckpt.writer_of(tag_dir) == "my_runner"  # the marker's word wins
 
 
-def test_a_marker_naming_no_runner_beside_no_engine_files_is_damaged(tmp_path):
+def test_a_marker_naming_no_engine_beside_no_engine_files_is_damaged(tmp_path):
     from lavis_ds.runners import checkpoint as ckpt
 
     ckpt.mark_complete(tmp_path, {"global_step": 4})
-    with pytest.raises(ckpt.DamagedCheckpoint, match="names no runner and the folder holds no registered runner's"):
+    with pytest.raises(ckpt.DamagedCheckpoint, match="names no engine and the folder holds no registered engine's"):
         ckpt.writer_of(tmp_path)

@@ -1,6 +1,7 @@
-"""The runner is built from parts: every attribute a runner class keeps is declared in its constructor, the
-loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits), and so do the
-engines (their config section, checkpoint reading and process set-up are parts they hold as class attributes)."""
+"""The trainer and its engines are built from parts: every attribute their classes keep is declared in a
+constructor, the loop's class stays small (its engine, data and hooks are objects it holds, not classes it inherits),
+and so do the engines (their config section, checkpoint reading and process set-up are parts they hold as class
+attributes)."""
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,8 @@ from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig, Eng
 from lavis_ds.runners.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = [*sorted((REPO / "lavis_ds" / "runners").rglob("*.py")), REPO / "tests" / "plain_runner.py",
-           REPO / "tests" / "ddp_engine.py", REPO / "tests" / "control_runner.py"]
+SOURCES = [*sorted((REPO / "lavis_ds" / "runners").rglob("*.py")), REPO / "tests" / "plain_engine.py",
+           REPO / "tests" / "ddp_engine.py", REPO / "tests" / "control_engine.py"]
 
 
 def _self_attributes(function: ast.FunctionDef) -> set[str]:
@@ -36,7 +37,7 @@ def _self_attributes(function: ast.FunctionDef) -> set[str]:
 
 
 def _classes() -> dict[str, tuple[list[str], set[str], dict[str, set[str]]]]:
-    """Every class of the runner's sources: (its bases' names, what its __init__ and class body declare,
+    """Every class of the loop's and the engines' sources: (its bases' names, what its __init__ and class body declare,
     what each other method assigns on self)."""
     classes = {}
     for path in SOURCES:
@@ -53,7 +54,7 @@ def _classes() -> dict[str, tuple[list[str], set[str], dict[str, set[str]]]]:
     return classes
 
 
-def test_no_runner_attribute_appears_after_the_constructor():
+def test_no_trainer_or_engine_attribute_appears_after_the_constructor():
     classes = _classes()
 
     def declared(name: str) -> set[str]:
@@ -85,7 +86,7 @@ def _members(cls: type, classes: dict) -> set[str]:
 @pytest.fixture
 def ddp_engine_imported():
     """The user's engine, registered for this test only."""
-    with user_module_imported("ddp_engine", reg.runners):
+    with user_module_imported("ddp_engine", reg.engines):
         yield
 
 
@@ -94,7 +95,7 @@ def test_every_engine_holds_its_config_checkpoints_and_setup_parts_and_stays_nea
     interface = _members(Engine, classes)
     assert {"config", "checkpoints", "setup", "wrap", "forward_backward", "run", "plan"} <= interface
     assert len(interface) <= 22, sorted(interface)
-    engines = reg.runners.distinct()
+    engines = reg.engines.distinct()
     assert {"runner_deepspeed", "runner_fsdp", "runner_ddp_test"} <= set(engines)
     for name, engine in engines.items():
         assert issubclass(engine.config, EngineConfig) and issubclass(engine.checkpoints, EngineCheckpoints), name

@@ -41,7 +41,7 @@ class Payload:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo_storage) -> dict[str, Path]:
-    """Each runner's run folder (one process, 2 steps, a checkpoint at the end), trained side by side."""
+    """Each engine's run folder (one process, 2 steps, a checkpoint at the end), trained side by side."""
     root = tmp_path_factory.mktemp("safe_runs")
     jobs, folders = {}, {}
     for runner, keys in RUNS.items():
@@ -57,7 +57,7 @@ def runs(tmp_path_factory, demo_storage) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def model(runs):
-    """The runs' model (both runners train the same one), built as the runs built it."""
+    """The runs' model (both engines train the same one), built as the runs built it."""
     from lavis_ds.build import build_model
     from lavis_ds.config import load_config
 
@@ -110,7 +110,7 @@ RESUMED_FILES = [("runner_deepspeed", "rng_state_rank0.pt"),  # the RNG states
 def test_resume_refuses_a_payload_and_runs_none(runs, model, tmp_path, runner, name):
     """``run.resume: auto`` (the default) stops on the crafted checkpoint: it neither runs the payload nor sets the
     checkpoint aside as damaged to take an older one."""
-    from lavis_ds.common.registry import runners
+    from lavis_ds.common.registry import engines
     from lavis_ds.config import load_config
     from lavis_ds.runners import checkpoint as ckpt
     from lavis_ds.runners.resume import plan_resume
@@ -119,7 +119,7 @@ def test_resume_refuses_a_payload_and_runs_none(runs, model, tmp_path, runner, n
     marker = tmp_path / "marker"
     _plant(tag_dir / name, marker)
     cfg = load_config(tmp_path / "run" / "config.yaml", options=[f"run.output_dir={tmp_path / 'run'}"])
-    engine = runners.get(runner)(cfg.run, model, tmp_path / "run" / "checkpoints")
+    engine = engines.get(runner)(cfg.run, model, tmp_path / "run" / "checkpoints")
     with pytest.raises(ckpt.CheckpointError, match="run.resume=auto: " + _refused(tag_dir / name)):
         plan_resume(engine, cfg.run, engine.checkpoint_dir)
     assert not marker.exists()

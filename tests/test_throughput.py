@@ -9,9 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import plain_runner  # noqa: F401  (registers runner_plain_test)
+import plain_engine  # noqa: F401  (registers runner_plain_test)
 from conftest import demo_storage_fixture
-from lavis_ds.build import build_runner
+from lavis_ds.build import build_trainer
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.hardware import peak_bf16_tflops
 from lavis_ds.config import load_config
@@ -172,7 +172,7 @@ def test_a_bad_peak_tflops_is_a_config_error(tmp_path, demo_storage, value, mess
 # ----------------------------------------------------------------------------- a real run's metrics.jsonl
 def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list[list[torch.Tensor]], list, object]:
     """Train in-process; (the logged steps, each step's micro-batches' attention masks, each step's micro-batches'
-    supervised tokens per sample, the runner)."""
+    supervised tokens per sample, the trainer)."""
     masks, supervised = [], []
 
     def recording(micro_batches):
@@ -183,10 +183,10 @@ def _train(tmp_path, demo_storage, monkeypatch, **run) -> tuple[list[dict], list
 
     count_tokens = throughput.count_tokens
     monkeypatch.setattr(throughput, "count_tokens", recording)
-    runner = build_runner(load_config(write_yaml(tmp_path / "run.yaml", _config(tmp_path / "out", demo_storage,
+    trainer = build_trainer(load_config(write_yaml(tmp_path / "run.yaml", _config(tmp_path / "out", demo_storage,
                                                                                   **run))))
-    runner.train()
-    return train_steps(tmp_path / "out"), masks, supervised, runner
+    trainer.train()
+    return train_steps(tmp_path / "out"), masks, supervised, trainer
 
 
 def test_a_run_logs_tokens_padding_memory_and_no_mfu_on_a_cpu(tmp_path, demo_storage, monkeypatch, capsys):
@@ -207,8 +207,8 @@ def test_a_run_logs_tokens_padding_memory_and_no_mfu_on_a_cpu(tmp_path, demo_sto
 
 def test_mfu_is_achieved_flops_over_run_peak_tflops(tmp_path, demo_storage, monkeypatch):
     peak = 0.5  # TFLOP/s, made up for a CPU
-    steps, masks, supervised, runner = _train(tmp_path, demo_storage, monkeypatch, peak_tflops=peak)
-    flop_model = runner.engine.module.flop_model()
+    steps, masks, supervised, trainer = _train(tmp_path, demo_storage, monkeypatch, peak_tflops=peak)
+    flop_model = trainer.engine.module.flop_model()
     for step, step_masks, step_supervised in zip(steps, masks, supervised):
         lengths = [int(n) for mask in step_masks for n in mask.sum(dim=1)]
         answers = [int(n) for counts in step_supervised for n in counts]
@@ -233,9 +233,9 @@ def test_the_step_time_benchmark_runs_both_loops_on_two_processes(tmp_path, demo
     """So that it cannot break unnoticed: its figures are the ones docs/benchmarks.md reports."""
     figures = tmp_path / "figures.json"
     stdout = _benchmark(tmp_path, demo_storage, "step_time", "--json", str(figures))
-    assert "ratio runner/raw (medians, rank 0): " in stdout and "; rank 1: " in stdout
+    assert "ratio trainer/raw (medians, rank 0): " in stdout and "; rank 1: " in stdout
     written = json.loads(figures.read_text())
-    assert written["runner"]["median"] > 0 and written["raw"]["median"] > 0 and written["paired_ratio"] > 0
+    assert written["trainer"]["median"] > 0 and written["raw"]["median"] > 0 and written["paired_ratio"] > 0
     assert written["world_size"] == 2 and written["global_batch"] == 8 and written["tokens"] > 0
 
 

@@ -81,7 +81,7 @@ def test_optimizer_offload_trains_and_resumes_bit_for_bit(tmp_path, demo_storage
     losses = [m["loss"] for m in uninterrupted]
     assert all(math.isfinite(x) for x in losses) and _falls(losses)
 
-    # Resuming from step 5 drifted by an ulp before the runner replayed the kernel's counter.
+    # Resuming from step 5 drifted by an ulp before the engine replayed the kernel's counter.
     resumed_out = tmp_path / "resumed"
     shutil.copytree(out, resumed_out)
     for folder in (resumed_out / "checkpoints").glob("step_*"):

@@ -188,7 +188,7 @@ class ChatSession:
         The oldest turns are dropped first; their images are moved to the oldest turn kept
         (or to the new question), so the model still sees every image.
         """
-        limit = getattr(self.model.llm_config, "max_position_embeddings", None)
+        limit = getattr(self.model.llm_transformers_config, "max_position_embeddings", None)
         turns = [dataclasses.replace(t, images=list(t.images)) for t in self.turns]
         pending = list(self.pending)
         while True:

@@ -15,7 +15,7 @@ the model from ``config.yaml`` through the registry, which brings them from wher
 training had them (random init from ``seed``, or the files named by ``pretrained``,
 ``vit_pretrained`` and ``llm_model``), then loads ``model.safetensors`` over it.
 
-Export reads the checkpoints of every runner, each through the runner that wrote it
+Export reads the checkpoints of every engine, each through the engine that wrote it
 (its ``checkpoints.read_trained_weights``: DeepSpeed's of every ZeRO stage and precision, FSDP's DCP folders).
 Loading an export needs no engine and no process group. Reading checkpoints and loading exports live in
 :mod:`lavis_ds.apps.export_io` (re-exported here), which imports no command-line module.

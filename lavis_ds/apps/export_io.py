@@ -1,6 +1,6 @@
 """Reading checkpoints and loading exports: the export library's half that every export format and every app uses.
 
-Finding a run's newest complete checkpoint, reading its trained weights through the runner that wrote it,
+Finding a run's newest complete checkpoint, reading its trained weights through the engine that wrote it,
 copying them into a rebuilt model with strict accounting, writing a folder whole or not at all, and loading a
 ``--format lavis_ds`` export (:func:`load_exported`; the folder's format itself is ``lavis_ds.models.export_folder``,
 which the build reads too). Nothing here parses a command line: ``lavis_ds.apps.export``
@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common import safe_files
-from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.common.registry import engines as engine_registry
 from lavis_ds.models.export_folder import (CONFIG_FILE, WEIGHTS_FILE, ExportError, is_export,  # noqa: F401
                                            load_trained_weights, read_export_config)
 from lavis_ds.runners import checkpoint as ckpt
@@ -68,24 +68,25 @@ def _is_checkpoint_folder(path: Path) -> bool:
 def read_checkpoint(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(trained fp32 weights by parameter name, info)`` of a complete checkpoint folder.
 
-    ``info`` has the run ``config`` (DictConfig), ``runner``, ``zero_stage`` (DeepSpeed's; None under FSDP),
-    ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and ``world_size``.
+    ``info`` has the run ``config`` (DictConfig), ``runner`` (the engine that wrote it), ``zero_stage``
+    (DeepSpeed's; None under FSDP), ``dtype`` (the engine's: fp32/bf16/fp16), ``global_step``, ``epoch`` and
+    ``world_size``.
     """
     writer = ckpt.writer_of(tag_dir)
-    if writer not in runner_registry:
-        raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
-                          f"(known: {', '.join(runner_registry)})")
-    # Each engine reads its own files (the DeepSpeed runner: its consolidation of the fp32 partitions).
-    weights, client_state, layout = runner_registry.get(writer).checkpoints.read_trained_weights(tag_dir)
+    if writer not in engine_registry:
+        raise ExportError(f"{tag_dir} was written by {writer}, which is not a registered engine here "
+                          f"(known: {', '.join(engine_registry)})")
+    # Each engine reads its own files (the DeepSpeed engine: its consolidation of the fp32 partitions).
+    weights, client_state, layout = engine_registry.get(writer).checkpoints.read_trained_weights(tag_dir)
     return weights, _info(tag_dir, client_state, writer, layout.get("zero_stage"), layout["precision"])
 
 
-def _info(tag_dir: Path, client_state: dict, runner: str, zero_stage: int | None, dtype: str) -> dict[str, Any]:
-    """``read_checkpoint``'s info, from the client state the runner saved (its ``lavis_ds`` key)."""
+def _info(tag_dir: Path, client_state: dict, writer: str, zero_stage: int | None, dtype: str) -> dict[str, Any]:
+    """``read_checkpoint``'s info, from the client state the engine saved (its ``lavis_ds`` key)."""
     config = ckpt.saved_config(tag_dir, client_state)
     client = client_state["lavis_ds"]
     train_state = client.get("train_state", {})
-    return {"config": config, "runner": runner, "zero_stage": zero_stage, "dtype": dtype,
+    return {"config": config, "runner": writer, "zero_stage": zero_stage, "dtype": dtype,
             "world_size": client.get("world_size"), "global_step": train_state.get("global_step"),
             "epoch": train_state.get("epoch")}
 

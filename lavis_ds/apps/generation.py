@@ -53,7 +53,7 @@ def as_trained(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any],
     """``(batch, context)`` to run ``model`` on ``batch`` as the DeepSpeed engine ran it in training.
 
     A model whose parameters are all bf16 (or fp16) gets float inputs in that dtype and
-    runs under autocast (as the runner feeds its engine); any other model gets the batch
+    runs under autocast (as the trainer feeds its engine); any other model gets the batch
     on its device (fp32 inputs stay fp32) and no autocast.
     """
     dtype = cast_dtype(model) or torch.float32

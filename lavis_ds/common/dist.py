@@ -36,7 +36,7 @@ def init_distributed() -> None:
     """Initialise torch.distributed from the launcher's variables (gloo on CPU, nccl on GPU) and the control
     group beside it (``comm``). The process's GPU is bound first (``device.bind_local_device``).
 
-    An engine that needs its own start (DeepSpeed) does it in its runner's ``setup.init_process_group``.
+    An engine that needs its own start (DeepSpeed) does it in its engine class's ``setup.init_process_group``.
     """
     from lavis_ds.common import comm
     from lavis_ds.common.device import bind_local_device

@@ -81,7 +81,7 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
 
 
 def translate(cfg: dict, twins: list[Twin] = ()) -> tuple[list[str], list[str]]:
-    """Rewrite LAVIS keys of ``cfg`` (the user's YAML as plain dicts) in place. ``twins``: what the runners'
+    """Rewrite LAVIS keys of ``cfg`` (the user's YAML as plain dicts) in place. ``twins``: what the engines'
     sections say about the neutral run keys (a LAVIS precision must agree with them).
 
     Returns ``(problems, notes)``: problems name the key and what to use instead;
@@ -177,7 +177,7 @@ def _map_precision(model: dict | None, run: dict, twins: list[Twin], problems: l
     if lavis is None:
         return
     precision, source = lavis
-    for twin in (t for t in twins if t.key == "precision"):  # a runner's section saying it in its words
+    for twin in (t for t in twins if t.key == "precision"):  # an engine's section saying it in its words
         if not twin.agrees(precision):
             problems.append(f"{source} means {precision} but {twin.path} is {twin.written!r}; they disagree, give one")
             return

@@ -1,6 +1,6 @@
 """Running a model in its training precision: float inputs in the compute dtype, ops under autocast.
 
-One definition for every place that runs the model (the runners, generation, chat), so that a
+One definition for every place that runs the model (the engines, generation, chat), so that a
 model answers at inference as it was run in training.
 """
 from __future__ import annotations

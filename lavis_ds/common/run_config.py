@@ -1,8 +1,8 @@
 """The `run:` section: its keys, their defaults, and the training settings every engine reads.
 
 Micro-batch, accumulation, global batch, clipping, precision and AdamW's betas/eps are engine-neutral
-`run` keys. A runner's own options section may set the same things in its engine's words (a YAML
-written for DeepSpeed keeps working under every runner): each runner names those twins, the config
+`run` keys. An engine's own options section may set the same things in its engine's words (a YAML
+written for DeepSpeed keeps working under every engine): each engine names those twins, the config
 loader maps them onto the run keys, and a value given both ways must agree. The ZeRO keys (stage,
 offload) are run keys too, read by the DeepSpeed engine only; their twins in the DeepSpeed section
 are checked the same way.
@@ -28,7 +28,7 @@ class RunConfig:
     # the training objective (LAVIS's key): a registered objective, options in the run section of its name
     # (run.task: dpo, run.dpo: {beta: 0.1}); unset: sft. LAVIS's task names (image_text_pretrain, ...) mean sft
     task: str | None = None
-    runner: str | None = None  # a registered runner; unset: the default engine (lavis_ds.runners.DEFAULT_RUNNER)
+    runner: str | None = None  # a registered engine; unset: the default one (lavis_ds.runners.DEFAULT_ENGINE)
     lr_sched: str = "linear_warmup_cosine_lr"
     init_lr: Annotated[float, NonNegative] = 1e-4
     min_lr: Annotated[float, NonNegative] = 0.0
@@ -98,7 +98,7 @@ class RunConfig:
     # optional hooks after the built-in ones, in run order: registered names, or {name: ..., <its options>}
     # (trackers: tensorboard, mlflow, wandb; a user's own under `imports:`). docs/hooks.md
     hooks: list[str | dict[str, Any]] = field(default_factory=lambda: ["tensorboard"])
-    # Each runner's own options section is a run key too, named by the runner (Engine.config.KEY).
+    # Each engine's own options section is a run key too, named by the engine (Engine.config.KEY).
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -124,9 +124,9 @@ ZERO_KEYS = ("zero_stage", "offload_optimizer", "offload_params")
 
 @dataclass(frozen=True)
 class Twin:
-    """A neutral run key's (or a ZeRO key's) setting written in a runner's own options section in its engine's
+    """A neutral run key's (or a ZeRO key's) setting written in an engine's own options section in its engine's
     words (the DeepSpeed JSON's micro-batch key for ``run.batch_size_train``). Runners name theirs
-    (``Engine.config.twins``); the config loader maps them onto the run key, whichever runner runs."""
+    (``Engine.config.twins``); the config loader maps them onto the run key, whichever engine runs."""
 
     key: str  # the run key
     path: str  # where the user wrote it: run.<options section>.<key path>
@@ -188,7 +188,7 @@ def batch_unit(run: Any) -> str:
 
 
 def with_batch_layout(run: dict, micro: int, accum: int, global_batch: int) -> dict:
-    """A copy of ``run`` whose batch keys say this layout (the runner's: an elastic resume changes the accumulation)."""
+    """A copy of ``run`` whose batch keys say this layout (the trainer's: an elastic resume changes accumulation)."""
     return {**run, "batch_size_train": micro, "accum_grad_iters": accum, "global_batch_size": global_batch}
 
 

@@ -64,7 +64,8 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     # chat, the web page, batch inference and the Hugging Face processor export: the prompt and the LLM's limits
     "chat": (Need("prompt", "prompt (a models.prompt.ChatPrompt: generation_prompt, image_token_id, ...)"),
              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
-             Need("llm_config", "llm_config (the LLM's transformers config: max_position_embeddings, ...)"),
+             Need("llm_transformers_config", "llm_transformers_config (the LLM's transformers config: "
+                                             "max_position_embeddings, ...)"),
              Need("stop_token_ids", "stop_token_ids() -> list[int]"),
              Need("pad_id", "pad_id (the tokenizer's pad token id)"),
              Need("image_size_of", "image_size_of(section) -> the image side its tower takes")),

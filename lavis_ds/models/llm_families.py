@@ -44,7 +44,7 @@ def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
             "architecture such as qwen2, qwen3, llama, gemma2 or mistral"]
 
 
-def llm_config(llm_config: Mapping[str, Any], **defaults: Any) -> PretrainedConfig:
+def transformers_config(llm_config: Mapping[str, Any], **defaults: Any) -> PretrainedConfig:
     """The transformers config of ``model.llm_config`` (``model_type`` picks the architecture; ``defaults`` fill
     keys it does not set, e.g. ``vocab_size``)."""
     problems = llm_config_problems(llm_config)

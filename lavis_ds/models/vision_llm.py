@@ -39,7 +39,7 @@ from lavis_ds.models.eva_vit import DTYPES
 from lavis_ds.models.flops import FlopModel, Flops, compose
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_families import decoder_layers, llm_config, llm_config_problems, position_provider
+from lavis_ds.models.llm_families import decoder_layers, llm_config_problems, position_provider, transformers_config
 from lavis_ds.models.prompt import ChatPrompt
 from lavis_ds.models.vision_llm_forward import VisionLLMForward
 
@@ -147,11 +147,11 @@ class VisionLLM(VisionLLMForward):
     def build_llm(self) -> int:
         """Build ``self.llm_model`` (placed as the runner building this model asks: whole, partitioned from the
         start, or empty until process 0 sends its shards; ``lavis_ds.models.llm_placement``); returns its width."""
-        path, config, precision = (self.llm_args[k] for k in ("llm_model", "llm_config", "llm_precision"))
-        if path is not None and config:
+        path, llm_config, precision = (self.llm_args[k] for k in ("llm_model", "llm_config", "llm_precision"))
+        if path is not None and llm_config:
             logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
-        architecture = None if path is not None else llm_config(config or {},
-                                                                vocab_size=num_token_ids(self.llm_tokenizer))
+        architecture = None if path is not None else transformers_config(llm_config or {},
+                                                                         vocab_size=num_token_ids(self.llm_tokenizer))
         self.llm_model = build_llm(path, architecture, None if precision == "auto" else DTYPES[precision],
                                    self.llm_tokenizer)
         if self.llm_grad_checkpoint:
@@ -172,7 +172,7 @@ class VisionLLM(VisionLLMForward):
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
                                  record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN)
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
-        self.positions = position_provider(self.llm_config)  # 1-D, or M-RoPE for a Qwen-VL text model
+        self.positions = position_provider(self.llm_transformers_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
         if args["get_lora"] and not args["freeze_llm"]:
             raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
@@ -242,8 +242,9 @@ class VisionLLM(VisionLLMForward):
 
     # ----------------------------------------------------------------- the LLM as a whole
     @property
-    def llm_config(self) -> Any:
-        """The LLM's transformers config (``hidden_size``, ``vocab_size``, ``max_position_embeddings``, ...)."""
+    def llm_transformers_config(self) -> Any:
+        """The built LLM's transformers config (``hidden_size``, ``vocab_size``, ``max_position_embeddings``, ...);
+        ``llm_config`` is the ``model:`` section's key it may have been built from."""
         return base_llm(self.llm_model).config
 
     def vision_blocks(self) -> list[nn.Module]:

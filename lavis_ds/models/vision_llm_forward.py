@@ -42,7 +42,7 @@ class VisionLLMForward(BaseModel):
     end_of_turn_id: int
     llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA)
     loss_chunks: int
-    llm_config: Any  # the LLM's transformers config (a VisionLLM property)
+    llm_transformers_config: Any  # the built LLM's transformers config (a VisionLLM property)
     positions: PositionProvider  # how the LLM's family numbers its tokens (llm_families.position_provider)
     image_cut_drops: int = 0  # samples prepare_batch dropped in this process (on_image_cut: drop), for the log
 
@@ -151,7 +151,7 @@ class VisionLLMForward(BaseModel):
                                  f"{type(self).__name__}.encode_images").to(dtype)
         device = self._device() if image is None else image.device
         if not dummy:
-            return torch.zeros((0, self.llm_config.hidden_size), device=device, dtype=dtype)
+            return torch.zeros((0, self.llm_transformers_config.hidden_size), device=device, dtype=dtype)
         blank = {**view, **self.blank_images(device)}
         features = self.encode_images(blank["image"], blank)
         return (features.flatten(0, 1) if features.dim() == 3 else features).to(dtype)

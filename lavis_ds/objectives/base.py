@@ -4,7 +4,7 @@ An objective's loss is a sum of terms, each a sum over some unit - ``tokens`` (n
 or ``pairs`` (a preference loss) - divided by how many of that unit the whole global batch holds (every
 micro-batch, every process). So an optimizer step's loss and gradient do not depend on how the global batch
 is split into micro-batches, accumulation steps and processes (the rule transformers adopted for tokens in
-4.46, applied per unit). The runner's part (``global_loss``): count each unit on the host before the step
+4.46, applied per unit). The trainer's part (``global_loss``): count each unit on the host before the step
 (``prepare`` + ``counts``), all-reduce the counts once, and weight each micro-batch's summed terms.
 
 Metrics are sums too, each over one unit (``pairs`` for the rewards), and are divided like the loss.
@@ -112,7 +112,7 @@ def metric_means(sums: dict[str, tuple[str, Tensor]], totals: list[float], globa
 def global_loss(outputs: list[ObjectiveOutput], counts: list[dict[str, int]]) -> tuple[Tensor, dict[str, float]]:
     """The step's loss and metrics from every micro-batch of every process (``outputs`` and their ``counts``).
 
-    The reference for what the runner computes in pieces (each micro-batch's share weighted by the all-reduced
+    The reference for what the trainer computes in pieces (each micro-batch's share weighted by the all-reduced
     counts); tests compare splits of one global batch with it.
     """
     totals: dict[str, int] = {}
@@ -130,5 +130,5 @@ def global_loss(outputs: list[ObjectiveOutput], counts: list[dict[str, int]]) ->
 def micro_batch_weights(global_counts: Mapping[str, int], micro_batches: int, world_size: int) -> dict[str, float]:
     """What each unit's summed loss of one micro-batch is multiplied by, given the step's global counts: every
     engine averages the micro-batch losses over micro-batches and processes, so ``sum * accum * world / total``
-    averages to ``sum / total`` (the runner's ``step_loss_weight``, per unit)."""
+    averages to ``sum / total`` (the trainer's ``step_loss_weight``, per unit)."""
     return {unit: micro_batches * world_size / max(int(n), 1) for unit, n in global_counts.items()}

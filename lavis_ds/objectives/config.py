@@ -30,10 +30,10 @@ def option_section_keys() -> set[str]:
     return set(objectives)
 
 
-def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> list[str]:
+def objective_problems(run: Mapping[str, Any], engine_class: type | None = None) -> list[str]:
     """What is wrong with ``run.task`` and its options section, each naming its key path; [] if it builds.
-    ``runner``: the run's runner class, which must say it calls objectives (``config.RUNS_OBJECTIVES``) to train one
-    other than the model's own next-token loss."""
+    ``engine_class``: the run's engine class, which must say it calls objectives (``config.RUNS_OBJECTIVES``) to
+    train one other than the model's own next-token loss."""
     task = run.get("task") or DEFAULT_OBJECTIVE
     if not isinstance(task, str):
         return [f"run.task: expected an objective's name, got {task!r}; known: {', '.join(objectives)}"]
@@ -55,10 +55,11 @@ def objective_problems(run: Mapping[str, Any], runner: type | None = None) -> li
     if not isinstance(section, Mapping):
         return problems + [f"run.{key}: expected a mapping of {key}'s options, got {section!r}"]
     cls = objectives.get(task)
-    if runner is not None and cls.DATA != "sequences" and not runner.config.RUNS_OBJECTIVES:
-        problems.append(f"run.task: {task!r} trains on preference pairs, which the runner "
-                        f"{getattr(runner, '__name__', runner)} does not run (it trains the model's next-token "
-                        f"loss); use a runner that calls objectives (config.RUNS_OBJECTIVES)")
+    if engine_class is not None and cls.DATA != "sequences" and not engine_class.config.RUNS_OBJECTIVES:
+        engine_name = getattr(engine_class, "__name__", engine_class)
+        problems.append(f"run.task: {task!r} trains on preference pairs, which the engine {engine_name} does not run "
+                        f"(it trains the model's next-token loss); use an engine that calls objectives "
+                        f"(config.RUNS_OBJECTIVES)")
     problems += pairwise_run_problems(run, cls)
     before = len(problems)
     check_section(dict(section), fields_of(cls), f"run.{key}", problems)

@@ -4,7 +4,7 @@ checks each against the installed ``trl`` to 1e-6).
 Every function takes per-pair tensors ``[B]``: the summed log-prob of each answer's supervised tokens and,
 where a loss is length-normalised, each answer's token count. It returns the per-pair losses ``[B]`` and
 the per-pair rewards of both answers ``[B]`` (detached, for the metrics). Reducing over pairs is the
-caller's job: the runner divides the summed losses by the pairs of the whole global batch, so the same
+caller's job: the trainer divides the summed losses by the pairs of the whole global batch, so the same
 formula serves any micro-batch x accumulation x processes split.
 """
 from __future__ import annotations

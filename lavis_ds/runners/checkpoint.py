@@ -2,9 +2,9 @@
 
 A checkpoint is ``<output_dir>/checkpoints/step_<N>/``. The engine writes its
 files there from every rank; after all ranks are done, rank 0 writes
-``lavis_ds_complete.json``, which names the runner that wrote the folder. Only folders
+``lavis_ds_complete.json``, which names the engine that wrote the folder. Only folders
 with that marker are ever resumed from, so a run killed mid-save falls back to the
-previous checkpoint. What is inside is each engine's own (its runner reads it).
+previous checkpoint. What is inside is each engine's own (its engine class reads it).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 from lavis_ds.common import dist, safe_files
 from lavis_ds.common.errors import CheckpointError, LavisDsError  # noqa: F401  (CheckpointError: ckpt.CheckpointError)
-from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.common.registry import engines as engine_registry
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
 DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
@@ -128,22 +128,22 @@ def read_marker(tag_dir: Path) -> dict:
 
 
 def writer_of(tag_dir: Path) -> str:
-    """The runner a checkpoint's completion marker names (a marker older than that field: the runner whose
+    """The engine a checkpoint's completion marker names (a marker older than that field: the engine whose
     files the folder holds); DamagedCheckpoint if the marker is unreadable or names none."""
     marker = read_marker(tag_dir)
     if "runner" in marker:
         return marker["runner"]
     writers = _writers_by_files(Path(tag_dir))
     if not writers:
-        raise DamagedCheckpoint(f"{tag_dir}: its completion marker names no runner and the folder holds no "
-                                f"registered runner's checkpoint files")
+        raise DamagedCheckpoint(f"{tag_dir}: its completion marker names no engine and the folder holds no "
+                                f"registered engine's checkpoint files")
     return writers[0]
 
 
 def _writers_by_files(folder: Path) -> list[str]:
-    """The registered runners whose checkpoint files (``Engine.checkpoints.FILES``) ``folder`` holds, the
+    """The registered engines whose checkpoint files (``Engine.checkpoints.FILES``) ``folder`` holds, the
     most basic class first (a user's subclass writes its parent's files)."""
-    found = [(name, cls) for name, cls in runner_registry.distinct().items()
+    found = [(name, cls) for name, cls in engine_registry.distinct().items()
              if any(any(folder.glob(pattern)) for pattern in cls.checkpoints.FILES)]
     return [name for name, cls in sorted(found, key=lambda found: len(found[1].__mro__))]
 
@@ -170,13 +170,13 @@ def load_file(path: Path, mmap: bool = False, allowed: Iterable = ()) -> dict:
 
 
 def saved_config(tag_dir: Path, client_state: dict):
-    """The run config (DictConfig) a runner saved in its client state (its ``lavis_ds`` key)."""
+    """The run config (DictConfig) an engine saved in its client state (its ``lavis_ds`` key)."""
     from omegaconf import OmegaConf
 
     client = client_state.get("lavis_ds")
     if not isinstance(client, dict) or "config" not in client:
         raise CheckpointError(f"{tag_dir} holds no lavis_ds client state (key 'lavis_ds' with the run config): "
-                              "it was not written by lavis_ds's runner")
+                              "it was not written by a lavis_ds engine")
     return OmegaConf.create(client["config"])
 
 

@@ -1,12 +1,12 @@
 """What an engine is to the trainer: it wraps the model, runs forward/backward and the optimizer step, and checks,
 saves and loads checkpoints. ``runners/trainer.py`` (the loop) holds one; each engine package defines one,
-registered as a runner (``run.runner`` names it).
+registered in ``registry.engines`` (``run.runner`` names it).
 
 An engine class holds three parts as class attributes, each with one job, all used before (or without) any
 engine instance:
 
 - ``config`` (an ``EngineConfig``): the engine's own options section under ``run:`` as the config loader reads,
-  checks and completes it, for every run that has the section, whichever runner it chose, and what the config
+  checks and completes it, for every run that has the section, whichever engine it chose, and what the config
   check asks of the engine (whether it runs every objective, what it calls on a model);
 - ``checkpoints`` (an ``EngineCheckpoints``): its checkpoint files read in one process with no engine built:
   which files are its, the trained weights (for export), and its per-parameter state for another engine
@@ -71,25 +71,25 @@ class EngineConfig:
     @classmethod
     def read(cls, value: Any) -> tuple[dict | None, list[str]]:
         """The section as the YAML gives it, as a mapping (None if unusable), and problems. Read for every run that
-        has the section, whichever runner it chose. Default: a mapping, or nothing."""
+        has the section, whichever engine it chose. Default: a mapping, or nothing."""
         if value is None:
             return {}, []
         if isinstance(value, dict):
             return value, []
-        return None, [f"run.{cls.KEY}: expected a mapping of this runner's options, got {value!r}"]
+        return None, [f"run.{cls.KEY}: expected a mapping of this engine's options, got {value!r}"]
 
     @classmethod
     def twins(cls, options: dict) -> tuple[list[Twin], list[str]]:
         """The engine-neutral run keys (``run_config.NEUTRAL_KEYS``) and this engine's own run keys
         (``OWN_RUN_KEYS``) that the section ``options`` sets in its engine's own words, and problems with those
         values. The config loader maps them onto the run keys
-        whichever runner the run chose, so switching ``run.runner`` keeps the batch, precision, ... Default: none."""
+        whichever engine the run chose, so switching ``run.runner`` keeps the batch, precision, ... Default: none."""
         return [], []
 
     @classmethod
     def problems(cls, run: dict, world_size: int, settings_ok: bool) -> list[str]:
         """Problems of the section in ``run`` (plain dict, its neutral keys resolved; ``settings_ok``: they are
-        valid), for the run's runner. Default: none."""
+        valid), for the run's engine. Default: none."""
         return []
 
     @classmethod
@@ -195,7 +195,7 @@ class Engine:
         raise NotImplementedError
 
     def checkpoint_layout(self) -> dict:
-        """What the completion marker records about how the engine cut the checkpoint (runner, stage, dtype)."""
+        """What the completion marker records about how the engine cut it (`runner`: its name, stage, dtype)."""
         return {}
 
     def forward_backward(self, micro_batches: list[dict], loss_weight: dict[str, float] | None) -> Forwarded:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lavis_ds.common import registry as reg
-from lavis_ds.common.registry import runners as runner_registry
+from lavis_ds.common.registry import engines as engine_registry
 from lavis_ds.runners import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -22,16 +22,16 @@ if TYPE_CHECKING:
 
 def engine_name(engine: Engine) -> str:
     """The registered name of ``engine``'s class (``run.runner`` without its alias)."""
-    return runner_registry.canonical(engine.run.runner)
+    return engine_registry.canonical(engine.run.runner)
 
 
 def foreign_writer(engine: Engine, tag_dir: Path) -> type[Engine] | None:
     """The engine class that wrote ``tag_dir`` if it is another engine's (None: ``engine``'s own kind)."""
     writer = ckpt.writer_of(tag_dir)  # whole, or DamagedCheckpoint
-    if writer not in runner_registry:
-        raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered runner here "
-                                   f"(known: {', '.join(runner_registry)}); list its module under `imports:`")
-    source = reg.runners.get(writer)
+    if writer not in engine_registry:
+        raise ckpt.CheckpointError(f"{tag_dir} was written by {writer}, which is not a registered engine here "
+                                   f"(known: {', '.join(engine_registry)}); list its module under `imports:`")
+    source = reg.engines.get(writer)
     return None if isinstance(engine, source) else source
 
 

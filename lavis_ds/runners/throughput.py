@@ -123,21 +123,21 @@ class ThroughputMeter:
         self.since, self.steps = now, self.steps + 1
         self.counts = None if counts is None or self.counts is None else self.counts + counts
 
-    def report(self, runner) -> dict[str, float]:
+    def report(self, trainer) -> dict[str, float]:
         """Rates since the last report, over every rank. Collective: every rank calls it, at the same steps."""
-        if self.note and runner.rank == 0:  # once, with the first numbers (not in evaluate-only runs)
+        if self.note and trainer.rank == 0:  # once, with the first numbers (not in evaluate-only runs)
             report(self.note)
         self.note = None
         gathered = comm.all_gather_object((self.counts, peak_memory_bytes()))
         seconds = max(self.seconds, 1e-9)
         # A token budget fills each step with as many samples as fit: count them where the batches tell.
         counted = all(counts is not None for counts, _ in gathered)
-        samples = sum(counts.samples for counts, _ in gathered) if counted else self.steps * runner.plan.global_batch
+        samples = sum(counts.samples for counts, _ in gathered) if counted else self.steps * trainer.plan.global_batch
         record = {"samples_per_sec": samples / seconds,
                   "peak_memory_gib": max(memory for _, memory in gathered) / 2**30}
         if counted:
             record.update(self._rates(sum((counts for counts, _ in gathered), TokenCounts()), seconds,
-                                      runner.world_size))
+                                      trainer.world_size))
         self._reset()
         return record
 

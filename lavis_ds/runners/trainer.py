@@ -60,7 +60,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: DictConfig, model: torch.nn.Module, datasets: dict[str, dict]) -> Trainer:
         """The trainer of a config: the engine ``run.runner`` names, around ``model``; ``datasets`` to train on."""
-        engine = reg.runners.get(cfg.run.runner)(cfg.run, model, Path(cfg.run.output_dir) / "checkpoints")
+        engine = reg.engines.get(cfg.run.runner)(cfg.run, model, Path(cfg.run.output_dir) / "checkpoints")
         return cls(cfg, engine, TrainData(cfg, model, datasets, engine.rank, engine.world_size))
 
     @property

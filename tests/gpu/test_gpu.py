@@ -30,8 +30,8 @@ def demo_storage(tmp_path_factory):
 
 
 def _config(out, demo_storage, engine: str, dtype: str = "bf16", **run) -> dict:
-    runner, stage = ENGINES[engine]
-    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, micro=8, runner=runner, valid_splits=["val"],
+    engine_name, stage = ENGINES[engine]
+    cfg = tiny_config(out, demo_storage, stage=stage, dtype=dtype, micro=8, runner=engine_name, valid_splits=["val"],
                       test_splits=["test"], save_freq_steps=4, **run)
     cfg["datasets"]["demo_shapes"]["build_info"].update(num_train=128, num_val=16, num_test=16)
     return cfg
@@ -97,9 +97,9 @@ def test_two_processes_on_one_gpu_are_refused_by_name(tmp_path, demo_storage):
 
 
 def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
-    """Build the runner in this process (one process, NCCL) and step with accumulation 4 under CUDA's sync debug
+    """Build the trainer in this process (one process, NCCL) and step with accumulation 4 under CUDA's sync debug
     mode: the synchronisations lavis_ds's own lines cause in a step do not grow with the micro-batches."""
-    from lavis_ds.build import build_runner
+    from lavis_ds.build import build_trainer
     from lavis_ds.common import dist
     from lavis_ds.config import load_config
     from lavis_ds.runners.losses import check_losses
@@ -110,16 +110,16 @@ def test_no_host_sync_per_micro_batch(tmp_path, demo_storage, monkeypatch):
     counts = {}
     for accum in (1, 4):
         cfg = _config(tmp_path / f"a{accum}", demo_storage, "fsdp", accum=accum)
-        runner = build_runner(load_config(write_yaml(tmp_path / f"a{accum}.yaml", cfg)))
-        runner.setup()  # the engine and the data order, as train() starts
-        micro = runner.data.next_step(runner.data.epoch(0, 0))  # prepared on the host, as the loop's
+        trainer = build_trainer(load_config(write_yaml(tmp_path / f"a{accum}.yaml", cfg)))
+        trainer.setup()  # the engine and the data order, as train() starts
+        micro = trainer.data.next_step(trainer.data.epoch(0, 0))  # prepared on the host, as the loop's
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                losses, last_backward = runner.engine.forward_backward(micro, None)
+                losses, last_backward = trainer.engine.forward_backward(micro, None)
                 last_backward()
-                check_losses(runner, losses)
+                check_losses(trainer, losses)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[accum] = sum("lavis_ds" in w.filename for w in caught)

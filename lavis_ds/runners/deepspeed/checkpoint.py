@@ -151,7 +151,7 @@ def _stage0_weights(states: dict, run: DictConfig, tag_dir: Path) -> dict[str, t
         return {name: t.float() for name, t in module.items()}  # fp32: a torch optimizer stepped these
 
     # bf16/fp16: FP16_Optimizer flattened each param group (in group order, no padding) into one fp32
-    # master. The groups are the runner's, so the same function, on the same names in the same
+    # master. The groups are the trainer's, so the same function, on the same names in the same
     # order, gives the same groups.
     saved = _SavedParameters(module)
     groups = build_param_groups(saved, run.weight_decay, dict(run.lr_scales))

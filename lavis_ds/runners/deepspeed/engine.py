@@ -104,7 +104,7 @@ class DeepSpeedSetup(EngineSetup):
         return zero3_construction(ds_config)
 
 
-@reg.runners.register("runner_deepspeed")
+@reg.engines.register("runner_deepspeed")
 class DeepSpeedEngine(Engine):
     """A `deepspeed.initialize` engine configured by `run.deepspeed_config`."""
 
@@ -115,7 +115,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, run, model, checkpoint_dir):
         super().__init__(run, model, checkpoint_dir)
         self.layout = layout_of(run.deepspeed_config)  # ZeRO stage and precision this run asks for
-        self.engine = None  # wrap()'s: DeepSpeed's engine around the model
+        self.ds_engine = None  # wrap()'s: DeepSpeed's own engine (deepspeed.initialize) around the model
         self.dtype = torch.float32  # wrap()'s: the engine's compute dtype
         self.universal = False  # wrap()'s: the checkpoint to resume loads through DeepSpeed's universal form
 
@@ -142,14 +142,15 @@ class DeepSpeedEngine(Engine):
         if note and self.rank == 0:
             print(note, flush=True)
         _cast_unpartitioned(self.model, layout_of(ds_config)["precision"])
-        self.engine, optimizer, _, _ = deepspeed.initialize(model=self.model, model_parameters=param_groups,
-                                                            config=ds_config)
-        self.dtype = (torch.bfloat16 if self.engine.bfloat16_enabled() else
-                      torch.float16 if self.engine.fp16_enabled() else torch.float32)
+        self.ds_engine, optimizer, _, _ = deepspeed.initialize(model=self.model, model_parameters=param_groups,
+                                                               config=ds_config)
+        self.dtype = (torch.bfloat16 if self.ds_engine.bfloat16_enabled() else
+                      torch.float16 if self.ds_engine.fp16_enabled() else torch.float32)
         # DeepSpeed's exclude_frozen_parameters walks named_parameters(), which names a tied weight once:
         # the other name (lm_head.weight of a tied Qwen2.5-0.5B/1.5B/3B) kept the frozen embedding matrix
         # in every checkpoint. This drops every name of every frozen parameter.
-        self.engine.module_state_dict = functools.partial(_without_frozen, self.engine.module_state_dict, self.model)
+        self.ds_engine.module_state_dict = functools.partial(_without_frozen, self.ds_engine.module_state_dict,
+                                                             self.model)
         self.optimizer = optimizer
         return optimizer
 
@@ -158,11 +159,11 @@ class DeepSpeedEngine(Engine):
 
     @property
     def module(self):
-        return self.engine.module
+        return self.ds_engine.module
 
     def forward(self, batch):
-        with autocast(self.engine.device, self.dtype):  # bf16/fp16 engines hold a cast module
-            return self.engine(to_compute(batch, self.engine.device, self.dtype))
+        with autocast(self.ds_engine.device, self.dtype):  # bf16/fp16 engines hold a cast module
+            return self.ds_engine(to_compute(batch, self.ds_engine.device, self.dtype))
 
     def forward_backward(self, micro_batches, loss_weight):
         losses, last = [], len(micro_batches) - 1
@@ -170,35 +171,35 @@ class DeepSpeedEngine(Engine):
             loss = micro_batch_loss(self.forward(batch), loss_weight)
             losses.append(loss.detach().double())  # on the device: no host sync per micro-batch
             if i < last:
-                self.engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
-                self.engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
+                self.ds_engine.backward(loss)  # scaled by 1/accumulation inside DeepSpeed
+                self.ds_engine.step()  # not a boundary: DeepSpeed's micro-step bookkeeping only
         # the last backward is the loop's to run, once its loss check is under way (optimizer_step is the boundary)
-        return Forwarded(torch.stack(losses), functools.partial(self.engine.backward, loss))
+        return Forwarded(torch.stack(losses), functools.partial(self.ds_engine.backward, loss))
 
     def optimizer_step(self, apply=True):
         # ZeRO-0 in fp32 steps a plain torch optimizer, which does not report the gradient norm:
         # the gradients are all-reduced now and zeroed by step().
-        plain_optimizer = self.engine.zero_optimization_stage() == 0 and self.dtype == torch.float32
-        grad_norm = _grad_norm(self.engine.module) if plain_optimizer and apply else None
-        with contextlib.nullcontext() if apply else _without_update(self.engine.basic_optimizer):
-            self.engine.step()  # the accumulation boundary
+        plain_optimizer = self.ds_engine.zero_optimization_stage() == 0 and self.dtype == torch.float32
+        grad_norm = _grad_norm(self.ds_engine.module) if plain_optimizer and apply else None
+        with contextlib.nullcontext() if apply else _without_update(self.ds_engine.basic_optimizer):
+            self.ds_engine.step()  # the accumulation boundary
         if not apply:
             return {"grad_norm": None}
-        if not self.engine.was_step_applied():  # fp16's loss scaler found inf/nan gradients and lowered the scale
+        if not self.ds_engine.was_step_applied():  # fp16's loss scaler found inf/nan gradients and lowered the scale
             return {"grad_norm": None, "skipped": "overflow"}
         if grad_norm is None:
-            grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = self.ds_engine.get_global_grad_norm()
         return {"grad_norm": float(grad_norm) if grad_norm is not None else None}
 
     def generate(self, batch, **kwargs):
         # Under ZeRO-3 every rank must join every forward until all are done.
-        synced = self.engine.zero_optimization_stage() == 3 and self.world_size > 1
-        with autocast(self.engine.device, self.dtype), gathered_root(self.engine.module):
-            return self.engine.module.generate(to_compute(batch, self.engine.device, self.dtype), synced_gpus=synced,
-                                               **kwargs)
+        synced = self.ds_engine.zero_optimization_stage() == 3 and self.world_size > 1
+        with autocast(self.ds_engine.device, self.dtype), gathered_root(self.ds_engine.module):
+            return self.ds_engine.module.generate(to_compute(batch, self.ds_engine.device, self.dtype),
+                                                  synced_gpus=synced, **kwargs)
 
     def save_checkpoint(self, tag, client_state):
-        self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state,
+        self.ds_engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state,
                                     exclude_frozen_parameters=True)
 
     def check_checkpoint(self, tag_dir, same_world):
@@ -234,25 +235,25 @@ class DeepSpeedEngine(Engine):
                                               write=functools.partial(_write_handover, self, handover))
         elif self.universal:
             load_dir = ds_ckpt.universal_copy(tag_dir, scratch, self.rank)
-        hyper = _hyper_parameters(self.engine.optimizer)
+        hyper = _hyper_parameters(self.ds_engine.optimizer)
         # Frozen weights are not in the checkpoint (check_checkpoint made sure everything trainable is);
         # they come from where the model loaded them.
         # check_checkpoint read every file of this rank without running code; DeepSpeed's loader reads them again
         # (and a universal copy's) unrestricted, which library_reads overrides.
         with ds_ckpt.library_reads(Path(load_dir) / tag):
-            path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
+            path, client_state = self.ds_engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
         if path is None:
             raise ckpt.CheckpointError(f"DeepSpeed found no checkpoint in {load_dir} (tag {tag!r})")
         if self.universal:
             # ZeRO-3's universal load gives every param group the first group's hyper-parameters (DeepSpeed
             # 0.19.8): biases and norms would be weight-decayed, lr_scales lost. They are the run's own.
-            for group, own in zip(self.engine.optimizer.param_groups, hyper):
+            for group, own in zip(self.ds_engine.optimizer.param_groups, hyper):
                 group.update(own)
             # Only this load needs it; the next save is in this world size. Remade if a kill comes first.
             comm.barrier()
             if self.rank == 0:
                 ds_ckpt.remove_universal_copy(Path(load_dir) / tag)
-        replay_step_counter(self.engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
+        replay_step_counter(self.ds_engine.basic_optimizer)  # CPU Adam's beta powers, as an unbroken run has them
         if source is not None:
             report_takeover(self, tag_dir)
         return client_state
@@ -273,12 +274,12 @@ def _write_handover(engine: DeepSpeedEngine, handover: ckpt.Handover, folder: Pa
     """Another engine's checkpoint as DeepSpeed's universal checkpoint (rank 0), for ``engine`` (wrapped) to load."""
     model_states = {
         # What DeepSpeed's own save records and its load reads back (a universal load takes no weights from it).
-        "param_shapes": engine.engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
+        "param_shapes": engine.ds_engine._get_zero_param_shapes(), "buffer_names": [], "mp_world_size": 1,
         "dp_world_size": handover.client_state["lavis_ds"].get("world_size", engine.world_size),
         "global_steps": handover.step, "global_samples": handover.step * engine.plan.global_batch,
         "skipped_steps": 0}
     # This engine's own hyper-parameters: a universal load sets them from the file.
-    ds_ckpt.write_universal(folder, handover, model_states, _hyper_parameters(engine.engine.optimizer))
+    ds_ckpt.write_universal(folder, handover, model_states, _hyper_parameters(engine.ds_engine.optimizer))
 
 
 def _layout_changed(tag_dir: Path | None, now: dict, announce: bool) -> bool:
@@ -313,8 +314,8 @@ def _hyper_parameters(optimizer) -> list[dict]:
     return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
-# MiniGPT4Qwen's name for its DeepSpeed runner (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
-reg.runners.register_alias("deepspeed_runner", "runner_deepspeed")
+# MiniGPT4Qwen's name for its DeepSpeed engine (Coobiw/MPP-LLaVA: `runner: deepspeed_runner`).
+reg.engines.register_alias("deepspeed_runner", "runner_deepspeed")
 
 
 def _check_precision_supported(precision: str) -> None:

@@ -47,7 +47,7 @@ AUTO_COMPUTED = {
 
 
 # run key -> the DeepSpeed key that says the same thing (a YAML written for DeepSpeed keeps its batch,
-# clipping, precision and AdamW settings under every runner: Engine.config.twins)
+# clipping, precision and AdamW settings under every engine: Engine.config.twins)
 TWIN_KEYS = {
     "batch_size_train": "train_micro_batch_size_per_gpu",
     "accum_grad_iters": "gradient_accumulation_steps",
@@ -348,7 +348,7 @@ def deepspeed_problems(ds: dict, run: dict | None = None) -> list[str]:
     if "scheduler" in ds:
         errors.append(f"{path}.scheduler: lavis_ds steps the learning rate itself (run.lr_sched, run.init_lr, ...); "
                       "remove this section (a section whose params are all \"auto\" is dropped for you)")
-    # The values of the run keys' twins are checked with them (DeepSpeedEngineConfig.twins), whichever runner runs.
+    # The values of the run keys' twins are checked with them (DeepSpeedEngineConfig.twins), whichever engine runs.
     params = (ds.get("optimizer") or {}).get("params") or {} if isinstance(ds.get("optimizer"), dict) else {}
     # The schedule writes run.init_lr (x lr_scales) into every group, and weight decay lives in the param
     # groups: a different value here would be silently overwritten.

@@ -4,7 +4,7 @@ Each repeated block (ViT block, Q-Former layer, LLM decoder layer) is a sharding
 the model as a whole (embeddings, norms, heads, queries, projection). The optimizer is
 torch's AdamW on the same parameter groups as DeepSpeed's, stepped by the same schedulers.
 Checkpoints are ``torch.distributed.checkpoint`` folders of the trainable parameters and
-their optimizer state, in the same step_<N> protocol as every runner's; a checkpoint saved
+their optimizer state, in the same step_<N> protocol as every engine's; a checkpoint saved
 by N processes loads on M (DCP reshards).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ class FSDPEngineConfig(EngineConfig):
         check_section(options, fields_of(FSDPOptions), "run.fsdp", problems, require=False)
         if settings_ok and training_settings(run, world_size).precision == "fp16":
             problems.append("run.precision: fp16 is not supported by runner_fsdp (fp16 needs a loss scaler, which "
-                            "runner_fsdp does not have); use bf16, or the DeepSpeed runner")
+                            "runner_fsdp does not have); use bf16, or the DeepSpeed engine")
         return problems
 
 
@@ -80,7 +80,7 @@ class FSDPSetup(EngineSetup):
         return llm_placement(Rank0Placement()) if dist.world_size() > 1 else contextlib.nullcontext()
 
 
-@reg.runners.register("runner_fsdp")
+@reg.engines.register("runner_fsdp")
 class FSDPEngine(Engine):
     """``fully_shard`` modules configured by the run keys and ``run.fsdp``."""
 
@@ -250,8 +250,8 @@ class FSDPEngine(Engine):
         return None
 
 
-# A short name, as the DeepSpeed runner has MiniGPT4Qwen's.
-reg.runners.register_alias("fsdp_runner", "runner_fsdp")
+# A short name, as the DeepSpeed engine has MiniGPT4Qwen's.
+reg.engines.register_alias("fsdp_runner", "runner_fsdp")
 
 
 def built_on_rank0(model) -> bool:

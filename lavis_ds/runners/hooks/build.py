@@ -29,13 +29,13 @@ from lavis_ds.runners.hooks.base import Hook, HookList
 BUILTIN_HOOKS = ("metrics_log", "validation", "checkpointer", "best_checkpoint", "test_generation", "training_clock")
 
 
-def build_hooks(runner) -> HookList:
+def build_hooks(trainer) -> HookList:
     """The built-in hooks, with their settings from `run`, then those of `run.hooks` (validated when the config
     was loaded)."""
-    settings = builtin_settings(runner.run)
+    settings = builtin_settings(trainer.run)
     builtin = [hook_registry.get(name)(**settings.get(name, {})) for name in BUILTIN_HOOKS]
-    listed = [hook_registry.get(name)(**options) for name, options in hook_specs(runner.run.get("hooks"))]
-    return HookList(runner, builtin + listed)
+    listed = [hook_registry.get(name)(**options) for name, options in hook_specs(trainer.run.get("hooks"))]
+    return HookList(trainer, builtin + listed)
 
 
 def builtin_settings(run) -> dict[str, dict[str, Any]]:

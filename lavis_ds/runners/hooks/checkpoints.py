@@ -20,20 +20,20 @@ class Checkpointer(Hook):
     def __init__(self, save_freq_steps: int = 0) -> None:
         self.save_freq_steps = save_freq_steps  # run.save_freq_steps (0: at epoch ends only)
 
-    def after_step(self, runner, metrics: dict) -> None:
+    def after_step(self, trainer, metrics: dict) -> None:
         freq = self.save_freq_steps
-        at_epoch_end = runner.state.step_in_epoch == runner.data.steps_per_epoch  # after_epoch asks for that one
-        if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
-            runner.request_save("run.save_freq_steps")
+        at_epoch_end = trainer.state.step_in_epoch == trainer.data.steps_per_epoch  # after_epoch asks for that one
+        if freq and trainer.state.global_step % freq == 0 and not at_epoch_end:
+            trainer.request_save("run.save_freq_steps")
 
-    def after_epoch(self, runner) -> None:
-        runner.request_save("epoch end")
+    def after_epoch(self, trainer) -> None:
+        trainer.request_save("epoch end")
 
-    def on_stop(self, runner, signum: int) -> None:
+    def on_stop(self, trainer, signum: int) -> None:
         # SIGTERM is preemption: save where every rank stopped (the loop skips a step saved already).
         # SIGINT is a user's Ctrl-C: stop without writing anything.
-        if signum == signal.SIGTERM and runner.state.global_step:
-            runner.request_save("SIGTERM")
+        if signum == signal.SIGTERM and trainer.state.global_step:
+            trainer.request_save("SIGTERM")
 
 
 @hook_registry.register("best_checkpoint")
@@ -55,7 +55,7 @@ class BestCheckpoint(Hook):
         self.metric = metric or (f"{self.valid_splits[0]}/loss" if self.valid_splits else None)
         self.latest: dict = {}  # {"step": N, "scores": {"val/loss": ..., "val/caption/CIDEr": ...}}
 
-    def log(self, runner, record: dict) -> None:
+    def log(self, trainer, record: dict) -> None:
         if record.get("split") not in self.valid_splits:
             return
         if self.latest.get("step") != record["step"]:
@@ -63,15 +63,15 @@ class BestCheckpoint(Hook):
         split = record["split"]
         self.latest["scores"].update({f"{split}/{k}": v for k, v in record.items() if isinstance(v, float)})
 
-    def after_save(self, runner, tag_dir: Path) -> None:
-        if runner.rank != 0:
+    def after_save(self, trainer, tag_dir: Path) -> None:
+        if trainer.rank != 0:
             return
         metric, latest = self.metric, self.latest
-        if metric and latest.get("step") == runner.state.global_step and metric in latest["scores"]:
+        if metric and latest.get("step") == trainer.state.global_step and metric in latest["scores"]:
             info = {"metric": metric, "value": latest["scores"][metric], "higher_is_better": higher_is_better(metric)}
             (Path(tag_dir) / self.SCORE_FILE).write_text(json.dumps(info, indent=2))
         if self.keep_last:
-            ckpt.prune(runner.checkpoint_dir, self.keep_last, keep=self.best(runner.checkpoint_dir, metric))
+            ckpt.prune(trainer.checkpoint_dir, self.keep_last, keep=self.best(trainer.checkpoint_dir, metric))
 
     def best(self, ckpt_dir: Path, metric: str | None) -> Path | None:
         """The complete checkpoint with the best recorded ``metric`` (None if none has a score for it)."""

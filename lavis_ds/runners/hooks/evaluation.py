@@ -17,31 +17,31 @@ from lavis_ds.runners.evaluation import evaluate_loss, generate_split
 from lavis_ds.runners.hooks.base import Hook
 
 
-def score_split(runner, split: str, phase: str, metrics: list[str]) -> tuple[dict, list[dict]]:
+def score_split(trainer, split: str, phase: str, metrics: list[str]) -> tuple[dict, list[dict]]:
     """Generate a split, score it with its metrics (rank 0), write its predictions file; (scores, results).
     ``metrics``: the run's for ``phase`` (run.val_metrics or run.test_metrics), where a section names none.
 
     Every rank generates its shard (ZeRO-3 forwards are collective); the metrics and the file are
     made once, on rank 0, from the gathered results.
     """
-    results = generate_split(runner, split)
+    results = generate_split(trainer, split)
     scores: dict = {"num_samples": len(results)}
-    if runner.rank != 0:
+    if trainer.rank != 0:
         return scores, results
     sections = list(dict.fromkeys(r["dataset"] for r in results))
     run = _run_metrics(phase, metrics)
     for section in sections:
         rows = [r for r in results if r["dataset"] == section]
-        names = metric_names(run, OmegaConf.to_container(runner.cfg.datasets[section], resolve=True), phase)
+        names = metric_names(run, OmegaConf.to_container(trainer.cfg.datasets[section], resolve=True), phase)
         for name in names:
             values = build_metric(name)([r["generated"] for r in rows], [r["references"] for r in rows])
             for score, value in values.items():
                 scores[log_key(name, score, section if len(sections) > 1 else None)] = value
     try:
-        write_predictions(runner.output_dir / "predictions" / f"{split}_step{runner.state.global_step}.jsonl",
+        write_predictions(trainer.output_dir / "predictions" / f"{split}_step{trainer.state.global_step}.jsonl",
                           results)
     except OutputError as e:  # rank 0 only: every rank stops at the next agreement (HookList.defer)
-        runner.hooks.defer(e)
+        trainer.hooks.defer(e)
     return scores, results
 
 
@@ -71,7 +71,7 @@ class Validation(Hook):
     (`run.val_metrics` or the section's `metrics`) - at every epoch end and every `run.val_freq_steps` steps.
 
     Each split's results are one record (``{"split": "val", "loss": ..., "caption/CIDEr": ...}``), logged
-    through ``runner.hooks.log``: metrics.jsonl, the trackers and the best-checkpoint scoring read them there.
+    through ``trainer.hooks.log``: metrics.jsonl, the trackers and the best-checkpoint scoring read them there.
     """
 
     def __init__(self, valid_splits: tuple[str, ...] = (), val_freq_steps: int = 0,
@@ -79,29 +79,29 @@ class Validation(Hook):
         """run.valid_splits, run.val_freq_steps (0: at epoch ends only), run.val_metrics."""
         self.valid_splits, self.val_freq_steps, self.val_metrics = tuple(valid_splits), val_freq_steps, list(val_metrics)
 
-    def after_step(self, runner, metrics: dict) -> None:
+    def after_step(self, trainer, metrics: dict) -> None:
         freq = self.val_freq_steps
-        at_epoch_end = runner.state.step_in_epoch == runner.data.steps_per_epoch  # after_epoch validates that one
-        if freq and runner.state.global_step % freq == 0 and not at_epoch_end:
-            self.validate(runner)
+        at_epoch_end = trainer.state.step_in_epoch == trainer.data.steps_per_epoch  # after_epoch validates that one
+        if freq and trainer.state.global_step % freq == 0 and not at_epoch_end:
+            self.validate(trainer)
 
-    def after_epoch(self, runner) -> None:
-        self.validate(runner)
+    def after_epoch(self, trainer) -> None:
+        self.validate(trainer)
 
-    def evaluate(self, runner) -> None:
-        self.validate(runner)
+    def evaluate(self, trainer) -> None:
+        self.validate(trainer)
 
-    def validate(self, runner) -> None:
+    def validate(self, trainer) -> None:
         if not self.valid_splits:
             return
         run = _run_metrics(VALID, self.val_metrics)
-        datasets = OmegaConf.to_container(runner.cfg.datasets, resolve=True)
+        datasets = OmegaConf.to_container(trainer.cfg.datasets, resolve=True)
         for split in self.valid_splits:
-            record = {"split": split, **evaluate_loss(runner, split)}
-            if any(metric_names(run, datasets[name], VALID) for name, per_split in runner.data.datasets.items()
+            record = {"split": split, **evaluate_loss(trainer, split)}
+            if any(metric_names(run, datasets[name], VALID) for name, per_split in trainer.data.datasets.items()
                    if split in per_split):
-                record.update(score_split(runner, split, VALID, self.val_metrics)[0])
-            runner.hooks.log({"step": runner.state.global_step, "epoch": runner.state.epoch, **record})
+                record.update(score_split(trainer, split, VALID, self.val_metrics)[0])
+            trainer.hooks.log({"step": trainer.state.global_step, "epoch": trainer.state.epoch, **record})
 
 
 @hook_registry.register("test_generation")
@@ -114,16 +114,16 @@ class TestGeneration(Hook):
         """run.test_splits, run.test_metrics, run.num_log_samples (generated samples logged per split)."""
         self.test_splits, self.test_metrics, self.num_log_samples = tuple(test_splits), list(test_metrics), num_log_samples
 
-    def after_train(self, runner) -> None:
-        self.test(runner)
+    def after_train(self, trainer) -> None:
+        self.test(trainer)
 
-    def evaluate(self, runner) -> None:
-        self.test(runner)
+    def evaluate(self, trainer) -> None:
+        self.test(trainer)
 
-    def test(self, runner) -> None:
+    def test(self, trainer) -> None:
         for split in self.test_splits:
-            scores, results = score_split(runner, split, TEST, self.test_metrics)
+            scores, results = score_split(trainer, split, TEST, self.test_metrics)
             samples = results[: self.num_log_samples]
-            runner.hooks.log({"step": runner.state.global_step, "epoch": runner.state.epoch, "split": split,
+            trainer.hooks.log({"step": trainer.state.global_step, "epoch": trainer.state.epoch, "split": split,
                               **scores, "samples": samples})
         comm.barrier()

@@ -27,41 +27,41 @@ class MetricsLog(Hook):
         self.last_step = 0  # the run's (before_train's): always logged
         self.meter = ThroughputMeter(peak_tflops, precision)
 
-    def before_train(self, runner) -> None:
-        self.last_step = runner.total_steps  # once: every step compares with it
-        if runner.rank == 0:
-            resumed = runner.state.global_step if runner.state.global_step else None
+    def before_train(self, trainer) -> None:
+        self.last_step = trainer.total_steps  # once: every step compares with it
+        if trainer.rank == 0:
+            resumed = trainer.state.global_step if trainer.state.global_step else None
             try:
-                self.writer = MetricsWriter(runner.output_dir, resume_step=resumed)
+                self.writer = MetricsWriter(trainer.output_dir, resume_step=resumed)
             except OutputError as e:  # every rank stops right after before_train (Trainer.call_hooks)
-                runner.hooks.defer(e)
-            self.bar = tqdm(total=runner.total_steps, initial=runner.state.global_step, desc="train",
+                trainer.hooks.defer(e)
+            self.bar = tqdm(total=trainer.total_steps, initial=trainer.state.global_step, desc="train",
                             dynamic_ncols=True, mininterval=1.0)
-        self.meter.start(runner.engine.module, runner.rank)
+        self.meter.start(trainer.engine.module, trainer.rank)
 
-    def after_step(self, runner, metrics: dict) -> None:
+    def after_step(self, trainer, metrics: dict) -> None:
         metrics = dict(metrics)
         self.meter.step_done(metrics.pop("tokens", None))  # every rank: its own tokens
-        if runner.rank == 0:
+        if trainer.rank == 0:
             self.bar.update(1)
-        step = runner.state.global_step
+        step = trainer.state.global_step
         if step % self.log_freq and step != self.last_step:
             return
-        throughput = self.meter.report(runner)  # collective: every rank takes the same steps
-        if runner.rank != 0:
+        throughput = self.meter.report(trainer)  # collective: every rank takes the same steps
+        if trainer.rank != 0:
             return
-        record = {"step": step, "epoch": runner.state.epoch, **metrics, **throughput}
-        runner.hooks.log(record)
+        record = {"step": step, "epoch": trainer.state.epoch, **metrics, **throughput}
+        trainer.hooks.log(record)
         if record["loss"] is not None:  # None: a skipped step (non-finite loss)
             # Shown at the bar's next refresh (every second at most), not by a write of its own on this step.
             self.bar.set_postfix(_postfix(record), refresh=False)
 
-    def log(self, runner, record: dict) -> None:
+    def log(self, trainer, record: dict) -> None:
         try:
             if self.writer is not None:  # None: it could not be opened, and the run is stopping
                 self.writer.write(record)
         except OutputError as e:  # rank 0 only: every rank stops at the next agreement (HookList.defer)
-            runner.hooks.defer(e)
+            trainer.hooks.defer(e)
         if "split" not in record:
             return
         # An evaluation: one line on screen, and the samples of a test split under it.
@@ -70,13 +70,13 @@ class MetricsLog(Hook):
         for s in record.get("samples", []):
             tqdm.write(f"  {s['image']}: expected {s['expected']!r}, generated {s['generated']!r}")
 
-    def after_train(self, runner) -> None:
+    def after_train(self, trainer) -> None:
         self._close_bar()  # the writer stays open for the final tests
 
-    def on_stop(self, runner, signum: int) -> None:
+    def on_stop(self, trainer, signum: int) -> None:
         self._close_bar()
 
-    def close(self, runner) -> None:
+    def close(self, trainer) -> None:
         self._close_bar()
         if self.writer is not None:
             self.writer.close()
@@ -106,14 +106,14 @@ class TrainingClock(Hook):
     def __init__(self) -> None:
         self.meter: ThroughputMeter | None = None
 
-    def before_train(self, runner) -> None:
-        self.meter = next(hook.meter for hook in runner.hooks if isinstance(hook, MetricsLog))
+    def before_train(self, trainer) -> None:
+        self.meter = next(hook.meter for hook in trainer.hooks if isinstance(hook, MetricsLog))
 
-    def after_step(self, runner, metrics: dict) -> None:
+    def after_step(self, trainer, metrics: dict) -> None:
         self.meter.mark()
 
-    def after_epoch(self, runner) -> None:
+    def after_epoch(self, trainer) -> None:
         self.meter.mark()
 
-    def after_save(self, runner, tag_dir) -> None:
+    def after_save(self, trainer, tag_dir) -> None:
         self.meter.mark()

@@ -39,28 +39,28 @@ class Tracker(Hook):
     def __init__(self) -> None:
         self.started, self.completed = False, False
 
-    def before_train(self, runner) -> None:
-        if runner.rank == 0 and not self.started:
-            self.start(runner, OmegaConf.to_container(runner.cfg, resolve=True))
+    def before_train(self, trainer) -> None:
+        if trainer.rank == 0 and not self.started:
+            self.start(trainer, OmegaConf.to_container(trainer.cfg, resolve=True))
             self.started = True
 
-    def log(self, runner, record: dict) -> None:
+    def log(self, trainer, record: dict) -> None:
         values = scalars(record)
         if self.started and values:  # a skipped step's record has no loss, a user's may have no number at all
             self.write(record["step"], values)
 
-    def after_train(self, runner) -> None:
+    def after_train(self, trainer) -> None:
         self.completed = True
 
-    def evaluate(self, runner) -> None:
+    def evaluate(self, trainer) -> None:
         self.completed = True
 
-    def close(self, runner) -> None:
+    def close(self, trainer) -> None:
         if self.started:
             self.started = False
             self.finish(self.completed)
 
-    def start(self, runner, config: dict) -> None:
+    def start(self, trainer, config: dict) -> None:
         raise NotImplementedError
 
     def write(self, step: int, values: dict[str, float]) -> None:
@@ -70,18 +70,18 @@ class Tracker(Hook):
         raise NotImplementedError
 
     # A resumed run continues its tracker run rather than starting a second one beside it.
-    def remembered_run(self, runner, where: str) -> str | None:
+    def remembered_run(self, trainer, where: str) -> str | None:
         """The id of the tracker run to continue: the one this output_dir recorded for ``where``, if the run
         resumed from a checkpoint (a fresh start, ``run.resume: false`` included, begins a new one)."""
-        path = runner.output_dir / f"{self.NAME}_run.json"
-        if not runner.state.global_step or not path.is_file():
+        path = trainer.output_dir / f"{self.NAME}_run.json"
+        if not trainer.state.global_step or not path.is_file():
             return None
         info = json.loads(path.read_text())
         return info.get("id") if info.get("where") == where else None
 
-    def remember_run(self, runner, where: str, run_id: str) -> None:
-        runner.output_dir.mkdir(parents=True, exist_ok=True)
-        (runner.output_dir / f"{self.NAME}_run.json").write_text(json.dumps({"where": where, "id": run_id}))
+    def remember_run(self, trainer, where: str, run_id: str) -> None:
+        trainer.output_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.output_dir / f"{self.NAME}_run.json").write_text(json.dumps({"where": where, "id": run_id}))
 
 
 @hook_registry.register("tensorboard")
@@ -95,11 +95,11 @@ class TensorBoard(Tracker):
         self.log_dir = log_dir
         self.writer = None  # start()'s SummaryWriter
 
-    def start(self, runner, config: dict) -> None:
+    def start(self, trainer, config: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        resumed = runner.state.global_step
-        folder = self.log_dir or runner.output_dir / "tb"
+        resumed = trainer.state.global_step
+        folder = self.log_dir or trainer.output_dir / "tb"
         # A resumed run trains the steps after its checkpoint again: their old events are dropped.
         self.writer = SummaryWriter(str(folder), purge_step=resumed + 1 if resumed else None)
         if not resumed:
@@ -131,25 +131,25 @@ class MLflow(Tracker):
         self.tracking_uri, self.experiment, self.run_name, self.tags = tracking_uri, experiment, run_name, tags or {}
         self.client, self.run_id = None, None  # start()'s MlflowClient and the run it writes to
 
-    def start(self, runner, config: dict) -> None:
+    def start(self, trainer, config: dict) -> None:
         from mlflow.tracking import MlflowClient
 
         uri = (self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-               or (runner.output_dir.resolve() / "mlruns").as_uri())
+               or (trainer.output_dir.resolve() / "mlruns").as_uri())
         if uri.startswith("file:"):
             # MLflow 3 refuses its file store (in maintenance mode) unless told it is wanted; a folder beside the
             # run, read with no server, is what the default is for. An explicit MLFLOW_ALLOW_FILE_STORE wins.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(uri)
-        self.run_id = self.remembered_run(runner, uri)
+        self.run_id = self.remembered_run(trainer, uri)
         if self.run_id:
             self.client.update_run(self.run_id, status="RUNNING")
             return  # its params are logged already (MLflow refuses to change them)
         experiment = self.client.get_experiment_by_name(self.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.experiment)
-        run = self.client.create_run(experiment_id, run_name=self.run_name or runner.output_dir.name, tags=self.tags)
+        run = self.client.create_run(experiment_id, run_name=self.run_name or trainer.output_dir.name, tags=self.tags)
         self.run_id = run.info.run_id
-        self.remember_run(runner, uri, self.run_id)
+        self.remember_run(trainer, uri, self.run_id)
         self.log_config(config)
 
     def log_config(self, config: dict) -> None:
@@ -202,18 +202,18 @@ class Wandb(Tracker):
         self.dir = dir
         self.run = None  # start()'s wandb run
 
-    def start(self, runner, config: dict) -> None:
+    def start(self, trainer, config: dict) -> None:
         import wandb
 
-        folder = Path(self.dir or runner.output_dir)
+        folder = Path(self.dir or trainer.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         where = f"{self.init_args['entity'] or ''}/{self.init_args['project']}"
-        run_id = self.remembered_run(runner, where)
+        run_id = self.remembered_run(trainer, where)
         # create_new: this run is driven through its own object, beside any run the user's code started.
-        self.run = wandb.init(**{**self.init_args, "name": self.init_args["name"] or runner.output_dir.name},
+        self.run = wandb.init(**{**self.init_args, "name": self.init_args["name"] or trainer.output_dir.name},
                               dir=str(folder), id=run_id, resume="allow" if run_id else None, reinit="create_new")
         self.run.config.update(config, allow_val_change=True)  # a resumed run may have raised run.max_epoch
-        self.remember_run(runner, where, self.run.id)
+        self.remember_run(trainer, where, self.run.id)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)

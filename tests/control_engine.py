@@ -20,10 +20,10 @@ import torch
 from lavis_ds.common.registry import registry
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.engine import Forwarded
-from plain_runner import PlainEngine
+from plain_engine import PlainEngine
 
 
-@registry.register_runner("runner_control_test")
+@registry.register_engine("runner_control_test")
 class ControlEngine(PlainEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -16,7 +16,7 @@ from lavis_ds.runners.engine import Engine, Forwarded, micro_batch_loss
 STATE_FILE = "plain.pt"
 
 
-@registry.register_runner("runner_plain_test")
+@registry.register_engine("runner_plain_test")
 class PlainEngine(Engine):
     def wrap(self, param_groups, plan):
         self.plan = plan
