@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import itertools
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from lavis_ds.common.errors import LavisDsError, message_of, report
 from lavis_ds.models.chat_template import GENERATION_BLOCK, template_text
@@ -99,15 +99,18 @@ def training_sequences(prompt: ChatPrompt, dataset: Any, index: int, where: str,
     tokenizing (``models.vision_llm_batch.token_batch``; a pair's two sides by ``objectives.model_calls``, only
     each side's last answer supervised), packed when the run packs."""
     batch = dataset.collater([dataset[index]])
+    # An image's count where it depends on the image's size: its processor's, the same function the model counts by.
+    counting = None if prompt.num_image_tokens is not None else dataset.vis_processor.tokens_for_image
     if "chosen" in batch:
         from lavis_ds.objectives.model_calls import prepare_pairs
 
-        rows = prepare_pairs(_Tokenizing(prompt), batch)
-        full = prepare_pairs(_Tokenizing(dataclasses.replace(prompt, max_len=sys.maxsize)), batch)
+        rows = prepare_pairs(_Tokenizing(prompt, counting), batch)
+        full = prepare_pairs(_Tokenizing(dataclasses.replace(prompt, max_len=sys.maxsize), counting), batch)
         names = [f"{where} ({side})" for side in ("chosen", "rejected")]
     else:
-        rows = token_batch(prompt, batch, _pad_id(prompt), pack_to)
-        full = token_batch(dataclasses.replace(prompt, max_len=sys.maxsize), batch, _pad_id(prompt))
+        rows = token_batch(prompt, batch, _pad_id(prompt), pack_to, counting)
+        full = token_batch(dataclasses.replace(prompt, max_len=sys.maxsize), batch, _pad_id(prompt),
+                           tokens_for_image=counting)
         names = [where]
     shown = []
     for row, name in enumerate(names):
@@ -121,11 +124,12 @@ class _Tokenizing:
     """The model's ``prepare_batch`` without its weights: the token fields ``token_batch`` makes (the host-side
     fields of an image path, such as InstructBLIP's Q-Former text, are not shown)."""
 
-    def __init__(self, prompt: ChatPrompt):
-        self.prompt = prompt
+    def __init__(self, prompt: ChatPrompt, tokens_for_image: Callable[[Any], int] | None):
+        self.prompt, self.tokens_for_image = prompt, tokens_for_image
 
     def prepare_batch(self, samples: dict[str, Any]) -> dict[str, Any]:
-        return {**samples, **token_batch(self.prompt, samples, _pad_id(self.prompt))}
+        return {**samples, **token_batch(self.prompt, samples, _pad_id(self.prompt),
+                                         tokens_for_image=self.tokens_for_image)}
 
 
 def _pad_id(prompt: ChatPrompt) -> int:

@@ -174,3 +174,20 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
     assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
+    """show-sample counts each image's placeholders by its processor (no model built), as the model does by its
+    tower: the same ids for text only, two images of their own sizes, a video and one large image."""
+    from lavis_ds.show_sample import training_sequences
+
+    model = models(kind)
+    path, root = data
+    processor = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+    dataset = InstructionDataset(path, root, processor, max_frames=4)
+    for index in range(len(dataset)):
+        prepared = model.prepare_batch(dataset.collater([dataset[index]]))
+        shown, = training_sequences(model.prompt, dataset, index, f"record {index}")
+        assert shown.ids == prepared["input_ids"][0][prepared["attention_mask"][0].bool()].tolist(), index
+        assert shown.ids.count(model.prompt.image_token_id) == sum(prepared["image_tokens"]), index

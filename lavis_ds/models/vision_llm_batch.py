@@ -8,13 +8,14 @@ calls them, and so does ``lavis_ds.show_sample`` (through ``token_batch``), whic
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplateError
-from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, SIZES_KEY, select_images
+from lavis_ds.models.image_tokens import (GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes, per_sample,
+                                           select_images)
 from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
 
@@ -73,11 +74,14 @@ def lay_out(examples: list[Example], pad_id: int, pack_to: int | None = None,
     return fields
 
 
-def token_batch(prompt: ChatPrompt, samples: dict[str, Any], pad_id: int, pack_to: int | None = None
-                ) -> dict[str, Any]:
-    """What ``prepare_batch`` lays out for a batch of a model with a fixed count of tokens per image, from its prompt
-    alone (no weights): a sample truncation would cut into an image is refused."""
-    examples = training_examples(prompt, samples)
+def token_batch(prompt: ChatPrompt, samples: dict[str, Any], pad_id: int, pack_to: int | None = None,
+                tokens_for_image: Callable[[Size], int] | None = None) -> dict[str, Any]:
+    """What ``prepare_batch`` lays out for a batch, from the model's prompt alone (no weights): each image takes the
+    prompt's fixed count, or ``tokens_for_image`` of its size where the count depends on it (the processor's, which
+    counts as the model does); a sample truncation would cut into an image is refused."""
+    counts = None if tokens_for_image is None else per_sample(
+        [tokens_for_image(size) for size in image_sizes(samples)], image_counts(samples))
+    examples = training_examples(prompt, samples, counts)
     for example in examples:
         if isinstance(example, ImageSpanCut):
             raise example

@@ -308,6 +308,11 @@ class QwenVLImageProcessor(BaseProcessor):
     def __call__(self, image: Image.Image) -> QwenVisual:
         return self.processing.image(image)
 
+    def tokens_for_image(self, grid_thw: Sequence[int] | torch.Tensor) -> int:
+        """LLM tokens of an image this processor made, from its grid row: the count the model's ``tokens_for_image``
+        gives it (show-sample reserves placeholders by it without building the model)."""
+        return tokens_for_grid(grid_thw, self.merge_size)
+
     def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False) -> dict[str, Any]:
         """A sample's visual fields: its images (``video``: the frames of one video, a single visual) as flat patches
         end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t``."""
