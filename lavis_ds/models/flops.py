@@ -102,7 +102,7 @@ class FlopModel:
 
     def image_path(self, text_tokens: float = 0) -> Flops:
         """Tower and connector on one image whose instruction has ``text_tokens`` tokens (connectors that read
-        none ignore it)."""
+        none ignore it); ZERO for a model whose images cost by their size (``image_path_of_size``)."""
         return (self.tower + self.connector + self.connector_per_text_token * text_tokens
                 + self.connector_text_attention * (text_tokens * text_tokens))
 
