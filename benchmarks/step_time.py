@@ -292,7 +292,7 @@ def _work_per_step(trainer, steps: list[list[dict]]) -> dict:
     counts = [count_tokens(step) for step in steps]
     flop_model = trainer.engine.module.flop_model()
     flops = [flop_model.training_flops(c.images, c.tokens, c.squared_tokens, c.supervised, c.image_text_tokens,
-                                       c.squared_image_text_tokens) for c in counts]
+                                       c.squared_image_text_tokens, c.image_sizes) for c in counts]
     return {"samples": statistics.fmean(c.samples for c in counts), "tokens": statistics.fmean(c.tokens for c in counts),
             "supervised": statistics.fmean(c.supervised for c in counts), "flops": statistics.fmean(flops),
             "peak_memory_gib": peak_memory_bytes() / 2**30}

@@ -1,18 +1,23 @@
 """The FLOP model of every registered architecture against torch's FlopCounterMode on its tiny preset: tower,
-connector and LLM each report their own, for frozen and trained parts, text-only and multi-image samples.
+connector and LLM each report their own, for frozen and trained parts, text-only and multi-image samples (Qwen-VL:
+images of three sizes, each counted by its grid).
 
 torch.utils.flop_counter counts matmuls only, as the FLOP model does: they agree to float rounding. The one gap:
 torch 2.14 has no FLOP formula for CPU's fused attention kernel and counts it as 0, so attention runs on the math
 backend here, whose matmuls it counts."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from archs import ARCHITECTURES, FLAT_ARCHITECTURES, build_tiny, mixed_batch, set_trainable
+from archs import ARCHITECTURES, build_tiny, mixed_batch, set_trainable
 from lavis_ds.models.flops import ZERO
+from lavis_ds.models.image_tokens import image_sizes
+from lavis_ds.models.image_tokens import per_sample as split_per_sample
 from lavis_ds.models.prompt import IGNORE_INDEX
 
 # name: (config overrides, which parts train; a part left out keeps what the build gave it)
@@ -31,22 +36,31 @@ def _instruction_tokens(model, prepared: dict) -> int:
     return 0 if mask is None else mask.shape[1]
 
 
-# A Qwen-VL tower's cost depends on each image's size: its architectures have no FLOP model per sample (flop_model is
-# None, no MFU is logged; the tower's flops_for_grid is tested in test_qwen_vl_parts).
-MODELLED = [arch for arch in ARCHITECTURES if arch not in FLAT_ARCHITECTURES]
+# (height, width) px of the three images of a Qwen-VL batch: three grids, the last two Qwen2.5-VL windows (112 px).
+FLAT_IMAGE_SIDES = [(56, 56), (56, 112), (168, 112)]
+
+
+def _batch(model) -> dict:
+    """``mixed_batch``; for a Qwen-VL architecture with its images at three sizes, as flat patches and grid rows."""
+    batch = mixed_batch(model)
+    if getattr(model, "FLAT_FEATURES", False):
+        visuals = [model.vision_tower.processing.still_patches(torch.randn(3, h, w)) for h, w in FLAT_IMAGE_SIDES]
+        batch.update(image=torch.cat([v.pixel_values for v in visuals]),
+                     image_grid_thw=torch.stack([v.grid_thw for v in visuals]))
+    return batch
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("arch", MODELLED)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_flop_model_is_what_flop_counter_measures(arch, recipe, tiny_tokenizer_dir, tmp_path):
     overrides, parts = RECIPES[recipe]
     model = build_tiny(arch, tiny_tokenizer_dir, tmp_path, **overrides)
     set_trainable(model, arch, **parts)
-    flops = _measured_as_modelled(model)
+    two_images = _measured_as_modelled(model)[-1]
     # Every part costs something, and a frozen part with nothing trainable below it runs forward only.
-    assert all(part.forward > 0 for part in (flops.tower, flops.connector, flops.llm_per_token, flops.head))
+    assert all(two_images[part].forward > 0 for part in ("tower", "connector", "llm", "head"))
     if parts.get("tower") is False:
-        assert flops.tower.training == flops.tower.forward
+        assert two_images["tower"].training == two_images["tower"].forward
 
 
 # BLIP2-Qwen's own freeze switches (MiniGPT4Qwen's recipe with one thing more trained).
@@ -64,14 +78,16 @@ def test_blip2_freeze_switches_are_counted(switches, tiny_tokenizer_dir, tmp_pat
 
 
 def _measured_as_modelled(model):
-    """Check the model's FLOP model against FlopCounterMode on ``mixed_batch``, forward and training; return it."""
-    batch = model.prepare_batch(mixed_batch(model))
+    """Check the model's FLOP model against FlopCounterMode on ``_batch``, forward and training; return its parts
+    per sample."""
+    batch = model.prepare_batch(_batch(model))
     padded_len = batch["input_ids"].shape[1]  # the counter sees the padding too
     supervised = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1).tolist()
     text = _instruction_tokens(model, batch)
     flops = model.flop_model()
-    per_sample = [flops.per_sample(padded_len, n, images=i, text_tokens=text)
-                  for n, i in zip(supervised, batch["num_images"])]
+    sizes = image_sizes(batch)
+    per_sample = [flops.per_sample(padded_len, n, images=i, text_tokens=text, image_sizes=mine)
+                  for n, i, mine in zip(supervised, batch["num_images"], split_per_sample(sizes, batch["num_images"]))]
     expected = sum((parts["total"] for parts in per_sample), ZERO)
     with sdpa_kernel(SDPBackend.MATH):
         with FlopCounterMode(display=False) as forward:
@@ -82,5 +98,5 @@ def _measured_as_modelled(model):
     assert training.get_total_flops() == pytest.approx(expected.training, rel=1e-9)
     # What the logged MFU reads: a step's counts (padding counted here as the counter sees it).
     assert flops.training_flops(3, 3 * padded_len, 3 * padded_len**2, sum(supervised), 3 * text,
-                                3 * text**2) == pytest.approx(expected.training, rel=1e-9)
-    return flops
+                                3 * text**2, Counter(sizes)) == pytest.approx(expected.training, rel=1e-9)
+    return per_sample

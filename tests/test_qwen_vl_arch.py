@@ -1,7 +1,7 @@
 """The qwen2_vl and qwen2_5_vl architectures on their data: the qwen_vl_image processor's output (images of their own
 sizes, several per sample, a video) through the dataset and the collater into the model, the vision span in the
 prompt, packed equal to padded (loss and gradients, fp32) with images of different grids, and the tiny preset
-training through train.py on the demo's images of random sizes."""
+training through train.py on the demo's images of random sizes, its FLOPs logged."""
 from __future__ import annotations
 
 import math
@@ -141,8 +141,10 @@ def test_the_tiny_preset_trains_through_train_py_on_images_of_random_sizes(tmp_p
     cfg["run"].update(output_dir=str(tmp_path / "out"), max_epoch=2, batch_size_train=8, warmup_steps=2,
                       valid_splits=[], test_splits=[], log_freq=1)
     run_train(write_yaml(tmp_path / "run.yaml", cfg), nproc=0)
-    losses = [m["loss"] for m in train_steps(tmp_path / "out")]
+    steps = train_steps(tmp_path / "out")
+    losses = [m["loss"] for m in steps]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert all(m["tflops_per_device"] > 0 for m in steps)  # the FLOP model counts each image by its grid
     assert sum(losses[-2:]) < sum(losses[:2])  # it learns
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 import plain_engine  # noqa: F401  (registers runner_plain_test)
+from archs import build_tiny
 from conftest import demo_storage_fixture
 from lavis_ds.build import build_trainer
 from lavis_ds.common.errors import ConfigError
@@ -17,6 +19,7 @@ from lavis_ds.common.hardware import peak_bf16_tflops
 from lavis_ds.config import load_config
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.flops import Flops
+from lavis_ds.models.image_tokens import GRID_KEY
 from lavis_ds.runners import throughput
 from run_utils import run_forked, tiny_config, train_steps, write_yaml
 
@@ -114,6 +117,23 @@ def test_the_vision_side_is_counted_per_image_for_none_or_several(tiny_model_con
     assert (counts.samples, counts.images) == (2, 2)
 
 
+def test_qwen_vl_images_are_counted_by_grid_row_with_their_sizes(tiny_tokenizer_dir, tmp_path):
+    """One count per image (not per patch of the flat ``image``), and each image's grid, which its FLOPs read."""
+    model = build_tiny("qwen2_vl", tiny_tokenizer_dir, tmp_path)
+    visuals = [model.vision_tower.processing.still_patches(torch.randn(3, h, w)) for h, w in ((56, 56), (56, 112))]
+    batch = {"image": torch.cat([v.pixel_values for v in visuals]), GRID_KEY: torch.stack([v.grid_thw for v in visuals]),
+             "num_images": [0, 2], "instruction": [["Hi?"], ["<Img><ImageHere></Img> <Img><ImageHere></Img> Same?"]],
+             "output": [["Hello."], ["No."]]}
+    counts = throughput.count_tokens([model.prepare_batch(batch)])
+    assert counts.images == 2 and counts.image_sizes == Counter({(1, 4, 4): 1, (1, 4, 8): 1})
+    flops = model.flop_model()
+    two_images = flops.per_sample(0, 0, image_sizes=[(1, 4, 4), (1, 4, 8)])
+    one_each = [flops.per_sample(0, 0, image_sizes=[size]) for size in ((1, 4, 4), (1, 4, 8))]
+    assert 0 < one_each[0]["tower"].forward < one_each[1]["tower"].forward  # a larger image costs more
+    assert flops.training_flops(2, 0, 0, 0, image_sizes=counts.image_sizes) == pytest.approx(
+        two_images["total"].training, rel=1e-12)
+
+
 def test_tokens_are_counted_on_the_cpu_and_the_forward_reuses_them(tiny_model_config):
     model = Blip2Qwen.from_config(tiny_model_config)
     batch, untouched = _batch(), _batch()
@@ -124,7 +144,8 @@ def test_tokens_are_counted_on_the_cpu_and_the_forward_reuses_them(tiny_model_co
     assert batch["input_ids"].device.type == "cpu" and lengths[0] > lengths[1]
     assert counts == throughput.TokenCounts(samples=2, images=2, positions=2 * lengths[0], tokens=sum(lengths),
                                             supervised=int((batch["labels"] != -100).sum()),
-                                            squared_tokens=sum(n * n for n in lengths))
+                                            squared_tokens=sum(n * n for n in lengths),
+                                            image_sizes=Counter({(64, 64): 2}))
     assert counts.supervised < counts.tokens < counts.positions
     torch.manual_seed(0)
     reused = model(batch)

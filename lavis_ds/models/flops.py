@@ -33,8 +33,9 @@ token rows of a frozen LLM whose tokenizer lacked ChatML tokens (a few rows,
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from torch import nn
 
@@ -62,7 +63,8 @@ ZERO = Flops(0.0, 0.0)
 class FlopModel:
     """FLOPs of a vision-LLM per training sample, by part: its vision tower, its connector and its LLM.
 
-    The image path costs the same for every image (a sample has none, one or several); a connector that reads
+    The image path costs the same for every image (a sample has none, one or several), or, for a tower that takes
+    each image at its own size (Qwen-VL), what ``image_path_of_size`` gives for that image; a connector that reads
     each image's instruction (InstructBLIP's Q-Former) adds a cost per instruction token and, through its
     self-attention over queries and text together, per squared instruction token. The LLM's linear layers grow
     with the sequence length ``T``, its attention with ``T²``, and its output head with the positions it runs at.
@@ -79,6 +81,9 @@ class FlopModel:
             ones (``lavis_ds.models.lm_loss``).
         connector_per_text_token: The connector's extra cost per instruction token of an image.
         connector_text_attention: Its extra cost per squared instruction token of an image.
+        image_path_of_size: Tower and connector FLOPs of one image of a given size (its grid row, as
+            ``lavis_ds.models.image_tokens.image_sizes`` gives it), for a tower whose cost depends on the image's
+            size; ``tower`` and ``connector`` are then ZERO and each image is counted by its size.
     """
 
     tower: Flops
@@ -89,6 +94,7 @@ class FlopModel:
     head_at_every_position: bool = False
     connector_per_text_token: Flops = ZERO
     connector_text_attention: Flops = ZERO
+    image_path_of_size: Callable[[tuple[int, ...]], tuple[Flops, Flops]] | None = None
 
     def llm(self, seq_len: float) -> Flops:
         """The LLM's decoder on one sequence of ``seq_len`` tokens (the head apart)."""
@@ -96,30 +102,45 @@ class FlopModel:
 
     def image_path(self, text_tokens: float = 0) -> Flops:
         """Tower and connector on one image whose instruction has ``text_tokens`` tokens (connectors that read
-        none ignore it)."""
+        none ignore it); ZERO for a model whose images cost by their size (``image_path_of_size``)."""
         return (self.tower + self.connector + self.connector_per_text_token * text_tokens
                 + self.connector_text_attention * (text_tokens * text_tokens))
 
-    def per_sample(self, seq_len: float, supervised: float, images: int = 1, text_tokens: float = 0
-                   ) -> dict[str, Flops]:
+    def per_sample(self, seq_len: float, supervised: float, images: int = 1, text_tokens: float = 0,
+                   image_sizes: Sequence[tuple[int, ...]] = ()) -> dict[str, Flops]:
         """FLOPs of one sample with ``images`` images whose LLM sequence has ``seq_len`` tokens, ``supervised`` of them
         supervised, by part (``tower``, ``connector``, ``llm``, ``head``), and their ``total``. ``text_tokens``:
-        the instruction tokens of each image, for connectors that read them."""
+        the instruction tokens of each image, for connectors that read them. ``image_sizes``: each image's size,
+        for a model whose image path costs by size (``image_path_of_size``)."""
         connector = (self.connector + self.connector_per_text_token * text_tokens
                      + self.connector_text_attention * (text_tokens * text_tokens))
-        parts = {"tower": self.tower * images, "connector": connector * images, "llm": self.llm(seq_len),
-                 "head": self.head * (seq_len if self.head_at_every_position else supervised)}
+        sized_tower, sized_connector = self._sized(Counter(map(tuple, image_sizes)))
+        parts = {"tower": self.tower * images + sized_tower, "connector": connector * images + sized_connector,
+                 "llm": self.llm(seq_len), "head": self.head * (seq_len if self.head_at_every_position else supervised)}
         return {**parts, "total": sum(parts.values(), ZERO)}
 
+    def _sized(self, image_sizes: Mapping[tuple[int, ...], int]) -> tuple[Flops, Flops]:
+        """Tower and connector FLOPs of images counted by size (``{size: images}``); ZERO for a model whose
+        images cost the same (its ``tower`` and ``connector`` count them)."""
+        tower = connector = ZERO
+        if self.image_path_of_size is not None:
+            for size, count in image_sizes.items():
+                one_tower, one_connector = self.image_path_of_size(tuple(size))
+                tower, connector = tower + one_tower * count, connector + one_connector * count
+        return tower, connector
+
     def training_flops(self, images: int, tokens: int, squared_tokens: int, supervised: int,
-                       text_tokens: int = 0, squared_text_tokens: int = 0) -> float:
-        """Training FLOPs of samples holding ``images`` images in all, whose sequence lengths add up to ``tokens``
-        and whose squared lengths add up to ``squared_tokens``, with ``supervised`` supervised tokens, and whose
-        images' instructions have ``text_tokens`` tokens (squares: ``squared_text_tokens``): what a step's counts
-        hold (``runners.throughput``). The blank image a text-only micro-batch runs (``VisionLLM.image_embeds``)
-        is not useful work: not counted."""
+                       text_tokens: int = 0, squared_text_tokens: int = 0,
+                       image_sizes: Mapping[tuple[int, ...], int] | None = None) -> float:
+        """Training FLOPs of samples holding ``images`` images in all (``image_sizes``: how many of each size),
+        whose sequence lengths add up to ``tokens`` and whose squared lengths add up to ``squared_tokens``, with
+        ``supervised`` supervised tokens, and whose images' instructions have ``text_tokens`` tokens (squares:
+        ``squared_text_tokens``): what a step's counts hold (``runners.throughput``). The blank image a text-only
+        micro-batch runs (``VisionLLM.image_embeds``) is not useful work: not counted."""
         head_positions = tokens if self.head_at_every_position else supervised
+        sized_tower, sized_connector = self._sized(image_sizes or {})
         return (images * (self.tower.training + self.connector.training)
+                + sized_tower.training + sized_connector.training
                 + text_tokens * self.connector_per_text_token.training
                 + squared_text_tokens * self.connector_text_attention.training
                 + tokens * self.llm_per_token.training + squared_tokens * self.llm_attention.training

@@ -14,13 +14,16 @@ tensors the chat app and the generic tests make): each is then a still image at 
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import LavisDsError
 from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.flops import ZERO, FlopModel, Flops
 from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, Size, image_sizes
 from lavis_ds.models.positions import Visual
 from lavis_ds.processors.qwen_vl import tokens_for_grid
@@ -71,6 +74,29 @@ class QwenVL(ComposedVisionLLM):
                                f"valid sides are multiples of {factor} px; give PIL images through the qwen_vl_image "
                                "processor (it resizes them), or pixel tensors at such a size")
         return 1, height // layout.patch_size, width // layout.patch_size
+
+    # ----------------------------------------------------------------- FLOPs
+    def flop_model(self) -> FlopModel:
+        """As every architecture's, with each image's tower and ``patch_merger`` FLOPs taken from its size
+        (``image_path_of_size``): the tower's cost is linear in the patches plus quadratic in each attention span."""
+        # Images of the same size recur; the FLOPs of a size are read once (they hold while the switches do).
+        return replace(super().flop_model(), image_path_of_size=lru_cache(maxsize=4096)(self.image_path_of_size))
+
+    def image_path_flops(self) -> tuple[Flops, Callable[[int], Flops], bool]:
+        """No cost per image (it depends on the image's size: ``image_path_of_size``) and whether the merger's
+        output needs a gradient, which no size changes (read on the smallest image)."""
+        merge = self.vision_tower.layout.merge_size
+        _, image_grad = self._image_path((1, merge, merge))
+        return ZERO, lambda text_tokens: ZERO, image_grad
+
+    def image_path_of_size(self, size: Size) -> tuple[Flops, Flops]:
+        """The tower's and the merger's FLOPs on one image of ``size`` (a grid row, or a pixel tensor's sides)."""
+        return self._image_path(self._grid(size))[0]
+
+    def _image_path(self, grid: tuple[int, int, int]) -> tuple[tuple[Flops, Flops], bool]:
+        tower, features_grad = self.vision_tower.flops_for_grid([grid])
+        connector, image_grad = self.connector.flops(grid[0] * grid[1] * grid[2], features_grad)
+        return (tower, connector), image_grad
 
     # ----------------------------------------------------------------- the image path
     def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:

@@ -10,13 +10,15 @@ the FLOP formula.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from collections import Counter
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from lavis_ds.common import comm
 from lavis_ds.common.errors import report
 from lavis_ds.common.hardware import device_name, peak_bf16_tflops, peak_memory_bytes
+from lavis_ds.models.image_tokens import batch_images, image_sizes
 from lavis_ds.models.prompt import IGNORE_INDEX
 
 
@@ -25,7 +27,7 @@ class TokenCounts:
     """Tokens of some micro-batches (one rank's, or every rank's once gathered)."""
 
     samples: int = 0
-    images: int = 0  # images (video frames) the vision tower encodes for them
+    images: int = 0  # images (video frames; a Qwen-VL video is one grid row) the vision tower encodes for them
     positions: int = 0  # every position of the padded batches
     tokens: int = 0  # positions holding a token (attention_mask 1)
     supervised: int = 0  # tokens the loss is taken on
@@ -33,6 +35,8 @@ class TokenCounts:
     # The instruction tokens a connector reads beside each image (InstructBLIP's Q-Former), and their squares.
     image_text_tokens: int = 0
     squared_image_text_tokens: int = 0
+    # How many images of each size (a grid row, or pixel height and width): a Qwen-VL tower's cost depends on it.
+    image_sizes: Counter = field(default_factory=Counter)
 
     def __add__(self, other: TokenCounts) -> TokenCounts:
         return TokenCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -58,13 +62,12 @@ def _counts(tokens: dict[str, torch.Tensor]) -> TokenCounts:
     lengths = torch.as_tensor(tokens["sample_lengths"]) if "sample_lengths" in tokens else mask.sum(dim=1)
     # The loss reads the labels shifted by one (token t predicts t + 1): count the tokens it counts.
     supervised = torch.count_nonzero(tokens["labels"][:, 1:] != IGNORE_INDEX)
-    image = tokens.get("image")
     # One row per image, as an instruction connector's `prepare` names them (connectors.instruction).
     text = tokens.get("qformer_attention_mask")
     text = [] if text is None else torch.as_tensor(text).sum(dim=1).tolist()
     # A few dozen integers: summed in Python after one conversion each (every tensor op is a call into torch).
     lengths = lengths.tolist()
-    return TokenCounts(samples=len(lengths), images=0 if image is None else int(image.shape[0]),
+    return TokenCounts(samples=len(lengths), images=batch_images(tokens), image_sizes=Counter(image_sizes(tokens)),
                        positions=mask.numel(), tokens=sum(lengths), supervised=int(supervised),
                        squared_tokens=sum(n * n for n in lengths), image_text_tokens=sum(text),
                        squared_image_text_tokens=sum(n * n for n in text))
@@ -147,7 +150,8 @@ class ThroughputMeter:
         if self.flops is not None:
             # Model FLOPs of the tokens (padding excluded: compute spent on it is not useful work).
             flops = self.flops.training_flops(total.images, total.tokens, total.squared_tokens, total.supervised,
-                                              total.image_text_tokens, total.squared_image_text_tokens)
+                                              total.image_text_tokens, total.squared_image_text_tokens,
+                                              total.image_sizes)
             per_device = flops / seconds / world_size
             rates["tflops_per_device"] = per_device / 1e12
             if self.peak_tflops:
