@@ -13,9 +13,9 @@ from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import (assert_same_steps, comparable, continue_from, kill_after_step, output_of, run_train, start,
                        tiny_config, train_steps, write_yaml)
 
-# The Qwen-VL architectures (images at their own sizes) run through train.py on one process in test_qwen_vl_arch; the
-# engine matrix here is their LLM's and connector's kind of part already (a composed model), at 2-3 minutes an arch.
-COMPOSED = [arch for arch in ARCHITECTURES if arch != "blip2_qwen" and arch not in FLAT_ARCHITECTURES]
+# Of the Qwen-VL architectures (images at their own sizes) qwen2_5_vl runs here, the one the demo trains: qwen2_vl
+# differs from it only in its tower (tested in test_qwen_vl_arch), and each architecture costs ~20 s of suite time.
+COMPOSED = [arch for arch in ARCHITECTURES if arch not in ("blip2_qwen", "qwen2_vl")]
 SAVE_EVERY = 3
 
 
@@ -65,7 +65,8 @@ def test_a_killed_packed_zero2_run_continues_bit_for_bit(arch, killed_and_refere
     assert comparable(train_steps(killed_out)) == expected, f"killed after step {kill_step}"
     logged = train_steps(reference_out)
     assert max(m["padding_share"] for m in logged) < 0.5  # packed rows, not padded samples
-    assert all(m["tflops_per_device"] > 0 for m in logged)  # the architecture's FLOP model feeds the MFU fields
+    if arch not in FLAT_ARCHITECTURES:  # Qwen-VL logs no MFU: its tower's cost depends on each image's grid
+        assert all(m["tflops_per_device"] > 0 for m in logged)  # the architecture's FLOP model feeds the MFU fields
 
 
 @pytest.mark.parametrize("arch", COMPOSED)

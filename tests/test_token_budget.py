@@ -4,13 +4,16 @@ from __future__ import annotations
 import random
 
 import pytest
+from PIL import Image
 
+from archs import build_tiny
 from conftest import demo_storage_fixture
 from lavis_ds.datasets.instruction import InstructionDataset
 from lavis_ds.datasets.lengths import TokenEstimate, counted_by, fit_token_estimate, shape_of, token_length_of
 from lavis_ds.datasets.samplers import StepBatchSampler, TokenBudgetSampler, fill_rows
 from lavis_ds.models.blip2_qwen import Blip2Qwen
 from lavis_ds.processors import Blip2ImageEvalProcessor
+from lavis_ds.processors.qwen_vl import GRID_KEY, QwenVLImageProcessor
 from test_images_per_sample import MPP_MULTI_IMAGE, MPP_VIDEO, write_data, write_json
 
 LENGTHS = [r.choice([3, 40, 120, 300]) + r.randint(0, 30) for r in map(random.Random, range(400))]
@@ -136,6 +139,26 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
         for index in range(3):
             real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
             assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
+
+
+def test_a_qwen_vl_sample_length_counts_each_image_by_the_grid_its_file_header_gives(tmp_path, tiny_tokenizer_dir):
+    """Images at their own sizes (qwen_vl_image): image_sizes gives the grid rows the loaded sample carries, from
+    the file headers, and the estimate predicts the training tokens of text-only and two-image samples."""
+    root = write_data(tmp_path / "data")
+    Image.new("RGB", (200, 90), (9, 9, 9)).save(root / MPP_MULTI_IMAGE["image"][1])  # another grid than the first
+    model = build_tiny("qwen2_5_vl", tiny_tokenizer_dir, tmp_path)
+    text_only = {"instruction": "Hi there, how are you today?", "output": "Hello! Fine, thanks."}
+    records = [text_only, MPP_MULTI_IMAGE] * 3
+    dataset = InstructionDataset(write_json(tmp_path / "mix.json", records), root,
+                                 QwenVLImageProcessor(**model.vision_tower.processing.processor_keys()))
+    assert dataset.image_sizes(0) == []
+    grids = [tuple(row) for row in dataset[1][GRID_KEY].tolist()]
+    assert dataset.image_sizes(1) == grids == [(1, 4, 6), (1, 6, 14)]  # 30x40 px resized to 56x84, 90x200 to 84x196
+
+    length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, model.tokens_for_image)
+    for index in range(2):
+        real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
+        assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
 
 
 demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)

@@ -234,15 +234,27 @@ class InstructionDataset(Dataset):
         sizes = self.image_sizes(index)
         return sample if sizes is None else {**sample, "image_sizes": sizes}
 
-    def image_sizes(self, index: int) -> list[tuple[int, int]] | None:
-        """Each image's (height, width) as the model receives it (a video's ``max_frames`` frames), without reading
-        an image: the processor's square ``image_size``; None for a processor whose output size depends on the
-        image (then only reading the image would tell)."""
+    def image_sizes(self, index: int) -> list[tuple[int, ...]] | None:
+        """Each image's size as the model receives it (a video's ``max_frames`` frames), without decoding an image:
+        the processor's square ``image_size`` as (height, width); for a processor that keeps each image's size
+        (``grid_of_size``, Qwen-VL's) the image's grid row (t, h, w) from the size its file's header gives. None
+        where neither tells (a video or an unreadable file of such a processor: only decoding it would tell)."""
         side = getattr(self.vis_processor, "image_size", None)
-        if not isinstance(side, int):
-            return None
         record = self.records[index]
-        return [(side, side)] * (len(record.images) + (self.max_frames if record.video else 0))
+        if isinstance(side, int):
+            return [(side, side)] * (len(record.images) + (self.max_frames if record.video else 0))
+        grid_of_size = getattr(self.vis_processor, "grid_of_size", None)
+        if grid_of_size is None or record.video is not None:
+            return None
+        try:
+            return [grid_of_size(*self._header_size(name)) for name in record.images]
+        except Exception:  # noqa: BLE001  (PIL raises OSError, SyntaxError, ... ; reading it in training names it)
+            return None
+
+    def _header_size(self, name: str) -> tuple[int, int]:
+        """(height, width) of an image file as its header gives it: PIL reads no pixels to tell the size."""
+        with Image.open(self.image_root / name) as image:
+            return image.height, image.width
 
     def image_name(self, index: int) -> str | None:
         """The record's image (or video) path as the annotation file gives it, several joined by ", " (for reports)."""

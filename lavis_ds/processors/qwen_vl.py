@@ -313,6 +313,11 @@ class QwenVLImageProcessor(BaseProcessor):
         gives it (show-sample reserves placeholders by it without building the model)."""
         return tokens_for_grid(grid_thw, self.merge_size)
 
+    def grid_of_size(self, height: int, width: int) -> tuple[int, int, int]:
+        """The grid row (t, h, w) this processor gives an image of ``height`` x ``width`` px (before resizing): what a
+        dataset tells a token budget's planning without decoding the image (``datasets.lengths``)."""
+        return self.processing.grid(height, width)
+
     def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False) -> dict[str, Any]:
         """A sample's visual fields: its images (``video``: the frames of one video, a single visual) as flat patches
         end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t``."""
