@@ -225,6 +225,11 @@ def test_folder_of_the_other_qwen_generation_names_its_tower(published):
                                         r"unexpected \['ln_q.bias'\]"):
         build_part(connectors, {"name": "patch_merger", "norm": "rmsnorm", "pretrained": str(folder)}, "c",
                    vision_width=32, llm_width=48)
+    with pytest.raises(PartError, match=r"^connector.pretrained: .*merger does not fit the patch_merger \(norm "
+                                        r"LayerNorm\): the weights differ in shape: \['mlp.2.bias: \(48,\) vs ours "
+                                        r"\(40,\)', 'mlp.2.weight: \(48, 128\) vs ours \(40, 128\)'\]"):
+        build_part(connectors, {"name": "patch_merger", "norm": "layernorm", "pretrained": str(folder)}, "c",
+                   vision_width=32, llm_width=40)  # the folder's LLM is 48 wide
 
 
 def test_patches_and_grid_that_disagree():

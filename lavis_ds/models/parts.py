@@ -98,3 +98,18 @@ def read_safetensors(folder: Path, keep: Callable[[str], bool], path: str) -> di
         with safe_open(str(file), framework="pt") as f:
             state.update((key, f.get_tensor(key)) for key in f.keys() if keep(key))
     return state
+
+
+def load_exactly(module: nn.Module, state: Mapping[str, torch.Tensor], path: str, what: str) -> None:
+    """Copy ``state`` into ``module`` when it names every parameter and buffer, shape for shape; else one
+    :class:`PartError` under the config key ``path`` (``what``: the file's part against ours, for the message)."""
+    own = module.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise PartError(f"{path}: {what}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    shapes = [f"{k}: {tuple(v.shape)} vs ours {tuple(own[k].shape)}" for k, v in state.items()
+              if v.shape != own[k].shape]
+    if shapes:
+        raise PartError(f"{path}: {what}: the weights differ in shape: {shapes[:3]}")
+    module.load_state_dict(state, strict=True)
+

@@ -18,7 +18,7 @@ from torch import nn
 from lavis_ds.common import registry as reg
 from lavis_ds.models.connectors.base import Connector
 from lavis_ds.models.flops import Flops, Tally, trains
-from lavis_ds.models.parts import PartError, read_safetensors
+from lavis_ds.models.parts import PartError, load_exactly, read_safetensors
 from lavis_ds.models.towers.qwen_vl_layers import RMSNorm
 
 NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": RMSNorm}
@@ -78,13 +78,5 @@ class PatchMerger(Connector):
                             "folder (its visual.merger.* weights)")
         state = read_safetensors(folder, lambda key: key.startswith(MERGER_PREFIXES), "connector.pretrained")
         ours = {key.split("merger.", 1)[1]: value for key, value in state.items()}
-        own = self.state_dict()
-        if ours.keys() != own.keys():
-            raise PartError(f"connector.pretrained: {folder}'s merger does not fit the patch_merger (norm "
-                            f"{type(self.ln_q).__name__}): missing {sorted(own.keys() - ours.keys())[:5]}, "
-                            f"unexpected {sorted(ours.keys() - own.keys())[:5]}")
-        shapes = [f"{k}: {tuple(v.shape)} vs ours {tuple(own[k].shape)}" for k, v in ours.items()
-                  if v.shape != own[k].shape]
-        if shapes:
-            raise PartError(f"connector.pretrained: {folder}'s merger weights differ in shape: {shapes[:3]}")
-        self.load_state_dict(ours, strict=True)
+        load_exactly(self, ours, "connector.pretrained",
+                     f"{folder}'s merger does not fit the patch_merger (norm {type(self.ln_q).__name__})")

@@ -29,7 +29,7 @@ from transformers import Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
 from lavis_ds.common import registry as reg
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.flops import Flops, Tally, patch_embedding, trains
-from lavis_ds.models.parts import PartError, read_safetensors
+from lavis_ds.models.parts import PartError, load_exactly, read_safetensors
 from lavis_ds.models.towers.base import VisionTower
 from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, PatchEmbed, RMSNorm, Spans, SwiGluMlp, VisionBlock,
                                                    VisionRotary, frame_spans, patch_positions, window_order)
@@ -258,20 +258,12 @@ class QwenVLTower(VisionTower):
         state = read_safetensors(folder, lambda key: key.startswith(VISUAL_PREFIXES) and ".merger." not in key,
                                  "vision_tower.pretrained")
         ours = {key.split("visual.", 1)[1]: value for key, value in state.items()}
-        own = self.state_dict()
-        missing, unexpected = sorted(own.keys() - ours.keys()), sorted(ours.keys() - own.keys())
         if not ours:
             model_class = self.CONFIG_CLASS.__name__.replace("VisionConfig", "ForConditionalGeneration")
             raise PartError(f"vision_tower.pretrained: {folder} holds no visual.* or model.visual.* weights; expected "
                             f"a {model_class} folder")
-        if missing or unexpected:
-            raise PartError(f"vision_tower.pretrained: {folder}'s vision tower does not fit the {self.tower_name()} "
-                            f"tower: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        shapes = [f"{k}: {tuple(v.shape)} vs ours {tuple(own[k].shape)}" for k, v in ours.items()
-                  if v.shape != own[k].shape]
-        if shapes:
-            raise PartError(f"vision_tower.pretrained: {folder}'s vision weights differ in shape: {shapes[:3]}")
-        self.load_state_dict(ours, strict=True)
+        load_exactly(self, ours, "vision_tower.pretrained",
+                     f"{folder}'s vision tower does not fit the {self.tower_name()} tower")
 
     @classmethod
     def _hub_example(cls) -> str:
