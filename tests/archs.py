@@ -110,3 +110,15 @@ def without_dropout(arch: str) -> dict[str, Any]:
         off = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
         return {"qformer": off} if arch == "blip2_qwen" else {"connector": {"qformer": off}}
     return {}
+
+
+def loss_and_grads(model, batch: dict, pack_to: int | None) -> tuple[dict, Any, dict]:
+    """``(prepared batch, summed loss, gradients by parameter name)`` of one forward and backward on ``batch``, padded
+    (``pack_to`` None) or packed: the two sides of a packed-equals-padded check."""
+    model.zero_grad(set_to_none=True)
+    prepared = model.prepare_batch(dict(batch), pack_to=pack_to)
+    out = model(prepared)
+    out["loss_sum"].backward()
+    return prepared, out["loss_sum"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}
+

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+from archs import loss_and_grads
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import llm_config_problems
 from lavis_ds.models.positions import TextPositions, Visual
@@ -63,22 +64,13 @@ def test_the_text_model_gives_transformers_logits_on_text(model):
     torch.testing.assert_close(ours[filled], expected[filled], atol=1e-5, rtol=0)
 
 
-def _run(model, batch: dict, pack_to: int | None, seen: list) -> tuple[dict, torch.Tensor, dict]:
-    model.zero_grad(set_to_none=True)
-    prepared = model.prepare_batch(dict(batch), pack_to=pack_to)
-    out = model(prepared)
-    out["loss_sum"].backward()
-    return prepared, out["loss_sum"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                if p.grad is not None}
-
-
 def test_packed_equals_padded_with_mrope_positions_reaching_the_llm(model):
     seen = []
     hook = model.llm_model.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["position_ids"].shape), with_kwargs=True)
     try:
-        padded, loss_a, grads_a = _run(model, _batch(), None, seen)
-        packed, loss_b, grads_b = _run(model, _batch(), 256, seen)
+        padded, loss_a, grads_a = loss_and_grads(model, _batch(), None)
+        packed, loss_b, grads_b = loss_and_grads(model, _batch(), 256)
     finally:
         hook.remove()
     assert seen == [(3, *padded["input_ids"].shape), (4, *packed["input_ids"].shape)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from archs import build_tiny
+from archs import build_tiny, loss_and_grads
 from lavis_ds.common.errors import LavisDsError
 from lavis_ds.common.registry import processors
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
@@ -85,25 +85,16 @@ def test_processed_images_travel_through_the_collater_into_the_model(kind, model
     assert math.isfinite(float(out["loss"].detach())) and int(out["num_tokens"]) > 0
 
 
-def _loss_and_grads(model, batch, pack_to):
-    model.zero_grad(set_to_none=True)
-    prepared = model.prepare_batch(dict(batch), pack_to=pack_to)
-    out = model(prepared)
-    out["loss_sum"].backward()
-    return prepared, out["loss_sum"].detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                if p.grad is not None}
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_equals_padded_with_images_of_different_grids(kind, models, data):
     model = models(kind)
     batch = batch_of(model, data)
-    padded, loss_a, grads_a = _loss_and_grads(model, batch, None)
+    padded, loss_a, grads_a = loss_and_grads(model, batch, None)
     longest = int(padded["attention_mask"].sum(1).max())
     # The shortest rows that lay the samples out in another order: each sample's images must follow it.
     row = next(n for n in range(longest, 3 * longest)
                if model.prepare_batch(dict(batch), pack_to=n)["order"] != [0, 1, 2, 3])
-    packed, loss_b, grads_b = _loss_and_grads(model, batch, row)
+    packed, loss_b, grads_b = loss_and_grads(model, batch, row)
     assert packed["input_ids"].shape[0] < 4  # samples share rows
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     assert grads_a.keys() == grads_b.keys() and any(n.startswith("vision_tower.") for n in grads_a)
