@@ -69,13 +69,13 @@ class HfFamily:
         """What the class holds, for messages."""
         return f"{self.hf_class}: {self.exportable}"
 
-    def export_problems(self, model: nn.Module) -> list[str]:
+    def export_problems(self, model: nn.Module) -> list[str]:  # pragma: no cover - interface
         """Everything of ``model`` (merged, weights loaded) the class cannot express, each one line."""
-        raise NotImplementedError(f"{self!r} does not export")
+        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
 
-    def to_hf_model(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    def to_hf_model(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:  # pragma: no cover - interface
         """The transformers model holding ``model``'s weights in ``dtype``, every key accounted for."""
-        raise NotImplementedError(f"{self!r} does not export")
+        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
 
     def export_notes(self, model: nn.Module, dtype: torch.dtype) -> list[str]:
         """Where the exported model computes differently though every weight is the same (beyond the dtype)."""
@@ -85,9 +85,9 @@ class HfFamily:
         """What transformers keeps in fp32 when the class is loaded in fp16 (``_keep_in_fp32_modules``), if any."""
         return ""
 
-    def image_processor(self, processing) -> Any:
+    def image_processor(self, processing) -> Any:  # pragma: no cover - interface
         """The transformers image processor (PIL backend) doing what ``processing`` (an ``ImageProcessing``) does."""
-        raise NotImplementedError(f"{self!r} does not export")
+        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
 
     def template_image_tokens(self, model: nn.Module) -> int:
         """Image tokens the chat template writes per image (the processor expands them where its class does)."""
@@ -97,9 +97,10 @@ class HfFamily:
         """What the chat template writes for an image item; None: lavis_ds's ``<Img>`` + image tokens + ``</Img> ``."""
         return None
 
-    def processor(self, model: nn.Module, image_processor: Any, tokenizer: Any, template: str) -> Any:
+    def processor(self, model: nn.Module, image_processor: Any, tokenizer: Any,
+                  template: str) -> Any:  # pragma: no cover - interface
         """The class's processor of ``model`` around its image processor, tokenizer and chat template."""
-        raise NotImplementedError(f"{self!r} does not export")
+        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
 
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:

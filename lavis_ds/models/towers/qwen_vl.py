@@ -239,7 +239,8 @@ class QwenVLTower(VisionTower):
         if not config_file.is_file():
             raise PartError(f"{path}.pretrained: {folder} has no config.json; expected a transformers "
                             f"{cls.MODEL_TYPE} folder such as {cls._hub_example()}")
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        config = json.loads(config_file.read_text())
+        model_type = config.get("model_type")
         if model_type != cls.MODEL_TYPE:
             other = next((name for name in reg.vision_towers
                           if getattr(reg.vision_towers.get(name), "MODEL_TYPE", None) == model_type), None)
@@ -247,7 +248,7 @@ class QwenVLTower(VisionTower):
             raise PartError(f"{path}.pretrained: {config_file} has model_type {model_type!r}, but the "
                             f"{cls.tower_name()} tower reads model_type {cls.MODEL_TYPE!r} (a folder such as "
                             f"{cls._hub_example()}){hint}")
-        vision = json.loads(config_file.read_text()).get("vision_config") or {}
+        vision = config.get("vision_config") or {}
         own = {k: v for k, v in vision.items() if k in cls.config_keys()}
         return cls(**{**section, "vision_config": own, "preset": section.get("preset", next(iter(cls.PRESETS)))})
 
