@@ -102,7 +102,9 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
                f"run.zero_stage={args.stage}",
                f"run.precision={args.dtype}", *args.options]
     cfg = load_config(args.cfg_path, options, world_size=int(os.environ["WORLD_SIZE"]))
-    registry.get_engine_class(cfg.run.runner).setup.init_process_group()
+    setup = registry.get_engine_class(cfg.run.runner).setup
+    setup.prepare_process(cfg)  # as train() starts a process: DeepSpeed's ops readied, the config checked
+    setup.init_process_group()
     prepare_datasets(cfg.datasets)  # the demo's data and tokenizer, generated on first use
     trainer = Trainer.from_config(cfg, build_model(cfg.model, cfg.run.seed), build_datasets(cfg.datasets))
     trainer.setup()  # the engine, the data order and the hooks, as train() starts

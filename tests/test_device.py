@@ -82,3 +82,26 @@ def test_without_a_cuda_compiler_deepspeed_steps_torch_fused_adamw(monkeypatch):
         assert tuple(inner.defaults["betas"]) == (0.9, 0.95)
     finally:
         comm.destroy()  # the suite's other in-process tests run without a process group
+
+
+def test_an_arch_specific_cuda_arch_list_is_rewritten_for_deepspeeds_builder(monkeypatch, capsys):
+    """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST entries such as '9.0a', which DeepSpeed's JIT builder cannot
+    sort (every DeepSpeed run on such a GPU machine stopped at deepspeed.initialize): its real FusedAdam builder
+    reads the list once it is rewritten."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, whatever this machine has
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True  # as deepspeed.initialize loads it
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a;9.0 10.0f+PTX")
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        builder.compute_capability_args()
+    ops.make_arch_list_readable(announce=True)
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
+    assert "TORCH_CUDA_ARCH_LIST='8.0 9.0a;9.0 10.0f+PTX' has entries" in capsys.readouterr().out
+    builder.compute_capability_args()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"  # what DeepSpeed then builds for
+
+    assert ops.arch_list_deepspeed_reads("8.6;9.0+PTX") is None  # a list it reads is left as it is
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    ops.make_arch_list_readable(announce=False)
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ  # nothing numbered left: DeepSpeed builds for the GPUs it finds

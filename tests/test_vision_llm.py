@@ -2,9 +2,12 @@
 supervised positions only (loss, gradients and per-sample log-probs equal the full-logits path's)."""
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from families import FAMILIES, tokenizer_dir
 from lavis_ds.models import Blip2Qwen
@@ -193,3 +196,43 @@ def test_chunked_head_takes_the_full_logits_steps_on_sharded_engines(tmp_path, d
         losses[chunk] = [step["loss"] for step in train_steps(out)]
     assert len(losses[0]) == 4
     torch.testing.assert_close(losses[3], losses[0], rtol=1e-5, atol=0)
+
+
+class HostSyncs(TorchDispatchMode):
+    """The operations a lavis_ds line runs that make the host wait for a GPU: ``.item()``/``int()``/``bool()`` of a
+    tensor, ``nonzero``, ``masked_select``, ``torch.equal`` and indexing with a boolean mask (its size is known only
+    once the device has counted it). Seen on the CPU through the dispatcher; on a GPU, tests/gpu counts them with
+    CUDA's sync debug mode. Operations transformers' own lines run are not counted (not ours to change)."""
+
+    SYNCING = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default",
+               "aten.is_nonzero.default", "aten.equal.default"}
+    INDEXING = {"aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        bool_index = str(func) in self.INDEXING and any(
+            torch.is_tensor(t) and t.dtype == torch.bool for t in (args[1] or ()))
+        if str(func) in self.SYNCING or bool_index:
+            caller = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-1]
+            if "/lavis_ds/" in caller.filename:
+                self.lines.append(f"{func} at {caller.filename.split('/lavis_ds/')[-1]}:{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("pack_to", [None, 128])
+def test_a_prepared_batch_runs_forward_and_backward_without_a_host_sync(tiny_tokenizer_dir, pack_to):
+    """The supervised positions are found on the host (``lay_out``); the device's forward, backward and the
+    per-sample log-probs of preference objectives then make the host wait nowhere in lavis_ds's own lines, so a
+    step's micro-batches queue on the GPU back to back (each boolean-mask index was a wait)."""
+    model = build(tiny_tokenizer_dir, loss_chunks=2)
+    batch = model.prepare_batch(samples(), pack_to=pack_to)
+    with HostSyncs() as syncs:
+        model(batch)["loss"].backward()
+        model.answer_logps(batch)
+    assert syncs.lines == []
+    stale = {**batch, "labels": batch["labels"].masked_fill(batch["labels"] == batch["labels"].max(), IGNORE_INDEX)}
+    with pytest.raises(RuntimeError, match="supervised_positions do not match its labels"):
+        model(stale)

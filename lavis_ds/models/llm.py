@@ -40,7 +40,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
-from lavis_ds.common import dist, safe_files
+from lavis_ds.common import safe_files
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.chat_template import renders_chatml
 from lavis_ds.models.llm_families import causal_lm_class

@@ -9,8 +9,8 @@ cross-entropy in fp32. The head is called as a module, never read as ``.weight``
 parameters in module hooks, and FSDP2 unshards the root's parameters (head included) for the
 root's forward.
 
-``token_logps`` returns the log-probability of every supervised target and the batch row it sits
-in; the loss is minus their sum, and ``lavis_ds.models.vision_llm`` groups them by sample for
+``token_logps`` returns the log-probability of every supervised target and its position in the
+batch; the loss is minus their sum, and ``lavis_ds.models.vision_llm`` groups them by sample for
 preference objectives.
 """
 from __future__ import annotations
@@ -49,16 +49,37 @@ def output_logits(llm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def supervised_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(where, targets)``: the ``[B, T-1]`` mask of positions whose next token is supervised, and those tokens."""
-    shifted = labels[:, 1:]
-    where = shifted != IGNORE_INDEX
-    return where, shifted[where]
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose next token is supervised, as flat indices into the ``[B, T]`` batch (``row * T + t``),
+    row-major. ``lay_out`` computes them on the host: indexing with them lets the forward pick the supervised rows
+    without a host synchronisation, which a boolean mask's indexing makes (the host waits to learn its size)."""
+    rows, steps = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    return rows * labels.shape[1] + steps
+
+
+def supervised_targets(labels: torch.Tensor, positions: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, targets)``: ``supervised_positions`` of ``labels`` (given, as the batch carries them, or
+    computed) and the token each predicts."""
+    if positions is None:
+        positions = supervised_positions(labels)
+    else:
+        positions = positions.to(labels.device, non_blocking=True)
+        # Checked on the device, without waiting for it: positions that no longer describe these labels stop the run.
+        torch._assert_async((labels[:, 1:] != IGNORE_INDEX).sum() == positions.numel(),
+                            "lavis_ds: the batch's supervised_positions do not match its labels")
+    return positions, labels.reshape(-1)[positions + 1]
+
+
+def picked(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rows of ``[B, T, ...]`` ``values`` at flat ``positions``."""
+    return values.reshape(-1, *values.shape[2:])[positions]
 
 
 def token_logps(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, torch.Tensor],
-                labels: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability (fp32) of each supervised target, and the batch row of each, in row-major order.
+                labels: torch.Tensor, chunks: int, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability (fp32) of each supervised target, and its position (``supervised_positions``), row-major.
 
     Args:
         llm: The causal LM as the model holds it (a transformers model, or a peft wrapper around one: the LoRA
@@ -71,25 +92,23 @@ def token_logps(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, t
             of families ``head_loss_supported`` rejects). A number of calls, not a size: every rank must call the
             head as many times as the others, since ZeRO-3 gathers its weight at each call (a collective), and
             ranks hold different numbers of supervised tokens.
+        positions: ``supervised_positions(labels)`` as the batch carries them (None: computed here).
     """
-    where, targets = supervised_targets(labels)
-    rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(where)[where]
+    positions, targets = supervised_targets(labels, positions)
     inner = base_llm(llm)
     if chunks <= 0 or not head_loss_supported(inner):
         logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
-        picked = logits[:, :-1][where].float()
-        return -F.cross_entropy(picked, targets, reduction="none"), rows
+        return -F.cross_entropy(picked(logits, positions).float(), targets, reduction="none"), positions
     hidden = inner.get_decoder()(inputs_embeds=inputs_embeds, use_cache=False, **layout).last_hidden_state
-    picked = hidden[:, :-1][where]
     logps = [-F.cross_entropy(output_logits(inner, part).float(), goal, reduction="none")
-             for part, goal in zip(picked.tensor_split(chunks), targets.tensor_split(chunks))]
-    return torch.cat(logps), rows
+             for part, goal in zip(picked(hidden, positions).tensor_split(chunks), targets.tensor_split(chunks))]
+    return torch.cat(logps), positions
 
 
 def full_logits_loss(llm: nn.Module, inputs_embeds: torch.Tensor, layout: dict[str, Any],
-                     labels: torch.Tensor) -> torch.Tensor:
+                     labels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The summed token loss from the model's own ``[B, T, V]`` logits: the reference path (``loss_chunks: 0``)."""
     logits = llm(inputs_embeds=inputs_embeds, use_cache=False, **layout).logits
-    where, targets = supervised_targets(labels)
+    positions, targets = supervised_targets(labels, positions)
     # Only supervised positions are upcast to fp32 (a bf16 log-softmax over 150k classes is too coarse).
-    return F.cross_entropy(logits[:, :-1][where].float(), targets, reduction="sum")
+    return F.cross_entropy(picked(logits, positions).float(), targets, reduction="sum")

@@ -16,6 +16,7 @@ from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplateError
 from lavis_ds.models.image_tokens import (GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes, per_sample,
                                            select_images)
+from lavis_ds.models.lm_loss import supervised_positions
 from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
 
@@ -65,13 +66,19 @@ def lay_out(examples: list[Example], pad_id: int, pack_to: int | None = None,
     of at most that many tokens (``models.packing``: adds ``position_ids``, per-sample lengths and the packed
     ``order``)."""
     if pack_to is not None:
-        return pack(examples, pack_to, pad_id, IGNORE_INDEX, rope)
+        return with_supervised_positions(pack(examples, pack_to, pad_id, IGNORE_INDEX, rope))
     input_ids, attention_mask = pad_batch([ids for ids, _ in examples], pad_id, side="right")
     labels, _ = pad_batch([lab for _, lab in examples], IGNORE_INDEX, side="right")
     fields = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     if rope is not None:
         fields["rope_position_ids"] = pad_positions(rope, input_ids.shape[1], side="right")
-    return fields
+    return with_supervised_positions(fields)
+
+
+def with_supervised_positions(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` and the ``supervised_positions`` of their ``labels`` (``lm_loss``), found on the host; whoever
+    replaces a prepared batch's labels calls this again."""
+    return {**fields, "supervised_positions": supervised_positions(fields["labels"])}
 
 
 def token_batch(prompt: ChatPrompt, samples: dict[str, Any], pad_id: int, pack_to: int | None = None,
@@ -96,26 +103,24 @@ def packed_image_order(samples: dict[str, Any]) -> torch.Tensor:
     return torch.tensor([starts[i] + k for i in samples["order"] for k in range(counts[i])], dtype=torch.long)
 
 
-def sample_of_positions(samples: dict[str, Any], rows: torch.Tensor, labels: torch.Tensor
+def sample_of_positions(samples: dict[str, Any], positions: torch.Tensor, labels: torch.Tensor
                         ) -> tuple[torch.Tensor, int]:
-    """``(owner, num_samples)``: the sample (index in ``samples["instruction"]``) of each supervised position, in
-    the row-major order ``lm_loss.token_logps`` lists them (``rows``: the batch row of each).
+    """``(owner, num_samples)``: the sample (index in ``samples["instruction"]``) of each supervised position
+    (``lm_loss.supervised_positions``: flat, row-major, as ``lm_loss.token_logps`` lists them).
 
     Padded, a row is a sample. Packed (``position_ids``), a sample starts where its positions restart at 0 inside
     a row's filled part (``attention_mask`` 1); the tails restart at 0 too but are never filled nor supervised.
     The packed samples are laid out in ``samples["order"]``.
     """
     if "position_ids" not in samples:
-        return rows, labels.shape[0]
-    positions = samples["position_ids"].to(labels.device)
+        return positions // labels.shape[1], labels.shape[0]
+    positions_in_sample = samples["position_ids"].to(labels.device)
     filled = samples["attention_mask"].to(labels.device).bool()
-    starts = (positions == 0) & filled
-    packed_index = starts.flatten().cumsum(0).view_as(starts) - 1  # which packed sample each position belongs to
+    starts = (positions_in_sample == 0) & filled
+    packed_index = starts.flatten().cumsum(0) - 1  # which packed sample each position belongs to, flat
     order = torch.tensor(samples["order"], dtype=torch.long, device=labels.device)
-    supervised = labels[:, 1:] != IGNORE_INDEX
     # Position t predicts token t+1, which belongs to the same sample: a sample's first token is never supervised.
-    owner = order[packed_index[:, 1:][supervised]]
-    return owner, len(samples["order"])
+    return order[packed_index[positions + 1]], len(samples["order"])
 
 
 def log_drop(where: str, cut: ImageSpanCut, dropped: int) -> None:

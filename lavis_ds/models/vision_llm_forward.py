@@ -225,9 +225,11 @@ class VisionLLMForward(BaseModel):
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, None)
         if self._head_at_supervised_positions():
-            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks)[0].sum()
+            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks,
+                                        samples.get("supervised_positions"))[0].sum()
         else:
-            token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels)
+            token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels,
+                                            samples.get("supervised_positions"))
         num_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
         # A batch whose answers were all truncated away gives loss 0 (and zero gradients), not NaN.
         loss = token_losses / num_tokens.clamp(min=1)
@@ -247,8 +249,9 @@ class VisionLLMForward(BaseModel):
         """
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, image_features)
-        logps, rows = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks)
-        owner, num_samples = sample_of_positions(samples, rows, labels)
+        logps, positions = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks,
+                                       samples.get("supervised_positions"))
+        owner, num_samples = sample_of_positions(samples, positions, labels)
         logp_sum = torch.zeros(num_samples, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
         counts = torch.zeros(num_samples, dtype=torch.long, device=logps.device).index_add(
             0, owner, torch.ones_like(owner))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lavis_ds.common.errors import LavisDsError
+from lavis_ds.models.vision_llm_batch import with_supervised_positions
 
 IGNORE_INDEX = -100  # lavis_ds.models.prompt.IGNORE_INDEX (common to every model of the zoo)
 
@@ -79,8 +80,8 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
             sides[key] = sides[key][:images]  # the pair's images, once (both sides ask the same instruction of them)
     turns = [len(turns) for turns in sides["instruction"]]
     labels = last_answer_labels(sides["labels"], turns, sides["where"])
-    return {**pairs, **sides, "labels": labels, "image": pairs.get("image"), "num_images": list(pairs["num_images"]),
-            "num_pairs": len(pairs["chosen"])}
+    return with_supervised_positions({**pairs, **sides, "labels": labels, "image": pairs.get("image"),
+                                      "num_images": list(pairs["num_images"]), "num_pairs": len(pairs["chosen"])})
 
 
 def image_features(model: torch.nn.Module, batch: dict[str, Any]) -> Tensor:

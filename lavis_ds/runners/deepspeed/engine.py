@@ -66,10 +66,13 @@ class DeepSpeedSetup(EngineSetup):
 
     @classmethod
     def prepare_process(cls, cfg):
-        from lavis_ds.runners.deepspeed.ops import ensure_built, gpu_problems, ops_for
+        from lavis_ds.runners.deepspeed.ops import ensure_built, gpu_problems, make_arch_list_readable, ops_for
 
+        announce = os.environ.get("LOCAL_RANK", "0") == "0"
+        if torch.cuda.is_available():  # DeepSpeed JIT-builds its CUDA ops (FusedAdam) in deepspeed.initialize
+            make_arch_list_readable(announce)
         # Before the process group: initialising it loads the shared-memory op on a CPU machine.
-        ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=os.environ.get("LOCAL_RANK", "0") == "0")
+        ensure_built(ops_for(dict(cfg.run.deepspeed_config)), announce=announce)
         problems = gpu_problems(dict(cfg.run.deepspeed_config), on_gpu=torch.cuda.is_available(),
                                 where=zero_keys.spelled(cfg.run, "offload_optimizer"))
         if problems:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,43 @@ def gpu_problems(ds_config: dict, on_gpu: bool,
                 "compiler (nvcc under CUDA_HOME). Install the CUDA toolkit (and set CUDA_HOME), or a DeepSpeed built "
                 "with DS_BUILD_CPU_ADAM=1, or train without offload_optimizer"]
     return []
+
+
+# An entry of TORCH_CUDA_ARCH_LIST: "9.0", "8.6+PTX", or an arch-specific one ("9.0a", "10.0f").
+ARCH_ENTRY = re.compile(r"^(\d+\.\d+)([a-z]*)(\+PTX)?$")
+
+
+def arch_list_deepspeed_reads(value: str) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT op builder can read it, or None where it reads it as it is.
+
+    DeepSpeed sorts the entries as integers, so an arch-specific entry ("9.0a", which CUDA images for Hopper set)
+    stops every op build with ``invalid literal for int()``; torch reads them. Such an entry becomes the plain
+    arch ("9.0": DeepSpeed's kernels use no arch-specific instructions), a named one ("Hopper") is left out, and
+    when nothing is left the result is "" (unset it: DeepSpeed then builds for the GPUs it finds)."""
+    entries = value.replace(" ", ";").split(";")
+    entries = [entry.strip() for entry in entries if entry.strip()]
+    matches = [ARCH_ENTRY.match(entry) for entry in entries]
+    if all(m is not None and not m.group(2) for m in matches):
+        return None
+    readable = [m.group(1) + (m.group(3) or "") for m in matches if m is not None]
+    return ";".join(dict.fromkeys(readable))
+
+
+def make_arch_list_readable(announce: bool) -> None:
+    """Rewrite this process's ``TORCH_CUDA_ARCH_LIST`` where DeepSpeed's op builder cannot read it
+    (:func:`arch_list_deepspeed_reads`), saying so once."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    readable = arch_list_deepspeed_reads(value) if value else None
+    if readable is None:
+        return
+    if readable:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = readable
+    else:
+        del os.environ["TORCH_CUDA_ARCH_LIST"]
+    if announce:
+        print(f"lavis_ds: TORCH_CUDA_ARCH_LIST={value!r} has entries DeepSpeed's op builder cannot read (it reads "
+              f"numbered arches such as '9.0' or '8.6+PTX'); its ops are built for "
+              f"{repr(readable) if readable else 'the GPUs it finds'} instead", flush=True)
 
 
 def ensure_built(builder_names: list[str], announce: bool = True) -> None:
