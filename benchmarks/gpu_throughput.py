@@ -85,9 +85,10 @@ def run_one(cfg: Path, engine: str, args, out: Path) -> dict | None:
 
 
 def report(rows: list[tuple[str, str, dict]]) -> None:
-    from lavis_ds.common.hardware import device_name, peak_bf16_tflops
+    from lavis_ds.common.hardware import peak_bf16_tflops
 
-    name = device_name()
+    # The GPU's name as the runs saw it: this process never starts CUDA (each run is a torchrun of its own).
+    name = rows[0][2].get("device", "CPU") if rows else "CPU"
     peak = peak_bf16_tflops(name)
     print(f"\n{name}; peak {peak or 'unknown'} TFLOP/s (dense bf16); medians of the timed steps")
     print(f"{'LLM':<24}{'engine':<8}{'trainer ms':>11}{'raw ms':>9}{'ratio':>7}{'samples/s':>11}{'tokens/s':>10}"

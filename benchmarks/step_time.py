@@ -259,7 +259,10 @@ def main(argv=None) -> int:
     if dist.is_main_process():
         _report(args, trainer, per_rank)
         if args.json:
+            from lavis_ds.common.hardware import device_name
+
             args.json.write_text(json.dumps({**summary, **_work_per_step(trainer, steps), "engine": args.runner,
+                                             "device": device_name(),  # where CUDA is in use: this process
                                              "stage": args.stage, "dtype": args.dtype,
                                              "world_size": trainer.world_size,
                                              "global_batch": trainer.plan.global_batch}))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
-from run_utils import (REPO, comparable, continue_from, env, kill_after_step, run_train, start, tiny_config,
-                       train_steps, write_yaml)
+from run_utils import (REPO, comparable, continue_from, env, free_port, kill_after_step, run_train, start,
+                       tiny_config, train_steps, write_yaml)
 
 ENGINES = {"zero2": ("runner_deepspeed", 2), "zero3": ("runner_deepspeed", 3), "fsdp": ("runner_fsdp", 3)}
 STEPS = 16  # 128 samples, micro 8, one process
@@ -77,7 +77,8 @@ def test_export_and_generate_on_the_gpu(tmp_path, demo_storage):
     subprocess.run([sys.executable, "export.py", str(tmp_path / "out"), "--out", str(tmp_path / "export")],
                    cwd=REPO, env=env(), check=True, capture_output=True)
     answers = tmp_path / "answers.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                           f"--master_port={free_port()}", "-m",
                            "lavis_ds.apps.generate", "--model", str(tmp_path / "export"), "--device", "cuda",
                            "--data", str(demo_storage / "annotations" / "test.json"), "--images",
                            str(demo_storage / "images"), "--out", str(answers)],

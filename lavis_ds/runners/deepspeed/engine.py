@@ -10,6 +10,7 @@ import torch
 import torch.distributed as torch_dist
 
 from lavis_ds.common import comm
+from lavis_ds.common.device import bind_local_device
 from lavis_ds.common.errors import ConfigError, InputError
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common import registry as reg
@@ -83,7 +84,6 @@ class DeepSpeedSetup(EngineSetup):
         deepspeed = load_deepspeed()
 
         from lavis_ds.common import dist
-        from lavis_ds.common.device import bind_local_device
 
         dist.set_single_process_defaults()
         bind_local_device()  # before DeepSpeed allocates anything on a GPU
@@ -144,7 +144,7 @@ class DeepSpeedEngine(Engine):
         ds_config, note = adam_for_this_machine(ds_config, on_gpu=torch.cuda.is_available())
         if note and self.rank == 0:
             print(note, flush=True)
-        _cast_unpartitioned(self.model, layout_of(ds_config)["precision"])
+        _place_unpartitioned(self.model, layout_of(ds_config)["precision"], bind_local_device())
         self.ds_engine, optimizer, _, _ = deepspeed.initialize(model=self.model, model_parameters=param_groups,
                                                                config=ds_config)
         self.dtype = (torch.bfloat16 if self.ds_engine.bfloat16_enabled() else
@@ -343,20 +343,27 @@ def _check_precision_supported(precision: str) -> None:
     raise error
 
 
-def _cast_unpartitioned(model: torch.nn.Module, precision: str) -> None:
-    """Cast what zero.Init did not build to the bf16/fp16 engine's dtype, as DeepSpeed casts a whole model.
+def _place_unpartitioned(model: torch.nn.Module, precision: str, device: torch.device) -> None:
+    """Put what zero.Init did not build on ``device`` in the bf16/fp16 engine's dtype, as DeepSpeed does for a
+    whole model.
 
-    DeepSpeed casts no parameter of a model that has some ZeRO-3 partitioned ones (it expects zero.Init
-    to have built all of them in its dtype), so the ViT, Q-Former, projection, LoRA adapters and token
-    rows built beside a partitioned LLM would stay fp32 in a bf16 engine.
+    DeepSpeed neither moves nor casts a model that has some ZeRO-3 partitioned parameters (it expects zero.Init to
+    have built all of them on the device, in its dtype). The ViT, Q-Former, projection, LoRA adapters and token rows
+    built beside a partitioned LLM would stay fp32, and their buffers on the host: DeepSpeed moves parameters to the
+    GPU as it partitions them, buffers never (EVA's zero k-bias then met CUDA tensors in its first block).
     """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     params = list(model.parameters())
-    if dtype is None or not is_partitioned(params):
+    if not is_partitioned(params):
         return
     for param in params:
-        if not is_partitioned([param]) and param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
+        if not is_partitioned([param]):
+            floating = dtype is not None and param.is_floating_point()
+            param.data = param.data.to(device, dtype if floating else None)
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != device:
+                module._buffers[name] = buffer.to(device)  # their dtype stays (fp32 rotary inv_freq, as DeepSpeed)
 
 
 def _without_frozen(module_state_dict, model, *args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:
