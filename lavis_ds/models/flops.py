@@ -321,15 +321,47 @@ def _llm(llm: nn.Module, image_grad: bool, linear: Tally, attention: Tally, head
     decoder = llm.model
     x = image_grad | trains(llm.get_input_embeddings())  # the embeddings are a lookup: no matmul
     for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        mlp = layer.mlp
         h = x | trains(layer.input_layernorm)
-        q, k, v = (linear.linear(proj, 1, h) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        width = getattr(attn.q_proj, "base_layer", attn.q_proj).out_features  # query heads x head dim (GQA: K/V repeat)
-        mixed = attention.attention(1, 1, width, q, k, v)
-        x |= linear.linear(attn.o_proj, 1, mixed)
+        if hasattr(layer, "linear_attn"):  # Qwen3.5's Gated-DeltaNet layers
+            x |= gated_delta_net(layer.linear_attn, h, linear)
+        else:
+            attn = layer.self_attn
+            q, k, v = (linear.linear(proj, 1, h) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            # query heads x head dim (GQA: K/V repeat); o_proj's input, as Qwen3.5's q_proj also makes an output gate
+            width = getattr(attn.o_proj, "base_layer", attn.o_proj).in_features
+            mixed = attention.attention(1, 1, width, q, k, v)
+            x |= linear.linear(attn.o_proj, 1, mixed)
         h = x | trains(layer.post_attention_layernorm)
         gated = linear.linear(mlp.gate_proj, 1, h) | linear.linear(mlp.up_proj, 1, h)
         x |= linear.linear(mlp.down_proj, 1, gated)
     output = llm.get_output_embeddings()
     # A TokenRowsHead's trained rows (a few ChatML tokens) are left out, as the module docstring says.
     head.linear(getattr(output, "base", output), 1, x | trains(decoder.norm))
+
+
+DELTA_RULE_CHUNK = 64  # the chunk size of transformers' chunked delta rule and of flash-linear-attention's kernel
+
+
+def gated_delta_net(layer: nn.Module, h: bool, tally: Tally) -> bool:
+    """One Gated-DeltaNet layer (Qwen3.5's linear attention) per token; whether its output needs a gradient.
+
+    Its projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``out_proj``) are linear layers.
+    The causal depthwise convolution over ``K`` = ``linear_conv_kernel_dim`` tokens costs ``2·K·C`` per token (``C``
+    the convolved q, k and v channels). The chunked delta rule (chunks of ``c`` = 64 tokens, each of the ``H`` value
+    heads with key width ``dk`` and value width ``dv``) runs per chunk ``K_β Kᵀ`` and ``Q Kᵀ`` (``2·c²·dk`` each),
+    ``(attention within the chunk) V`` (``2·c²·dv``) and three products with the ``dk x dv`` state (read twice,
+    updated once: ``2·c·dk·dv`` each): per token ``H·(4·c·dk + 2·c·dv + 6·dk·dv)``, linear in the sequence length
+    (no ``T²`` term). Its matmuls multiply activations, so training costs 3x their forward whenever a gradient
+    passes, as attention's do. Not counted, as elsewhere: the triangular solves (not matmuls), the gates, norms and
+    decays (elementwise), and the padding of a sequence to whole chunks.
+    """
+    qkv = tally.linear(layer.in_proj_qkv, 1, h)
+    gates = tally.linear(layer.in_proj_z, 1, h) | tally.linear(layer.in_proj_b, 1, h)
+    gates |= tally.linear(layer.in_proj_a, 1, h) | trains(layer, recurse=False)  # A_log, dt_bias
+    conv = layer.conv1d
+    mixed = tally.matmul(2 * conv.kernel_size[0] * conv.out_channels, qkv, conv.weight.requires_grad)
+    heads, dk, dv, chunk = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, DELTA_RULE_CHUNK
+    rule = mixed | gates
+    tally.matmul(heads * (4 * chunk * dk + 2 * chunk * dv + 6 * dk * dv), rule, rule)
+    return tally.linear(layer.out_proj, 1, rule | trains(layer.norm))

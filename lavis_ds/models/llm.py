@@ -44,6 +44,7 @@ from lavis_ds.common import safe_files
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.chat_template import renders_chatml
 from lavis_ds.models.llm_families import causal_lm_class
+from lavis_ds.models.linear_attention import LANGUAGE_MODEL_OF
 from lavis_ds.models.qwen_vl_text import TEXT_CAUSAL_LMS
 from lavis_ds.models.llm_placement import current_placement, empty_weights, holds_pieces
 
@@ -151,14 +152,15 @@ class Recipe:
 
     def whole(self) -> PreTrainedModel:
         if self.path is not None:
-            own = TEXT_CAUSAL_LMS.get(AutoConfig.from_pretrained(self.path).model_type)  # not in AutoModelForCausalLM
+            model_type = _folder_config(self.path).model_type
+            own = TEXT_CAUSAL_LMS.get(LANGUAGE_MODEL_OF.get(model_type, model_type))  # not in AutoModelForCausalLM
             with safe_files.library_reads(self.path):  # a .bin weights file is a pickle: refused by name if unsafe
                 return (own or AutoModelForCausalLM).from_pretrained(self.path, dtype=self.dtype or "auto")
         llm = causal_lm_class(self.config)(self.config)
         return llm if self.dtype is None else llm.to(self.dtype)
 
     def from_config(self) -> PreTrainedModel:
-        config = self.config if self.path is None else AutoConfig.from_pretrained(self.path)
+        config = self.config if self.path is None else _folder_config(self.path)
         # _from_config: transformers builds it partitioned from the start under a live ZeRO-3 HfDeepSpeedConfig.
         return causal_lm_class(config)._from_config(config, dtype=self.dtype)
 
@@ -175,6 +177,18 @@ class Recipe:
             return replace(self, dtype=torch.float32)
         named = (self.config or AutoConfig.from_pretrained(self.path)).dtype
         return replace(self, dtype=getattr(torch, named) if isinstance(named, str) else (named or torch.float32))
+
+
+def _folder_config(path: str | Path) -> PretrainedConfig:
+    """The folder's config, said aloud where the folder is a vision-language model: the LLM slot takes
+    its language model (``model.language_model.*``, ``lm_head``) and says so, as transformers' causal LM class
+    leaves its vision tower (``model.visual.*``) out without a word."""
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type in LANGUAGE_MODEL_OF:
+        logger.warning("lavis_ds: model.llm_model %s is a %s vision-language folder: the LLM slot loads its language "
+                       "model only and leaves its vision tower (model.visual.*) unused; the architecture's own image "
+                       "path encodes the images", path, config.model_type)
+    return config
 
 
 # ----------------------------------------------------------------------------- trainable token rows

@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from lavis_ds.common.registry import position_providers
 from lavis_ds.common.suggest import did_you_mean
+from lavis_ds.models.linear_attention import LANGUAGE_MODEL_OF
 from lavis_ds.models.positions import PositionProvider
 from lavis_ds.models.qwen_vl_text import TEXT_CAUSAL_LMS
 
@@ -31,8 +32,11 @@ FAMILY_POSITIONS = {"qwen2_vl_text": "mrope", "qwen2_5_vl_text": "mrope"}
 def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
     """What is wrong with ``model.llm_config``'s ``model_type``, found before anything is built (empty: nothing)."""
     model_type = (llm_config or {}).get("model_type", DEFAULT_MODEL_TYPE)
+    if model_type in LANGUAGE_MODEL_OF:
+        return [f"model.llm_config.model_type: {model_type!r} is a vision-language model; the LLM slot takes its "
+                f"language model: model_type: {LANGUAGE_MODEL_OF[model_type]}"]
     if model_type in TEXT_CAUSAL_LMS:
-        return _mrope_section_problems(llm_config or {})
+        return _mrope_section_problems(llm_config or {}) if FAMILY_POSITIONS.get(model_type) == "mrope" else []
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return []
     if model_type in CONFIG_MAPPING:
@@ -68,9 +72,10 @@ def _mrope_section_problems(section: Mapping[str, Any]) -> list[str]:
 
 
 def causal_lm_class(config: PretrainedConfig) -> type:
-    """The class that builds ``config``'s causal LM: ``AutoModelForCausalLM``'s, or lavis_ds's text-only Qwen-VL
-    language models (``lavis_ds.models.qwen_vl_text``)."""
-    own = TEXT_CAUSAL_LMS.get(getattr(config, "model_type", None))
+    """The class that builds ``config``'s causal LM: ``AutoModelForCausalLM``'s, or lavis_ds's own text models
+    (``lavis_ds.models.qwen_vl_text``; a Qwen3.5 vision-language config builds its language model's)."""
+    model_type = getattr(config, "model_type", None)
+    own = TEXT_CAUSAL_LMS.get(LANGUAGE_MODEL_OF.get(model_type, model_type))
     return own if own is not None else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 

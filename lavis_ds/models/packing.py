@@ -57,7 +57,9 @@ def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, 
          ) -> dict[str, torch.Tensor | list[int]]:
     """``examples`` (input_ids, labels) packed: ``input_ids``, ``labels``, ``position_ids`` ``[rows, longest row]``,
     ``attention_mask`` (1 where a token stands, 0 in the tails: for counting, the model passes positions instead),
-    ``sample_lengths`` (for counting attention FLOPs) and ``order`` (the sample index of each packed sample, in row-major order).
+    ``sample_lengths`` (for counting attention FLOPs), ``order`` (the sample index of each packed sample, in row-major order)
+    and ``row_spans`` (each row's sample lengths then its tail's, if any: host integers for the layers that need the
+    boundaries beside the positions, ``lavis_ds.models.linear_attention``).
 
     ``rope_positions``: each sample's own ``[k, L]`` ids of a family with k rows (M-RoPE's three), laid end to end
     the same way as ``rope_position_ids [k, rows, longest row]`` (the tails as ``position_ids``'s, in every row)."""
@@ -80,7 +82,9 @@ def pack(examples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int, 
     attention_mask = (torch.arange(width).unsqueeze(0) < filled.unsqueeze(1)).long()
     packed = {"input_ids": input_ids, "labels": labels, "position_ids": positions, "attention_mask": attention_mask,
               "sample_lengths": torch.tensor([len(ids) for ids, _ in examples]),
-              "order": [i for row in rows for i in row]}
+              "order": [i for row in rows for i in row],
+              "row_spans": [[len(examples[i][0]) for i in row] + ([width - int(n)] if n < width else [])
+                            for row, n in zip(rows, filled)]}
     if rope_positions is not None:
         packed["rope_position_ids"] = _laid_out(rope_positions, rows, positions, filled)
     return packed

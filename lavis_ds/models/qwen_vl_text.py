@@ -19,6 +19,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextMod
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
 
+from lavis_ds.models.linear_attention import Qwen3_5TextForCausalLM
+
 
 class Qwen2VLTextForCausalLM(Qwen2VLPreTrainedModel, GenerationMixin):
     """``Qwen2VLTextModel`` + ``lm_head``: Qwen2-VL's language model on its own."""
@@ -64,5 +66,7 @@ class Qwen2_5_VLTextForCausalLM(Qwen2VLTextForCausalLM):
 
 
 # The text-only causal LMs lavis_ds adds to AutoModelForCausalLM's, by model_type (llm_families.causal_lm_class).
+# Qwen3.5's (lavis_ds.models.linear_attention) is transformers' with Gated-DeltaNet layers that take packed boundaries.
 TEXT_CAUSAL_LMS: dict[str, type] = {"qwen2_vl_text": Qwen2VLTextForCausalLM,
-                                    "qwen2_5_vl_text": Qwen2_5_VLTextForCausalLM}
+                                    "qwen2_5_vl_text": Qwen2_5_VLTextForCausalLM,
+                                    "qwen3_5_text": Qwen3_5TextForCausalLM}

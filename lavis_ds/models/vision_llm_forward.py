@@ -14,6 +14,7 @@ import torch
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
                                            per_sample, select_images)
+from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
 from lavis_ds.models.positions import PositionProvider, Visual
@@ -188,7 +189,9 @@ class VisionLLMForward(BaseModel):
         if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
             positions = samples["position_ids"]
             # the plain positions in front: the row the text model reads packed sample boundaries from
-            layout = {"position_ids": (positions if rope is None else torch.cat([positions[None], rope])).to(device)}
+            layout = {"position_ids": (positions if rope is None else torch.cat([positions[None], rope])).to(device),
+                      # what a recurrent layer needs beside the positions (Qwen3.5's Gated-DeltaNet); refused if none
+                      **boundary_kwargs(base_llm(self.llm_model), samples.get("row_spans"), device)}
         else:
             layout = {"attention_mask": samples["attention_mask"].to(device)}
             if rope is not None:

@@ -1,0 +1,159 @@
+"""Qwen3.5's hybrid language model in the LLM slot, packed exactly: each sample's Gated-DeltaNet state starts at zero.
+
+Qwen3.5's text model (transformers ``qwen3_5_text``) puts three Gated-DeltaNet layers (linear attention) before each
+full-attention layer (``config.layer_types``). The attention layers read packed sample boundaries from the restarting
+``position_ids`` (``lavis_ds.models.packing``). A Gated-DeltaNet layer does not: it carries a recurrent state from
+token to token and runs a causal 1-D convolution over the last ``linear_conv_kernel_dim`` tokens, so over a packed
+row taken as one sequence both carry the end of one sample into the next (ms-swift #9565, transformers #46093).
+
+transformers 5.24's layer takes the boundaries as keyword arguments that only the kernels read: ``cu_seq_lens_q``
+(passed on as ``cu_seqlens`` to flash-linear-attention's ``chunk_gated_delta_rule``, which wants every sequence in
+one row) and ``seq_idx`` (causal-conv1d's ``causal_conv1d_fn``: each token's sequence). Its torch fallback refuses
+them. So ``PackedGatedDeltaNet``, given ``packed_samples`` (the spans ``packing`` laid out, found on the host):
+
+- with both kernels installed and taking the boundaries: runs the rows as one sequence with ``cu_seqlens`` and
+  ``seq_idx``, the kernels' variable-length path;
+- otherwise: runs once per span (a sample, or a row's padding tail), which is that sample's own computation.
+
+An LLM with recurrent layers that lavis_ds passes no boundaries to (Qwen3.5-MoE, Qwen3-Next, Mamba hybrids, ...)
+is refused under packing (``boundary_kwargs``) rather than trained with state leaking across samples.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5GatedDeltaNet
+
+from lavis_ds.common.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+# Vision-language model types whose language model the LLM slot takes (a published Qwen3.5 folder holds the vision
+# tower too; lavis_ds's architectures bring their own image path), by the model type of that language model.
+LANGUAGE_MODEL_OF = {"qwen3_5": "qwen3_5_text"}
+
+
+@dataclass(frozen=True)
+class PackedSamples:
+    """Where each packed sample lies: what a recurrent layer needs to start each one afresh.
+
+    ``spans``: ``(row, start, end)`` of every sample and every row's padding tail, row-major, covering each row
+    (host integers, for the per-span path). ``cu_seqlens``: ``[spans + 1]`` int64, the spans' starts with the rows
+    laid end to end (flash-linear-attention's ``cu_seqlens``). ``seq_idx``: ``[1, rows * width]`` int32, each
+    token's span (causal-conv1d's ``seq_idx``). Both tensors on the model's device.
+    """
+
+    spans: tuple[tuple[int, int, int], ...]
+    cu_seqlens: torch.Tensor
+    seq_idx: torch.Tensor
+
+    @classmethod
+    def of(cls, row_spans: Sequence[Sequence[int]], device: torch.device | str) -> PackedSamples:
+        """From each row's span lengths (``packing.pack``'s ``row_spans``: its samples, then its tail)."""
+        spans, lengths = [], []
+        for row, parts in enumerate(row_spans):
+            start = 0
+            for length in parts:
+                spans.append((row, start, start + int(length)))
+                lengths.append(int(length))
+                start += int(length)
+        sizes = torch.tensor(lengths, dtype=torch.long)
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), sizes).unsqueeze(0)
+        return cls(tuple(spans), cu_seqlens.to(device, non_blocking=True), seq_idx.to(device, non_blocking=True))
+
+
+def kernels_take_boundaries() -> bool:
+    """Whether transformers runs Qwen3.5's causal convolution and delta rule through installed kernels that accept
+    ``seq_idx`` and ``cu_seqlens`` (its ``use_kernel_func_from_hub_with_fallback`` wrappers say which they run).
+    Anything else - the torch fallback, a wrapper of another shape - takes the exact per-span path."""
+    needs = ((modeling_qwen3_5.causal_conv1d_fn, "seq_idx"), (modeling_qwen3_5.torch_chunk_gated_delta_rule,
+                                                                "cu_seqlens"))
+    for function, argument in needs:
+        chosen = inspect.getclosurevars(function).nonlocals
+        if not (chosen.get("is_new_implementation") and argument in chosen.get("applicable_params", ())):
+            return False
+    return True
+
+
+class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
+    """Qwen3.5's Gated-DeltaNet layer that starts its state and convolution afresh at each packed sample
+    (``packed_samples``); without it, transformers' layer unchanged."""
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
+                packed_samples: PackedSamples | None = None, **kwargs) -> torch.Tensor:
+        if packed_samples is None:
+            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if cache is not None:  # packing lays out training batches; generation runs padded rows
+            raise ValueError("packed rows run without a cache (generation takes padded rows)")
+        rows, width, _ = hidden_states.shape
+        if kernels_take_boundaries():
+            flat = hidden_states.reshape(1, rows * width, -1)
+            out = super().forward(flat, cu_seq_lens_q=packed_samples.cu_seqlens, seq_idx=packed_samples.seq_idx,
+                                  **kwargs)
+            return out.reshape(rows, width, -1)
+        whole_sequence = super().forward  # (a comprehension's scope has no zero-argument super())
+        pieces = [whole_sequence(hidden_states[row:row + 1, start:end], **kwargs)
+                  for row, start, end in packed_samples.spans]
+        return torch.cat(pieces, dim=1).reshape(rows, width, -1)
+
+
+class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transformers' key renames
+    """transformers' ``Qwen3_5ForCausalLM`` whose Gated-DeltaNet layers are ``PackedGatedDeltaNet``: the same
+    parameters under the same names (checkpoints, LoRA targets, ZeRO-3 / FSDP units per decoder layer unchanged)."""
+
+    def __init__(self, config: Qwen3_5TextConfig):
+        super().__init__(config)
+        for module in self.modules():
+            if type(module) is Qwen3_5GatedDeltaNet:
+                # The class alone changes (no new state): transformers' decoder layer builds its own class by name.
+                module.__class__ = PackedGatedDeltaNet
+
+    @classmethod
+    def _from_config(cls, config: PretrainedConfig, **kwargs: Any):
+        # A Qwen3.5 vision-language folder's config holds the language model's as its text_config.
+        return super()._from_config(config.get_text_config(decoder=True), **kwargs)
+
+
+# transformers applies its key renames (a vision-language folder's ``model.language_model.*`` to ``model.*``) to its
+# own classes; a subclass defined elsewhere gets them where registered by name.
+register_checkpoint_conversion_mapping(Qwen3_5TextForCausalLM.__name__,
+                                       get_checkpoint_conversion_mapping(Qwen3_5TextConfig.model_type))
+
+
+def recurrent_layers(llm: nn.Module) -> list[str]:
+    """What carries state from token to token in ``llm`` (empty for an LLM transformers does not mark stateful): its
+    ``config.layer_types`` entries other than softmax attention, else its class (Mamba lists no layer kinds)."""
+    if not getattr(llm, "_is_stateful", False):
+        return []
+    kinds = getattr(getattr(llm, "config", None), "layer_types", None) or []
+    recurrent = sorted({kind for kind in kinds if "attention" not in kind or kind == "linear_attention"})
+    return recurrent or [type(llm).__name__]
+
+
+def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, device: torch.device | str
+                    ) -> dict[str, Any]:
+    """What ``llm`` takes beside ``position_ids`` to keep packed samples apart: ``packed_samples`` for Qwen3.5's
+    text model, nothing for attention-only LLMs; an LLM whose recurrent layers would carry one sample's state into
+    the next is refused."""
+    if isinstance(llm, Qwen3_5TextForCausalLM):
+        if row_spans is None:
+            raise ValueError("a packed batch for Qwen3.5's text model needs packing's row_spans")
+        return {"packed_samples": PackedSamples.of(row_spans, device)}
+    recurrent = recurrent_layers(llm)
+    if recurrent:
+        model_type = getattr(llm.config, "model_type", "?")
+        raise InputError(f"run.packing: the LLM {type(llm).__name__} (model_type {model_type}) has recurrent "
+                         f"layers ({', '.join(recurrent)}) whose state would carry from one packed sample into the "
+                         "next; lavis_ds passes packed sample boundaries to Qwen3.5's text model (qwen3_5_text) "
+                         "only. Set run.packing: false for this LLM")
+    return {}

@@ -1,0 +1,139 @@
+"""Qwen3.5's hybrid text model (Gated-DeltaNet + attention) in the LLM slot: packed equals padded because each
+sample's recurrent state and causal convolution restart (and differ when the boundaries are dropped), LoRA reaches
+the linear-attention projections, an LLM whose recurrent layers take no boundaries is refused under packing, a
+Qwen3.5 vision-language folder is named, and the FLOP model counts the linear-attention layers.
+
+The kernels (flash-linear-attention, causal-conv1d) are not installed here: the per-span torch path runs."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+from archs import loss_and_grads
+from lavis_ds.common.errors import InputError
+from lavis_ds.models import Blip2Qwen, vision_llm_forward
+from lavis_ds.models.flops import ZERO, compose
+from lavis_ds.models.linear_attention import (PackedGatedDeltaNet, PackedSamples, Qwen3_5TextForCausalLM,
+                                              kernels_take_boundaries)
+from lavis_ds.models.llm import Recipe
+from lavis_ds.models.llm_families import llm_config_problems
+
+LAYERS = ["linear_attention", "full_attention"]
+TEXT = {"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "initializer_range": 0.1,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "layer_types": LAYERS}
+QUESTIONS = ["What is in the image?", "What colour is the ball, and how large is it?", "Count them.",
+             "Describe the picture."]
+# The last answer is long enough (> 64 tokens) for the delta rule to carry its state from one chunk to the next.
+ANSWERS = ["A cat.", "It is red and small.", "Three.", "A dog runs on the grass next to a red ball. " * 6]
+
+
+def _batch() -> dict:
+    images = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    return {"image": images, "num_images": [1, 0, 2, 0],
+            "instruction": [[f"<Img><ImageHere></Img> {QUESTIONS[0]}"], [QUESTIONS[1]],
+                            [f"<ImageHere> and <ImageHere>: {QUESTIONS[2]}"], [QUESTIONS[3]]],
+            "output": [[a] for a in ANSWERS]}
+
+
+def _build(tokenizer, **overrides) -> Blip2Qwen:
+    cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(tokenizer), "llm_config": TEXT, **overrides}
+    torch.manual_seed(0)
+    return Blip2Qwen.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_tokenizer_dir) -> Blip2Qwen:
+    return _build(tiny_tokenizer_dir).eval()
+
+
+def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model, monkeypatch):
+    llm = model.llm_model
+    assert isinstance(llm, Qwen3_5TextForCausalLM) and not kernels_take_boundaries()
+    assert type(llm.model.layers[0].linear_attn) is PackedGatedDeltaNet
+    padded, loss_a, grads_a = loss_and_grads(model, _batch(), None)
+    packed, loss_b, grads_b = loss_and_grads(model, _batch(), 512)
+    assert packed["input_ids"].shape[0] == 1 and len(packed["row_spans"][0]) == 4  # four samples in one row
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
+    whole = torch.cat([g.flatten() for g in grads_a.values()])
+    assert grads_a.keys() == grads_b.keys() and any("linear_attn.conv1d" in name for name in grads_a)
+    for name, grad in grads_a.items():
+        assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole.norm(), name
+    # The same packed row with no boundaries beside the positions: attention still keeps samples apart, but the
+    # Gated-DeltaNet state and convolution carry each sample into the next.
+    monkeypatch.setattr(vision_llm_forward, "boundary_kwargs", lambda *args: {})
+    with torch.no_grad():
+        leaked = model(model.prepare_batch(_batch(), pack_to=512))["loss_sum"]
+    assert not torch.allclose(leaked, loss_a, atol=1e-3)
+
+
+def test_packed_samples_lay_the_spans_end_to_end():
+    spans = PackedSamples.of([[3, 2], [4, 1]], "cpu")
+    assert spans.spans == ((0, 0, 3), (0, 3, 5), (1, 0, 4), (1, 4, 5))
+    assert spans.cu_seqlens.tolist() == [0, 3, 5, 9, 10]
+    assert spans.seq_idx.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 3]] and spans.seq_idx.dtype == torch.int32
+
+
+def test_lora_covers_linear_attention_and_each_decoder_layer_is_a_unit(tiny_tokenizer_dir):
+    model = _build(tiny_tokenizer_dir, freeze_llm=True, get_lora=True, lora_r=4).eval()
+    targets = set(model.llm_model.peft_config["default"].target_modules)
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+    assert [type(block).__name__ for block in model.repeated_blocks()[-2:]] == ["Qwen3_5DecoderLayer"] * 2
+    with torch.no_grad():  # packed rows reach the layers through peft's wrapper too
+        padded = model(model.prepare_batch(_batch()))["loss_sum"]
+        packed = model(model.prepare_batch(_batch(), pack_to=512))["loss_sum"]
+    torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-6)
+
+
+def test_packing_refuses_an_llm_whose_recurrent_layers_take_no_boundaries(model):
+    plain = Qwen3_5ForCausalLM(model.llm_model.config)  # transformers' own: its layers read no boundaries
+    original, model.llm_model = model.llm_model, plain
+    try:
+        with pytest.raises(InputError, match=r"run\.packing: the LLM Qwen3_5ForCausalLM \(model_type qwen3_5_text\) "
+                                             r"has recurrent layers \(linear_attention\) .* run\.packing: false"):
+            model(model.prepare_batch(_batch(), pack_to=512))
+        assert torch.isfinite(model(model.prepare_batch(_batch()))["loss"])  # padded rows need no boundaries
+    finally:
+        model.llm_model = original
+
+
+def test_the_vision_language_model_type_is_named_in_llm_config_and_its_folder_loads_the_language_model(
+        model, tmp_path, caplog):
+    [problem] = llm_config_problems({**TEXT, "model_type": "qwen3_5"})
+    assert "'qwen3_5' is a vision-language model" in problem and "model_type: qwen3_5_text" in problem
+    config = Qwen3_5Config(text_config={k: v for k, v in TEXT.items() if k != "model_type"} | {"vocab_size": 300},
+                           vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                                          "out_hidden_size": 64})
+    torch.manual_seed(2)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        llm = Recipe(tmp_path, None, None).whole()
+    assert "vision-language folder" in caplog.text and "model.visual.*" in caplog.text
+    assert isinstance(llm, Qwen3_5TextForCausalLM) and not any("visual" in n for n, _ in llm.named_parameters())
+    saved = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path)
+    torch.testing.assert_close(llm.model.layers[0].linear_attn.in_proj_qkv.weight,
+                               saved.model.language_model.layers[0].linear_attn.in_proj_qkv.weight)
+    empty = Recipe(tmp_path, None, None).from_config()  # the partitioned engines' build: the language model too
+    assert isinstance(empty, Qwen3_5TextForCausalLM) and empty.config.model_type == "qwen3_5_text"
+
+
+def test_the_flop_model_counts_the_gated_delta_net_layers(model):
+    """Forward FLOPs of the LLM on one 128-token sequence (two whole chunks) as FlopCounterMode measures them; the
+    one difference is the convolution's K - 1 outputs past the end, which transformers computes and drops."""
+    llm, tokens = model.llm_model, 128
+    flops = compose(ZERO, lambda n: ZERO, False, llm, head_at_every_position=True)
+    conv_edges = sum(2 * (c.kernel_size[0] - 1) * c.kernel_size[0] * c.out_channels
+                     for c in (layer.linear_attn.conv1d for layer in llm.model.layers[::2]))
+    # The math attention backend: the counter has no formula for CPU's fused kernel (tests/test_flops.py).
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        llm(inputs_embeds=torch.randn(1, tokens, 64), use_cache=False)
+    expected = flops.llm(tokens).forward + flops.head.forward * tokens + conv_edges
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-9)
