@@ -23,6 +23,7 @@ from lavis_ds.models.linear_attention import (PackedGatedDeltaNet, PackedSamples
                                               kernels_take_boundaries)
 from lavis_ds.models.llm import Recipe
 from lavis_ds.models.llm_families import llm_config_problems
+from lavis_ds.run_checks import packing_problems
 
 LAYERS = ["linear_attention", "full_attention"]
 TEXT = {"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -91,6 +92,10 @@ def test_lora_covers_linear_attention_and_each_decoder_layer_is_a_unit(tiny_toke
         padded = model(model.prepare_batch(_batch()))["loss_sum"]
         packed = model(model.prepare_batch(_batch(), pack_to=512))["loss_sum"]
     torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-6)
+    # Merged for export: transformers' own class, whose config.json a plain from_pretrained reads.
+    assert type(model.merge_lora()) is Qwen3_5ForCausalLM
+    with torch.no_grad():
+        torch.testing.assert_close(model(model.prepare_batch(_batch()))["loss_sum"], padded, atol=1e-4, rtol=1e-5)
 
 
 def test_packing_refuses_an_llm_whose_recurrent_layers_take_no_boundaries(model):
@@ -103,6 +108,18 @@ def test_packing_refuses_an_llm_whose_recurrent_layers_take_no_boundaries(model)
         assert torch.isfinite(model(model.prepare_batch(_batch()))["loss"])  # padded rows need no boundaries
     finally:
         model.llm_model = original
+
+
+def test_packing_an_llm_with_recurrent_layers_that_take_no_boundaries_is_a_config_problem(tmp_path):
+    run = {"packing": True, "max_seq_len": 512}
+    [problem] = packing_problems(run, {"llm_config": {"model_type": "qwen3_next"}})
+    assert problem.startswith("run.packing: the LLM Qwen3NextForCausalLM (model_type qwen3_next) has recurrent "
+                              "layers (linear_attention)") and problem.endswith("Set run.packing: false for this LLM")
+    (tmp_path / "config.json").write_text('{"model_type": "lfm3"}')  # a folder says its own type: short convolutions
+    [problem] = packing_problems(run, {"llm_model": str(tmp_path)})
+    assert "Lfm3ForCausalLM (model_type lfm3) has recurrent layers (conv)" in problem
+    assert packing_problems(run, {"llm_config": TEXT}) == packing_problems(run, {"llm_config": {}}) == []
+    assert packing_problems({**run, "packing": False}, {"llm_config": {"model_type": "qwen3_next"}}) == []
 
 
 def test_the_vision_language_model_type_is_named_in_llm_config_and_its_folder_loads_the_language_model(

@@ -118,6 +118,15 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transf
                 # The class alone changes (no new state): transformers' decoder layer builds its own class by name.
                 module.__class__ = PackedGatedDeltaNet
 
+    def as_transformers(self) -> Qwen3_5ForCausalLM:
+        """This model as transformers' own class, in place (same parameters): what an export saves, so that its
+        config.json names ``Qwen3_5ForCausalLM``. Packed rows then lose their boundaries: for export only."""
+        for module in self.modules():
+            if type(module) is PackedGatedDeltaNet:
+                module.__class__ = Qwen3_5GatedDeltaNet
+        self.__class__ = Qwen3_5ForCausalLM
+        return self
+
     @classmethod
     def _from_config(cls, config: PretrainedConfig, **kwargs: Any):
         # A Qwen3.5 vision-language folder's config holds the language model's as its text_config.
@@ -130,14 +139,49 @@ register_checkpoint_conversion_mapping(Qwen3_5TextForCausalLM.__name__,
                                        get_checkpoint_conversion_mapping(Qwen3_5TextConfig.model_type))
 
 
+# Layer kinds of transformers' layer_types that hold no state from token to token, beside softmax attention's.
+STATELESS_KINDS = frozenset({"mlp", "moe"})
+
+
+def recurrent_kinds(layer_types: Sequence[str] | None) -> list[str]:
+    """The ``layer_types`` entries that carry state from token to token: linear attention, Mamba-style ``hybrid``
+    blocks, short convolutions (``conv``); not softmax attention of any kind, nor MLP / MoE blocks."""
+    return sorted({kind for kind in layer_types or () if kind == "linear_attention"
+                   or ("attention" not in kind and kind not in STATELESS_KINDS)})
+
+
 def recurrent_layers(llm: nn.Module) -> list[str]:
-    """What carries state from token to token in ``llm`` (empty for an LLM transformers does not mark stateful): its
-    ``config.layer_types`` entries other than softmax attention, else its class (Mamba lists no layer kinds)."""
-    if not getattr(llm, "_is_stateful", False):
+    """What carries state from token to token in ``llm`` (empty for an attention-only LLM): its recurrent
+    ``config.layer_types``, else its class where transformers marks it stateful without listing kinds (Mamba)."""
+    recurrent = recurrent_kinds(getattr(getattr(llm, "config", None), "layer_types", None))
+    return recurrent or ([type(llm).__name__] if getattr(llm, "_is_stateful", False) else [])
+
+
+# The model types whose recurrent layers lavis_ds passes packed boundaries to (the folder's, or llm_config's).
+PACKS_EXACTLY = frozenset({"qwen3_5_text", *LANGUAGE_MODEL_OF})
+
+
+def refusal(llm_class: str, model_type: str, recurrent: Sequence[str]) -> str:
+    """The one line that refuses packing for an LLM whose ``recurrent`` layers would carry state across samples."""
+    return (f"run.packing: the LLM {llm_class} (model_type {model_type}) has recurrent layers ({', '.join(recurrent)}) "
+            "whose state would carry from one packed sample into the next; lavis_ds passes packed sample boundaries "
+            "to Qwen3.5's text model (qwen3_5_text) only. Set run.packing: false for this LLM")
+
+
+def packing_problems(model_type: str | None) -> list[str]:
+    """``run.packing`` against the LLM's ``model_type``, before anything is built: a causal LM with recurrent layers
+    that lavis_ds passes no boundaries to is a config problem (unknown types are reported elsewhere)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if model_type in PACKS_EXACTLY or model_type not in CONFIG_MAPPING:
         return []
-    kinds = getattr(getattr(llm, "config", None), "layer_types", None) or []
-    recurrent = sorted({kind for kind in kinds if "attention" not in kind or kind == "linear_attention"})
-    return recurrent or [type(llm).__name__]
+    llm_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(CONFIG_MAPPING[model_type], None)
+    if llm_class is None:
+        return []
+    recurrent = recurrent_kinds(getattr(CONFIG_MAPPING[model_type](), "layer_types", None))
+    recurrent = recurrent or ([llm_class.__name__] if getattr(llm_class, "_is_stateful", False) else [])
+    return [refusal(llm_class.__name__, model_type, recurrent)] if recurrent else []
 
 
 def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, device: torch.device | str
@@ -151,9 +195,5 @@ def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, d
         return {"packed_samples": PackedSamples.of(row_spans, device)}
     recurrent = recurrent_layers(llm)
     if recurrent:
-        model_type = getattr(llm.config, "model_type", "?")
-        raise InputError(f"run.packing: the LLM {type(llm).__name__} (model_type {model_type}) has recurrent "
-                         f"layers ({', '.join(recurrent)}) whose state would carry from one packed sample into the "
-                         "next; lavis_ds passes packed sample boundaries to Qwen3.5's text model (qwen3_5_text) "
-                         "only. Set run.packing: false for this LLM")
+        raise InputError(refusal(type(llm).__name__, getattr(llm.config, "model_type", "?"), recurrent))
     return {}

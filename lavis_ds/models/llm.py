@@ -355,4 +355,5 @@ def merge_llm(llm: nn.Module) -> PreTrainedModel:
     if isinstance(llm, PeftModel):
         llm = llm.merge_and_unload()
     fold_token_rows(llm)
-    return llm
+    # lavis_ds's subclass of a transformers class (Qwen3.5's, for packing) saves as the transformers class
+    return llm.as_transformers() if hasattr(llm, "as_transformers") else llm
