@@ -33,6 +33,8 @@ FAMILIES = {
     "qwen2.5": Family("qwen2.5", "qwen2.5-7b-instruct.jinja", "qwen2", "<|im_end|>"),
     "qwen3": Family("qwen3", "qwen3-0.6b.jinja", "qwen3", "<|im_end|>",
                     {"chat_template_kwargs": {"enable_thinking": False}}),
+    "qwen3.5": Family("qwen3.5", "qwen3.5-35b-a3b.jinja", "qwen3_5_text", "<|im_end|>",
+                      {"chat_template_kwargs": {"enable_thinking": False}}),
     "llama3.2": Family("llama3", "llama-3.2-3b-instruct.jinja", "llama", "<|eot_id|>", LLAMA_MODEL),
     "llama3.3": Family("llama3", "llama-3.3-70b-instruct.jinja", "llama", "<|eot_id|>", LLAMA_MODEL),
     # Gemma's template refuses a system message.

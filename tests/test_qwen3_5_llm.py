@@ -16,6 +16,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
 from archs import loss_and_grads
+from families import FAMILIES, tokenizer_dir
 from lavis_ds.common.errors import InputError
 from lavis_ds.models import Blip2Qwen, vision_llm_forward
 from lavis_ds.models.flops import ZERO, compose
@@ -45,14 +46,21 @@ def _batch() -> dict:
 
 
 def _build(tokenizer, **overrides) -> Blip2Qwen:
-    cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(tokenizer), "llm_config": TEXT, **overrides}
+    cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(tokenizer), "llm_config": TEXT,
+           **FAMILIES["qwen3.5"].model, **overrides}
     torch.manual_seed(0)
     return Blip2Qwen.from_config(cfg)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_tokenizer_dir) -> Blip2Qwen:
-    return _build(tiny_tokenizer_dir).eval()
+def qwen3_5_tokenizer(tmp_path_factory):
+    """A tiny tokenizer with Qwen3.5's special tokens and its published chat template (tests/families.py)."""
+    return tokenizer_dir(tmp_path_factory.mktemp("qwen3_5_tokenizer"), "qwen3.5")
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_5_tokenizer) -> Blip2Qwen:
+    return _build(qwen3_5_tokenizer).eval()
 
 
 def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model, monkeypatch):
@@ -60,6 +68,9 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
     assert isinstance(llm, Qwen3_5TextForCausalLM) and not kernels_take_boundaries()
     assert type(llm.model.layers[0].linear_attn) is PackedGatedDeltaNet
     padded, loss_a, grads_a = loss_and_grads(model, _batch(), None)
+    # Qwen3.5's template, thinking off: each answer follows an empty think block, as generation would see it
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>" in \
+        model.llm_tokenizer.decode(padded["input_ids"][0])
     packed, loss_b, grads_b = loss_and_grads(model, _batch(), 512)
     assert packed["input_ids"].shape[0] == 1 and len(packed["row_spans"][0]) == 4  # four samples in one row
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
@@ -82,8 +93,8 @@ def test_packed_samples_lay_the_spans_end_to_end():
     assert spans.seq_idx.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 3]] and spans.seq_idx.dtype == torch.int32
 
 
-def test_lora_covers_linear_attention_and_each_decoder_layer_is_a_unit(tiny_tokenizer_dir):
-    model = _build(tiny_tokenizer_dir, freeze_llm=True, get_lora=True, lora_r=4).eval()
+def test_lora_covers_linear_attention_and_each_decoder_layer_is_a_unit(qwen3_5_tokenizer):
+    model = _build(qwen3_5_tokenizer, freeze_llm=True, get_lora=True, lora_r=4).eval()
     targets = set(model.llm_model.peft_config["default"].target_modules)
     assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}

@@ -51,6 +51,10 @@ FAMILIES = {
                                fast_class=Qwen2TokenizerFast),
     "qwen3": TokenizerFamily(SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
                              added_tokens=("<think>", "</think>"), fast_class=Qwen2TokenizerFast),
+    # Qwen3.5: Qwen3's roles, and the vision tokens its template writes for images and videos.
+    "qwen3.5": TokenizerFamily((*SPECIAL_TOKENS, "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
+                               eos="<|im_end|>", pad="<|endoftext|>", added_tokens=("<think>", "</think>"),
+                               fast_class=Qwen2TokenizerFast),
     # Llama 3.x Instruct; <|reserved_special_token_0|> is the image placeholder of the llama3 presets.
     "llama3": TokenizerFamily(("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                                "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
