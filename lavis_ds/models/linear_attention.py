@@ -20,8 +20,8 @@ is refused under packing (``boundary_kwargs``) rather than trained with state le
 """
 from __future__ import annotations
 
+import functools
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,8 +34,6 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5GatedDeltaNet
 
 from lavis_ds.common.errors import InputError
-
-logger = logging.getLogger(__name__)
 
 # Vision-language model types whose language model the LLM slot takes (a published Qwen3.5 folder holds the vision
 # tower too; lavis_ds's architectures bring their own image path), by the model type of that language model.
@@ -72,6 +70,7 @@ class PackedSamples:
         return cls(tuple(spans), cu_seqlens.to(device, non_blocking=True), seq_idx.to(device, non_blocking=True))
 
 
+@functools.cache  # transformers picks the implementations once, when its modeling module is imported
 def kernels_take_boundaries() -> bool:
     """Whether transformers runs Qwen3.5's causal convolution and delta rule through installed kernels that accept
     ``seq_idx`` and ``cu_seqlens`` (its ``use_kernel_func_from_hub_with_fallback`` wrappers say which they run).
@@ -120,7 +119,7 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transf
 
     def as_transformers(self) -> Qwen3_5ForCausalLM:
         """This model as transformers' own class, in place (same parameters): what an export saves, so that its
-        config.json names ``Qwen3_5ForCausalLM``. Packed rows then lose their boundaries: for export only."""
+        config.json names ``Qwen3_5ForCausalLM``. Packing refuses it then (``boundary_kwargs``): for export only."""
         for module in self.modules():
             if type(module) is PackedGatedDeltaNet:
                 module.__class__ = Qwen3_5GatedDeltaNet
