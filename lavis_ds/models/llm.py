@@ -175,7 +175,8 @@ class Recipe:
             return self
         if self.path is None:
             return replace(self, dtype=torch.float32)
-        named = (self.config or AutoConfig.from_pretrained(self.path)).dtype
+        config = self.config or AutoConfig.from_pretrained(self.path)
+        named = config.dtype or config.get_text_config().dtype  # a vision-language folder may name it in text_config
         return replace(self, dtype=getattr(torch, named) if isinstance(named, str) else (named or torch.float32))
 
 
