@@ -283,6 +283,9 @@ def test_a_token_budget_is_resolved_into_the_config(instruction_data, tiny_token
     (["run.packing=false", "run.batch_unit=tokens", "run.max_seq_len=null"],
      r"run\.batch_unit: tokens: set run\.max_seq_len"),
     (["run.max_seq_len=100"], r"run\.max_seq_len=100 is shorter than model\.max_txt_len=256"),
+    # Qwen3-Next's linear attention would carry one packed sample's state into the next (tests/test_qwen3_5_llm.py)
+    (["model.llm_config.model_type=qwen3_next"], r"run\.packing: the LLM Qwen3NextForCausalLM \(model_type "
+                                                 r"qwen3_next\) has recurrent layers \(linear_attention\)"),
 ])
 def test_a_token_budget_that_cannot_work_is_one_clear_error(instruction_data, tiny_tokenizer_dir, options, message):
     tmp_path, ann = instruction_data
