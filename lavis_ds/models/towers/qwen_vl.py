@@ -13,6 +13,9 @@ Parameter names are transformers' ``visual.*`` names without the merger: ``load_
 
 An image of grid (t, h, w) gives ``t*h*w`` patch features and ``t*h*w // 4`` LLM tokens (``tokens_for_grid``);
 its FLOPs are linear in its patches plus quadratic in each attention span (``flops_for_grid``).
+
+Qwen3-VL's tower (``towers.qwen3_vl``) is a subclass: it adds learned positions in ``embed`` and names the blocks
+``forward_taps`` also returns the outputs of (``tap_layers``: its DeepStack layers).
 """
 from __future__ import annotations
 
