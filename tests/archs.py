@@ -16,14 +16,18 @@ from lavis_ds.models.vision_llm import VisionLLM
 
 ARCHITECTURES = sorted(name for name in models if issubclass(registry.get_model_class(name), VisionLLM))
 # Architectures whose images keep their own sizes (Qwen-VL: flat patches and a grid per image). They take a square
-# [N, 3, S, S] pixel tensor too (each a still image, S a multiple of 28 px), which is what these tests make.
+# [N, 3, S, S] pixel tensor too (each a still image, S a multiple of a merged token's side), which these tests make.
 FLAT_ARCHITECTURES = [name for name in ARCHITECTURES if getattr(registry.get_model_class(name), "FLAT_FEATURES", False)]
-FLAT_SIDE = 56  # 2 x 2 merged tokens: the smallest image a Qwen-VL tower takes whole
 
 
 def image_side(model: VisionLLM) -> int:
-    """The side of the square test images ``model`` takes: its tower's, or ``FLAT_SIDE`` for images of any size."""
-    return model.image_size or FLAT_SIDE
+    """The side of the square test images ``model`` takes: its tower's, or for images of any size 2 x 2 merged
+    tokens, the smallest image a Qwen-VL tower takes whole (56 px at Qwen2-VL's 14 px patches, 64 px at
+    Qwen3-VL's 16 px)."""
+    if model.image_size:
+        return model.image_size
+    layout = model.vision_tower.layout
+    return 2 * layout.patch_size * layout.merge_size
 BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "what", "is", "in", "the", "image", "?", "a", "shape",
               "colour", "color", "which", "of", "and", "are", "same", "describe", "picture", "ball", "cat"]
 

@@ -36,15 +36,18 @@ def _instruction_tokens(model, prepared: dict) -> int:
     return 0 if mask is None else mask.shape[1]
 
 
-# (height, width) px of the three images of a Qwen-VL batch: three grids, the last two Qwen2.5-VL windows (112 px).
-FLAT_IMAGE_SIDES = [(56, 56), (56, 112), (168, 112)]
+# (height, width) in merged tokens of the three images of a Qwen-VL batch: three grids; at Qwen2.5-VL's 28 px per
+# merged token the last is two 112 px windows.
+FLAT_IMAGE_SIDES = [(2, 2), (2, 4), (6, 4)]
 
 
 def _batch(model) -> dict:
     """``mixed_batch``; for a Qwen-VL architecture with its images at three sizes, as flat patches and grid rows."""
     batch = mixed_batch(model)
     if getattr(model, "FLAT_FEATURES", False):
-        visuals = [model.vision_tower.processing.still_patches(torch.randn(3, h, w)) for h, w in FLAT_IMAGE_SIDES]
+        px = model.vision_tower.processing.factor
+        visuals = [model.vision_tower.processing.still_patches(torch.randn(3, h * px, w * px))
+                   for h, w in FLAT_IMAGE_SIDES]
         batch.update(image=torch.cat([v.pixel_values for v in visuals]),
                      image_grid_thw=torch.stack([v.grid_thw for v in visuals]))
     return batch

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import re
 
 import pytest
@@ -362,8 +363,9 @@ TINY_CONNECTORS = {"qformer": {"num_query_token": 4, "qformer": QFORMER}, "mlp2x
                    "instruct_qformer": {"num_query_token": 4, "qformer": QFORMER}}
 
 
-TINY_FLAT_TOWERS = {"qwen2_vl": {"preset": "tiny"}, "qwen2_5_vl": {"preset": "tiny"}}
-TINY_FLAT_CONNECTORS = {"patch_merger": {}}
+TINY_FLAT_TOWERS = {"qwen2_vl": {"preset": "tiny"}, "qwen2_5_vl": {"preset": "tiny"}, "qwen3_vl": {"preset": "tiny"}}
+# qwen3_vl_merger without DeepStack mergers here (a tower's plain features); with them: test_qwen3_vl
+TINY_FLAT_CONNECTORS = {"patch_merger": {}, "qwen3_vl_merger": {"deepstack_taps": 0}}
 
 
 def pairs(flat: bool) -> list[tuple[str, str]]:
@@ -431,7 +433,7 @@ def test_every_flat_tower_feeds_every_flat_connector(tower_name, connector_name)
                            "model.connector", vision_width=tower.num_features, llm_width=48)
     grid = torch.tensor([[1, 12, 18], [2, 8, 4], [1, 2, 2]])  # windows cut by the edges (Qwen2.5-VL's 8x8 patches)
     patches = int(grid.prod(-1).sum())
-    pixels = torch.randn(patches, tower.patch_embed.proj.in_channels * 2 * 14 * 14)
+    pixels = torch.randn(patches, math.prod(tower.patch_embed.kernel))
     with sdpa_kernel(SDPBackend.MATH):  # torch counts no FLOPs for CPU's fused attention kernel
         with FlopCounterMode(display=False) as forward:
             features = tower(pixels, grid)

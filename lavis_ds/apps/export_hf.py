@@ -11,6 +11,7 @@ transformers user writes). The class follows the model (``export_hf_checks.hf_fa
     clip or siglip + mlp2x_gelu             LlavaForConditionalGeneration + LlavaProcessor
     qwen2_vl / qwen2_5_vl + patch_merger    Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration
                                             + their processors
+    qwen3_vl + qwen3_vl_merger              Qwen3VLForConditionalGeneration + Qwen3VLProcessor
 
 (each a registered family, ``lavis_ds.models.hf``; a new class is a new family there), and the folder holds:
 

@@ -26,7 +26,10 @@ DEFAULT_MODEL_TYPE = "qwen2"  # what llm_config meant before it took a model_typ
 # The position provider (lavis_ds.models.positions) of each family that does not take plain 1-D positions, by its
 # text model's transformers model_type: Qwen2-VL's and Qwen2.5-VL's text models take M-RoPE's three rows (and the
 # plain positions as a fourth row in front, for packed sample boundaries). Every other family: rope_1d.
-FAMILY_POSITIONS = {"qwen2_vl_text": "mrope", "qwen2_5_vl_text": "mrope"}
+FAMILY_POSITIONS = {"qwen2_vl_text": "mrope", "qwen2_5_vl_text": "mrope",
+                    # Qwen3-VL numbers an image's tokens as Qwen2-VL does; its text model interleaves the rows'
+                    # frequencies (mrope_interleaved) itself
+                    "qwen3_vl_text": "mrope"}
 
 
 def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:

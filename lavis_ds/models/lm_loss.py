@@ -30,7 +30,7 @@ from lavis_ds.models.prompt import IGNORE_INDEX
 # Granite's `logits_scaling`, or an architecture not checked against its transformers source) falls back to the
 # full-logits path of its own forward, which is exact whatever it does.
 HEAD_ONLY_FAMILIES = frozenset({"qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "qwen2_vl_text",
-                                "qwen2_5_vl_text", "qwen3_5_text"})
+                                "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_5_text"})
 
 
 def head_loss_supported(llm: PreTrainedModel) -> bool:

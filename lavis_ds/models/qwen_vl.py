@@ -101,12 +101,17 @@ class QwenVL(ComposedVisionLLM):
     # ----------------------------------------------------------------- the image path
     def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
         """``patch_merger(tower(patches, grid))``: flat ``[sum of tokens, llm_hidden]``, image by image."""
+        return self.connector(self.vision_tower(*self.patches_and_grid(images, samples)))
+
+    def patches_and_grid(self, images: torch.Tensor, samples: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's flat patches and grid rows: as given, or of normalised ``[N, 3, H, W]`` pixels (still images
+        at their size)."""
         grid = samples.get(GRID_KEY)
-        if grid is None:  # normalised [N, 3, H, W] pixels: still images at their size
+        if grid is None:
             visuals = [self.vision_tower.processing.still_patches(image) for image in images]
             images = torch.cat([v.pixel_values for v in visuals]).to(images.device)
             grid = torch.stack([v.grid_thw for v in visuals])
-        return self.connector(self.vision_tower(images, torch.as_tensor(grid)))
+        return images, torch.as_tensor(grid)
 
     def blank_images(self, device: torch.device) -> dict[str, torch.Tensor]:
         """One merge window of zero patches (the smallest image the tower takes), with its grid."""

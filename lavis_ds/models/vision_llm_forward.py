@@ -204,7 +204,8 @@ class VisionLLMForward(BaseModel):
             nums = [int(n) for n in samples.get("num_images") or ()]
             check_feature_rows(features.shape[0], counts, nums if sum(nums) == len(counts) else [len(counts)],
                                "the image features given")
-        inputs_embeds = self._embed(input_ids, features if has_images else features[:0])
+        inputs_embeds, more = self.llm_inputs(input_ids, features if has_images else features[:0])
+        layout.update(more)
         if not has_images:
             # The dummy image's features times zero: in the graph, out of the numbers (see image_embeds).
             inputs_embeds = inputs_embeds + features.sum() * 0
@@ -288,11 +289,12 @@ class VisionLLMForward(BaseModel):
         # Parameters of this root module (query tokens, ...): an engine that shards them gathers them for generate
         # (which is not forward) itself. Sharded ranks run the towers even without an image (image_embeds).
         image_embeds = self.image_embeds(image, dummy=synced_gpus, samples=samples)
-        inputs_embeds = self._embed(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
+        inputs_embeds, more = self.llm_inputs(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
         # The placeholder is never a word: generating it would feed its meaningless row back in.
         options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
                        eos_token_id=self.stop_token_ids(), pad_token_id=self.pad_id, synced_gpus=synced_gpus,
                        suppress_tokens=[self.prompt.image_token_id])
+        options.update(more)
         options.update(generate_kwargs)
         rope = self._rope_positions(prompts, samples)
         if rope is not None:
@@ -302,6 +304,12 @@ class VisionLLMForward(BaseModel):
         # With only inputs_embeds, generate returns just the new tokens.
         new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
         return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def llm_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The LLM's input embeddings (``_embed``) and what more of the image features its forward takes as
+        arguments (Qwen3-VL's DeepStack features, ``models.qwen3_vl``). Default: the embeddings alone."""
+        return self._embed(input_ids, image_embeds), {}
 
     def _embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
         """Token embeddings with each placeholder run replaced by its image's features."""

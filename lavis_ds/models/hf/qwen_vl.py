@@ -37,6 +37,7 @@ class QwenVLFamily(HfFamily):
 
     tower: str = ""  # the registry name of the tower (and the architecture) its folders need
     norm: str = ""  # the patch_merger's norm
+    out_width_key = "hidden_size"  # the vision config's key of the merger's output width (the LLM's)
     reads_published = True
     tower_prefixes = ("visual.", "model.visual.")
     llm_prefixes = TEXT_PREFIXES
@@ -74,8 +75,7 @@ class QwenVLFamily(HfFamily):
         llm = base_llm(model.llm_model)
         with empty_weights():  # parameters on the meta device: every one is assigned below
             hf_model = getattr(transformers, self.hf_class)(self.hf_config(model, dtype))
-        merger = {f"merger.{k}": v for k, v in model.connector.state_dict().items()}
-        visual = {**model.vision_tower.state_dict(), **merger}
+        visual = {**model.vision_tower.state_dict(), **self.merger_state(model.connector)}
         pairs = [(hf_model.model.visual, visual), (hf_model.model.language_model, llm.model.state_dict()),
                  (hf_model.lm_head, llm.lm_head.state_dict())]
         for module, state in pairs:
@@ -97,7 +97,7 @@ class QwenVLFamily(HfFamily):
 
         llm, tokenizer = base_llm(model.llm_model), model.llm_tokenizer
         vision = model.vision_tower.config.to_dict()
-        vision["out_hidden_size" if self.model_type == "qwen2_5_vl" else "hidden_size"] = llm.config.hidden_size
+        vision[self.out_width_key] = llm.config.hidden_size
         text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
         ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
             ("image_token_id", model.prompt.image_token), ("video_token_id", VIDEO_TOKEN),
@@ -140,12 +140,12 @@ class QwenVLFamily(HfFamily):
         if tower.get("name") != self.tower:
             raise PartError(f"model.pretrained: {folder} is a {self.hf_class} folder (config.json model_type "
                             f"{self.model_type!r}), but the model's vision tower is {tower.get('name')!r}; load it "
-                            f"with model.arch: {self.tower} (its tower {self.tower}, patch_merger norm {self.norm})")
+                            f"with model.arch: {self.tower} ({self.exportable})")
         own = vision_keys(config.vision_config, reg.vision_towers.get(self.tower).config_keys())
         tower["vision_config"] = {**own, **(tower.get("vision_config") or {})}
         # The folder's processor bounds where the section sets none (a smaller max_pixels saves memory: the user's).
         tower.update({k: v for k, v in pixel_bounds(folder).items() if tower.get(k) is None})
-        connector = {**(section.get("connector") or {}), "norm": self.norm}
+        connector = {**(section.get("connector") or {}), **self.connector_settings(config)}
         section = {**section, "vision_tower": tower, "connector": connector}
         if isinstance(section.get("llm_config"), dict):
             section["llm_config"] = {**section["llm_config"],
@@ -163,10 +163,21 @@ class QwenVLFamily(HfFamily):
         ours = tower.config.to_dict()
         keys = tuple(k for k in vision_keys(config.vision_config, type(tower).config_keys()) if k in ours)
         differ += differences("vision tower", config.vision_config, ours, keys)
+        return differ + self.merger_problems(model, config)
+
+    # ----------------------------------------------------------------- the merger (Qwen3-VL's differs)
+    def merger_state(self, connector: nn.Module) -> dict[str, torch.Tensor]:
+        """The connector's weights as the class's ``model.visual`` names them (``merger.*``)."""
+        return {f"merger.{k}": v for k, v in connector.state_dict().items()}
+
+    def connector_settings(self, config: Any) -> dict[str, Any]:
+        """What a folder fixes of the connector's section: the patch_merger's norm."""
+        return {"norm": self.norm}
+
+    def merger_problems(self, model: nn.Module, config: Any) -> list[str]:
+        """The patch_merger's norm against the folder's."""
         norm = type(model.connector.ln_q).__name__.lower()
-        if norm != self.norm:
-            differ.append(f"patch_merger norm: folder {self.norm}, model {norm}")
-        return differ
+        return [] if norm == self.norm else [f"patch_merger norm: folder {self.norm}, model {norm}"]
 
     def tower_config(self, folder: Path) -> Any:
         from transformers import AutoConfig
@@ -233,6 +244,7 @@ class Qwen2VLFamily(QwenVLFamily):
 
 class Qwen25VLFamily(QwenVLFamily):
     hf_class, model_type, tower, norm = "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "qwen2_5_vl", "rmsnorm"
+    out_width_key = "out_hidden_size"
     pairs = (("qwen2_5_vl", "patch_merger"),)
     exportable = "a qwen2_5_vl tower + patch_merger (norm rmsnorm) + the qwen2_5_vl_text model"
 

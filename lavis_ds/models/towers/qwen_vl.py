@@ -13,6 +13,9 @@ Parameter names are transformers' ``visual.*`` names without the merger: ``load_
 
 An image of grid (t, h, w) gives ``t*h*w`` patch features and ``t*h*w // 4`` LLM tokens (``tokens_for_grid``);
 its FLOPs are linear in its patches plus quadratic in each attention span (``flops_for_grid``).
+
+Qwen3-VL's tower (``towers.qwen3_vl``) is a subclass: it adds learned positions in ``embed`` and names the blocks
+``forward_taps`` also returns the outputs of (``tap_layers``: its DeepStack layers).
 """
 from __future__ import annotations
 
@@ -31,13 +34,17 @@ from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.flops import Flops, Tally, patch_embedding, trains
 from lavis_ds.models.parts import PartError, load_exactly, read_safetensors
 from lavis_ds.models.towers.base import VisionTower
-from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, PatchEmbed, RMSNorm, Spans, SwiGluMlp, VisionBlock,
-                                                   VisionRotary, frame_spans, patch_positions, window_order)
+from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, LinearFcMlp, PatchEmbed, RMSNorm, Spans, SwiGluMlp,
+                                                   VisionBlock, VisionRotary, frame_spans, patch_positions,
+                                                   window_order)
+from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
 from lavis_ds.processors.qwen_vl import MAX_PIXELS, MIN_PIXELS, QwenVisionInputError, QwenVLProcessing, tokens_for_grid
 
 # The published folders' weight prefixes of the tower: transformers 4.x / the Hub (visual.*), transformers 5
 # (model.visual.*). The merger under them is the patch_merger connector's.
 VISUAL_PREFIXES = ("visual.", "model.visual.")
+# The mergers under them, which the connectors read (Qwen3-VL's DeepStack mergers too).
+MERGER_KEYS = (".merger.", ".deepstack_merger_list.")
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,8 @@ class QwenVLTower(VisionTower):
             raise PartError(f"vision_tower.vision_config: width {layout.width} over {layout.heads} heads; valid: "
                             "a head size that is a multiple of 4 (2-D rotary turns a quarter with each axis)")
         self.config, self.layout = config, layout
-        self.patch_embed = PatchEmbed(layout.patch_size, layout.temporal_patch_size, layout.in_channels, layout.width)
+        self.patch_embed = PatchEmbed(layout.patch_size, layout.temporal_patch_size, layout.in_channels, layout.width,
+                                      bias=self.PATCH_BIAS)
         self.rotary_pos_emb = VisionRotary(layout.width // layout.heads, layout.theta)
         self.blocks = BlockList(VisionBlock(layout.width, layout.heads, self.NORM, self.mlp(layout))
                                 for _ in range(layout.depth))
@@ -103,8 +111,8 @@ class QwenVLTower(VisionTower):
         self.image_size = None  # images keep (nearly) their own size: see processing
         self.num_tokens = None  # per image: tokens_for_grid
         try:
-            self.processing = QwenVLProcessing(min_pixels, max_pixels, patch_size=layout.patch_size,
-                                               merge_size=layout.merge_size,
+            self.processing = QwenVLProcessing(min_pixels, max_pixels, mean=self.IMAGE_MEAN, std=self.IMAGE_STD,
+                                               patch_size=layout.patch_size, merge_size=layout.merge_size,
                                                temporal_patch_size=layout.temporal_patch_size)
         except QwenVisionInputError as e:
             raise PartError(f"vision_tower: {e}") from None
@@ -133,6 +141,11 @@ class QwenVLTower(VisionTower):
 
     # ----------------------------------------------------------------- what subclasses say
     NORM: ClassVar[type[nn.Module]]
+    PATCH_BIAS: ClassVar[bool] = False  # whether the Conv3d patch embedding has a bias (Qwen3-VL's has)
+    IMAGE_MEAN: ClassVar[tuple[float, float, float]] = CLIP_MEAN  # what the published image processor normalises by
+    IMAGE_STD: ClassVar[tuple[float, float, float]] = CLIP_STD
+    # The blocks whose outputs the tower also gives (``forward_taps``): Qwen3-VL's DeepStack layers.
+    tap_layers: tuple[int, ...] = ()
 
     @staticmethod
     def layout_of(config: Any) -> Layout:  # pragma: no cover - interface
@@ -168,9 +181,19 @@ class QwenVLTower(VisionTower):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values [P, 3*t*p*p]``, ``grid_thw [n, 3]`` -> ``[P, width]`` patch features, processor order."""
+        return self.forward_taps(pixel_values, grid_thw)[0]
+
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The patches' input to the first block: their embedding (Qwen3-VL adds its learned positions)."""
+        return self.patch_embed(pixel_values)
+
+    def forward_taps(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The patch features (``forward``) and the outputs of the blocks in ``tap_layers``, each ``[P, width]`` in
+        the processor's order."""
         grid_thw = self._checked_grid(pixel_values, grid_thw)
         unit = self.layout.merge_size ** 2
-        x = self.patch_embed(pixel_values)
+        x = self.embed(pixel_values, grid_thw)
         # The plan is host arithmetic on the grid; its index tensors go where the patches are (grid_thw may be on
         # the host while the patches are on a GPU).
         positions = patch_positions(grid_thw, self.layout.merge_size).to(x.device)
@@ -181,15 +204,19 @@ class QwenVLTower(VisionTower):
             positions = positions.view(-1, unit, 2)[order].flatten(0, 1)
         rotary = self.rotary_pos_emb(positions)
         plans: dict[tuple[int, ...], Spans] = {}
-        for block, lengths in zip(self.blocks, block_spans):
+        taps = []
+        for index, (block, lengths) in enumerate(zip(self.blocks, block_spans)):
             spans = plans.setdefault(tuple(lengths), Spans.from_lengths(lengths, x.device))
             if self.use_grad_checkpoint and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, spans, rotary, use_reentrant=False)
             else:
                 x = block(x, spans, rotary)
+            if index in self.tap_layers:
+                taps.append(x)
         if order is not None:
-            x = x.view(-1, unit, x.shape[-1])[torch.argsort(order)].flatten(0, 1)
-        return x
+            restore = torch.argsort(order)
+            x, *taps = (y.view(-1, unit, y.shape[-1])[restore].flatten(0, 1) for y in (x, *taps))
+        return x, taps
 
     def _checked_grid(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
@@ -225,6 +252,8 @@ class QwenVLTower(VisionTower):
         if isinstance(mlp, SwiGluMlp):
             gated = tally.linear(mlp.gate_proj, rows, grad) | tally.linear(mlp.up_proj, rows, grad)
             return tally.linear(mlp.down_proj, rows, gated)
+        if isinstance(mlp, LinearFcMlp):
+            return tally.linear(mlp.linear_fc2, rows, tally.linear(mlp.linear_fc1, rows, grad))
         return tally.linear(mlp.fc2, rows, tally.linear(mlp.fc1, rows, grad))
 
     def flops(self) -> None:
@@ -256,8 +285,8 @@ class QwenVLTower(VisionTower):
         """The ``visual.*`` / ``model.visual.*`` weights of a published folder (the merger left to the connector),
         every tower weight checked by name and shape."""
         folder = Path(path).expanduser()
-        state = read_safetensors(folder, lambda key: key.startswith(VISUAL_PREFIXES) and ".merger." not in key,
-                                 "vision_tower.pretrained")
+        state = read_safetensors(folder, lambda key: key.startswith(VISUAL_PREFIXES)
+                                 and not any(merger in key for merger in MERGER_KEYS), "vision_tower.pretrained")
         ours = {key.split("visual.", 1)[1]: value for key, value in state.items()}
         if not ours:
             model_class = self.CONFIG_CLASS.__name__.replace("VisionConfig", "ForConditionalGeneration")

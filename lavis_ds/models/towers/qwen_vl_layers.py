@@ -1,10 +1,11 @@
-"""The layers of the Qwen2-VL and Qwen2.5-VL vision towers, with attention over spans of a flat patch sequence.
+"""The layers of the Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers, with attention over spans of a flat patch
+sequence.
 
-The modules and parameter names are transformers' (``modeling_qwen2_vl.py``, ``modeling_qwen2_5_vl.py``): a Conv3d
-patch embedding without bias (``patch_embed.proj``), 2-D rotary positions over (row, column), and blocks of
-``norm1``, ``attn`` (``qkv``, ``proj``), ``norm2`` and ``mlp`` (Qwen2-VL: LayerNorm and ``fc1``/``fc2``;
-Qwen2.5-VL: RMSNorm and SwiGLU ``gate_proj``/``up_proj``/``down_proj``), so a published ``visual.*`` state
-loads unchanged.
+The modules and parameter names are transformers' (``modeling_qwen2_vl.py``, ``modeling_qwen2_5_vl.py``,
+``modeling_qwen3_vl.py``): a Conv3d patch embedding (``patch_embed.proj``), 2-D rotary positions over (row,
+column), and blocks of ``norm1``, ``attn`` (``qkv``, ``proj``), ``norm2`` and ``mlp`` (Qwen2-VL: LayerNorm and
+``fc1``/``fc2``; Qwen2.5-VL: RMSNorm and SwiGLU ``gate_proj``/``up_proj``/``down_proj``; Qwen3-VL: LayerNorm and
+``linear_fc1``/``linear_fc2``), so a published ``visual.*`` state loads unchanged.
 
 Attention is block-diagonal: a patch attends to the patches of its own image frame (Qwen2.5-VL's windowed blocks:
 of its own 112 px window). It is computed per span, never with an N x N mask: flash-attn's varlen kernel where it
@@ -124,13 +125,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class PatchEmbed(nn.Module):
-    """``[patches, 3*t*p*p]`` -> ``[patches, width]`` by a Conv3d whose stride is its kernel (no bias)."""
+    """``[patches, 3*t*p*p]`` -> ``[patches, width]`` by a Conv3d whose stride is its kernel (Qwen2-VL's and
+    Qwen2.5-VL's without bias, Qwen3-VL's with one)."""
 
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, width: int):
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, width: int, bias: bool = False):
         super().__init__()
         self.kernel = (in_channels, temporal_patch_size, patch_size, patch_size)
         kernel = [temporal_patch_size, patch_size, patch_size]
-        self.proj = nn.Conv3d(in_channels, width, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(in_channels, width, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         patches = pixel_values.view(-1, *self.kernel).to(self.proj.weight.dtype)
@@ -175,6 +177,19 @@ class GeluMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class LinearFcMlp(nn.Module):
+    """Qwen3-VL's MLP: ``linear_fc2(act(linear_fc1(x)))`` (Qwen2-VL's computation under transformers' Qwen3-VL
+    names)."""
+
+    def __init__(self, width: int, hidden: int, act: str):
+        super().__init__()
+        self.linear_fc1, self.act = nn.Linear(width, hidden), ACT2FN[act]
+        self.linear_fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class SwiGluMlp(nn.Module):

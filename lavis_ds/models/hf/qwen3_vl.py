@@ -1,0 +1,58 @@
+"""Qwen3-VL as a transformers class (the ``qwen3_vl`` family): its published folders load into the ``qwen3_vl``
+architecture, part for part, and ``--format hf`` writes one back.
+
+    model.visual.* (without mergers)          <- vision_tower (``towers.qwen3_vl``: transformers' names)
+    model.visual.merger.*                     <- connector.merger (``qwen3_vl_merger``)
+    model.visual.deepstack_merger_list.N.*    <- connector.deepstack_merger_list.N
+    model.language_model.* / model.*          <- llm_model.model (``qwen_vl_text``: Qwen3-VL's text model)
+    lm_head.*                                 <- llm_model.lm_head
+
+What Qwen2-VL's family does holds otherwise (``hf.qwen_vl``: the folder's vision config, pixel bounds, text config,
+tokenizer, chat template's vision tokens); the folder also fixes the connector's DeepStack mergers (one per
+``deepstack_visual_indexes``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lavis_ds.common import registry as reg
+from lavis_ds.models.hf.qwen_vl import QwenVLFamily, processor_settings
+
+
+class Qwen3VLFamily(QwenVLFamily):
+    hf_class, model_type, tower = "Qwen3VLForConditionalGeneration", "qwen3_vl", "qwen3_vl"
+    out_width_key = "out_hidden_size"
+    pairs = (("qwen3_vl", "qwen3_vl_merger"),)
+    exportable = "a qwen3_vl tower + qwen3_vl_merger + the qwen3_vl_text model"
+
+    def merger_state(self, connector: nn.Module) -> dict[str, torch.Tensor]:
+        """The connector's keys are the class's own under ``model.visual`` (``merger.*``,
+        ``deepstack_merger_list.*``)."""
+        return dict(connector.state_dict())
+
+    def connector_settings(self, config: Any) -> dict[str, Any]:
+        """One DeepStack merger per tapped tower block."""
+        return {"deepstack_taps": len(config.vision_config.deepstack_visual_indexes)}
+
+    def merger_problems(self, model: nn.Module, config: Any) -> list[str]:
+        ours, theirs = model.connector.deepstack_taps, len(config.vision_config.deepstack_visual_indexes)
+        return [] if ours == theirs else [f"qwen3_vl_merger deepstack_taps: folder {theirs}, model {ours}"]
+
+    def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
+        """``Qwen3VLProcessor`` around the image processor, the tokenizer and template, and Qwen3-VL's video
+        processor with the tower's patch sizes and normalisation."""
+        from transformers import Qwen3VLProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        settings = processor_settings(model.vision_tower.processing)
+        video = Qwen3VLVideoProcessor(image_mean=settings["image_mean"], image_std=settings["image_std"],
+                                      patch_size=settings["patch_size"], merge_size=settings["merge_size"],
+                                      temporal_patch_size=settings["temporal_patch_size"])
+        return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                                video_processor=video)
+
+
+reg.hf_families.register("qwen3_vl")(Qwen3VLFamily())

@@ -1,0 +1,81 @@
+"""Qwen3-VL (``qwen3_vl``): the ``qwen3_vl`` tower, the ``qwen3_vl_merger`` connector, Qwen3-VL's text model, and
+DeepStack between them.
+
+Everything the Qwen-VL architectures share holds (``models.qwen_vl``: flat patches and a grid per image, the
+prompt's ``<|vision_start|>``/``<|vision_end|>`` span, M-RoPE numbering of each image's grid of LLM tokens), with a
+merged token of 32 px (16 px patches). DeepStack: the tower's blocks of ``deepstack_visual_indexes`` are tapped,
+each tap merged by its own DeepStack merger, and the LLM adds the i-th merger's tokens to its hidden states at the
+image positions after decoder layer i (transformers' ``Qwen3VLTextModel`` does, given ``deepstack_visual_embeds``
+and ``visual_pos_masks``, which ``llm_inputs`` passes it with the input embeddings). The connector's output carries
+the merged and DeepStack tokens side by side in the channels, so they follow the batch's image order together.
+
+transformers' ``Qwen3VLForConditionalGeneration`` holds the same parts (``model.visual`` with ``merger`` and
+``deepstack_merger_list``, ``model.language_model``, ``lm_head``); its published folders load with
+``load_pretrained`` and export with ``--format hf`` (``lavis_ds.models.hf.qwen3_vl``). Videos are refused:
+Qwen3-VL writes each frame as its own image run after a timestamp, which the prompt does not yet write.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lavis_ds.common import registry as reg
+from lavis_ds.common.errors import LavisDsError
+from lavis_ds.models.image_tokens import image_sizes
+from lavis_ds.models.parts import PartError
+from lavis_ds.models.positions import Visual
+from lavis_ds.models.qwen_vl import QwenVL
+
+
+@reg.models.register("qwen3_vl")
+class Qwen3VL(QwenVL):
+    """Qwen3-VL: the ``qwen3_vl`` tower (learned positions, DeepStack taps), ``qwen3_vl_merger``, Qwen3-VL's text
+    model taking the DeepStack features after its first layers."""
+
+    PRETRAINED_MODEL_CONFIG_DICT = {
+        "2b": "models/qwen3_vl/2b.yaml",
+        "4b": "models/qwen3_vl/4b.yaml",
+        "8b": "models/qwen3_vl/8b.yaml",
+        "tiny": "models/qwen3_vl/tiny.yaml",
+    }
+    DEFAULT_PARTS = {"vision_tower": {"name": "qwen3_vl"}, "connector": {"name": "qwen3_vl_merger"}}
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        taps = list(getattr(self.vision_tower, "tap_layers", ()))
+        mergers = getattr(self.connector, "deepstack_taps", 0)
+        if len(taps) != mergers:
+            raise PartError(f"model.connector.deepstack_taps: {mergers} DeepStack mergers, but the tower taps "
+                            f"{len(taps)} blocks (vision_tower.vision_config.deepstack_visual_indexes {taps}); valid: "
+                            f"{len(taps)}")
+        layers = self.llm_transformers_config.num_hidden_layers
+        if len(taps) > layers:
+            raise PartError(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps} feed the LLM after "
+                            f"its first {len(taps)} decoder layers, but it has {layers}; valid: at most {layers} taps")
+
+    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
+        """``[sum of tokens, (1 + taps) * llm_hidden]``: each image's merged tokens, then its DeepStack tokens."""
+        features, taps = self.vision_tower.forward_taps(*self.patches_and_grid(images, samples))
+        return self.connector(features, {"taps": taps})
+
+    def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
+        """As Qwen2-VL's, for images; a video (a grid of more than one temporal patch) is refused."""
+        videos = [i for i, size in enumerate(image_sizes(samples)) if len(size) == 3 and int(size[0]) > 1]
+        if videos:
+            raise LavisDsError(f"qwen3_vl: image {videos[0]} of the batch is a video (image_grid_thw row "
+                               f"{list(image_sizes(samples)[videos[0]])}); Qwen3-VL takes each frame as its own image "
+                               "run after a timestamp, which lavis_ds's prompt does not write; give still images")
+        return super().image_visuals(samples)
+
+    def llm_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The merged tokens spliced in at the placeholders; the DeepStack tokens and the placeholders' positions as
+        the text model's ``deepstack_visual_embeds`` and ``visual_pos_masks``."""
+        hidden = self.llm_transformers_config.hidden_size
+        merged, *deepstack = image_embeds.split(hidden, dim=-1)
+        embeds = self._embed(input_ids, merged)
+        if not deepstack or merged.shape[0] == 0:
+            return embeds, {}
+        mask = input_ids == self.prompt.image_token_id
+        return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}

@@ -1,0 +1,218 @@
+"""Qwen3-VL (``qwen3_vl``): a tiny published ``Qwen3VLForConditionalGeneration`` folder (random, written by
+transformers with its tokenizer, chat template and processor) loaded by the YAML users write: the tower and its
+DeepStack mergers equal transformers' vision model, the logits equal transformers' (fp32, 1e-5) on images of
+three aspect ratios, two images and text only, greedy tokens are the same, and ``--format hf`` writes a folder that
+transformers alone reloads and generates the same tokens from. The tiny preset packs equal to padded (loss and
+gradients) with images of different grids; bad DeepStack settings and a folder of another family are one line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+from archs import build_tiny, loss_and_grads
+from conftest import TINY_CORPUS
+from lavis_ds.common.errors import LavisDsError
+from lavis_ds.common.registry import processors, registry, vision_towers
+from lavis_ds.models.image_tokens import GRID_KEY
+from lavis_ds.models.parts import PartError
+from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
+
+QUESTION, ANSWER = "What is in the picture?", "A red ball on the grass."
+# (height, width) px of each image: 32 px per merged token, 48 LLM tokens at most
+CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "square image": [(120, 120)],
+         "two images": [(70, 100), (150, 60)], "text only": []}
+PIXELS = dict(min_pixels=64 * 64, max_pixels=32 * 32 * 48, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+# DeepStack taps after blocks 0 and 2 of 3, added after the text model's layers 0 and 1 (of 2)
+VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, num_position_embeddings=16,
+              deepstack_visual_indexes=[0, 2], out_hidden_size=64)
+
+
+def picture(height: int, width: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def published_folder(folder):
+    """A random tiny Qwen3-VL saved with its tokenizer and processor, as transformers writes them."""
+    tokenizer = qwen_tokenizer(TINY_CORPUS, folder)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True},
+                bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(vision_config=VISION, text_config=text,
+                                                          tie_word_embeddings=False, **ids)).eval()
+    with torch.no_grad():  # norms and biases random too: a key mapped to the wrong place shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    video = Qwen3VLVideoProcessor(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**PIXELS), tokenizer=tokenizer,
+                                 video_processor=video, chat_template=QWEN2_VL_TEMPLATE)
+    processor.save_pretrained(folder)
+    return model, processor
+
+
+def user_yaml(arch: str, folder) -> dict:
+    """What a user writes, merged over the architecture's first preset as the config loader merges it."""
+    cls = registry.get_model_class(arch)
+    return {**cls.default_config(next(iter(cls.PRETRAINED_MODEL_CONFIG_DICT))), "arch": arch,
+            "load_pretrained": True, "pretrained": str(folder)}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """transformers' model and processor, lavis_ds's model loaded from their folder, the folder."""
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    theirs, processor = published_folder(folder)
+    ours = registry.get_model_class("qwen3_vl").from_config(user_yaml("qwen3_vl", folder)).eval()
+    return theirs, processor, ours, folder
+
+
+def inputs_of(processor, images: list[tuple[int, int]], answer: str | None):
+    """transformers' inputs for one conversation, and the same sample as a lavis_ds batch."""
+    pictures = [picture(h, w, i) for i, (h, w) in enumerate(images)]
+    content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": QUESTION}]
+    messages = [{"role": "user", "content": content}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    text = processor.apply_chat_template(messages, add_generation_prompt=answer is None, tokenize=False)
+    inputs = processor(text=[text], images=pictures or None, return_tensors="pt")
+    sample = {"instruction": [["<ImageHere>" * len(pictures) + QUESTION]], "num_images": [len(pictures)]}
+    if answer is not None:
+        sample["output"] = [[answer]]
+    if pictures:
+        sample.update(image=inputs["pixel_values"], **{GRID_KEY: inputs["image_grid_thw"]})
+    return inputs, sample
+
+
+def test_the_tower_and_its_mergers_equal_transformers_vision_model(pair):
+    theirs, processor, ours, _ = pair
+    inputs, sample = inputs_of(processor, CASES["two images"] + CASES["tall image"], None)
+    grid = inputs["image_grid_thw"]
+    with torch.no_grad():
+        expected = theirs.model.visual(inputs["pixel_values"], grid_thw=grid)
+        features = ours.encode_images(sample["image"], sample)
+    hidden = ours.llm_transformers_config.hidden_size
+    merged, *deepstack = features.split(hidden, dim=-1)
+    assert len(deepstack) == len(expected.deepstack_features) == 2
+    torch.testing.assert_close(merged, expected.pooler_output, atol=1e-5, rtol=0)
+    for mine, reference in zip(deepstack, expected.deepstack_features):
+        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers(case, pair):
+    theirs, processor, ours, _ = pair
+    inputs, sample = inputs_of(processor, CASES[case], ANSWER)
+    prepared = ours.prepare_batch(sample)
+    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = theirs(**inputs).logits
+        embeds, layout, _ = ours._inputs(prepared, None)
+        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    assert ("deepstack_visual_embeds" in layout) == bool(CASES[case])
+
+
+@pytest.mark.parametrize("case,beams", [("two images", 1), ("two images", 2), ("text only", 1)])
+def test_generated_tokens_equal_transformers(case, beams, pair):
+    """Greedy, and beam search (each copy of the prompt takes its DeepStack features)."""
+    theirs, processor, ours, _ = pair
+    inputs, sample = inputs_of(processor, CASES[case], None)
+    steps = dict(max_new_tokens=4, min_new_tokens=4, num_beams=beams)
+    answer = ours.generate(sample, **steps)
+    with torch.no_grad():
+        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
+                              suppress_tokens=[ours.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
+    assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
+
+
+def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_tokens(pair, tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from lavis_ds.apps.export_hf import write_hf_folder
+
+    _, _, ours, _ = pair
+    assert write_hf_folder(ours, tmp_path) == []  # fp32, nothing computed otherwise
+    theirs = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    assert type(theirs).__name__ == "Qwen3VLForConditionalGeneration"
+    pictures = [picture(h, w, i) for i, (h, w) in enumerate(CASES["two images"])]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=pictures, return_tensors="pt")
+    mine = processors.get("qwen_vl_image")(**ours.vision_tower.processing.processor_keys())
+    sample = {"instruction": [["<ImageHere><ImageHere>What is it?"]], "num_images": [2], **mine.sample_fields(pictures)}
+    torch.testing.assert_close(inputs["pixel_values"], sample["image"], atol=0, rtol=0)
+    steps = dict(max_new_tokens=6, min_new_tokens=6)
+    new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
+    assert ours.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
+
+
+def test_packed_equals_padded_with_images_of_different_grids(tiny_tokenizer_dir, tmp_path):
+    torch.manual_seed(0)
+    model = build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path).eval()
+    mine = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+    sizes = [[], [(150, 70), (60, 130)], [(180, 170)], [(64, 64)]]
+    fields = mine.sample_fields([picture(h, w, i) for i, (h, w) in enumerate(s for one in sizes for s in one)])
+    batch = {"image": fields["image"], GRID_KEY: fields[GRID_KEY], "num_images": [len(s) for s in sizes],
+             "instruction": [["<ImageHere>" * len(s) + q] for s, q in zip(sizes, ["Hi.", "Same?", "What?", "Colour?"])],
+             "output": [["Hello."], ["No, one is wider."], ["A square."], ["Red."]]}
+    padded, loss_a, grads_a = loss_and_grads(model, batch, None)
+    longest = int(padded["attention_mask"].sum(1).max())
+    row = next(n for n in range(longest, 3 * longest)
+               if model.prepare_batch(dict(batch), pack_to=n)["order"] != [0, 1, 2, 3])
+    packed, loss_b, grads_b = loss_and_grads(model, batch, row)
+    assert packed["input_ids"].shape[0] < 4 and len({tuple(g) for g in fields[GRID_KEY].tolist()}) == 4
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and any("deepstack_merger_list" in n for n in grads_a)
+    whole = torch.cat([g.flatten() for g in grads_a.values()]).norm()
+    for name, grad in grads_a.items():
+        assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole, name
+
+
+# ----------------------------------------------------------------- bad input, one line each
+def test_a_deepstack_index_beyond_the_towers_blocks_is_named():
+    with pytest.raises(PartError, match=r"vision_tower.vision_config.deepstack_visual_indexes: \[0, 3\]; valid: "
+                                        r"increasing block indexes of the 3 blocks \(0..2\)"):
+        vision_towers.get("qwen3_vl")(preset="tiny", vision_config={"deepstack_visual_indexes": [0, 3]})
+
+
+def test_more_deepstack_taps_than_llm_layers_are_named(tiny_tokenizer_dir, tmp_path):
+    with pytest.raises(PartError, match=r"deepstack_visual_indexes: \[0, 1\] feed the LLM after its first 2 decoder "
+                                        r"layers, but it has 1; valid: at most 1 taps"):
+        build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path, llm_config={"num_hidden_layers": 1})
+
+
+def test_deepstack_mergers_that_do_not_match_the_taps_are_named(tiny_tokenizer_dir, tmp_path):
+    with pytest.raises(PartError, match=r"model.connector.deepstack_taps: 3 DeepStack mergers, but the tower taps 2 "
+                                        r"blocks .*; valid: 2"):
+        build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path, connector={"deepstack_taps": 3})
+
+
+def test_a_qwen3_vl_folder_configured_as_another_family_is_refused_naming_it(pair):
+    _, _, _, folder = pair
+    with pytest.raises(PartError, match=r"is a Qwen3VLForConditionalGeneration folder \(config.json model_type "
+                                        r"'qwen3_vl'\), but the model's vision tower is 'qwen2_vl'; load it with "
+                                        r"model.arch: qwen3_vl"):
+        registry.get_model_class("qwen2_vl").from_config(user_yaml("qwen2_vl", folder))
+
+
+def test_a_video_is_refused_naming_it(pair):
+    _, _, ours, _ = pair
+    sample = {"instruction": [["<ImageHere>What happens?"]], "num_images": [1],
+              "image": torch.zeros(2 * 4 * 4, 3 * 2 * 16 * 16), GRID_KEY: torch.tensor([[2, 4, 4]])}
+    with pytest.raises(LavisDsError, match=r"qwen3_vl: image 0 of the batch is a video \(image_grid_thw row "
+                                           r"\[2, 4, 4\]\)"):
+        ours.generate(sample)
