@@ -255,6 +255,29 @@ def test_the_one_call_of_lmms_eval_and_model_cards_generates_lavis_ds_s_tokens(e
     assert "processor(images=" in readme and "AutoModelForImageTextToText.from_pretrained(folder)" in readme
 
 
+def test_the_one_call_gives_the_q_former_the_words_lavis_ds_gives_it(exports, image_paths, tiny_bert_tokenizer_dir):
+    """The processor hands the Q-Former the whole prompt; the folder's qformer_tokenizer/ reads lavis_ds's instruction
+    out of it: an instruction longer than max_instruction_len (32: truncated on the left), and a second turn after an
+    answer (the Q-Former still reads the first question, which holds the image)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from lavis_ds.models.connectors.instruction import image_instructions, tokenize_instructions
+
+    processor = AutoProcessor.from_pretrained(exports["instructblip"][3])
+    bert = AutoTokenizer.from_pretrained(tiny_bert_tokenizer_dir, truncation_side="left")
+    image = Image.open(image_paths[0]).convert("RGB")
+    long_question = " ".join(["what color is the ball"] * 20)
+    for turns, answers in [([long_question], []), ([QUESTIONS[1], QUESTIONS[2]], ["red"])]:
+        messages = [_user(None, turns[0])]
+        for answer, question in zip(answers, turns[1:]):
+            messages += [{"role": "assistant", "content": answer}, _user(question)]
+        prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        theirs = processor(images=[image], text=[prompt], return_tensors="pt")
+        samples = {"instruction": [turns], "image": torch.zeros(1, 3, 64, 64)}
+        ours = tokenize_instructions(bert, image_instructions(samples), 32)
+        assert theirs["qformer_input_ids"].tolist() == ours["qformer_input_ids"].tolist(), turns
+
+
 def test_the_instructblip_readme_says_what_the_one_call_does_otherwise(exports):
     readme = (exports["instructblip"][3] / "README.md").read_text()
     for difference in ("one image per prompt", "a batch of prompts", "truncated on the left at 32 tokens",
