@@ -48,8 +48,11 @@ def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path
         f"put it, the assistant header); `{model.prompt.image_token}` is the image token. The generation config is",
         "lavis_ds's: greedy, stopping at `<|im_end|>`, the image token suppressed.",
         "",
-        "## What differs from lavis_ds's own generation on the checkpoint",
+        "## The one call against lavis_ds's own generation on the checkpoint",
+        "",
+        "The lines above give lavis_ds's token ids, except where a note below says otherwise:" if differences
+        else "The lines above give lavis_ds's token ids.",
         "",
     ]
-    lines += [f"- {note}" for note in differences] or ["Nothing: the lines above give lavis_ds's token ids."]
+    lines += [f"- {note}" for note in differences]
     (out / README).write_text("\n".join(lines) + "\n")

@@ -7,7 +7,8 @@ registered in ``registry.hf_families`` by the module that defines it (``lavis_ds
 
 - export: which lavis_ds models its class holds (``holds``), what of such a model the class cannot express
   (``export_problems``), the transformers model holding the model's weights (``to_hf_model``), its image processor
-  and processor (``image_processor``, ``processor``), and what the export computes differently (``export_notes``);
+  and processor (``image_processor``, ``processor``, ``finish_processor_folder``), and what the export computes
+  differently (``export_notes``) and what the ecosystem's one call on it does otherwise (``one_call_notes``);
 - published loading: the folder's ``config.json`` ``model_type``, the settings a folder brings
   (``published_settings``), what of the configured model must match the folder (``fit_problems``) and where the
   parts' weights sit in it (``tower_state``, ``llm_state``).
