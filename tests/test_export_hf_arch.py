@@ -225,14 +225,13 @@ def blip2_export(tiny_tokenizer_dir, tmp_path_factory) -> tuple[Path, nn.Module]
     return folder, model
 
 
-# Each family's export, as lmms-eval's `huggingface` model and model cards load and call it. Qwen2-VL and Qwen2.5-VL:
-# tests/test_qwen_vl_arch.py makes the same call.
+# Each family's export, called as model cards (and lmms-eval's `huggingface` model) call a folder. Qwen2-VL and
+# Qwen2.5-VL: tests/test_qwen_vl_arch.py makes the same call.
 ONE_CALL = ["blip2", *BUILDS]
 
 
 @pytest.mark.parametrize("name", ONE_CALL)
-def test_the_one_call_of_lmms_eval_and_model_cards_generates_lavis_ds_s_tokens(exports, blip2_export, image_paths,
-                                                                               name):
+def test_the_ecosystem_s_one_call_generates_lavis_ds_s_tokens(exports, blip2_export, image_paths, name):
     """``AutoProcessor(folder)(images=, text=)`` then ``AutoModelForImageTextToText(folder).generate(**inputs)``: one
     prompt per call (lmms-eval's default batch), each image of another size, the processor's default backend."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
