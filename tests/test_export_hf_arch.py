@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch import nn
 
 from lavis_ds.apps.export_hf import write_hf_folder
 from lavis_ds.models import InstructBlip, Llava
@@ -96,7 +97,7 @@ def _requests(paths: list[str]) -> list[dict]:
     return [batch, multi_turn, two_images]
 
 
-def _lavis_ds_token_ids(model, request: dict, vis=None) -> list[list[int]]:
+def _lavis_ds_token_ids(model, request: dict, vis=None, **generate_kwargs) -> list[list[int]]:
     """What lavis_ds.apps.generation generates, as the token ids its LLM's generate returned; ``vis``: the image
     processor (default: what generate uses for a run without datasets, the tower's processing)."""
     from lavis_ds.apps.export_hf_processor import default_image_cfg
@@ -110,7 +111,7 @@ def _lavis_ds_token_ids(model, request: dict, vis=None) -> list[list[int]]:
     llm_generate = model.llm_model.generate
     model.llm_model.generate = lambda *a, **k: returned.append(llm_generate(*a, **k)) or returned[-1]
     try:
-        generate(model, images, spec["prompts"], spec["answers"], spec["num_images"])
+        generate(model, images, spec["prompts"], spec["answers"], spec["num_images"], **generate_kwargs)
     finally:
         del model.llm_model.generate
     return returned[0].tolist()
@@ -205,6 +206,82 @@ def test_the_docs_hold_the_lines_the_test_runs():
     text = DOCS.read_text()
     missing = [line for lines in DOC_LINES.values() for line in lines if line not in text]
     assert not missing, f"docs/export-hf.md lacks: {missing}"
+
+
+# ----------------------------------------------------------------------------- the ecosystem's one call
+@pytest.fixture(scope="module")
+def blip2_export(tiny_tokenizer_dir, tmp_path_factory) -> tuple[Path, nn.Module]:
+    """A tiny blip2_qwen's export (its eps made transformers' one, so that the export computes what it does)."""
+    from lavis_ds.models import Blip2Qwen
+
+    cfg = Blip2Qwen.default_config("tiny") | {"tokenizer": str(tiny_tokenizer_dir)}
+    torch.manual_seed(0)
+    model = Blip2Qwen.from_config(cfg).eval()
+    model.ln_vision.eps = model.visual_encoder.blocks[0].norm1.eps
+    with torch.no_grad():  # random weights answer alike whatever the image: make the image path count
+        model.llm_proj.weight.mul_(4)
+    folder = tmp_path_factory.mktemp("blip2_hf") / "blip2"
+    assert write_hf_folder(model, folder, {"name": "blip2_image_eval", "image_size": 64}) == []
+    return folder, model
+
+
+# Each family's export, called as model cards (and lmms-eval's `huggingface` model) call a folder. Qwen2-VL and
+# Qwen2.5-VL: tests/test_qwen_vl_arch.py makes the same call.
+ONE_CALL = ["blip2", *BUILDS]
+
+
+@pytest.mark.parametrize("name", ONE_CALL)
+def test_the_ecosystem_s_one_call_generates_lavis_ds_s_tokens(exports, blip2_export, image_paths, name):
+    """``AutoProcessor(folder)(images=, text=)`` then ``AutoModelForImageTextToText(folder).generate(**inputs)``: one
+    prompt per call (lmms-eval's default batch), each image of another size, the processor's default backend."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder, model = blip2_export if name == "blip2" else exports[name][3:]
+    processor = AutoProcessor.from_pretrained(folder)
+    hf_model = AutoModelForImageTextToText.from_pretrained(folder)
+    render = (processor.apply_chat_template if name.startswith("llava") else processor.tokenizer.apply_chat_template)
+    answers = []
+    for path, question in zip(image_paths, QUESTIONS, strict=True):
+        prompt = render([_user(None, question)], add_generation_prompt=True, tokenize=False)
+        inputs = processor(images=[Image.open(path).convert("RGB")], text=[prompt], return_tensors="pt")
+        # max_new_tokens as lmms-eval passes it: BLIP-2's class generates with its LLM's settings otherwise (README).
+        new_tokens = hf_model.generate(**inputs, max_new_tokens=12)[:, inputs["input_ids"].shape[1]:].tolist()
+        request = {"images": [path], "lavis_ds": {"prompts": [question], "answers": None, "num_images": [1]}}
+        assert new_tokens == _lavis_ds_token_ids(model, request, max_new_tokens=12), (name, question)
+        answers.append(new_tokens[0])
+    assert len({tuple(a) for a in answers}) > 1, answers  # the answers depend on the image and the question
+    readme = (folder / "README.md").read_text()
+    assert "processor(images=" in readme and "AutoModelForImageTextToText.from_pretrained(folder)" in readme
+
+
+def test_the_one_call_gives_the_q_former_the_words_lavis_ds_gives_it(exports, image_paths, tiny_bert_tokenizer_dir):
+    """The processor hands the Q-Former the whole prompt; the folder's qformer_tokenizer/ reads lavis_ds's instruction
+    out of it: an instruction longer than max_instruction_len (32: truncated on the left), and a second turn after an
+    answer (the Q-Former still reads the first question, which holds the image)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from lavis_ds.models.connectors.instruction import image_instructions, tokenize_instructions
+
+    processor = AutoProcessor.from_pretrained(exports["instructblip"][3])
+    bert = AutoTokenizer.from_pretrained(tiny_bert_tokenizer_dir, truncation_side="left")
+    image = Image.open(image_paths[0]).convert("RGB")
+    long_question = " ".join(["what color is the ball"] * 20)
+    for turns, answers in [([long_question], []), ([QUESTIONS[1], QUESTIONS[2]], ["red"])]:
+        messages = [_user(None, turns[0])]
+        for answer, question in zip(answers, turns[1:]):
+            messages += [{"role": "assistant", "content": answer}, _user(question)]
+        prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        theirs = processor(images=[image], text=[prompt], return_tensors="pt")
+        samples = {"instruction": [turns], "image": torch.zeros(1, 3, 64, 64)}
+        ours = tokenize_instructions(bert, image_instructions(samples), 32)
+        assert theirs["qformer_input_ids"].tolist() == ours["qformer_input_ids"].tolist(), turns
+
+
+def test_the_instructblip_readme_says_what_the_one_call_does_otherwise(exports):
+    readme = (exports["instructblip"][3] / "README.md").read_text()
+    for difference in ("one image per prompt", "a batch of prompts", "truncated on the left at 32 tokens",
+                       "`processor.apply_chat_template` fails", "torchvision backend"):
+        assert difference in readme, difference
 
 
 # ----------------------------------------------------------------------------- the folders

@@ -21,7 +21,7 @@ KNOWS_DEEPSPEED = {"runners/deepspeed", "runners/__init__.py", "common/dist.py",
 # The export library: what `export.py` and the apps call to read checkpoints and write exports. Leaf modules:
 # they import no other lavis_ds.apps module (no command line: export, generate, chat, webui, nor generation).
 EXPORT_LIBRARY = {"lavis_ds.apps.export_io", "lavis_ds.apps.export_hf", "lavis_ds.apps.export_hf_checks",
-                  "lavis_ds.apps.export_hf_processor"}
+                  "lavis_ds.apps.export_hf_processor", "lavis_ds.apps.export_hf_readme"}
 
 
 # The package's layers, bottom first: a module imports modules of its own layer or of layers below it, never above

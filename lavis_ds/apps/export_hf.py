@@ -22,6 +22,8 @@ transformers user writes). The class follows the model (``export_hf_checks.hf_fa
     preprocessor_config.json, processor_config.json           the processor, its image processor set to the
         run's eval image processing
     lavis_ds_export.json                                      where it came from; ignored by transformers
+    README.md                                                 the lines lmms-eval, vLLM and model cards run, and
+        where they compute otherwise than lavis_ds (``export_hf_readme``)
 
 The weight mappings, checks and processors live with each family (``lavis_ds.models.hf.blip``, ``.llava``,
 ``.qwen_vl``). What
@@ -42,6 +44,7 @@ from torch import nn
 
 from lavis_ds.apps.export_hf_checks import check_expressible
 from lavis_ds.apps.export_hf_processor import default_image_cfg, generation_config, save_processor
+from lavis_ds.apps.export_hf_readme import write_readme
 from lavis_ds.apps.export_io import (DTYPES, ExportError, find_checkpoint, load_trained_weights, read_checkpoint,
                                      run_tokenizer, write_whole)
 from lavis_ds.models.hf.family import HfFamily
@@ -134,7 +137,9 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
     hf_model.generation_config = generation_config(model, max_new_tokens)
     hf_model.save_pretrained(out)
     save_processor(model, image_cfg, out, family)
-    return export_notes(model, dtype, family, type(hf_model))
+    notes = export_notes(model, dtype, family, type(hf_model))
+    write_readme(model, family, notes, out)
+    return notes
 
 
 def to_hf_model(model: nn.Module, dtype: torch.dtype):

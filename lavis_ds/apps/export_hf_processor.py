@@ -13,7 +13,10 @@ docs/export-hf.md feeds the model the same token ids and pixels:
   square resize (BLIP-2, InstructBLIP), CLIP's shortest-edge resize and centre crop, SigLIP's square resize,
   LLaVA-1.5's pad-to-square (``LlavaImageProcessor`` with ``do_pad``), each with the tower's size, mean and std;
 - the processor is the family's (``HfFamily.processor``); InstructBLIP's carries ``qformer_tokenizer/``, the
-  connector's BERT tokenizer, truncating on the left at its ``max_instruction_len`` as lavis_ds does;
+  connector's BERT tokenizer, truncating on the left at its ``max_instruction_len`` as lavis_ds does and reading
+  the image's user turn out of a whole prompt (``models.hf.blip_instruction``), so that
+  ``processor(images=..., text=...)`` prepares lavis_ds's ids; the family finishes the saved folder
+  (``HfFamily.finish_processor_folder``);
 - the generation config stops and suppresses what ``VisionLLM.generate`` stops at and suppresses.
 """
 from __future__ import annotations
@@ -127,6 +130,7 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     tokenizer = AutoTokenizer.from_pretrained(out, image_token=prompt.image_token, padding_side="left",
                                               chat_template=template)
     family.processor(model, images, tokenizer, template).save_pretrained(out)
+    family.finish_processor_folder(model, out)
 
 
 def _family(family: HfFamily | str) -> HfFamily:

@@ -25,7 +25,9 @@ from torch import nn
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.hf.blip_checks import activation_name, norm_problems, vit_problems
-from lavis_ds.models.hf.family import HfFamily, differences, image_processor_settings, llm_problems, part_name
+from lavis_ds.models.hf.blip_instruction import instruction_tokenizer, undeclare_image_token
+from lavis_ds.models.hf.family import (TORCHVISION_BACKEND_NOTE, HfFamily, differences, image_processor_settings,
+                                      llm_problems, part_name)
 from lavis_ds.models.llm_placement import empty_weights
 from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
@@ -169,6 +171,7 @@ class Blip2Family(HfFamily):
     pairs = (("eva_vit_g", "qformer"),)
     exportable = "blip2_qwen, or eva_vit_g + qformer"
     square_images_only = True  # BlipImageProcessor: a square resize, no crop, no padding
+    processor_keeps_chat_template = False  # Blip2Processor's __init__ drops it; the tokenizer keeps it
 
     def classes(self) -> tuple[type, type]:
         """The transformers model and config classes."""
@@ -199,6 +202,16 @@ class Blip2Family(HfFamily):
 
     def export_notes(self, model: nn.Module, dtype: torch.dtype) -> list[str]:
         return ln_vision_note(BlipParts.of(model))
+
+    def one_call_notes(self, model: nn.Module) -> list[str]:
+        return ["`processor.apply_chat_template` fails (\"this processor does not have a chat template\"): the "
+                f"processor class drops the template it is saved with; `processor.tokenizer.apply_chat_template` "
+                "renders it",
+                "`model.generate(**inputs)` without `generation_config=model.generation_config` generates with the "
+                "language model's own settings (the class hands over to `model.language_model.generate`): "
+                "transformers' default of 20 new tokens, the image token not suppressed; pass `max_new_tokens=` "
+                "or the folder's generation config",
+                TORCHVISION_BACKEND_NOTE]
 
     def image_processor(self, processing):
         """``BlipImageProcessor``: the square resize ``export_problems`` and the image checks allow."""
@@ -237,11 +250,35 @@ class InstructBlipFamily(Blip2Family):
 
         connector = model.connector
         # LAVIS's settings, which lavis_ds's connector uses: truncate on the left at max_instruction_len.
-        qformer_tokenizer = AutoTokenizer.from_pretrained(connector.qformer_tokenizer_path, truncation_side="left",
-                                                          model_max_length=connector.max_instruction_len)
-        # num_query_tokens=None as for BLIP-2: the template writes the image tokens where lavis_ds's prompt has them.
-        return InstructBlipProcessor(image_processor, tokenizer, qformer_tokenizer, num_query_tokens=None,
+        bert = AutoTokenizer.from_pretrained(connector.qformer_tokenizer_path, truncation_side="left",
+                                             model_max_length=connector.max_instruction_len)
+        # The processor gives the Q-Former the whole prompt: this one reads the image's user turn out of it.
+        qformer_tokenizer = instruction_tokenizer(bert, model.prompt.image_token)
+        # num_query_tokens=0: the template writes the image tokens where lavis_ds's prompt has them, and the
+        # processor prepends none (None, as for BLIP-2, fails in InstructBlipProcessor's call).
+        return InstructBlipProcessor(image_processor, tokenizer, qformer_tokenizer, num_query_tokens=0,
                                      chat_template=template)
+
+    def one_call_notes(self, model: nn.Module) -> list[str]:
+        connector = model.connector
+        notes = super().one_call_notes(model) + [
+            "the Q-Former reads the words of the first user turn that holds an image, its image markup removed, "
+            f"truncated on the left at {connector.max_instruction_len} tokens, as in training: the tokenizer under "
+            "`qformer_tokenizer/` cuts that turn out of the whole prompt the processor hands it",
+            "one image per prompt: the processor gives the Q-Former one instruction per prompt, lavis_ds one per "
+            "image; for several images in a prompt pass `qformer_input_ids` with one row per image (docs/export-hf.md)",
+            "a batch of prompts: the processor pads the Q-Former's instructions on the side the LLM's tokenizer pads "
+            "(the left), lavis_ds on the right, which moves the Q-Former's positions where instructions differ in "
+            "length; one prompt per call (lmms-eval's default `batch_size=1`) is exact",
+            "the processor adds a token `<image>` of its own to the tokenizer it loads (it writes none: "
+            "`num_query_tokens` is 0); a prompt holding the text `<image>` gets an id outside the trained vocabulary"]
+        if model.prompt.record_system_prompt == "fold":
+            notes.append("a system message is folded into the first user turn (`record_system_prompt: fold`), so "
+                         "the Q-Former reads its text too; in training it reads the turn's own words only")
+        return notes
+
+    def finish_processor_folder(self, model: nn.Module, folder: Path) -> None:
+        undeclare_image_token(folder)  # the processor's call reads a declared one as an AddedToken (blip_instruction)
 
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
         """The folder's ``qformer_tokenizer/`` (unless the section names one) and its ``post_layernorm`` eps as the

@@ -7,7 +7,8 @@ registered in ``registry.hf_families`` by the module that defines it (``lavis_ds
 
 - export: which lavis_ds models its class holds (``holds``), what of such a model the class cannot express
   (``export_problems``), the transformers model holding the model's weights (``to_hf_model``), its image processor
-  and processor (``image_processor``, ``processor``), and what the export computes differently (``export_notes``);
+  and processor (``image_processor``, ``processor``, ``finish_processor_folder``), and what the export computes
+  differently (``export_notes``) and what the ecosystem's one call on it does otherwise (``one_call_notes``);
 - published loading: the folder's ``config.json`` ``model_type``, the settings a folder brings
   (``published_settings``), what of the configured model must match the folder (``fit_problems``) and where the
   parts' weights sit in it (``tower_state``, ``llm_state``).
@@ -29,6 +30,11 @@ from lavis_ds.common.registry import Registry, connectors, hf_families, vision_t
 from lavis_ds.models.parts import PartError
 
 State = Mapping[str, torch.Tensor]
+# What the one call's image processor does otherwise, for families whose processors lavis_ds builds on the PIL backend.
+TORCHVISION_BACKEND_NOTE = (
+    "`AutoProcessor.from_pretrained(folder)` loads the image processor with transformers' torchvision backend, whose "
+    "bicubic resize of a uint8 tensor lands up to one grey level away from lavis_ds's (PIL's) resize; "
+    "`AutoProcessor.from_pretrained(folder, backend=\"pil\")` gives lavis_ds's pixels exactly")
 
 
 class HfFamily:
@@ -43,6 +49,9 @@ class HfFamily:
     why_not: Mapping[str, str] = {}
     # Whether a composed model's ``pretrained:`` reads a folder of this class (tower, connector and LLM).
     reads_published: bool = False
+    # Whether the class's processor keeps the chat template it is saved with (``processor.apply_chat_template``);
+    # Blip2Processor and InstructBlipProcessor drop it (the tokenizer keeps it).
+    processor_keeps_chat_template: bool = True
     # Whether the class's image processor reproduces a square resize only (no crop, no padding).
     square_images_only: bool = False
     # The keys of the folder's safetensors that hold the vision tower and the LLM (``tower_state``, ``llm_state``
@@ -81,6 +90,12 @@ class HfFamily:
         """Where the exported model computes differently though every weight is the same (beyond the dtype)."""
         return []
 
+    def one_call_notes(self, model: nn.Module) -> list[str]:
+        """Where ``processor(images=..., text=...)`` + ``model.generate(**inputs)`` on the export (what lmms-eval,
+        vLLM and model cards call) prepare or generate otherwise than lavis_ds on the checkpoint; the export's
+        README.md lists them."""
+        return []
+
     def fp16_note(self) -> str:
         """What transformers keeps in fp32 when the class is loaded in fp16 (``_keep_in_fp32_modules``), if any."""
         return ""
@@ -101,6 +116,9 @@ class HfFamily:
                   template: str) -> Any:  # pragma: no cover - interface
         """The class's processor of ``model`` around its image processor, tokenizer and chat template."""
         raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
+
+    def finish_processor_folder(self, model: nn.Module, folder: Path) -> None:
+        """Change what the class's processor needs changed in the saved ``folder`` (nothing by default)."""
 
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:

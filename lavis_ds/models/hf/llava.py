@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.hf.family import HfFamily, State, differences, image_processor_settings, llm_problems, part_name
+from lavis_ds.models.hf.family import (TORCHVISION_BACKEND_NOTE, HfFamily, State, differences, image_processor_settings,
+                                      llm_problems, part_name)
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.llm_placement import empty_weights
 
@@ -150,6 +151,9 @@ class LlavaFamily(HfFamily):
         if processing.pad_to_square:
             return LlavaImageProcessorPil(do_pad=True, do_center_crop=False, **common, **square)
         return SiglipImageProcessorPil(**common, **square)
+
+    def one_call_notes(self, model: nn.Module) -> list[str]:
+        return [TORCHVISION_BACKEND_NOTE]
 
     def template_image_tokens(self, model: nn.Module) -> int:
         return 1  # LlavaProcessor expands each image token into the tower's tokens per image, as vLLM does too
