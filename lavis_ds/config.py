@@ -36,6 +36,7 @@ from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
 from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
 from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
+from lavis_ds.models.linear_attention import model_packing_problems
 from lavis_ds.image_config import fill_tower_processing, image_problems, with_model_processors
 from lavis_ds import run_checks
 from lavis_ds.metrics.selection import metric_problems
@@ -310,6 +311,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.engines.get(close)))
     errors.extend(run_checks.packing_problems(run, model, cls))
+    errors.extend(model_packing_problems(run, model))
     errors.extend(hook_problems(run.get("hooks")))
     resume = run.get("resume")
     if not (resume in ("auto", False, None) or (isinstance(resume, str) and resume)):

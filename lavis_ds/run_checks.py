@@ -130,23 +130,4 @@ def packing_problems(run: dict, model: dict, cls: type | None = None) -> list[st
     if isinstance(rows, int) and isinstance(longest, int) and rows < longest:
         return [f"run.max_seq_len={rows} is shorter than model.max_txt_len={longest}: a sample could not fit in a "
                 f"row; raise run.max_seq_len to at least {longest} or lower model.max_txt_len"]
-    return recurrent_llm_problems(model) if run.get("packing") else []
-
-
-def recurrent_llm_problems(model: dict) -> list[str]:
-    """run.packing with an LLM whose recurrent layers would carry state across packed samples
-    (``lavis_ds.models.linear_attention``), from the folder's config.json or ``model.llm_config``."""
-    import json
-    from pathlib import Path
-
-    from lavis_ds.models.linear_attention import packing_problems
-
-    folder = model.get("llm_model")
-    if isinstance(folder, str):
-        try:
-            model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):  # the build names an unreadable folder
-            return []
-    else:
-        model_type = (model.get("llm_config") or {}).get("model_type")
-    return packing_problems(model_type) if isinstance(model_type, str) else []
+    return []  # an LLM whose recurrent layers cannot be packed: models.linear_attention.model_packing_problems

@@ -24,7 +24,7 @@ from lavis_ds.models.linear_attention import (PackedGatedDeltaNet, PackedSamples
                                               kernels_take_boundaries)
 from lavis_ds.models.llm import Recipe
 from lavis_ds.models.llm_families import llm_config_problems
-from lavis_ds.run_checks import packing_problems
+from lavis_ds.models.linear_attention import model_packing_problems as packing_problems
 
 LAYERS = ["linear_attention", "full_attention"]
 TEXT = {"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

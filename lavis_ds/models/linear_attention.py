@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -181,6 +183,22 @@ def packing_problems(model_type: str | None) -> list[str]:
     recurrent = recurrent_kinds(getattr(CONFIG_MAPPING[model_type](), "layer_types", None))
     recurrent = recurrent or ([llm_class.__name__] if getattr(llm_class, "_is_stateful", False) else [])
     return [refusal(llm_class.__name__, model_type, recurrent)] if recurrent else []
+
+
+def model_packing_problems(run: dict, model: dict) -> list[str]:
+    """``run.packing`` with an LLM whose recurrent layers would carry state across packed samples, from the
+    ``model`` section: the LLM folder's config.json or ``model.llm_config`` (the config check calls it)."""
+    if not run.get("packing"):
+        return []
+    folder = model.get("llm_model")
+    if isinstance(folder, str):
+        try:
+            model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):  # the build names an unreadable folder
+            return []
+    else:
+        model_type = (model.get("llm_config") or {}).get("model_type")
+    return packing_problems(model_type) if isinstance(model_type, str) else []
 
 
 def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, device: torch.device | str

@@ -205,7 +205,7 @@ class Blip2Family(HfFamily):
 
     def one_call_notes(self, model: nn.Module) -> list[str]:
         return ["`processor.apply_chat_template` fails (\"this processor does not have a chat template\"): the "
-                f"processor class drops the template it is saved with; `processor.tokenizer.apply_chat_template` "
+                "processor class drops the template it is saved with; `processor.tokenizer.apply_chat_template` "
                 "renders it",
                 "`model.generate(**inputs)` without `generation_config=model.generation_config` generates with the "
                 "language model's own settings (the class hands over to `model.language_model.generate`): "
