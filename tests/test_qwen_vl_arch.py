@@ -74,8 +74,11 @@ def test_processed_images_travel_through_the_collater_into_the_model(kind, model
     prepared = model.prepare_batch(batch)
     counts = [tokens_for_grid(g) for g in grids]
     assert prepared["image_tokens"] == counts
-    image_id = model.prompt.image_token_id
-    assert (prepared["input_ids"] == image_id).sum(1).tolist() == [0, counts[0] + counts[1], counts[2], counts[3]]
+    image_id, video_id = model.prompt.placeholder_ids  # a video's placeholders are <|video_pad|>
+    assert (prepared["input_ids"] == image_id).sum(1).tolist() == [0, counts[0] + counts[1], 0, counts[3]]
+    assert (prepared["input_ids"] == video_id).sum(1).tolist() == [0, 0, counts[2], 0]
+    # the file's own rate (8 fps, all 4 frames taken), not an assumed 24: two frames per temporal patch, 0.25 s
+    assert batch[SECONDS_KEY][2] == pytest.approx(0.25)
     start, end = (model.llm_tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
     ids = prepared["input_ids"][1].tolist()  # two images: <vs> pads <ve> <vs> pads <ve> Same shape?
     first = ids.index(start)
@@ -142,7 +145,7 @@ def test_the_tiny_preset_trains_through_train_py_on_images_of_random_sizes(tmp_p
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_tokens(kind, models, tmp_path):
     """--format hf writes the family's class and processor; transformers' Auto classes read them back, the processor
-    prompts two images of other sizes as lavis_ds does, and greedy generation gives lavis_ds's answer."""
+    prompts two images of other sizes, and a video, as lavis_ds does, and greedy generation gives lavis_ds's answer."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from lavis_ds.apps.export_hf import write_hf_folder
@@ -168,6 +171,23 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
     assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
+    # A video item: the template writes <|vision_start|><|video_pad|><|vision_end|>, the processor expands it into the
+    # video's tokens and times it by the file's rate (4 frames of a 2 fps file), as lavis_ds's prompt does.
+    from transformers.video_utils import VideoMetadata
+
+    frames = [Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8)) for _ in range(4)]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], videos=[np.stack([np.asarray(f) for f in frames])], return_tensors="pt",
+                       video_metadata=[VideoMetadata(total_num_frames=4, fps=2.0, frames_indices=[0, 1, 2, 3])],
+                       do_sample_frames=False)
+    sample = {"instruction": [["<ImageHere>What happens?"]], "num_images": [1],
+              **ours.sample_fields(frames, video=True, fps=2.0)}
+    assert model.prompt.generation_prompt(sample["instruction"][0], (), 1, model.image_token_counts(sample),
+                                          videos=[True]) == inputs["input_ids"][0].tolist()
+    new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
+    assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
@@ -183,4 +203,6 @@ def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
         prepared = model.prepare_batch(dataset.collater([dataset[index]]))
         shown, = training_sequences(model.prompt, dataset, index, f"record {index}")
         assert shown.ids == prepared["input_ids"][0][prepared["attention_mask"][0].bool()].tolist(), index
-        assert shown.ids.count(model.prompt.image_token_id) == sum(prepared["image_tokens"]), index
+        image_id, video_id = model.prompt.placeholder_ids  # the video record's are <|video_pad|>, as training's
+        assert (shown.ids.count(image_id), shown.ids.count(video_id)) == \
+            ((0, sum(prepared["image_tokens"])) if RECORDS[index].get("video") else (sum(prepared["image_tokens"]), 0))

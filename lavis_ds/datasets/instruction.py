@@ -268,7 +268,8 @@ class InstructionDataset(Dataset):
         Qwen-VL's) gives flat patches with a grid row per image, and a video as one visual of its frames."""
         own_sizes = getattr(self.vis_processor, "sample_fields", None)
         if visuals and own_sizes is not None:
-            return own_sizes(visuals, video)
+            # a video's frames carry the rate they sample it at (datasets.video.SampledFrames): its time spacing
+            return own_sizes(visuals, video, getattr(visuals, "fps", None)) if video else own_sizes(visuals)
         if visuals:
             return {"image": torch.stack([self.vis_processor(v) for v in visuals])}
         size = getattr(self.vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater

@@ -3,7 +3,8 @@
 Each image keeps (nearly) its own size: the ``qwen_vl_image`` processor gives its flat patches and grid, the batch
 carries every image's patches end to end (``image``), one ``image_grid_thw`` row per image and, for videos,
 ``second_per_grid_t``. An image of grid (t, h, w) takes ``t*h*w // 4`` LLM tokens (``tokens_for_grid``), reserved in
-the prompt between ``<|vision_start|>`` and ``<|vision_end|>`` as Qwen2-VL's chat template and processor write them,
+the prompt between ``<|vision_start|>`` and ``<|vision_end|>`` as Qwen2-VL's chat template and processor write them
+(``<|image_pad|>`` for an image, ``<|video_pad|>`` for a video: a visual with ``second_per_grid_t``),
 and numbered by M-RoPE over its grid of merged tokens (the text model's ``mrope`` provider; the batch carries the
 rows as ``rope_position_ids``). transformers' ``Qwen2VLForConditionalGeneration`` /
 ``Qwen2_5_VLForConditionalGeneration`` hold the same parts (``visual`` with its ``merger``, ``language_model``,
@@ -38,6 +39,7 @@ class QwenVL(ComposedVisionLLM):
     FLAT_FEATURES = True
     IMAGE_SPAN = VISION_SPAN
     PROMPT_TOKENS = (*VISION_SPAN, VIDEO_TOKEN)  # the published tokenizer's; a transformers processor needs all
+    VIDEO_TOKEN = VIDEO_TOKEN  # a video's placeholders, as Qwen2-VL's processor and chat template write them
     # Qwen-VL trains without augmentation: training and evaluation images are processed alike.
     IMAGE_PROCESSORS = {"train": "qwen_vl_image", "eval": "qwen_vl_image"}
 

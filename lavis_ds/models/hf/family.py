@@ -97,6 +97,10 @@ class HfFamily:
         """What the chat template writes for an image item; None: lavis_ds's ``<Img>`` + image tokens + ``</Img> ``."""
         return None
 
+    def template_video_run(self, model: nn.Module) -> str | None:
+        """What the chat template writes for a video item (a family whose processor takes videos); None: nothing."""
+        return None
+
     def processor(self, model: nn.Module, image_processor: Any, tokenizer: Any,
                   template: str) -> Any:  # pragma: no cover - interface
         """The class's processor of ``model`` around its image processor, tokenizer and chat template."""

@@ -123,6 +123,9 @@ class QwenVLFamily(HfFamily):
     def template_image_run(self, model: nn.Module) -> str:
         return VISION_TOKENS[0] + model.prompt.image_token + VISION_TOKENS[2]
 
+    def template_video_run(self, model: nn.Module) -> str:
+        return VISION_TOKENS[0] + VIDEO_TOKEN + VISION_TOKENS[2]  # expanded by the processor into the video's tokens
+
     def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
         import transformers
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
