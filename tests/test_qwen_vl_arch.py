@@ -206,3 +206,38 @@ def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
         image_id, video_id = model.prompt.placeholder_ids  # the video record's are <|video_pad|>, as training's
         assert (shown.ids.count(image_id), shown.ids.count(video_id)) == \
             ((0, sum(prepared["image_tokens"])) if RECORDS[index].get("video") else (sum(prepared["image_tokens"]), 0))
+
+
+@pytest.mark.parametrize("exported, first_size", [
+    (dict(max_pixels=28 * 28 * 24), "448x112"),  # a smaller budget: the first image over it gets fewer tokens
+    (dict(min_pixels=112 * 112), "10x10"),  # a larger least area: small images get more
+    (dict(merge_size=1), "10x10"),  # four times the tokens of every image
+])
+def test_the_export_refuses_a_processor_reserving_other_counts_naming_the_first_size(models, exported, first_size,
+                                                                                    tmp_path):
+    """The export-time sweep (run by every --format hf export of the family, as in the test above) on a processor
+    whose image processor is not training's: refused with the first size of the sweep whose counts differ."""
+    from dataclasses import replace
+
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from lavis_ds.models.export_folder import ExportError
+    from lavis_ds.models.hf.qwen_vl import processor_settings
+    from lavis_ds.models.hf.qwen_vl_sweep import check_placeholder_sweep
+
+    model = models("qwen2_vl")
+    trained = model.vision_tower.processing
+
+    def processor(processing):
+        settings = processor_settings(processing)
+        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**settings), tokenizer=model.llm_tokenizer,
+                                video_processor=Qwen2VLVideoProcessor(**settings))
+
+    check_placeholder_sweep(processor(trained), trained, "the export")  # training's settings: every size agrees
+    with pytest.raises(ExportError, match=rf"--format hf: the exported Qwen2VLProcessor in the export reserves \d+ "
+                                          rf"<\|image_pad\|> tokens for an image of {first_size} px \(width x height\),"
+                                          rf" training reserved \d+ \(qwen_vl_image's tokens_for_image with min_pixels "
+                                          rf"3136, max_pixels 37632, patch_size 14, merge_size 2\)"):
+        check_placeholder_sweep(processor(replace(trained, **exported)), trained, "the export")

@@ -121,7 +121,8 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     if family is None:
         raise ValueError(f"{type(model).__name__}: no transformers class holds it (check_expressible says why)")
     prompt = model.prompt
-    images = family.image_processor(image_processing_of(image_cfg or default_image_cfg(model)))
+    processing = image_processing_of(image_cfg or default_image_cfg(model))
+    images = family.image_processor(processing)
     template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model),
                              prompt.record_system_prompt, family.template_image_run(model),
                              family.template_video_run(model))
@@ -132,6 +133,7 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     tokenizer = AutoTokenizer.from_pretrained(out, image_token=prompt.image_token, padding_side="left",
                                               chat_template=template)
     family.processor(model, images, tokenizer, template).save_pretrained(out)
+    family.check_exported_processor(model, out, processing)
 
 
 def _family(family: HfFamily | str) -> HfFamily:

@@ -106,6 +106,10 @@ class HfFamily:
         """The class's processor of ``model`` around its image processor, tokenizer and chat template."""
         raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
 
+    def check_exported_processor(self, model: nn.Module, out: Path, processing: Any) -> None:
+        """Refuse (ExportError) a processor written to ``out`` that prompts otherwise than training does with
+        ``processing``, where the class's processor computes counts of its own. Default: nothing to check."""
+
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
         """``section`` with what a folder of this class fixes beyond the LLM, tokenizer and image token (which

@@ -135,6 +135,15 @@ class QwenVLFamily(HfFamily):
         return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                video_processor=Qwen2VLVideoProcessor(**processor_settings(processing)))
 
+    def check_exported_processor(self, model: nn.Module, out: Path, processing) -> None:
+        """The processor read back from ``out`` reserves training's placeholder count for images of a sweep of sizes
+        (``qwen_vl_sweep``)."""
+        from transformers import AutoProcessor
+
+        from lavis_ds.models.hf.qwen_vl_sweep import check_placeholder_sweep
+
+        check_placeholder_sweep(AutoProcessor.from_pretrained(out), processing, str(out))
+
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
         """The tower's architecture and pixel bounds, the text model's tied head; the architecture's tower and the
