@@ -241,3 +241,26 @@ def test_the_export_refuses_a_processor_reserving_other_counts_naming_the_first_
                                           rf" training reserved \d+ \(qwen_vl_image's tokens_for_image with min_pixels "
                                           rf"3136, max_pixels 37632, patch_size 14, merge_size 2\)"):
         check_placeholder_sweep(processor(replace(trained, **exported)), trained, "the export")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_prepared_grid_stays_on_the_host_and_the_forward_waits_for_no_device(kind, models, data):
+    """prepare_batch gives the grid as host rows, which the engines' to_compute (every tensor to the device) leaves
+    where it is; the tower reads them, and the forward and backward make no host-syncing op in lavis_ds's lines
+    (HostSyncs; on the CPU it sees int(), bool(), .item() of a tensor, but not .tolist(): what reaches the tower is
+    checked to be the rows, not a tensor the engines would have moved to the GPU)."""
+    from lavis_ds.common.precision import to_compute
+    from test_vision_llm import HostSyncs
+
+    model = models(kind)
+    moved = to_compute(model.prepare_batch(batch_of(model, data)), "cpu", torch.float32)
+    assert isinstance(moved[GRID_KEY], list) and all(isinstance(v, int) for row in moved[GRID_KEY] for v in row)
+    grids = []
+    hook = model.vision_tower.register_forward_pre_hook(lambda tower, args: grids.append(args[1]))
+    try:
+        with HostSyncs() as syncs:
+            model(moved)["loss"].backward()
+    finally:
+        hook.remove()
+    assert syncs.lines == []
+    assert isinstance(grids[0], list) and grids[0] == moved[GRID_KEY]  # the rows themselves reach the tower
