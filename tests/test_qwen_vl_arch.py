@@ -193,7 +193,7 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
 def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
     """show-sample counts each image's placeholders by its processor (no model built), as the model does by its
     tower: the same ids for text only, two images of their own sizes, a video and one large image."""
-    from lavis_ds.show_sample import training_sequences
+    from lavis_ds.show_sample import render, training_sequences
 
     model = models(kind)
     path, root = data
@@ -204,8 +204,12 @@ def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
         shown, = training_sequences(model.prompt, dataset, index, f"record {index}")
         assert shown.ids == prepared["input_ids"][0][prepared["attention_mask"][0].bool()].tolist(), index
         image_id, video_id = model.prompt.placeholder_ids  # the video record's are <|video_pad|>, as training's
-        assert (shown.ids.count(image_id), shown.ids.count(video_id)) == \
-            ((0, sum(prepared["image_tokens"])) if RECORDS[index].get("video") else (sum(prepared["image_tokens"]), 0))
+        tokens = sum(prepared["image_tokens"])
+        video = bool(RECORDS[index].get("video"))
+        assert (shown.ids.count(image_id), shown.ids.count(video_id)) == ((0, tokens) if video else (tokens, 0))
+        if video:
+            assert f"<|vision_start|><video x{tokens}><|vision_end|>" in render(model.prompt, shown.ids, shown.labels,
+                                                                                color=False)
 
 
 @pytest.mark.parametrize("exported, first_size", [

@@ -153,7 +153,7 @@ class ChatPrompt:
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.image_token)
 
-    @property
+    @functools.cached_property
     def placeholder_ids(self) -> list[int]:
         """Every token id a visual's features replace: the image token's, and the video token's where it has one."""
         video = [] if self.video_token is None else [self.tokenizer.convert_tokens_to_ids(self.video_token)]
