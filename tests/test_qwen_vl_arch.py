@@ -268,3 +268,26 @@ def test_the_prepared_grid_stays_on_the_host_and_the_forward_waits_for_no_device
         hook.remove()
     assert syncs.lines == []
     assert isinstance(grids[0], list) and grids[0] == moved[GRID_KEY]  # the rows themselves reach the tower
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preference_pairs_of_processed_images_and_a_video_score_as_their_sides_do(kind, models, data):
+    """A pair micro-batch of qwen_vl_image output (grid rows, a video's seconds): prepare_pairs gives each side the
+    pairs' images, the vision pass runs once, and each side's answer log-prob equals the side scored alone."""
+    from lavis_ds.models.vision_llm_batch import keep_samples
+    from lavis_ds.objectives.model_calls import answer_logps, image_features, prepare_pairs
+
+    model = models(kind)
+    batch = batch_of(model, data)
+    keep = [1, 2]  # two images of their own sizes, and the video
+    pairs = {**keep_samples(batch, keep), "chosen": ["No, one is wider.", "It brightens."],
+             "rejected": ["Yes.", "It darkens slowly."]}
+    pairs["instruction"] = [turns[:1] for turns in pairs["instruction"]]
+    del pairs["output"]
+    prepared = prepare_pairs(model, pairs)
+    assert prepared[GRID_KEY] == model.prepare_batch(keep_samples(batch, keep))[GRID_KEY]  # once, as host rows
+    with torch.no_grad():
+        logps, _ = answer_logps(model, prepared, image_features(model, prepared))
+        for side, answers in enumerate((pairs["chosen"], pairs["rejected"])):
+            alone, _ = model.answer_logps({**pairs, "output": [[a] for a in answers]})
+            torch.testing.assert_close(logps[2 * side:2 * side + 2], alone, atol=1e-5, rtol=1e-5)
