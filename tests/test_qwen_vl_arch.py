@@ -113,6 +113,8 @@ def test_the_vision_span_replaces_minigpt4qwens_img_tags():
     assert insert_image_placeholders(["What is it?"], "P", [2], image_span=span) == \
         ["<|vision_start|>PP<|vision_end|>What is it?"]  # an unmarked image in front, as Qwen's template puts it
     assert insert_image_placeholders(["What is it?"], "P", [2]) == ["<Img>PP</Img> What is it?"]
+    assert insert_image_placeholders(["<ImageHere><ImageHere>Same?"], ["P", "V"], [1, 2], image_span=span) == \
+        ["<|vision_start|>P<|vision_end|><|vision_start|>VV<|vision_end|>Same?"]  # each visual's own token
 
 
 def test_a_pixel_tensor_of_a_size_the_tower_cannot_take_is_named(models):
