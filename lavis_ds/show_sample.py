@@ -169,7 +169,7 @@ def describe(prompt: ChatPrompt, shown: ShownSample, image: str | None, color: b
              pack_to: int | None = None) -> str:
     """The header, the marked-up prompt and the token counts of one training sequence."""
     supervised = sum(label != IGNORE_INDEX for label in shown.labels)
-    image_tokens = shown.ids.count(prompt.image_token_id)
+    image_tokens = sum(shown.ids.count(token) for token in prompt.placeholder_ids)
     cut = shown.untruncated > len(shown.ids)
     lines = [f"sample: {shown.where}" + (f"  image: {image}" if image else ""),
              f"prompt: {_format_name(prompt)}",
@@ -184,16 +184,20 @@ def describe(prompt: ChatPrompt, shown: ShownSample, image: str | None, color: b
 
 
 def render(prompt: ChatPrompt, ids: list[int], labels: list[int], color: bool) -> str:
-    """The token ids as text: supervised runs marked, each run of image placeholders as ``<image xN>``."""
+    """The token ids as text: supervised runs marked, each run of image placeholders as ``<image xN>`` (a video's,
+    where its placeholder token is its own, as ``<video xN>``)."""
+    image_id, *video_id = prompt.placeholder_ids
+
     def kind(pair: tuple[int, int]) -> str:
         token, label = pair
-        return "image" if token == prompt.image_token_id else "answer" if label != IGNORE_INDEX else "context"
+        return "image" if token == image_id else "video" if token in video_id else \
+            "answer" if label != IGNORE_INDEX else "context"
 
     pieces = []
     for what, run in itertools.groupby(zip(ids, labels), key=kind):
         tokens = [token for token, _ in run]
-        if what == "image":
-            pieces.append(f"<image x{len(tokens)}>")
+        if what in ("image", "video"):
+            pieces.append(f"<{what} x{len(tokens)}>")
             continue
         text = prompt.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if what == "answer":

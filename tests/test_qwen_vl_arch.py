@@ -74,8 +74,11 @@ def test_processed_images_travel_through_the_collater_into_the_model(kind, model
     prepared = model.prepare_batch(batch)
     counts = [tokens_for_grid(g) for g in grids]
     assert prepared["image_tokens"] == counts
-    image_id = model.prompt.image_token_id
-    assert (prepared["input_ids"] == image_id).sum(1).tolist() == [0, counts[0] + counts[1], counts[2], counts[3]]
+    image_id, video_id = model.prompt.placeholder_ids  # a video's placeholders are <|video_pad|>
+    assert (prepared["input_ids"] == image_id).sum(1).tolist() == [0, counts[0] + counts[1], 0, counts[3]]
+    assert (prepared["input_ids"] == video_id).sum(1).tolist() == [0, 0, counts[2], 0]
+    # the file's own rate (8 fps, all 4 frames taken), not an assumed 24: two frames per temporal patch, 0.25 s
+    assert batch[SECONDS_KEY][2] == pytest.approx(0.25)
     start, end = (model.llm_tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
     ids = prepared["input_ids"][1].tolist()  # two images: <vs> pads <ve> <vs> pads <ve> Same shape?
     first = ids.index(start)
@@ -110,6 +113,8 @@ def test_the_vision_span_replaces_minigpt4qwens_img_tags():
     assert insert_image_placeholders(["What is it?"], "P", [2], image_span=span) == \
         ["<|vision_start|>PP<|vision_end|>What is it?"]  # an unmarked image in front, as Qwen's template puts it
     assert insert_image_placeholders(["What is it?"], "P", [2]) == ["<Img>PP</Img> What is it?"]
+    assert insert_image_placeholders(["<ImageHere><ImageHere>Same?"], ["P", "V"], [1, 2], image_span=span) == \
+        ["<|vision_start|>P<|vision_end|><|vision_start|>VV<|vision_end|>Same?"]  # each visual's own token
 
 
 def test_a_pixel_tensor_of_a_size_the_tower_cannot_take_is_named(models):
@@ -142,7 +147,7 @@ def test_the_tiny_preset_trains_through_train_py_on_images_of_random_sizes(tmp_p
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_tokens(kind, models, tmp_path):
     """--format hf writes the family's class and processor; transformers' Auto classes read them back, the processor
-    prompts two images of other sizes as lavis_ds does, and greedy generation gives lavis_ds's answer."""
+    prompts two images of other sizes, and a video, as lavis_ds does, and greedy generation gives lavis_ds's answer."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from lavis_ds.apps.export_hf import write_hf_folder
@@ -168,12 +173,29 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
     assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
+    # A video item: the template writes <|vision_start|><|video_pad|><|vision_end|>, the processor expands it into the
+    # video's tokens and times it by the file's rate (4 frames of a 2 fps file), as lavis_ds's prompt does.
+    from transformers.video_utils import VideoMetadata
+
+    frames = [Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8)) for _ in range(4)]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], videos=[np.stack([np.asarray(f) for f in frames])], return_tensors="pt",
+                       video_metadata=[VideoMetadata(total_num_frames=4, fps=2.0, frames_indices=[0, 1, 2, 3])],
+                       do_sample_frames=False)
+    sample = {"instruction": [["<ImageHere>What happens?"]], "num_images": [1],
+              **ours.sample_fields(frames, video=True, fps=2.0)}
+    assert model.prompt.generation_prompt(sample["instruction"][0], (), 1, model.image_token_counts(sample),
+                                          videos=[True]) == inputs["input_ids"][0].tolist()
+    new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
+    assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
     """show-sample counts each image's placeholders by its processor (no model built), as the model does by its
     tower: the same ids for text only, two images of their own sizes, a video and one large image."""
-    from lavis_ds.show_sample import training_sequences
+    from lavis_ds.show_sample import render, training_sequences
 
     model = models(kind)
     path, root = data
@@ -183,4 +205,91 @@ def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
         prepared = model.prepare_batch(dataset.collater([dataset[index]]))
         shown, = training_sequences(model.prompt, dataset, index, f"record {index}")
         assert shown.ids == prepared["input_ids"][0][prepared["attention_mask"][0].bool()].tolist(), index
-        assert shown.ids.count(model.prompt.image_token_id) == sum(prepared["image_tokens"]), index
+        image_id, video_id = model.prompt.placeholder_ids  # the video record's are <|video_pad|>, as training's
+        tokens = sum(prepared["image_tokens"])
+        video = bool(RECORDS[index].get("video"))
+        assert (shown.ids.count(image_id), shown.ids.count(video_id)) == ((0, tokens) if video else (tokens, 0))
+        if video:
+            assert f"<|vision_start|><video x{tokens}><|vision_end|>" in render(model.prompt, shown.ids, shown.labels,
+                                                                                color=False)
+
+
+@pytest.mark.parametrize("exported, first_size", [
+    (dict(max_pixels=28 * 28 * 24), "448x112"),  # a smaller budget: the first image over it gets fewer tokens
+    (dict(min_pixels=112 * 112), "10x10"),  # a larger least area: small images get more
+    (dict(merge_size=1), "10x10"),  # four times the tokens of every image
+])
+def test_the_export_refuses_a_processor_reserving_other_counts_naming_the_first_size(models, exported, first_size,
+                                                                                    tmp_path):
+    """The export-time sweep (run by every --format hf export of the family, as in the test above) on a processor
+    whose image processor is not training's: refused with the first size of the sweep whose counts differ."""
+    from dataclasses import replace
+
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from lavis_ds.models.export_folder import ExportError
+    from lavis_ds.models.hf.qwen_vl import processor_settings
+    from lavis_ds.models.hf.qwen_vl_sweep import check_placeholder_sweep
+
+    model = models("qwen2_vl")
+    trained = model.vision_tower.processing
+
+    def processor(processing):
+        settings = processor_settings(processing)
+        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**settings), tokenizer=model.llm_tokenizer,
+                                video_processor=Qwen2VLVideoProcessor(**settings))
+
+    check_placeholder_sweep(processor(trained), trained, "the export")  # training's settings: every size agrees
+    with pytest.raises(ExportError, match=rf"--format hf: the exported Qwen2VLProcessor in the export reserves \d+ "
+                                          rf"<\|image_pad\|> tokens for an image of {first_size} px \(width x height\),"
+                                          rf" training reserved \d+ \(qwen_vl_image's tokens_for_image with min_pixels "
+                                          rf"3136, max_pixels 37632, patch_size 14, merge_size 2\)"):
+        check_placeholder_sweep(processor(replace(trained, **exported)), trained, "the export")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_prepared_grid_stays_on_the_host_and_the_forward_waits_for_no_device(kind, models, data):
+    """prepare_batch gives the grid as host rows, which the engines' to_compute (every tensor to the device) leaves
+    where it is; the tower reads them, and the forward and backward make no host-syncing op in lavis_ds's lines
+    (HostSyncs; on the CPU it sees int(), bool(), .item() of a tensor, but not .tolist(): what reaches the tower is
+    checked to be the rows, not a tensor the engines would have moved to the GPU)."""
+    from lavis_ds.common.precision import to_compute
+    from test_vision_llm import HostSyncs
+
+    model = models(kind)
+    moved = to_compute(model.prepare_batch(batch_of(model, data)), "cpu", torch.float32)
+    assert isinstance(moved[GRID_KEY], list) and all(isinstance(v, int) for row in moved[GRID_KEY] for v in row)
+    grids = []
+    hook = model.vision_tower.register_forward_pre_hook(lambda tower, args: grids.append(args[1]))
+    try:
+        with HostSyncs() as syncs:
+            model(moved)["loss"].backward()
+    finally:
+        hook.remove()
+    assert syncs.lines == []
+    assert isinstance(grids[0], list) and grids[0] == moved[GRID_KEY]  # the rows themselves reach the tower
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preference_pairs_of_processed_images_and_a_video_score_as_their_sides_do(kind, models, data):
+    """A pair micro-batch of qwen_vl_image output (grid rows, a video's seconds): prepare_pairs gives each side the
+    pairs' images, the vision pass runs once, and each side's answer log-prob equals the side scored alone."""
+    from lavis_ds.models.vision_llm_batch import keep_samples
+    from lavis_ds.objectives.model_calls import answer_logps, image_features, prepare_pairs
+
+    model = models(kind)
+    batch = batch_of(model, data)
+    keep = [1, 2]  # two images of their own sizes, and the video
+    pairs = {**keep_samples(batch, keep), "chosen": ["No, one is wider.", "It brightens."],
+             "rejected": ["Yes.", "It darkens slowly."]}
+    pairs["instruction"] = [turns[:1] for turns in pairs["instruction"]]
+    del pairs["output"]
+    prepared = prepare_pairs(model, pairs)
+    assert prepared[GRID_KEY] == model.prepare_batch(keep_samples(batch, keep))[GRID_KEY]  # once, as host rows
+    with torch.no_grad():
+        logps, _ = answer_logps(model, prepared, image_features(model, prepared))
+        for side, answers in enumerate((pairs["chosen"], pairs["rejected"])):
+            alone, _ = model.answer_logps({**pairs, "output": [[a] for a in answers]})
+            torch.testing.assert_close(logps[2 * side:2 * side + 2], alone, atol=1e-5, rtol=1e-5)

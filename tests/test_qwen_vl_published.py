@@ -1,7 +1,8 @@
 """A published Qwen2-VL / Qwen2.5-VL folder (tiny, random, written by transformers with its tokenizer, chat template
 and processor) loaded by the YAML users write (``arch``, ``load_pretrained: true``, ``pretrained: FOLDER``) through
-the family record: the prompt is the processor's token for token, the logits equal transformers' (fp32, 1e-5) on
-images of three aspect ratios, two images, a video and text only, and greedy generation gives the same tokens."""
+the family record: the prompt is the processor's token for token (a video's placeholders its <|video_pad|>), the
+logits equal transformers' (fp32, 1e-5) on images of three aspect ratios, two images, a video (its frames through
+lavis_ds's own processing, timed by the file's rate) and text only, and greedy generation gives the same tokens."""
 from __future__ import annotations
 
 import shutil
@@ -13,15 +14,16 @@ from PIL import Image
 
 import lavis_ds  # noqa: F401  (fills the registries)
 from conftest import TINY_CORPUS
-from lavis_ds.common.registry import registry
-from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY
+from lavis_ds.common.registry import processors, registry
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, video_flags
 from lavis_ds.models.parts import PartError
 from qwen_vl_folders import published_folder, qwen_tokenizer
 
 KINDS = ["qwen2_vl", "qwen2_5_vl"]
 QUESTION, ANSWER = "What is in the picture?", "A red ball on the grass."
-# (height, width) px of each image; a video is four frames of one size. Beyond 112 px the Qwen2.5-VL tower's
-# windows split an image.
+# (height, width) px of each image; a video is six frames of one size at 1.5 fps (Qwen2.5-VL spaces its temporal ids
+# by that rate: 0, 2, 5 with the folder's tokens_per_second 2; the 24 fps assumed without one would give 0, 0, 0).
+# Beyond 112 px the Qwen2.5-VL tower's windows split an image.
 CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "square image": [(120, 120)],
          "two images": [(70, 100), (150, 60)], "video": "video", "text only": []}
 
@@ -52,13 +54,20 @@ def pair(tmp_path_factory):
     return get
 
 
-def inputs_of(processor, case, answer: str | None):
-    """transformers' inputs for one conversation, and the same sample as a lavis_ds batch."""
+VIDEO_FRAMES, VIDEO_FPS = 6, 1.5
+
+
+def inputs_of(processor, case, answer: str | None, ours=None):
+    """transformers' inputs for one conversation, and the same sample as a lavis_ds batch: the images as
+    transformers' processor makes them, a video's frames through lavis_ds's own processing (``ours``' tower's) with
+    the rate of the file they came from."""
+    from transformers.video_utils import VideoMetadata
+
     content, images, videos, kwargs = [], [], [], {}
     if case == "video":
-        frames = np.stack([np.asarray(picture(84, 112, seed)) for seed in range(4)])
+        frames = [picture(84, 112, seed) for seed in range(VIDEO_FRAMES)]
         content.append({"type": "video"})
-        videos.append(frames)
+        videos.append(np.stack([np.asarray(frame) for frame in frames]))
     else:
         for i, (h, w) in enumerate(case):
             content.append({"type": "image"})
@@ -67,8 +76,9 @@ def inputs_of(processor, case, answer: str | None):
     if answer is not None:
         messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
     text = processor.apply_chat_template(messages, add_generation_prompt=answer is None, tokenize=False)
-    if videos:
-        kwargs = {"videos": videos, "fps": 2.0}
+    if videos:  # every frame of a 1.5 fps file: transformers' sampled_fps is the file's rate
+        metadata = VideoMetadata(total_num_frames=VIDEO_FRAMES, fps=VIDEO_FPS, frames_indices=list(range(VIDEO_FRAMES)))
+        kwargs = {"videos": videos, "video_metadata": [metadata], "do_sample_frames": False}
     inputs = processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
     sample = {"instruction": [["<ImageHere>" * len(content) + QUESTION]], "num_images": [len(content)]}
     if answer is not None:
@@ -76,23 +86,25 @@ def inputs_of(processor, case, answer: str | None):
     if images:
         sample.update(image=inputs["pixel_values"], **{GRID_KEY: inputs["image_grid_thw"]})
     if videos:
-        seconds = inputs.get("second_per_grid_ts")
-        sample.update(image=inputs["pixel_values_videos"], **{GRID_KEY: inputs["video_grid_thw"]},
-                      **{SECONDS_KEY: [float(seconds[0]) if seconds is not None else None]})
+        own = processors.get("qwen_vl_image")(**ours.vision_tower.processing.processor_keys())
+        sample.update(own.sample_fields(frames, video=True, fps=VIDEO_FPS))
+        torch.testing.assert_close(sample["image"], inputs["pixel_values_videos"], atol=0, rtol=0)
+        assert sample[GRID_KEY].tolist() == inputs["video_grid_thw"].tolist()
+        if "second_per_grid_ts" in inputs:  # Qwen2.5-VL's processor
+            assert sample[SECONDS_KEY] == pytest.approx(inputs["second_per_grid_ts"].tolist())
     return inputs, sample
 
 
 def same_ids(ours: torch.Tensor, theirs: torch.Tensor, processor) -> None:
-    """Token for token; a video's placeholders are <|image_pad|> in lavis_ds's prompt (docs/models.md)."""
-    video, image = (processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|video_pad|>", "<|image_pad|>"))
-    assert ours.tolist() == torch.where(theirs == video, image, theirs).tolist()
+    """Token for token: an image's placeholders <|image_pad|>, a video's <|video_pad|>, as the processor writes."""
+    assert ours.tolist() == theirs.tolist()
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_equal_transformers(kind, case, pair):
     theirs, processor, ours, _ = pair(kind)
-    inputs, sample = inputs_of(processor, CASES[case], ANSWER)
+    inputs, sample = inputs_of(processor, CASES[case], ANSWER, ours)
     prepared = ours.prepare_batch(sample)
     same_ids(prepared["input_ids"][0], inputs["input_ids"][0], processor)
     with torch.no_grad():
@@ -106,15 +118,15 @@ def test_logits_equal_transformers(kind, case, pair):
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_tokens_equal_transformers(kind, case, pair):
     theirs, processor, ours, _ = pair(kind)
-    inputs, sample = inputs_of(processor, CASES[case], None)
+    inputs, sample = inputs_of(processor, CASES[case], None, ours)
     ids = ours.prompt.generation_prompt(sample["instruction"][0], (), sample["num_images"][0],
-                                        ours.image_token_counts(sample))
+                                        ours.image_token_counts(sample), videos=video_flags(sample))
     same_ids(torch.tensor(ids), inputs["input_ids"][0], processor)
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
         new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
-                              suppress_tokens=[ours.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
+                              suppress_tokens=ours.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 

@@ -143,22 +143,46 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
 
 def test_a_qwen_vl_sample_length_counts_each_image_by_the_grid_its_file_header_gives(tmp_path, tiny_tokenizer_dir):
     """Images at their own sizes (qwen_vl_image): image_sizes gives the grid rows the loaded sample carries, from
-    the file headers, and the estimate predicts the training tokens of text-only and two-image samples."""
-    root = write_data(tmp_path / "data")
+    the file headers (a video's from its frame size and count), and the estimate predicts the training tokens of
+    text-only, two-image and video samples."""
+    root = write_data(tmp_path / "data")  # the video: 10 frames of 32x24 px
     Image.new("RGB", (200, 90), (9, 9, 9)).save(root / MPP_MULTI_IMAGE["image"][1])  # another grid than the first
     model = build_tiny("qwen2_5_vl", tiny_tokenizer_dir, tmp_path)
     text_only = {"instruction": "Hi there, how are you today?", "output": "Hello! Fine, thanks."}
-    records = [text_only, MPP_MULTI_IMAGE] * 3
+    records = [text_only, MPP_MULTI_IMAGE, MPP_VIDEO] * 3
     dataset = InstructionDataset(write_json(tmp_path / "mix.json", records), root,
-                                 QwenVLImageProcessor(**model.vision_tower.processing.processor_keys()))
+                                 QwenVLImageProcessor(**model.vision_tower.processing.processor_keys()), max_frames=8)
     assert dataset.image_sizes(0) == []
     grids = [tuple(row) for row in dataset[1][GRID_KEY].tolist()]
     assert dataset.image_sizes(1) == grids == [(1, 4, 6), (1, 6, 14)]  # 30x40 px resized to 56x84, 90x200 to 84x196
+    assert dataset.image_sizes(2) == [tuple(dataset[2][GRID_KEY][0].tolist())] == [(4, 4, 6)]  # 8 frames of 24x32 px at 56x84
+    assert dataset.text_sample(2)["num_images"] == dataset[2]["num_images"] == 1  # the video is one visual
 
     length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, model.tokens_for_image)
-    for index in range(2):
+    for index in range(3):
         real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
         assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("video", r"mix.json: record 0 \(video 'clip.mp4'\): run.batch_unit: tokens counts a video's tokens by the frame "
+              r"size and count in its file's header: cannot read video file .*clip.mp4: .*; fix or remove the file, "
+              r"or set run.batch_unit: samples"),
+    ("image", r"mix.json: record 0 \(image 'a.png'\): run.batch_unit: tokens counts an image's tokens by the size in "
+              r"its file's header, and image file .*a.png has none that reads \(.*\); fix or remove the file, or set "
+              r"run.batch_unit: samples")])
+def test_a_qwen_vl_visual_whose_header_does_not_read_refuses_the_token_budget_saying_what_to_set(tmp_path, broken,
+                                                                                               message):
+    from lavis_ds.common.errors import InputError
+
+    (tmp_path / "clip.mp4").write_bytes(b"not a video")
+    (tmp_path / "a.png").write_bytes(b"not an image")
+    record = {"video": "clip.mp4"} if broken == "video" else {"image": "a.png"}
+    dataset = InstructionDataset(write_json(tmp_path / "mix.json", [{**record, "instruction": "<ImageHere> What?",
+                                                                     "output": "A."}]), tmp_path,
+                                 QwenVLImageProcessor(max_pixels=28 * 28 * 48))
+    with pytest.raises(InputError, match=message):
+        dataset.text_sample(0)
 
 
 demo_storage = demo_storage_fixture(num_train=64, num_val=16, num_test=8)

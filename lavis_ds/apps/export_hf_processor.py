@@ -31,7 +31,7 @@ from lavis_ds.models.hf.family import HfFamily, exporting_family
 
 
 def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, record_system: str = "use",
-                  image_run: str | None = None) -> str:
+                  image_run: str | None = None, video_run: str | None = None) -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
 
     A ``{"type": "image"}`` item becomes lavis_ds's default image prefix with its placeholders
@@ -44,9 +44,13 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
     Strings go in as JSON literals, which Jinja reads back unchanged (quotes, newlines, non-ASCII).
     ``image_run``: what an image item writes instead, for a family whose prompt spans images otherwise (Qwen-VL's
     ``<|vision_start|><|image_pad|><|vision_end|>``, ``HfFamily.template_image_run``).
+    ``video_run``: what a ``{"type": "video"}`` item writes, for a family whose processor takes videos (Qwen-VL's
+    ``<|vision_start|><|video_pad|><|vision_end|>``, ``HfFamily.template_video_run``); None: a video item writes nothing.
     """
     image_run = json.dumps(image_run if image_run is not None else "<Img>" + image_token * num_query_tokens
                            + "</Img> ", ensure_ascii=False)
+    video = "" if video_run is None else \
+        "{%- elif item['type'] == 'video' -%}{{ " + json.dumps(video_run, ensure_ascii=False) + " }}"
     system = json.dumps(system_prompt, ensure_ascii=False)
     own = {"use": "{%- set system = render(messages[0]['content']) -%}",
            "ignore": "",
@@ -55,7 +59,7 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
         "{%- macro render(content) -%}"
         "{%- if content is string -%}{{ content }}"
         "{%- else -%}{%- for item in content -%}"
-        "{%- if item['type'] == 'image' -%}{{ " + image_run + " }}"
+        "{%- if item['type'] == 'image' -%}{{ " + image_run + " }}" + video +
         "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
         "{%- endfor -%}{%- endif -%}"
         "{%- endmacro -%}"
@@ -120,9 +124,11 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     if family is None:
         raise ValueError(f"{type(model).__name__}: no transformers class holds it (check_expressible says why)")
     prompt = model.prompt
-    images = family.image_processor(image_processing_of(image_cfg or default_image_cfg(model)))
+    processing = image_processing_of(image_cfg or default_image_cfg(model))
+    images = family.image_processor(processing)
     template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model),
-                             prompt.record_system_prompt, family.template_image_run(model))
+                             prompt.record_system_prompt, family.template_image_run(model),
+                             family.template_video_run(model))
     model.llm_tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every
@@ -131,6 +137,7 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
                                               chat_template=template)
     family.processor(model, images, tokenizer, template).save_pretrained(out)
     family.finish_processor_folder(model, out)
+    family.check_exported_processor(model, out, processing)
 
 
 def _family(family: HfFamily | str) -> HfFamily:
@@ -157,5 +164,5 @@ def generation_config(model: nn.Module, max_new_tokens: int | None = None):
     return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                             eos_token_id=model.stop_token_ids(), pad_token_id=model.pad_id,
                             # The placeholder is never a word: generating it would feed its meaningless row back in.
-                            suppress_tokens=[model.prompt.image_token_id])
+                            suppress_tokens=model.prompt.placeholder_ids)
 

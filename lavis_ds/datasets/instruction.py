@@ -34,7 +34,7 @@ from lavis_ds.datasets.loading import RecordLoader
 from lavis_ds.datasets.record_store import RecordStore
 from lavis_ds.datasets.records import (IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, count_markers,
                                        each_record, record_where)
-from lavis_ds.datasets.video import UnreadableVideoError, read_frames
+from lavis_ds.datasets.video import UnreadableVideoError, read_frames, video_header
 from lavis_ds.processors.qwen_vl import GRID_KEY, SECONDS_KEY
 
 __all__ = ["IMAGE_PLACEHOLDER", "InstructionRecord", "InstructionDataset", "UnreadableImageError",
@@ -221,35 +221,62 @@ class InstructionDataset(Dataset):
             "index": index,
         }
 
+    def visual_count(self, index: int) -> int:
+        """Visuals sample ``index`` gives the model at most, without reading one: its images, and a video's
+        ``max_frames`` frames, or the video as one visual where the processor takes a video whole (Qwen-VL's)."""
+        record = self.records[index]
+        return len(record.images) + (self._video_visuals() if record.video else 0)
+
+    def _video_visuals(self) -> int:
+        return 1 if hasattr(self.vis_processor, "sample_fields") else self.max_frames
+
     def text_sample(self, index: int) -> dict[str, Any]:
         """The text of sample ``index`` as ``__getitem__`` gives it, without reading an image (a video counts
-        ``max_frames`` frames, the most it gives): for counting its tokens (``datasets.lengths``)."""
+        ``max_frames`` frames, the most it gives, or one visual: ``visual_count``): for counting its tokens
+        (``datasets.lengths``)."""
         record = self.records[index]
         instructions = [self._text(t) for t in record.instructions]
-        num_images = len(record.images) + (self.max_frames if record.video else 0)
         if record.video:
-            instructions = expand_video_marker(instructions, self.max_frames)
+            instructions = expand_video_marker(instructions, self._video_visuals())
         sample = {"instruction": instructions, "output": [self._text(t) for t in record.outputs],
-                  "num_images": num_images, "system": record.system}
+                  "num_images": self.visual_count(index), "system": record.system}
         sizes = self.image_sizes(index)
         return sample if sizes is None else {**sample, "image_sizes": sizes}
 
     def image_sizes(self, index: int) -> list[tuple[int, ...]] | None:
         """Each image's size as the model receives it (a video's ``max_frames`` frames), without decoding an image:
         the processor's square ``image_size`` as (height, width); for a processor that keeps each image's size
-        (``grid_of_size``, Qwen-VL's) the image's grid row (t, h, w) from the size its file's header gives. None
-        where neither tells (a video or an unreadable file of such a processor: only decoding it would tell)."""
+        (``grid_of_size``, Qwen-VL's) the image's grid row (t, h, w) from the size its file's header gives, and a
+        video's from its frame size and count (``grid_of_video``). None where the processor tells no size.
+
+        Raises :class:`InputError` naming the record for a file of such a processor whose header does not read: its
+        tokens cannot be counted without it (a token budget, ``run.batch_unit: tokens``, plans by them)."""
         side = getattr(self.vis_processor, "image_size", None)
         record = self.records[index]
         if isinstance(side, int):
-            return [(side, side)] * (len(record.images) + (self.max_frames if record.video else 0))
+            return [(side, side)] * self.visual_count(index)
         grid_of_size = getattr(self.vis_processor, "grid_of_size", None)
-        if grid_of_size is None or record.video is not None:
+        if grid_of_size is None:
             return None
+        if record.video is not None:
+            try:
+                header = video_header(self.image_root / record.video)
+            except UnreadableVideoError as e:
+                raise UnreadableVideoError(f"{record.where()}: run.batch_unit: tokens counts a video's tokens by the "
+                                           f"frame size and count in its file's header: {e}; fix or remove the file, "
+                                           "or set run.batch_unit: samples") from None
+            return [self.vis_processor.grid_of_video(header.height, header.width, min(header.frames, self.max_frames))]
+        return [self._header_grid(record, name, grid_of_size) for name in record.images]
+
+    def _header_grid(self, record: InstructionRecord, name: str, grid_of_size: Callable[[int, int], tuple[int, ...]]
+                     ) -> tuple[int, ...]:
         try:
-            return [grid_of_size(*self._header_size(name)) for name in record.images]
-        except Exception:  # noqa: BLE001  (PIL raises OSError, SyntaxError, ... ; reading it in training names it)
-            return None
+            return grid_of_size(*self._header_size(name))
+        except Exception as e:  # noqa: BLE001  (PIL raises OSError, SyntaxError, ...)
+            raise UnreadableImageError(
+                f"{record.where()}: run.batch_unit: tokens counts an image's tokens by the size in its file's header, "
+                f"and image file {self.image_root / name} has none that reads ({type(e).__name__}: {e}); fix or remove "
+                "the file, or set run.batch_unit: samples") from None
 
     def _header_size(self, name: str) -> tuple[int, int]:
         """(height, width) of an image file as its header gives it: PIL reads no pixels to tell the size."""
@@ -268,7 +295,8 @@ class InstructionDataset(Dataset):
         Qwen-VL's) gives flat patches with a grid row per image, and a video as one visual of its frames."""
         own_sizes = getattr(self.vis_processor, "sample_fields", None)
         if visuals and own_sizes is not None:
-            return own_sizes(visuals, video)
+            # a video's frames carry the rate they sample it at (datasets.video.SampledFrames): its time spacing
+            return own_sizes(visuals, video, getattr(visuals, "fps", None)) if video else own_sizes(visuals)
         if visuals:
             return {"image": torch.stack([self.vis_processor(v) for v in visuals])}
         size = getattr(self.vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater

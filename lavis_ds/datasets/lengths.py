@@ -58,10 +58,11 @@ def approximate_length(dataset: Dataset, index: int, epoch: int) -> int:
 
 def shape_of(leaf: Dataset, local: int) -> tuple[int, int, int, int]:
     """(words, characters, turns, images) of a record: what its token count grows with. A video counts the
-    frames its dataset samples at most (``max_frames``)."""
+    visuals its dataset gives at most (``visual_count``: ``max_frames`` frames, or one visual)."""
     record = leaf.records[local]
     texts = (*record.instructions, *record.outputs, *((record.system,) if record.system else ()))  # its own system
-    images = len(record.images) + (leaf.max_frames if record.video else 0)
+    images = leaf.visual_count(local) if hasattr(leaf, "visual_count") else \
+        len(record.images) + (leaf.max_frames if record.video else 0)
     return sum(len(text.split()) for text in texts), sum(map(len, texts)), len(record.instructions), images
 
 

@@ -11,10 +11,16 @@ A video with fewer frames than ``max_frames`` gives all of its frames, one marke
 the prompt is built from the frames actually read, so nothing mismatches, and short clips
 are ordinary data (MPP-LLaVA takes every frame of such a clip too). The dataset logs a
 note for the first few.
+
+The frames come with the rate they sample the video at (``SampledFrames.fps``: frames taken / frames in the file x
+the file's frame rate, as transformers' ``VideoMetadata.sampled_fps``; the file's rate from its stream, else from the
+first and last frame's timestamps): Qwen2.5-VL spaces a video's temporal positions by it.
+``video_header`` tells a video's frame size and count without decoding a frame (a token budget counts by them).
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -24,6 +30,23 @@ from lavis_ds.common.errors import InputError
 
 class UnreadableVideoError(InputError, OSError):
     """A video file that does not decode, or holds no frame; the message names the file and the record."""
+
+
+class SampledFrames(list):
+    """The frames sampled from a video, in order (a list of RGB images), and ``fps``: how many of them fall in one
+    second of the video (None where the file tells no rate)."""
+
+    def __init__(self, frames: list[Image.Image], fps: float | None):
+        super().__init__(frames)
+        self.fps = fps
+
+
+class VideoHeader(NamedTuple):
+    """What a video file's header tells without decoding: its frame size and frame count."""
+
+    height: int
+    width: int
+    frames: int
 
 
 def uniform_indices(total: int, count: int) -> list[int]:
@@ -52,8 +75,9 @@ def _frame_count(container, stream) -> int:
     return count
 
 
-def read_frames(path: Path, max_frames: int, where: str = "") -> list[Image.Image]:
-    """Up to ``max_frames`` RGB frames of the video at ``path``, uniformly sampled, in order.
+def read_frames(path: Path, max_frames: int, where: str = "") -> SampledFrames:
+    """Up to ``max_frames`` RGB frames of the video at ``path``, uniformly sampled, in order, with the rate they
+    sample it at (``SampledFrames.fps``).
 
     Raises :class:`UnreadableVideoError` (``where`` names the record) when the file does not
     decode or holds no video frame.
@@ -64,25 +88,61 @@ def read_frames(path: Path, max_frames: int, where: str = "") -> list[Image.Imag
             if not container.streams.video:
                 raise ValueError("the file has no video stream")
             stream = container.streams.video[0]
-            wanted = uniform_indices(_frame_count(container, stream), max_frames)
-            frames = _decode(container, stream, wanted)
+            total = _frame_count(container, stream)
+            wanted = uniform_indices(total, max_frames)
+            frames, times = _decode(container, stream, wanted)
+            rate = _frame_rate(stream, total, times)
     except InputError:
         raise
     except Exception as e:  # PyAV raises its own errors (InvalidDataError, ...), OSError, ValueError
         raise UnreadableVideoError(f"{prefix}cannot read video file {path}: {type(e).__name__}: {e}") from e
     if not frames:
         raise UnreadableVideoError(f"{prefix}video file {path} holds no decodable frame")
-    return frames
+    return SampledFrames(frames, None if rate is None else len(frames) / total * rate)
 
 
-def _decode(container, stream, wanted: list[int]) -> list[Image.Image]:
-    """The frames numbered ``wanted`` (sorted), decoding in order and converting only those."""
-    frames, want = [], set(wanted)
+def video_header(path: Path, where: str = "") -> VideoHeader:
+    """The frame size and count of the video at ``path`` from its container, decoding no frame (a container without a
+    frame count, mkv or webm, has its packets counted). :class:`UnreadableVideoError` where it tells neither."""
+    prefix = f"{where}: " if where else ""
+    try:
+        with _open(path) as container:
+            if not container.streams.video:
+                raise ValueError("the file has no video stream")
+            stream = container.streams.video[0]
+            header = VideoHeader(int(stream.codec_context.height), int(stream.codec_context.width),
+                                 _frame_count(container, stream))
+    except InputError:
+        raise
+    except Exception as e:  # as read_frames
+        raise UnreadableVideoError(f"{prefix}cannot read video file {path}: {type(e).__name__}: {e}") from e
+    if min(header) <= 0:
+        raise UnreadableVideoError(f"{prefix}video file {path}: its header gives {header.width}x{header.height} px "
+                                   f"and {header.frames} frame(s)")
+    return header
+
+
+def _frame_rate(stream, total: int, times: list[float]) -> float | None:
+    """The file's frames per second: its stream's average rate, else from the decoded frames' first and last
+    timestamps; None where neither tells."""
+    if stream.average_rate:
+        return float(stream.average_rate)
+    if len(times) > 1 and times[-1] > times[0]:
+        return (total - 1) / (times[-1] - times[0])  # the last decoded frame is the file's last (uniform_indices)
+    return None
+
+
+def _decode(container, stream, wanted: list[int]) -> tuple[list[Image.Image], list[float]]:
+    """The frames numbered ``wanted`` (sorted), decoding in order and converting only those, and their timestamps
+    (seconds; those the file gives)."""
+    frames, times, want = [], [], set(wanted)
     last = wanted[-1] if wanted else -1
     for number, frame in enumerate(container.decode(stream)):
         if number in want:
             frames.append(frame.to_image().convert("RGB"))
+            if frame.time is not None:
+                times.append(float(frame.time))
         if number >= last:
             break
-    return frames
+    return frames, times
 

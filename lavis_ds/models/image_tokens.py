@@ -49,6 +49,15 @@ def image_sizes(samples: dict[str, Any]) -> list[Size]:
     return [tuple(int(v) for v in image.shape[-2:])] * int(image.shape[0])
 
 
+def video_flags(samples: dict[str, Any]) -> list[bool]:
+    """Whether each visual of a batch is a video, in flat image order: a video has its seconds per temporal patch
+    (``SECONDS_KEY``, which a still image leaves None); a batch without them holds images only."""
+    seconds = samples.get(SECONDS_KEY)
+    if seconds is None:
+        return [False] * batch_images(samples)
+    return [second is not None for second in seconds]
+
+
 def per_sample(values: Sequence[int], images_per_sample: Sequence[int]) -> list[list[int]]:
     """A flat per-image list cut into each sample's images."""
     out, start = [], 0

@@ -44,10 +44,12 @@ def as_turns(value: str | Turns) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def insert_image_placeholders(instructions: Turns, image_token: str, num_image_tokens: int | Sequence[int],
-                              num_images: int = 1, image_span: tuple[str, str] | None = None) -> list[str]:
+def insert_image_placeholders(instructions: Turns, image_token: str | Sequence[str],
+                              num_image_tokens: int | Sequence[int], num_images: int = 1,
+                              image_span: tuple[str, str] | None = None) -> list[str]:
     """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token`` (a list: each image's own count,
-    in image order, and as many images as it lists).
+    in image order, and as many images as it lists). ``image_token`` may be a list too: each image's own
+    placeholder token (Qwen-VL's ``<|video_pad|>`` for a video, ``<|image_pad|>`` for an image).
 
     Every image has its own marker, in the order of the images (a video's frames are
     images here: the dataset repeats its marker per frame), so each image's features
@@ -71,11 +73,15 @@ def insert_image_placeholders(instructions: Turns, image_token: str, num_image_t
     elif markers != num_images:
         raise ValueError(f"{num_images} image(s) but {markers} {IMAGE_HERE} marker(s) in {turns!r}: "
                          "each image needs its own marker, in image order")
-    runs = iter(counts)  # markers in reading order are the images in image order
+    tokens = [image_token] * num_images if isinstance(image_token, str) else list(image_token)
+    if len(tokens) != num_images:
+        raise ValueError(f"{len(tokens)} placeholder token(s) for {num_images} image(s)")
+    # markers in reading order are the images in image order
+    runs = iter([token * count for token, count in zip(tokens, counts)])
     start, end = image_span or ("", "")
     if image_span is not None:
         turns = [_without_img_tags(turn) for turn in turns]
-    return [re.sub(re.escape(IMAGE_HERE), lambda _: start + image_token * next(runs) + end, turn) for turn in turns]
+    return [re.sub(re.escape(IMAGE_HERE), lambda _: start + next(runs) + end, turn) for turn in turns]
 
 
 def _without_img_tags(turn: str) -> str:
@@ -125,6 +131,8 @@ class ChatPrompt:
             and a blank line go in front of the first user turn, as Gemma's templates fold a system message).
         image_span: The text around each image's placeholders (``insert_image_placeholders``); None: the
             placeholders stand where ``<ImageHere>`` stands, inside the data's own ``<Img>...</Img>``.
+        video_token: Placeholder token of a video (a visual the batch marks as one, ``image_tokens.video_flags``),
+            as the family's processor writes it (Qwen-VL's ``<|video_pad|>``); None: videos take ``image_token``.
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -135,6 +143,7 @@ class ChatPrompt:
     template_variables: Mapping[str, Any] = field(default_factory=dict)
     record_system_prompt: Literal["use", "ignore", "fold"] = "use"
     image_span: tuple[str, str] | None = None
+    video_token: str | None = None
 
     def __post_init__(self) -> None:
         if (why := unstable_render(self.tokenizer, self.template_variables)) is not None:
@@ -143,6 +152,20 @@ class ChatPrompt:
     @property
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    @functools.cached_property
+    def placeholder_ids(self) -> list[int]:
+        """Every token id a visual's features replace: the image token's, and the video token's where it has one."""
+        video = [] if self.video_token is None else [self.tokenizer.convert_tokens_to_ids(self.video_token)]
+        return [self.image_token_id, *video]
+
+    def placeholder_tokens(self, num_images: int, videos: Sequence[bool] | None) -> list[str]:
+        """Each visual's placeholder token: ``video_token`` for the ones ``videos`` marks (where the prompt has one),
+        else ``image_token``."""
+        marks = list(videos) if videos is not None else [False] * num_images
+        if len(marks) != num_images:
+            raise ValueError(f"{len(marks)} video mark(s) for {num_images} visual(s)")
+        return [self.video_token if video and self.video_token else self.image_token for video in marks]
 
     @property
     def end_of_turn_id(self) -> int:
@@ -189,38 +212,41 @@ class ChatPrompt:
             instructions, list(answers), add_generation_prompt)
 
     def training_example(self, instructions: str | Turns, answers: str | Turns, num_images: int = 1,
-                         image_tokens: Sequence[int] | None = None,
-                         system: str | None = None) -> tuple[list[int], list[int]]:
+                         image_tokens: Sequence[int] | None = None, system: str | None = None,
+                         videos: Sequence[bool] | None = None) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one sample with ``num_images`` images (and its own system turn ``system``,
         None: ``system_prompt``), truncated to ``max_len`` tokens.
 
         ``image_tokens``: each image's placeholder count (then ``num_images`` is its length); default
-        ``num_image_tokens`` each. Truncation keeps the start and cuts the end, never inside or before an image's
+        ``num_image_tokens`` each. ``videos``: which of the visuals are videos (``placeholder_tokens``).
+        Truncation keeps the start and cuts the end, never inside or before an image's
         placeholders (fewer slots than features): such a sample raises :class:`ImageSpanCut`.
         """
         counts = self.placeholder_counts(num_images, image_tokens)
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts,
-                                                 image_span=self.image_span)
+        instructions = insert_image_placeholders(as_turns(instructions), self.placeholder_tokens(len(counts), videos),
+                                                 counts, image_span=self.image_span)
         segments = self.segments(instructions, as_turns(answers), system=system)
         input_ids, labels = self._tokenize(segments, counts)
         if len(input_ids) > self.max_len and sum(counts):
-            last_image_pos = max(i for i, t in enumerate(input_ids) if t == self.image_token_id)
+            placeholders = set(self.placeholder_ids)
+            last_image_pos = max(i for i, t in enumerate(input_ids) if t in placeholders)
             if last_image_pos >= self.max_len:
                 raise ImageSpanCut(self.max_len, last_image_pos, len(input_ids))
         return input_ids[: self.max_len], labels[: self.max_len]
 
     def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1,
-                          image_tokens: Sequence[int] | None = None, system: str | None = None) -> list[int]:
+                          image_tokens: Sequence[int] | None = None, system: str | None = None,
+                          videos: Sequence[bool] | None = None) -> list[int]:
         """Token ids up to the last turn's assistant header (ChatML: ``<|im_start|>assistant\\n``); earlier turns
         keep their answers.
 
         ``num_images`` other than 1: the instructions mark each image with ``<ImageHere>``, in image order.
-        ``image_tokens`` as in ``training_example``; ``system``: the conversation's own system turn, as there.
-        Not truncated: cutting the end would drop the question or the assistant header.
+        ``image_tokens`` and ``videos`` as in ``training_example``; ``system``: the conversation's own system turn,
+        as there. Not truncated: cutting the end would drop the question or the assistant header.
         """
         counts = self.placeholder_counts(num_images, image_tokens)
-        instructions = insert_image_placeholders(as_turns(instructions), self.image_token, counts,
-                                                 image_span=self.image_span)
+        instructions = insert_image_placeholders(as_turns(instructions), self.placeholder_tokens(len(counts), videos),
+                                                 counts, image_span=self.image_span)
         segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True, system=system)
         return self._tokenize(segments, counts)[0]
 
@@ -231,11 +257,12 @@ class ChatPrompt:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             input_ids += ids
             labels += ids if supervised else [IGNORE_INDEX] * len(ids)
-        placeholders = input_ids.count(self.image_token_id)
+        placeholders = sum(input_ids.count(token) for token in self.placeholder_ids)
         if placeholders != sum(counts):
             # A literal image token in user text, or a tokenizer that splits the image token.
             raise ValueError(
-                f"expected {sum(counts)} {self.image_token} tokens in the prompt "
+                f"expected {sum(counts)} {'/'.join(filter(None, (self.image_token, self.video_token)))} tokens in the "
+                "prompt "
                 f"({len(counts)} image(s)), found {placeholders}"
             )
         return input_ids, labels

@@ -3,7 +3,8 @@
 Each image keeps (nearly) its own size: the ``qwen_vl_image`` processor gives its flat patches and grid, the batch
 carries every image's patches end to end (``image``), one ``image_grid_thw`` row per image and, for videos,
 ``second_per_grid_t``. An image of grid (t, h, w) takes ``t*h*w // 4`` LLM tokens (``tokens_for_grid``), reserved in
-the prompt between ``<|vision_start|>`` and ``<|vision_end|>`` as Qwen2-VL's chat template and processor write them,
+the prompt between ``<|vision_start|>`` and ``<|vision_end|>`` as Qwen2-VL's chat template and processor write them
+(``<|image_pad|>`` for an image, ``<|video_pad|>`` for a video: a visual with ``second_per_grid_t``),
 and numbered by M-RoPE over its grid of merged tokens (the text model's ``mrope`` provider; the batch carries the
 rows as ``rope_position_ids``). transformers' ``Qwen2VLForConditionalGeneration`` /
 ``Qwen2_5_VLForConditionalGeneration`` hold the same parts (``visual`` with its ``merger``, ``language_model``,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -26,6 +27,7 @@ from lavis_ds.models.composed import ComposedVisionLLM
 from lavis_ds.models.flops import ZERO, FlopModel, Flops
 from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, Size, image_sizes
 from lavis_ds.models.positions import Visual
+from lavis_ds.models.towers.qwen_vl_layers import GridRows, grid_rows
 from lavis_ds.processors.qwen_vl import tokens_for_grid
 
 VISION_SPAN = ("<|vision_start|>", "<|vision_end|>")  # Qwen2-VL's chat template around each image's placeholders
@@ -38,8 +40,19 @@ class QwenVL(ComposedVisionLLM):
     FLAT_FEATURES = True
     IMAGE_SPAN = VISION_SPAN
     PROMPT_TOKENS = (*VISION_SPAN, VIDEO_TOKEN)  # the published tokenizer's; a transformers processor needs all
+    VIDEO_TOKEN = VIDEO_TOKEN  # a video's placeholders, as Qwen2-VL's processor and chat template write them
     # Qwen-VL trains without augmentation: training and evaluation images are processed alike.
     IMAGE_PROCESSORS = {"train": "qwen_vl_image", "eval": "qwen_vl_image"}
+
+    # ----------------------------------------------------------------- the batch
+    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,
+                      on_image_cut: Literal["drop", "refuse"] = "refuse") -> dict[str, Any]:
+        """As every architecture's, with the grid (``image_grid_thw``) as host rows of (t, h, w): layout the host
+        reads (token counts, the tower's positions, spans and windows), which the engines then leave on the host
+        (they move tensors only), so the forward reads it without waiting for the device."""
+        prepared = super().prepare_batch(samples, pack_to, on_image_cut)
+        grid = prepared.get(GRID_KEY)
+        return {**prepared, GRID_KEY: grid_rows(grid)} if torch.is_tensor(grid) else prepared
 
     # ----------------------------------------------------------------- counts and positions
     def tokens_for_image(self, size: Size) -> int:
@@ -103,23 +116,23 @@ class QwenVL(ComposedVisionLLM):
         """``patch_merger(tower(patches, grid))``: flat ``[sum of tokens, llm_hidden]``, image by image."""
         return self.connector(self.vision_tower(*self.patches_and_grid(images, samples)))
 
-    def patches_and_grid(self, images: torch.Tensor, samples: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def patches_and_grid(self, images: torch.Tensor, samples: dict[str, Any]
+                         ) -> tuple[torch.Tensor, torch.Tensor | GridRows]:
         """The batch's flat patches and grid rows: as given, or of normalised ``[N, 3, H, W]`` pixels (still images
         at their size)."""
         grid = samples.get(GRID_KEY)
         if grid is None:
             visuals = [self.vision_tower.processing.still_patches(image) for image in images]
             images = torch.cat([v.pixel_values for v in visuals]).to(images.device)
-            grid = torch.stack([v.grid_thw for v in visuals])
-        return images, torch.as_tensor(grid)
+            grid = [tuple(v.grid_thw.tolist()) for v in visuals]
+        return images, grid
 
-    def blank_images(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """One merge window of zero patches (the smallest image the tower takes), with its grid."""
+    def blank_images(self, device: torch.device) -> dict[str, Any]:
+        """One merge window of zero patches (the smallest image the tower takes), with its grid (a host row)."""
         kernel = self.vision_tower.patch_embed.kernel
         merge = self.vision_tower.layout.merge_size
         width = kernel[0] * kernel[1] * kernel[2] * kernel[3]
-        return {"image": torch.zeros((merge * merge, width), device=device),
-                GRID_KEY: torch.tensor([[1, merge, merge]], dtype=torch.long)}
+        return {"image": torch.zeros((merge * merge, width), device=device), GRID_KEY: [(1, merge, merge)]}
 
 
 @reg.models.register("qwen2_vl")

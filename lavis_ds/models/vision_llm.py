@@ -66,6 +66,9 @@ class VisionLLM(VisionLLMForward):
     # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
     # added to a tokenizer that lacks them.
     PROMPT_TOKENS: tuple[str, ...] = ()
+    # The placeholder token of a video (a visual with its own time spacing, image_tokens.video_flags) where the
+    # family's processor writes one of its own (Qwen-VL's <|video_pad|>); None: a video's placeholders are images'.
+    VIDEO_TOKEN: str | None = None
     # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
@@ -170,7 +173,8 @@ class VisionLLM(VisionLLMForward):
         args = self.llm_args
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
-                                 record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN)
+                                 record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN,
+                                 video_token=self.VIDEO_TOKEN)
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.positions = position_provider(self.llm_transformers_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
@@ -238,7 +242,8 @@ class VisionLLM(VisionLLMForward):
                                          cls.PROMPT_TOKENS)
         return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
                           args["max_txt_len"], args["chat_template_kwargs"] or {},
-                          record_system_prompt=args["record_system_prompt"], image_span=cls.IMAGE_SPAN)
+                          record_system_prompt=args["record_system_prompt"], image_span=cls.IMAGE_SPAN,
+                          video_token=cls.VIDEO_TOKEN)
 
     # ----------------------------------------------------------------- the LLM as a whole
     @property

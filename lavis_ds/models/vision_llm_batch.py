@@ -15,7 +15,7 @@ import torch
 from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplateError
 from lavis_ds.models.image_tokens import (GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes, per_sample,
-                                           select_images)
+                                           select_images, video_flags)
 from lavis_ds.models.lm_loss import supervised_positions
 from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
@@ -46,12 +46,14 @@ def training_examples(prompt: ChatPrompt, samples: dict[str, Any],
     names = sample_names(samples)
     systems = samples.get("system") or [None] * len(names)
     counts = image_tokens if image_tokens is not None else [None] * len(names)
+    videos = per_sample(video_flags(samples), image_counts(samples))  # a video's placeholders are the video token
     examples: list[Example | ImageSpanCut] = []
-    for name, instructions, answers, num_images, system, mine in zip(
-            names, samples["instruction"], samples["output"], image_counts(samples), systems, counts, strict=True):
+    for name, instructions, answers, num_images, system, mine, my_videos in zip(
+            names, samples["instruction"], samples["output"], image_counts(samples), systems, counts, videos,
+            strict=True):
         try:
             examples.append(prompt.training_example(instructions, answers, num_images, image_tokens=mine,
-                                                    system=system))
+                                                    system=system, videos=my_videos))
         except ImageSpanCut as cut:
             examples.append(cut.at(name))
         except ChatTemplateError as e:

@@ -13,7 +13,7 @@ import torch
 
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
-                                           per_sample, select_images)
+                                           per_sample, select_images, video_flags)
 from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
@@ -102,8 +102,8 @@ class VisionLLMForward(BaseModel):
         if self.positions.rows == 1:
             return None
         visuals = per_sample(self.image_visuals(samples), image_counts(samples))
-        image_token = [self.prompt.image_token_id]
-        return [self.positions.positions(ids, image_token, mine) for ids, mine in zip(sequences, visuals, strict=True)]
+        placeholders = self.prompt.placeholder_ids
+        return [self.positions.positions(ids, placeholders, mine) for ids, mine in zip(sequences, visuals, strict=True)]
 
     def _examples(self, samples: dict[str, Any], on_image_cut: str
                   ) -> tuple[list[tuple[list[int], list[int]]], dict[str, Any]]:
@@ -280,8 +280,10 @@ class VisionLLMForward(BaseModel):
         systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
         counts = per_sample(self.image_token_counts(samples), num_images)
-        prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system)
-                   for ins, out, mine, system in zip(samples["instruction"], answers, counts, systems, strict=True)]
+        videos = per_sample(video_flags(samples), num_images)
+        prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
+                   for ins, out, mine, system, video in zip(samples["instruction"], answers, counts, systems, videos,
+                                                            strict=True)]
         input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
         device = self._device() if image is None else image.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -290,10 +292,10 @@ class VisionLLMForward(BaseModel):
         # (which is not forward) itself. Sharded ranks run the towers even without an image (image_embeds).
         image_embeds = self.image_embeds(image, dummy=synced_gpus, samples=samples)
         inputs_embeds, more = self.llm_inputs(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
-        # The placeholder is never a word: generating it would feed its meaningless row back in.
+        # The placeholders are never words: generating one would feed its meaningless row back in.
         options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
                        eos_token_id=self.stop_token_ids(), pad_token_id=self.pad_id, synced_gpus=synced_gpus,
-                       suppress_tokens=[self.prompt.image_token_id])
+                       suppress_tokens=self.prompt.placeholder_ids)
         options.update(more)
         options.update(generate_kwargs)
         rope = self._rope_positions(prompts, samples)
@@ -314,7 +316,11 @@ class VisionLLMForward(BaseModel):
     def _embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
         """Token embeddings with each placeholder run replaced by its image's features."""
         embeds = self.llm_model.get_input_embeddings()(input_ids)
-        is_image = (input_ids == self.prompt.image_token_id).unsqueeze(-1)
+        image_id, *video_id = self.prompt.placeholder_ids  # an image's run, or a video's (its own token)
+        is_image = input_ids == image_id
+        for token in video_id:
+            is_image = is_image | (input_ids == token)
+        is_image = is_image.unsqueeze(-1)
         # masked_scatter fills positions in row-major order: sample by sample, left to right,
         # and ChatPrompt reserved exactly tokens_for_image(size) placeholders per image, the rows image_embeds
         # checked the features have, so the flat features (in sample order, each sample's images in marker

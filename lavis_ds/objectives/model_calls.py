@@ -20,7 +20,12 @@ import torch
 from torch import Tensor
 
 from lavis_ds.common.errors import LavisDsError
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, SIZES_KEY, batch_images
 from lavis_ds.models.vision_llm_batch import with_supervised_positions
+
+# What describes each image beside its pixels (Qwen-VL's grid rows and video seconds; sizes of a batch for counting):
+# every side carries the pair's images' rows, so that it counts and numbers their placeholders as the model does.
+IMAGE_LAYOUT_KEYS = (GRID_KEY, SIZES_KEY, SECONDS_KEY)
 
 IGNORE_INDEX = -100  # lavis_ds.models.prompt.IGNORE_INDEX (common to every model of the zoo)
 
@@ -42,7 +47,12 @@ def side_batch(pairs: dict[str, Any]) -> dict[str, Any]:
         "where": where,  # names a side in errors (models.vision_llm_batch.sample_names)
         # the pixels are not run twice (answer_logps takes the features); the layout check counts them
         "image": None if image is None else torch.cat([image, image]),
+        **{key: _twice(pairs[key]) for key in IMAGE_LAYOUT_KEYS if pairs.get(key) is not None},
     }
+
+
+def _twice(value: Any) -> Any:
+    return torch.cat([value, value]) if torch.is_tensor(value) else list(value) * 2
 
 
 def last_answer_labels(labels: Tensor, turns: list[int], where: list[str] | None = None) -> Tensor:
@@ -78,6 +88,9 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
     for key in getattr(model, "PER_IMAGE_FIELDS", ()):  # the sides' rows per image: chosen's first, then rejected's
         if images and key in sides and sides[key].shape[0] == 2 * images:
             sides[key] = sides[key][:images]  # the pair's images, once (both sides ask the same instruction of them)
+    for key in IMAGE_LAYOUT_KEYS:  # the pairs' images' rows once, as the model prepared them (Qwen-VL: host rows)
+        if sides.get(key) is not None:
+            sides[key] = sides[key][:batch_images(pairs)]
     turns = [len(turns) for turns in sides["instruction"]]
     labels = last_answer_labels(sides["labels"], turns, sides["where"])
     return with_supervised_positions({**pairs, **sides, "labels": labels, "image": pairs.get("image"),

@@ -318,9 +318,16 @@ class QwenVLImageProcessor(BaseProcessor):
         dataset tells a token budget's planning without decoding the image (``datasets.lengths``)."""
         return self.processing.grid(height, width)
 
-    def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False) -> dict[str, Any]:
+    def grid_of_video(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
+        """The grid row (t, h, w) of ``frames`` sampled frames of ``height`` x ``width`` px: what a token budget
+        counts a video record by from its file's header (``datasets.lengths``)."""
+        return self.processing.grid(height, width, frames)
+
+    def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False,
+                      fps: float | None = None) -> dict[str, Any]:
         """A sample's visual fields: its images (``video``: the frames of one video, a single visual) as flat patches
-        end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t``."""
-        made = [self.processing.video(visuals)] if video else [self.processing.image(v) for v in visuals]
+        end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t`` (a video's from
+        ``fps``, the rate its frames sample it at; transformers' default 24 where the file tells none)."""
+        made = [self.processing.video(visuals, fps)] if video else [self.processing.image(v) for v in visuals]
         return {"image": torch.cat([v.pixel_values for v in made]), GRID_KEY: torch.stack([v.grid_thw for v in made]),
                 SECONDS_KEY: [v.second_per_grid_t for v in made]}

@@ -112,6 +112,10 @@ class HfFamily:
         """What the chat template writes for an image item; None: lavis_ds's ``<Img>`` + image tokens + ``</Img> ``."""
         return None
 
+    def template_video_run(self, model: nn.Module) -> str | None:
+        """What the chat template writes for a video item (a family whose processor takes videos); None: nothing."""
+        return None
+
     def processor(self, model: nn.Module, image_processor: Any, tokenizer: Any,
                   template: str) -> Any:  # pragma: no cover - interface
         """The class's processor of ``model`` around its image processor, tokenizer and chat template."""
@@ -119,6 +123,10 @@ class HfFamily:
 
     def finish_processor_folder(self, model: nn.Module, folder: Path) -> None:
         """Change what the class's processor needs changed in the saved ``folder`` (nothing by default)."""
+
+    def check_exported_processor(self, model: nn.Module, out: Path, processing: Any) -> None:
+        """Refuse (ExportError) a processor written to ``out`` that prompts otherwise than training does with
+        ``processing``, where the class's processor computes counts of its own. Default: nothing to check."""
 
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:

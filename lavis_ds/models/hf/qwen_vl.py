@@ -123,6 +123,9 @@ class QwenVLFamily(HfFamily):
     def template_image_run(self, model: nn.Module) -> str:
         return VISION_TOKENS[0] + model.prompt.image_token + VISION_TOKENS[2]
 
+    def template_video_run(self, model: nn.Module) -> str:
+        return VISION_TOKENS[0] + VIDEO_TOKEN + VISION_TOKENS[2]  # expanded by the processor into the video's tokens
+
     def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
         import transformers
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
@@ -131,6 +134,15 @@ class QwenVLFamily(HfFamily):
         processor_class = getattr(transformers, self.hf_class.replace("ForConditionalGeneration", "Processor"))
         return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                video_processor=Qwen2VLVideoProcessor(**processor_settings(processing)))
+
+    def check_exported_processor(self, model: nn.Module, out: Path, processing) -> None:
+        """The processor read back from ``out`` reserves training's placeholder count for images of a sweep of sizes
+        (``qwen_vl_sweep``)."""
+        from transformers import AutoProcessor
+
+        from lavis_ds.models.hf.qwen_vl_sweep import check_placeholder_sweep
+
+        check_placeholder_sweep(AutoProcessor.from_pretrained(out), processing, str(out))
 
     # ----------------------------------------------------------------- published folders
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from transformers import Qwen3VLVisionConfig
 from lavis_ds.common import registry as reg
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.towers.qwen_vl import Layout, QwenVLTower
-from lavis_ds.models.towers.qwen_vl_layers import LinearFcMlp
+from lavis_ds.models.towers.qwen_vl_layers import GridRows, LinearFcMlp, grid_rows
 
 # The towers of the published sizes (config.json vision_config); out_hidden_size is the LLM's width.
 _SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, num_position_embeddings=2304,
@@ -68,13 +68,13 @@ class Qwen3VLTower(QwenVLTower):
     def mlp(layout: Layout) -> nn.Module:
         return LinearFcMlp(layout.width, layout.mlp_hidden, layout.act)
 
-    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def embed(self, pixel_values: torch.Tensor, grid_thw: GridRows) -> torch.Tensor:
         """The patch embedding plus each patch's learned position, resampled to its image's grid."""
         x = self.patch_embed(pixel_values)
         return x + grid_positions(self.pos_embed.weight, grid_thw, self.layout.merge_size).to(x.dtype)
 
 
-def grid_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+def grid_positions(table: torch.Tensor, grid_thw: torch.Tensor | GridRows, merge_size: int) -> torch.Tensor:
     """``[P, width]``: the square position ``table`` (``[side*side, width]``) resampled bilinearly, corners
     aligned, to each image's (h, w) patches and laid out as the processor lays out patches (merge window by merge
     window, every frame alike): ``F.interpolate(mode="bilinear", align_corners=True)`` as transformers'
@@ -82,7 +82,7 @@ def grid_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge_size: int)
     side = round(table.shape[0] ** 0.5)
     square = table.view(side, side, -1)
     out = []
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in grid_rows(grid_thw):
         (r0, r1, dr), (c0, c1, dc) = (_taps(n, side, table.device) for n in (h, w))
         top = square[r0][:, c0] * (1 - dc)[None, :, None] + square[r0][:, c1] * dc[None, :, None]
         bottom = square[r1][:, c0] * (1 - dc)[None, :, None] + square[r1][:, c1] * dc[None, :, None]

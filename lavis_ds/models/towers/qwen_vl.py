@@ -34,9 +34,9 @@ from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.flops import Flops, Tally, patch_embedding, trains
 from lavis_ds.models.parts import PartError, load_exactly, read_safetensors
 from lavis_ds.models.towers.base import VisionTower
-from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, LinearFcMlp, PatchEmbed, RMSNorm, Spans, SwiGluMlp,
-                                                   VisionBlock, VisionRotary, frame_spans, patch_positions,
-                                                   window_order)
+from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, GridRows, LinearFcMlp, PatchEmbed, RMSNorm, Spans,
+                                                   SwiGluMlp, VisionBlock, VisionRotary, frame_spans, grid_rows,
+                                                   patch_positions, window_order)
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
 from lavis_ds.processors.qwen_vl import MAX_PIXELS, MIN_PIXELS, QwenVisionInputError, QwenVLProcessing, tokens_for_grid
 
@@ -155,8 +155,9 @@ class QwenVLTower(VisionTower):
     def mlp(layout: Layout) -> nn.Module:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def attention_plan(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor | None, list[list[int]]]:
-        """The merge-window order the blocks run in (None: the processor's) and each block's span lengths."""
+    def attention_plan(self, grid_thw: GridRows) -> tuple[torch.Tensor | None, list[list[int]]]:
+        """The merge-window order the blocks run in (None: the processor's; on the host) and each block's span
+        lengths, from the grid's host rows."""
         spans = frame_spans(grid_thw)
         return None, [spans] * len(self.blocks)
 
@@ -179,27 +180,31 @@ class QwenVLTower(VisionTower):
         transformers' parameter names, so one attribute serves both (a :class:`BlockList`)."""
         return self._modules["blocks"]
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """``pixel_values [P, 3*t*p*p]``, ``grid_thw [n, 3]`` -> ``[P, width]`` patch features, processor order."""
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | GridRows) -> torch.Tensor:
+        """``pixel_values [P, 3*t*p*p]``, ``grid_thw`` (n (t, h, w) rows, or a ``[n, 3]`` tensor) -> ``[P, width]``
+        patch features, processor order.
+
+        The plan (positions, spans, windows) is host arithmetic on the grid: given as rows (a prepared batch's,
+        ``QwenVL.prepare_batch``), the forward makes the host wait for the device nowhere; a grid tensor on a GPU
+        costs one sync to read."""
         return self.forward_taps(pixel_values, grid_thw)[0]
 
-    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def embed(self, pixel_values: torch.Tensor, grid_thw: GridRows) -> torch.Tensor:
         """The patches' input to the first block: their embedding (Qwen3-VL adds its learned positions)."""
         return self.patch_embed(pixel_values)
 
-    def forward_taps(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    def forward_taps(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | GridRows
                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The patch features (``forward``) and the outputs of the blocks in ``tap_layers``, each ``[P, width]`` in
         the processor's order."""
         grid_thw = self._checked_grid(pixel_values, grid_thw)
         unit = self.layout.merge_size ** 2
         x = self.embed(pixel_values, grid_thw)
-        # The plan is host arithmetic on the grid; its index tensors go where the patches are (grid_thw may be on
-        # the host while the patches are on a GPU).
-        positions = patch_positions(grid_thw, self.layout.merge_size).to(x.device)
+        # Its index tensors go where the patches are, without making the host wait.
+        positions = patch_positions(grid_thw, self.layout.merge_size).to(x.device, non_blocking=True)
         order, block_spans = self.attention_plan(grid_thw)
-        if order is not None:
-            order = order.to(x.device)  # run the blocks window by window (whole merge windows move together)
+        if order is not None:  # run the blocks window by window (whole merge windows move together)
+            order = order.to(x.device, non_blocking=True)
             x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
             positions = positions.view(-1, unit, 2)[order].flatten(0, 1)
         rotary = self.rotary_pos_emb(positions)
@@ -218,24 +223,24 @@ class QwenVLTower(VisionTower):
             x, *taps = (y.view(-1, unit, y.shape[-1])[restore].flatten(0, 1) for y in (x, *taps))
         return x, taps
 
-    def _checked_grid(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
-        patches = int(grid_thw.prod(-1).sum())
+    def _checked_grid(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | GridRows) -> GridRows:
+        rows = grid_rows(grid_thw)
+        patches = sum(t * h * w for t, h, w in rows)
         m = self.layout.merge_size
-        if patches != pixel_values.shape[0] or bool(((grid_thw[:, 1:] % m) != 0).any()):
+        if patches != pixel_values.shape[0] or any(h % m or w % m for _, h, w in rows):
             raise PartError(f"{self.tower_name()} tower: pixel_values has {pixel_values.shape[0]} patches but grid_thw "
-                            f"{grid_thw.tolist()} describes {patches}; valid: one (t, h, w) row per image, h and w "
-                            f"multiples of {m}, as lavis_ds.processors.qwen_vl makes them")
-        return grid_thw
+                            f"{[list(row) for row in rows]} describes {patches}; valid: one (t, h, w) row per image, "
+                            f"h and w multiples of {m}, as lavis_ds.processors.qwen_vl makes them")
+        return rows
 
     # ----------------------------------------------------------------- FLOPs
     def flops_for_grid(self, grid_thw: torch.Tensor | list[list[int]]) -> tuple[Flops, bool]:
         """FLOPs of the tower on the images of ``grid_thw`` ``[n, 3]`` (forward and training, by the rule in
         ``lavis_ds.models.flops``) and whether its features need a gradient: per patch, the patch embedding and every
         linear layer; per block, attention's two matmuls over the sum of its spans' squared lengths."""
-        grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
-        patches = int(grid_thw.prod(-1).sum())
-        _, block_spans = self.attention_plan(grid_thw)
+        rows = grid_rows(grid_thw)
+        patches = sum(t * h * w for t, h, w in rows)
+        _, block_spans = self.attention_plan(rows)
         tally = Tally()
         x = patch_embedding(self.patch_embed.proj, patches, tally)
         for block, lengths in zip(self.blocks, block_spans):
@@ -365,7 +370,7 @@ class Qwen25VLTower(QwenVLTower):
     def mlp(layout: Layout) -> nn.Module:
         return SwiGluMlp(layout.width, layout.mlp_hidden, layout.act)
 
-    def attention_plan(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor | None, list[list[int]]]:
+    def attention_plan(self, grid_thw: GridRows) -> tuple[torch.Tensor | None, list[list[int]]]:
         merged_px = self.layout.patch_size * self.layout.merge_size
         order, windows = window_order(grid_thw, self.layout.merge_size, self.config.window_size // merged_px)
         frames = frame_spans(grid_thw)  # window order keeps each frame's patches together

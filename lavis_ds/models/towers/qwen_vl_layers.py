@@ -17,11 +17,23 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+
+
+GridRows = list[tuple[int, int, int]]  # (t, h, w) patches per image or video, host integers
+
+
+def grid_rows(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> GridRows:
+    """A grid as host integers: rows as given, or a tensor's read once (``tolist``: on a GPU tensor a device sync,
+    which is why a prepared batch carries its grid as rows, ``QwenVL.prepare_batch``). A tower's layout (positions,
+    spans, windows) is host arithmetic on these."""
+    rows = grid_thw.reshape(-1, 3).tolist() if torch.is_tensor(grid_thw) else grid_thw
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
 
 
 @functools.cache
@@ -55,7 +67,9 @@ class Spans:
             else:
                 runs.append([row, 1, length])
             row += length
-        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+        # built on the host, copied without making the host wait (a pageable copy is staged before it returns)
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
         return cls(cu_seqlens, max(lengths), tuple(tuple(run) for run in runs))  # type: ignore[misc]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -78,21 +92,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def frame_spans(grid_thw: torch.Tensor) -> list[int]:
+def frame_spans(grid_thw: torch.Tensor | GridRows) -> list[int]:
     """Span lengths of full attention: one per frame (``h*w`` patches), ``t`` per image or video."""
-    return [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+    return [h * w for t, h, w in grid_rows(grid_thw) for _ in range(t)]
 
 
-def patch_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+def patch_positions(grid_thw: torch.Tensor | GridRows, merge_size: int) -> torch.Tensor:
     """(row, column) of every patch in the order the processor lays patches out (merge window by merge window):
-    ``[total_patches, 2]``, as transformers' ``get_vision_position_ids``."""
+    ``[total_patches, 2]`` on the host, as transformers' ``get_vision_position_ids``."""
     rows = []
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in grid_rows(grid_thw):
         r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         shape = (h // merge_size, merge_size, w // merge_size, merge_size)
         r, c = r.reshape(shape).transpose(1, 2).flatten(), c.reshape(shape).transpose(1, 2).flatten()
         rows.append(torch.stack([r, c], dim=-1).repeat(t, 1))
-    return torch.cat(rows).to(grid_thw.device)
+    return torch.cat(rows)
 
 
 class VisionRotary(nn.Module):
@@ -218,14 +232,15 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def window_order(grid_thw: torch.Tensor, merge_size: int, window_merged: int) -> tuple[torch.Tensor, list[int]]:
+def window_order(grid_thw: torch.Tensor | GridRows, merge_size: int, window_merged: int
+                 ) -> tuple[torch.Tensor, list[int]]:
     """Qwen2.5-VL's windows: the merge windows (2x2 patches) of each frame grouped into windows of
     ``window_merged`` x ``window_merged`` merge windows (112 px), row by row, the last row and column of windows
     cut short by the frame's edge. Returns the merge-window order (indices into the processor's order) and each
     window's length in patches, as transformers' ``get_vision_window_index`` does."""
     order, lengths, offset = [], [], 0
     unit = merge_size * merge_size
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in grid_rows(grid_thw):
         rows, cols = h // merge_size, w // merge_size
         index = torch.arange(t * rows * cols).view(t, rows, cols) + offset
         for frame in index:
@@ -235,4 +250,4 @@ def window_order(grid_thw: torch.Tensor, merge_size: int, window_merged: int) ->
                     order.append(window)
                     lengths.append(window.numel() * unit)
         offset += t * rows * cols
-    return torch.cat(order).to(grid_thw.device), lengths
+    return torch.cat(order), lengths  # on the host
