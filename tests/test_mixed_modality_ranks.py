@@ -18,9 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
-from archs import tiny_model_section, without_dropout
+from archs import ARCHITECTURES, FLAT_ARCHITECTURES, build_tiny, image_side, tiny_model_section, without_dropout
 from lavis_ds.apps.export_io import find_checkpoint, read_checkpoint
+from lavis_ds.common.errors import LavisDsError
+from lavis_ds.datasets.instruction import expand_video_marker
 from lavis_ds.datasets.samplers import StepBatchSampler
+from lavis_ds.processors.qwen_vl import GRID_KEY, SECONDS_KEY
 from run_utils import assert_same_steps, kill, output_of, start, tiny_config, train_steps, write_yaml
 from test_images_per_sample import write_video
 
@@ -132,3 +135,57 @@ def test_text_only_and_visual_ranks_take_the_one_process_steps(arch, engine, run
         # atol as in test_fsdp: attention key biases have zero gradients in exact arithmetic, which Adam turns
         # into lr-sized steps of rounding noise; everything else agrees to ~1e-6.
         torch.testing.assert_close(mine[name], tensor, rtol=1e-4, atol=2e-4, msg=name)
+
+
+# ---- in-process: every architecture runs the same modules whatever the micro-batch holds -----------------------
+
+def _batch(model, kind: str, flat: bool) -> dict:
+    """Two samples of one ``kind``: text only, one image each, or a 4-frame video each (a Qwen-VL tower's temporal
+    patches where the architecture takes them; otherwise the frames as images, one marker each, as the datasets
+    give a fixed-size tower's video)."""
+    side = image_side(model)
+    text = {"output": [["Yes."], ["A red square on grey."]]}
+    if kind == "text":
+        return {**text, "image": torch.zeros(0, 3, side, side), "num_images": [0, 0],
+                "instruction": [["Say something."], ["What is it?"]]}
+    if kind == "image":
+        return {**text, "image": torch.randn(2, 3, side, side), "num_images": [1, 1],
+                "instruction": [["<Img><ImageHere></Img> What?"]] * 2}
+    if flat:
+        frames = [Image.new("RGB", (side, side), (40 * k, 40, 40)) for k in range(4)]
+        made = [model.vision_tower.processing.video(frames) for _ in range(2)]
+        video = {**text, "image": torch.cat([v.pixel_values for v in made]), "num_images": [1, 1],
+                 GRID_KEY: torch.stack([v.grid_thw for v in made]), SECONDS_KEY: [v.second_per_grid_t for v in made],
+                 "instruction": [["<Img><ImageHere></Img> What happens?"]] * 2}
+        try:
+            model.image_visuals(video)
+            return video
+        except LavisDsError as refused:  # Qwen3-VL's prompt takes no temporal video: frames as images, as below
+            assert "is a video" in str(refused), refused
+    return {**text, "image": torch.randn(8, 3, side, side), "num_images": [4, 4],
+            "instruction": [expand_video_marker(["<Img><ImageHere></Img> What happens?"], 4)] * 2}
+
+
+def _gathers(model, batch: dict) -> list[str]:
+    """The modules holding parameters, in the order their forwards start, over one forward and backward of
+    ``batch``: where ZeRO-3 gathers (and FSDP2 unshards) what each rank must gather alike."""
+    called: list[str] = []
+    hooks = [module.register_forward_pre_hook(lambda _m, _a, name=name: called.append(name))
+             for name, module in model.named_modules() if any(True for _ in module.parameters(recurse=False))]
+    try:
+        model(batch)["loss"].backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return called
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_text_image_and_video_micro_batches_run_the_same_modules_in_the_same_order(arch, tiny_tokenizer_dir,
+                                                                                    tmp_path):
+    torch.manual_seed(0)
+    model = build_tiny(arch, tiny_tokenizer_dir, tmp_path, **without_dropout(arch))
+    flat = arch in FLAT_ARCHITECTURES
+    orders = {kind: _gathers(model, _batch(model, kind, flat)) for kind in ("text", "image", "video")}
+    assert any("vision_tower." in name or "visual_encoder." in name for name in orders["text"])  # the blank image
+    assert orders["text"] == orders["image"] == orders["video"]
