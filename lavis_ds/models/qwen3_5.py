@@ -8,8 +8,8 @@ the ``qwen3_vl`` tower with ``deepstack_visual_indexes: []``, ``qwen3_vl_merger`
 sample). Positions come from the M-RoPE provider as for Qwen3-VL: an image's tokens are numbered over its grid of
 merged tokens (``get_rope_index`` of transformers' ``Qwen3_5Model`` numbers them alike), three rows when padded and
 four when packed (the plain positions in front, from which the attention layers read the sample boundaries); the
-text model interleaves the rows' frequencies over its rotary quarter of each head (``mrope_section`` [11, 11, 10]
-of 64 rotary dimensions in the published models).
+text model interleaves the rows' frequencies over its rotary quarter of each head (``mrope_section`` [11, 11, 10]:
+the 32 frequencies of 64 rotary dimensions in the published models).
 
 Published folders load with ``load_pretrained`` and export with ``--format hf`` (``lavis_ds.models.hf.qwen3_5``).
 """
