@@ -120,6 +120,6 @@ def test_generation_continues_each_sample_at_its_rope_delta(model):
 def test_an_mrope_section_that_does_not_fit_the_head_is_refused():
     problems = llm_config_problems({**TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [4, 4, 4]}})
     assert problems == ["model.llm_config.rope_parameters.mrope_section: [4, 4, 4] adds up to 12, but M-RoPE splits "
-                        "half the head dimension (16 // 2 = 8) into its temporal, height and width parts; give three "
-                        "numbers that add up to it"]
+                        "half the rotary dimensions of each head (16 // 2 = 8) into its temporal, height and width "
+                        "parts; give three numbers that add up to it"]
     assert llm_config_problems(TEXT) == []

@@ -12,6 +12,8 @@ transformers user writes). The class follows the model (``export_hf_checks.hf_fa
     qwen2_vl / qwen2_5_vl + patch_merger    Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration
                                             + their processors
     qwen3_vl + qwen3_vl_merger              Qwen3VLForConditionalGeneration + Qwen3VLProcessor
+    qwen3_5 (the same parts, no DeepStack)  Qwen3_5ForConditionalGeneration + Qwen3VLProcessor (its own published
+                                            chat template, the model's template variables as its defaults)
 
 (each a registered family, ``lavis_ds.models.hf``; a new class is a new family there), and the folder holds:
 

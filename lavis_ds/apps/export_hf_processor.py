@@ -126,9 +126,9 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     prompt = model.prompt
     processing = image_processing_of(image_cfg or default_image_cfg(model))
     images = family.image_processor(processing)
-    template = chat_template(prompt.system_prompt, prompt.image_token, family.template_image_tokens(model),
-                             prompt.record_system_prompt, family.template_image_run(model),
-                             family.template_video_run(model))
+    template = family.export_chat_template(model) or chat_template(
+        prompt.system_prompt, prompt.image_token, family.template_image_tokens(model), prompt.record_system_prompt,
+        family.template_image_run(model), family.template_video_run(model))
     model.llm_tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every

@@ -29,7 +29,10 @@ DEFAULT_MODEL_TYPE = "qwen2"  # what llm_config meant before it took a model_typ
 FAMILY_POSITIONS = {"qwen2_vl_text": "mrope", "qwen2_5_vl_text": "mrope",
                     # Qwen3-VL numbers an image's tokens as Qwen2-VL does; its text model interleaves the rows'
                     # frequencies (mrope_interleaved) itself
-                    "qwen3_vl_text": "mrope"}
+                    "qwen3_vl_text": "mrope",
+                    # Qwen3.5's text model takes the same rows (interleaved over its rotary quarter of each head);
+                    # without a grid (a Q-Former's queries, text) the rows are equal, as its plain positions
+                    "qwen3_5_text": "mrope"}
 
 
 def llm_config_problems(llm_config: Mapping[str, Any] | None) -> list[str]:
@@ -62,16 +65,22 @@ def transformers_config(llm_config: Mapping[str, Any], **defaults: Any) -> Pretr
 
 
 def _mrope_section_problems(section: Mapping[str, Any]) -> list[str]:
-    """M-RoPE splits each head's rotary frequencies into temporal, height and width parts: ``mrope_section`` must add
-    up to half the head dimension (transformers' default [16, 24, 24] fits head_dim 128 only)."""
+    """M-RoPE splits each head's rotary frequencies (half its rotary dimensions: the head, or Qwen3.5's
+    ``partial_rotary_factor`` of it) into temporal, height and width parts: ``mrope_section`` must add up to them
+    (transformers' default [16, 24, 24] fits a fully rotary head of 128 only). Qwen3.5's text model, given no section,
+    takes [11, 11, 10] and spreads it over what rotary frequencies there are (the published models have 32)."""
     config = AutoConfig.for_model(**{k: v for k, v in section.items()})
+    rope = config.rope_parameters or {}
+    if "mrope_section" not in rope and config.model_type == "qwen3_5_text":
+        return []
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    parts = (config.rope_parameters or {}).get("mrope_section", [16, 24, 24])
-    if sum(parts) == head_dim // 2:
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    parts = rope.get("mrope_section", [16, 24, 24])
+    if sum(parts) == rotary // 2:
         return []
     return [f"model.llm_config.rope_parameters.mrope_section: {list(parts)} adds up to {sum(parts)}, but M-RoPE "
-            f"splits half the head dimension ({head_dim} // 2 = {head_dim // 2}) into its temporal, height and width "
-            "parts; give three numbers that add up to it"]
+            f"splits half the rotary dimensions of each head ({rotary} // 2 = {rotary // 2}) into its temporal, height "
+            "and width parts; give three numbers that add up to it"]
 
 
 def causal_lm_class(config: PretrainedConfig) -> type:

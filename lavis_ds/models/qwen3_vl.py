@@ -43,6 +43,10 @@ class Qwen3VL(QwenVL):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
+        self.check_deepstack()
+
+    def check_deepstack(self) -> None:
+        """One DeepStack merger per tapped tower block, and no more taps than the LLM has layers to add them after."""
         taps = list(getattr(self.vision_tower, "tap_layers", ()))
         mergers = getattr(self.connector, "deepstack_taps", 0)
         if len(taps) != mergers:

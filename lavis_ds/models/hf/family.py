@@ -108,6 +108,11 @@ class HfFamily:
         """Image tokens the chat template writes per image (the processor expands them where its class does)."""
         return model.prompt.num_image_tokens
 
+    def export_chat_template(self, model: nn.Module) -> str | None:
+        """The chat template the export's processor and tokenizer carry; None: lavis_ds's ChatML template of the
+        model's prompt (``apps.export_hf_processor.chat_template``)."""
+        return None
+
     def template_image_run(self, model: nn.Module) -> str | None:
         """What the chat template writes for an image item; None: lavis_ds's ``<Img>`` + image tokens + ``</Img> ``."""
         return None

@@ -13,20 +13,46 @@ tokenizer, chat template's vision tokens); the folder also fixes the connector's
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lavis_ds.common import registry as reg
+from lavis_ds.models.hf.family import part_name
 from lavis_ds.models.hf.qwen_vl import QwenVLFamily, processor_settings
+from lavis_ds.models.parts import PartError
 
 
 class Qwen3VLFamily(QwenVLFamily):
     hf_class, model_type, tower = "Qwen3VLForConditionalGeneration", "qwen3_vl", "qwen3_vl"
+    # The architecture whose models the class holds: Qwen3.5's class holds the same parts (``hf.qwen3_5``), so the
+    # pair of parts alone does not say which class a model exports to, nor which architecture reads a folder.
+    arch = "qwen3_vl"
     out_width_key = "out_hidden_size"
     pairs = (("qwen3_vl", "qwen3_vl_merger"),)
     exportable = "a qwen3_vl tower + qwen3_vl_merger + the qwen3_vl_text model"
+
+    def holds(self, model: nn.Module) -> bool:
+        """The architecture's models of the family's pair of parts."""
+        return super().holds(model) and part_name(model, reg.models) == self.arch
+
+    def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
+        """As Qwen2-VL's, and the configured architecture must be the folder's."""
+        settings = super().published_settings(section, folder, config)
+        arch = section.get("arch")
+        if arch is not None and arch != self.arch:
+            raise PartError(f"model.pretrained: {folder} is a {self.hf_class} folder (config.json model_type "
+                            f"{self.model_type!r}), but model.arch is {arch!r}; load it with model.arch: {self.arch} "
+                            f"({self.exportable})")
+        return settings
+
+    def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
+        name = part_name(model, reg.models)
+        if name != self.arch:
+            return [f"architecture: the folder's is {self.arch}, the model's {name}"]
+        return super().fit_problems(model, config)
 
     def merger_state(self, connector: nn.Module) -> dict[str, torch.Tensor]:
         """The connector's keys are the class's own under ``model.visual`` (``merger.*``,

@@ -96,7 +96,7 @@ class QwenVLFamily(HfFamily):
         from lavis_ds.models.llm import base_llm
 
         llm, tokenizer = base_llm(model.llm_model), model.llm_tokenizer
-        vision = model.vision_tower.config.to_dict()
+        vision = self.hf_vision_config(model)
         vision[self.out_width_key] = llm.config.hidden_size
         text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
         ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
@@ -109,6 +109,10 @@ class QwenVLFamily(HfFamily):
         for sub in (config.vision_config, config.text_config):
             sub.dtype = dtype
         return config
+
+    def hf_vision_config(self, model: nn.Module) -> dict[str, Any]:
+        """The class's vision config as a dict: the tower's own config."""
+        return model.vision_tower.config.to_dict()
 
     def image_processor(self, processing):
         """``Qwen2VLImageProcessor`` (torchvision backend, as ``lavis_ds.processors.qwen_vl`` reproduces it) with the
