@@ -1,7 +1,8 @@
 """Qwen3-VL (``qwen3_vl``): a tiny published ``Qwen3VLForConditionalGeneration`` folder (random, written by
 transformers with its tokenizer, chat template and processor) loaded by the YAML users write: the tower and its
 DeepStack mergers equal transformers' vision model, the logits equal transformers' (fp32, 1e-5) on images of
-three aspect ratios, two images and text only, greedy tokens are the same, and ``--format hf`` writes a folder that
+three aspect ratios, two images, text only and a video (each frame group after its timestamp text), greedy tokens
+are the same, and ``--format hf`` writes a folder that
 transformers alone reloads and generates the same tokens from. The tiny preset packs equal to padded (loss and
 gradients) with images of different grids; bad DeepStack settings and a folder of another family are one line."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from archs import build_tiny, loss_and_grads
 from conftest import TINY_CORPUS
 from lavis_ds.common.errors import LavisDsError
 from lavis_ds.common.registry import processors, registry, vision_towers
-from lavis_ds.models.image_tokens import GRID_KEY
+from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY
 from lavis_ds.models.parts import PartError
 from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
 
@@ -93,6 +94,56 @@ def inputs_of(processor, images: list[tuple[int, int]], answer: str | None):
     if pictures:
         sample.update(image=inputs["pixel_values"], **{GRID_KEY: inputs["image_grid_thw"]})
     return inputs, sample
+
+
+# A video: six 64x96 px frames of a 1.5 fps file, every frame taken: three frame groups at 0.3, 1.7 and 3.0 s
+VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 6, 1.5, (64, 96)
+
+
+def video_inputs_of(processor, answer: str | None):
+    """transformers' inputs for one conversation about a video (its frames as given: no sampling, no resizing),
+    and the same sample as a lavis_ds batch: the processor's patches and grid, the file's seconds per frame group."""
+    from transformers.video_utils import VideoMetadata
+
+    frames = np.stack([np.asarray(picture(*VIDEO_SIZE, seed)) for seed in range(VIDEO_FRAMES)])
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]}]
+    if answer is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    text = processor.apply_chat_template(messages, add_generation_prompt=answer is None, tokenize=False)
+    metadata = VideoMetadata(total_num_frames=VIDEO_FRAMES, fps=VIDEO_FPS, frames_indices=list(range(VIDEO_FRAMES)))
+    inputs = processor(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
+                       do_resize=False, return_tensors="pt")
+    sample = {"instruction": [["<ImageHere>" + QUESTION]], "num_images": [1], "image": inputs["pixel_values_videos"],
+              GRID_KEY: inputs["video_grid_thw"], SECONDS_KEY: [2 / VIDEO_FPS]}
+    if answer is not None:
+        sample["output"] = [[answer]]
+    return inputs, sample
+
+
+def test_a_video_takes_transformers_ids_and_logits(pair):
+    theirs, processor, ours, _ = pair
+    inputs, sample = video_inputs_of(processor, ANSWER)
+    assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
+    text = processor.tokenizer.decode(inputs["input_ids"][0])
+    assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
+    prepared = ours.prepare_batch(sample)
+    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = theirs(**inputs).logits
+        embeds, layout, _ = ours._inputs(prepared, None)
+        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_video_generates_transformers_tokens(pair):
+    theirs, processor, ours, _ = pair
+    inputs, sample = video_inputs_of(processor, None)
+    steps = dict(max_new_tokens=4, min_new_tokens=4)
+    answer = ours.generate(sample, **steps)
+    with torch.no_grad():
+        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
+                              suppress_tokens=ours.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
+    assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 
 def test_the_tower_and_its_mergers_equal_transformers_vision_model(pair):
@@ -209,10 +260,10 @@ def test_a_qwen3_vl_folder_configured_as_another_family_is_refused_naming_it(pai
         registry.get_model_class("qwen2_vl").from_config(user_yaml("qwen2_vl", folder))
 
 
-def test_a_video_is_refused_naming_it(pair):
+def test_a_video_without_its_seconds_is_refused_naming_it(pair):
     _, _, ours, _ = pair
     sample = {"instruction": [["<ImageHere>What happens?"]], "num_images": [1],
               "image": torch.zeros(2 * 4 * 4, 3 * 2 * 16 * 16), GRID_KEY: torch.tensor([[2, 4, 4]])}
-    with pytest.raises(LavisDsError, match=r"qwen3_vl: image 0 of the batch is a video \(image_grid_thw row "
-                                           r"\[2, 4, 4\]\)"):
+    with pytest.raises(LavisDsError, match=r"qwen3_vl: image 0 of the batch has 2 temporal patches \(image_grid_thw "
+                                           r"row \[2, 4, 4\]\) but no second_per_grid_t"):
         ours.generate(sample)

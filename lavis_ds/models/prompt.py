@@ -39,6 +39,28 @@ DEFAULT_IMAGE_PREFIX = f"<Img>{IMAGE_HERE}</Img> "
 Turns = Sequence[str]
 
 
+@dataclass(frozen=True)
+class FrameGroups:
+    """A video written frame group by frame group (Qwen3-VL's processor): each temporal patch's placeholders in
+    their own vision span, after the text ``<{seconds:.1f} seconds>`` of that patch's time in the video.
+
+    Attributes:
+        seconds: Each temporal patch's time in the video (the mean of its frames' times), in order.
+        span: The text around each frame group's placeholders (``<|vision_start|>``, ``<|vision_end|>``).
+    """
+
+    seconds: tuple[float, ...]
+    span: tuple[str, str]
+
+    def run(self, token: str, count: int) -> str:
+        """The placeholder text of the whole video: ``count`` placeholders, an equal share per frame group."""
+        per_group, left = divmod(count, len(self.seconds))
+        if left:
+            raise ValueError(f"a video of {len(self.seconds)} frame groups cannot take {count} placeholders")
+        start, end = self.span
+        return "".join(f"<{second:.1f} seconds>{start}{token * per_group}{end}" for second in self.seconds)
+
+
 def as_turns(value: str | Turns) -> list[str]:
     """A sample's instruction or output as a list of turns (a bare string is one turn)."""
     return [value] if isinstance(value, str) else list(value)
@@ -46,7 +68,8 @@ def as_turns(value: str | Turns) -> list[str]:
 
 def insert_image_placeholders(instructions: Turns, image_token: str | Sequence[str],
                               num_image_tokens: int | Sequence[int], num_images: int = 1,
-                              image_span: tuple[str, str] | None = None) -> list[str]:
+                              image_span: tuple[str, str] | None = None,
+                              frames: Sequence[FrameGroups | None] | None = None) -> list[str]:
     """Replace each ``<ImageHere>`` by ``num_image_tokens`` copies of ``image_token`` (a list: each image's own count,
     in image order, and as many images as it lists). ``image_token`` may be a list too: each image's own
     placeholder token (Qwen-VL's ``<|video_pad|>`` for a video, ``<|image_pad|>`` for an image).
@@ -61,6 +84,9 @@ def insert_image_placeholders(instructions: Turns, image_token: str | Sequence[s
     ``<|vision_start|>``, ``<|vision_end|>``). Each marker then becomes ``start + placeholders + end``, MiniGPT4Qwen's
     ``<Img>``/``</Img>`` around markers (and one space after ``</Img>``) are dropped, and an unmarked image goes in
     front of the first turn with nothing between it and the text, as Qwen2-VL's template places an image item.
+
+    ``frames``: per image, the :class:`FrameGroups` of a video written frame group by frame group (inside the
+    marker's own span, as Qwen3-VL's processor writes it), or None for one run.
     """
     turns = list(instructions)
     if not turns:
@@ -77,7 +103,9 @@ def insert_image_placeholders(instructions: Turns, image_token: str | Sequence[s
     if len(tokens) != num_images:
         raise ValueError(f"{len(tokens)} placeholder token(s) for {num_images} image(s)")
     # markers in reading order are the images in image order
-    runs = iter([token * count for token, count in zip(tokens, counts)])
+    groups = list(frames) if frames is not None else [None] * num_images
+    runs = iter([token * count if group is None else group.run(token, count)
+                 for token, count, group in zip(tokens, counts, groups)])
     start, end = image_span or ("", "")
     if image_span is not None:
         turns = [_without_img_tags(turn) for turn in turns]
@@ -159,13 +187,18 @@ class ChatPrompt:
         video = [] if self.video_token is None else [self.tokenizer.convert_tokens_to_ids(self.video_token)]
         return [self.image_token_id, *video]
 
-    def placeholder_tokens(self, num_images: int, videos: Sequence[bool] | None) -> list[str]:
+    def placeholder_tokens(self, num_images: int, videos: Sequence[bool | FrameGroups] | None) -> list[str]:
         """Each visual's placeholder token: ``video_token`` for the ones ``videos`` marks (where the prompt has one),
         else ``image_token``."""
         marks = list(videos) if videos is not None else [False] * num_images
         if len(marks) != num_images:
             raise ValueError(f"{len(marks)} video mark(s) for {num_images} visual(s)")
         return [self.video_token if video and self.video_token else self.image_token for video in marks]
+
+    @staticmethod
+    def frame_groups(videos: Sequence[bool | FrameGroups] | None) -> list[FrameGroups | None] | None:
+        """Each visual's :class:`FrameGroups` where ``videos`` gives one (a video written by frame groups)."""
+        return None if videos is None else [v if isinstance(v, FrameGroups) else None for v in videos]
 
     @property
     def end_of_turn_id(self) -> int:
@@ -213,18 +246,20 @@ class ChatPrompt:
 
     def training_example(self, instructions: str | Turns, answers: str | Turns, num_images: int = 1,
                          image_tokens: Sequence[int] | None = None, system: str | None = None,
-                         videos: Sequence[bool] | None = None) -> tuple[list[int], list[int]]:
+                         videos: Sequence[bool | FrameGroups] | None = None) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one sample with ``num_images`` images (and its own system turn ``system``,
         None: ``system_prompt``), truncated to ``max_len`` tokens.
 
         ``image_tokens``: each image's placeholder count (then ``num_images`` is its length); default
-        ``num_image_tokens`` each. ``videos``: which of the visuals are videos (``placeholder_tokens``).
+        ``num_image_tokens`` each. ``videos``: which of the visuals are videos (``placeholder_tokens``); a
+        :class:`FrameGroups` marks a video written frame group by frame group.
         Truncation keeps the start and cuts the end, never inside or before an image's
         placeholders (fewer slots than features): such a sample raises :class:`ImageSpanCut`.
         """
         counts = self.placeholder_counts(num_images, image_tokens)
         instructions = insert_image_placeholders(as_turns(instructions), self.placeholder_tokens(len(counts), videos),
-                                                 counts, image_span=self.image_span)
+                                                 counts, image_span=self.image_span,
+                                                 frames=self.frame_groups(videos))
         segments = self.segments(instructions, as_turns(answers), system=system)
         input_ids, labels = self._tokenize(segments, counts)
         if len(input_ids) > self.max_len and sum(counts):
@@ -236,7 +271,7 @@ class ChatPrompt:
 
     def generation_prompt(self, instructions: str | Turns, answers: str | Turns = (), num_images: int = 1,
                           image_tokens: Sequence[int] | None = None, system: str | None = None,
-                          videos: Sequence[bool] | None = None) -> list[int]:
+                          videos: Sequence[bool | FrameGroups] | None = None) -> list[int]:
         """Token ids up to the last turn's assistant header (ChatML: ``<|im_start|>assistant\\n``); earlier turns
         keep their answers.
 
@@ -246,7 +281,8 @@ class ChatPrompt:
         """
         counts = self.placeholder_counts(num_images, image_tokens)
         instructions = insert_image_placeholders(as_turns(instructions), self.placeholder_tokens(len(counts), videos),
-                                                 counts, image_span=self.image_span)
+                                                 counts, image_span=self.image_span,
+                                                 frames=self.frame_groups(videos))
         segments = self.segments(instructions, as_turns(answers), add_generation_prompt=True, system=system)
         return self._tokenize(segments, counts)[0]
 

@@ -11,8 +11,15 @@ the merged and DeepStack tokens side by side in the channels, so they follow the
 
 transformers' ``Qwen3VLForConditionalGeneration`` holds the same parts (``model.visual`` with ``merger`` and
 ``deepstack_merger_list``, ``model.language_model``, ``lm_head``); its published folders load with
-``load_pretrained`` and export with ``--format hf`` (``lavis_ds.models.hf.qwen3_vl``). Videos are refused:
-Qwen3-VL writes each frame as its own image run after a timestamp, which the prompt does not yet write.
+``load_pretrained`` and export with ``--format hf`` (``lavis_ds.models.hf.qwen3_vl``).
+
+A video (a visual with ``second_per_grid_t``) goes through the tower whole, as transformers' ``get_video_features``
+takes it, and is written as Qwen3-VL's processor writes it: inside the marker's vision span, each temporal patch
+(frame group) after the text ``<{seconds:.1f} seconds>`` of its time, with its ``<|video_pad|>`` placeholders in a
+span of its own (``prompt.FrameGroups``); M-RoPE numbers each frame group as an image of one temporal patch, the
+timestamp text between them (transformers' ``get_rope_index``). A frame group's time is the mean of its frames'
+times, the frames taken evenly at the sampled rate from the video's start (``2 / second_per_grid_t`` frames a
+second): the times transformers gives every frame of a file, or frames at a whole-number stride.
 """
 from __future__ import annotations
 
@@ -22,9 +29,10 @@ import torch
 
 from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import LavisDsError
-from lavis_ds.models.image_tokens import image_sizes
+from lavis_ds.models.image_tokens import SECONDS_KEY, image_sizes, per_sample, video_flags
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.positions import Visual
+from lavis_ds.models.prompt import FrameGroups, image_counts
 from lavis_ds.models.qwen_vl import QwenVL
 
 
@@ -63,14 +71,47 @@ class Qwen3VL(QwenVL):
         features, taps = self.vision_tower.forward_taps(*self.patches_and_grid(images, samples))
         return self.connector(features, {"taps": taps})
 
+    def video_marks(self, samples: dict[str, Any]) -> list[bool | FrameGroups]:
+        """Each video as its frame groups with their times (``FrameGroups``); False for an image."""
+        seconds = samples.get(SECONDS_KEY)
+        marks: list[bool | FrameGroups] = []
+        for i, (video, size) in enumerate(zip(video_flags(samples), image_sizes(samples), strict=True)):
+            marks.append(FrameGroups(self.frame_group_seconds(int(size[0]), float(seconds[i])), self.IMAGE_SPAN)
+                         if video else False)
+        return marks
+
+    def frame_group_seconds(self, groups: int, second_per_grid_t: float) -> tuple[float, ...]:
+        """Each frame group's time in seconds, as Qwen3-VL's processor computes it (``_calculate_timestamps``):
+        the mean of its first and last frame's index over the frame rate, the frames indexed 0, 1, ... at the
+        sampled rate ``temporal_patch_size / second_per_grid_t``."""
+        frames = self.vision_tower.layout.temporal_patch_size
+        fps = frames / second_per_grid_t
+        times = [index / fps for index in range(groups * frames)]
+        return tuple((times[i] + times[i + frames - 1]) / 2 for i in range(0, len(times), frames))
+
     def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
-        """As Qwen2-VL's, for images; a video (a grid of more than one temporal patch) is refused."""
-        videos = [i for i, size in enumerate(image_sizes(samples)) if len(size) == 3 and int(size[0]) > 1]
-        if videos:
-            raise LavisDsError(f"qwen3_vl: image {videos[0]} of the batch is a video (image_grid_thw row "
-                               f"{list(image_sizes(samples)[videos[0]])}); Qwen3-VL takes each frame as its own image "
-                               "run after a timestamp, which lavis_ds's prompt does not write; give still images")
+        """As Qwen2-VL's, for images; a grid of more than one temporal patch without video seconds is refused (it
+        has no frame times to write)."""
+        flags = video_flags(samples)
+        stills = [i for i, size in enumerate(image_sizes(samples)) if len(size) == 3 and int(size[0]) > 1
+                  and not flags[i]]
+        if stills:
+            raise LavisDsError(f"qwen3_vl: image {stills[0]} of the batch has {image_sizes(samples)[stills[0]][0]} "
+                               f"temporal patches (image_grid_thw row {list(image_sizes(samples)[stills[0]])}) but no "
+                               f"{SECONDS_KEY}; Qwen3-VL writes a video's frame times, so give a video its "
+                               f"{SECONDS_KEY} (the qwen_vl_image processor's video fields) or give still images")
         return super().image_visuals(samples)
+
+    def positioned_visuals(self, samples: dict[str, Any]) -> list[list[Visual]]:
+        """Each video as its frame groups, each an image of one temporal patch (its own run after its timestamp)."""
+        frames = []
+        for mine in per_sample(self.image_visuals(samples), image_counts(samples)):
+            runs = []
+            for visual in mine:
+                t, h, w = visual.grid
+                runs += [Visual(h * w, (1, h, w))] * t
+            frames.append(runs)
+        return frames
 
     def llm_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -81,5 +122,5 @@ class Qwen3VL(QwenVL):
         embeds = self._embed(input_ids, merged)
         if not deepstack or merged.shape[0] == 0:
             return embeds, {}
-        mask = input_ids == self.prompt.image_token_id
+        mask = torch.isin(input_ids, torch.tensor(self.prompt.placeholder_ids, device=input_ids.device))
         return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}

@@ -18,7 +18,7 @@ from lavis_ds.models.image_tokens import (GRID_KEY, SECONDS_KEY, SIZES_KEY, Size
                                            select_images, video_flags)
 from lavis_ds.models.lm_loss import supervised_positions
 from lavis_ds.models.packing import pack
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, FrameGroups, image_counts, pad_batch, pad_positions
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +39,17 @@ def sample_names(samples: dict[str, Any]) -> list[str]:
 
 
 def training_examples(prompt: ChatPrompt, samples: dict[str, Any],
-                      image_tokens: list[list[int]] | None = None) -> list[Example | ImageSpanCut]:
+                      image_tokens: list[list[int]] | None = None, videos: list[bool | FrameGroups] | None = None
+                      ) -> list[Example | ImageSpanCut]:
     """``(input_ids, labels)`` of each sample: its turns, its images' placeholder counts (``image_tokens``, a list per
-    sample; None: the prompt's fixed count), its own system turn (if any). A sample that truncation would cut into
+    sample; None: the prompt's fixed count), its own system turn (if any). ``videos``: each visual's video mark, in
+    flat image order (the model's ``video_marks``; None: ``video_flags``). A sample that truncation would cut into
     an image gives its :class:`ImageSpanCut`, naming it, in its place: the caller refuses or drops it."""
     names = sample_names(samples)
     systems = samples.get("system") or [None] * len(names)
     counts = image_tokens if image_tokens is not None else [None] * len(names)
-    videos = per_sample(video_flags(samples), image_counts(samples))  # a video's placeholders are the video token
+    marks = video_flags(samples) if videos is None else videos  # a video's placeholders are the video token
+    videos = per_sample(marks, image_counts(samples))
     examples: list[Example | ImageSpanCut] = []
     for name, instructions, answers, num_images, system, mine, my_videos in zip(
             names, samples["instruction"], samples["output"], image_counts(samples), systems, counts, videos,

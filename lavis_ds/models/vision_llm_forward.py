@@ -96,12 +96,22 @@ class VisionLLMForward(BaseModel):
         pooled tower's tokens are numbered as text is); an image path with a grid (Qwen-VL's) says."""
         return [Visual(n) for n in self.image_token_counts(samples)]
 
+    def positioned_visuals(self, samples: dict[str, Any]) -> list[list[Visual]]:
+        """Each sample's placeholder runs as the position provider numbers them, in order: its ``image_visuals``
+        (a family that writes a video as several runs gives each run)."""
+        return per_sample(self.image_visuals(samples), image_counts(samples))
+
+    def video_marks(self, samples: dict[str, Any]) -> list[Any]:
+        """Each visual's video mark for the prompt (flat image order): ``video_flags`` (a family that writes a video
+        frame group by frame group gives its ``prompt.FrameGroups``)."""
+        return video_flags(samples)
+
     def _rope_positions(self, sequences: list[list[int]], samples: dict[str, Any]) -> list[torch.Tensor] | None:
         """Each sample's ``[rows, L]`` position ids from the LLM family's provider, when it takes more than one row
         (M-RoPE); None for 1-D families, whose positions are ``0..L-1`` (packing's ``position_ids``)."""
         if self.positions.rows == 1:
             return None
-        visuals = per_sample(self.image_visuals(samples), image_counts(samples))
+        visuals = self.positioned_visuals(samples)
         placeholders = self.prompt.placeholder_ids
         return [self.positions.positions(ids, placeholders, mine) for ids, mine in zip(sequences, visuals, strict=True)]
 
@@ -110,7 +120,7 @@ class VisionLLMForward(BaseModel):
         """Each sample's ``(input_ids, labels)`` and the batch they belong to: ``samples``, or without the samples
         truncation would cut into an image (``on_image_cut: drop``; a batch left empty keeps one blank sample)."""
         counts = per_sample(self.image_token_counts(samples), image_counts(samples))
-        examples = training_examples(self.prompt, samples, counts)
+        examples = training_examples(self.prompt, samples, counts, self.video_marks(samples))
         kept = [i for i, example in enumerate(examples) if not isinstance(example, ImageSpanCut)]
         if len(kept) == len(examples):
             return examples, samples
@@ -280,7 +290,7 @@ class VisionLLMForward(BaseModel):
         systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
         counts = per_sample(self.image_token_counts(samples), num_images)
-        videos = per_sample(video_flags(samples), num_images)
+        videos = per_sample(self.video_marks(samples), num_images)
         prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
                    for ins, out, mine, system, video in zip(samples["instruction"], answers, counts, systems, videos,
                                                             strict=True)]
