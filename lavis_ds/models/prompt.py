@@ -28,7 +28,8 @@ from transformers import PreTrainedTokenizerBase
 from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import (ChatTemplate, ChatTemplateError, check_turns, takes_system_message,
                                            template_text, unstable_render)
-from lavis_ds.models.image_tokens import batch_images
+from lavis_ds.models.frame_groups import FrameGroups, frame_group_marks
+from lavis_ds.models.image_tokens import batch_images, video_flags
 
 logger = logging.getLogger(__name__)
 
@@ -37,28 +38,6 @@ IMAGE_HERE = "<ImageHere>"  # MiniGPT4Qwen's marker for where the image goes
 DEFAULT_IMAGE_PREFIX = f"<Img>{IMAGE_HERE}</Img> "
 
 Turns = Sequence[str]
-
-
-@dataclass(frozen=True)
-class FrameGroups:
-    """A video written frame group by frame group (Qwen3-VL's processor): each temporal patch's placeholders in
-    their own vision span, after the text ``<{seconds:.1f} seconds>`` of that patch's time in the video.
-
-    Attributes:
-        seconds: Each temporal patch's time in the video (the mean of its frames' times), in order.
-        span: The text around each frame group's placeholders (``<|vision_start|>``, ``<|vision_end|>``).
-    """
-
-    seconds: tuple[float, ...]
-    span: tuple[str, str]
-
-    def run(self, token: str, count: int) -> str:
-        """The placeholder text of the whole video: ``count`` placeholders, an equal share per frame group."""
-        per_group, left = divmod(count, len(self.seconds))
-        if left:
-            raise ValueError(f"a video of {len(self.seconds)} frame groups cannot take {count} placeholders")
-        start, end = self.span
-        return "".join(f"<{second:.1f} seconds>{start}{token * per_group}{end}" for second in self.seconds)
 
 
 def as_turns(value: str | Turns) -> list[str]:
@@ -161,6 +140,8 @@ class ChatPrompt:
             placeholders stand where ``<ImageHere>`` stands, inside the data's own ``<Img>...</Img>``.
         video_token: Placeholder token of a video (a visual the batch marks as one, ``image_tokens.video_flags``),
             as the family's processor writes it (Qwen-VL's ``<|video_pad|>``); None: videos take ``image_token``.
+        video_frame_groups: Frames per temporal patch where a video is written frame group by frame group, each
+            after its time (Qwen3-VL: ``frame_groups``); None: a video is one run of placeholders.
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -172,6 +153,7 @@ class ChatPrompt:
     record_system_prompt: Literal["use", "ignore", "fold"] = "use"
     image_span: tuple[str, str] | None = None
     video_token: str | None = None
+    video_frame_groups: int | None = None
 
     def __post_init__(self) -> None:
         if (why := unstable_render(self.tokenizer, self.template_variables)) is not None:
@@ -194,6 +176,13 @@ class ChatPrompt:
         if len(marks) != num_images:
             raise ValueError(f"{len(marks)} video mark(s) for {num_images} visual(s)")
         return [self.video_token if video and self.video_token else self.image_token for video in marks]
+
+    def video_marks(self, samples: dict[str, Any]) -> list[bool | FrameGroups]:
+        """Each visual's video mark (flat image order): ``video_flags``, or each video's ``FrameGroups`` where the
+        prompt writes videos by frame groups."""
+        if self.video_frame_groups is None:
+            return video_flags(samples)
+        return frame_group_marks(samples, self.video_frame_groups, self.image_span or ("", ""))
 
     @staticmethod
     def frame_groups(videos: Sequence[bool | FrameGroups] | None) -> list[FrameGroups | None] | None:

@@ -16,10 +16,11 @@ transformers' ``Qwen3VLForConditionalGeneration`` holds the same parts (``model.
 A video (a visual with ``second_per_grid_t``) goes through the tower whole, as transformers' ``get_video_features``
 takes it, and is written as Qwen3-VL's processor writes it: inside the marker's vision span, each temporal patch
 (frame group) after the text ``<{seconds:.1f} seconds>`` of its time, with its ``<|video_pad|>`` placeholders in a
-span of its own (``prompt.FrameGroups``); M-RoPE numbers each frame group as an image of one temporal patch, the
+span of its own (``models.frame_groups``); M-RoPE numbers each frame group as an image of one temporal patch, the
 timestamp text between them (transformers' ``get_rope_index``). A frame group's time is the mean of its frames'
 times, the frames taken evenly at the sampled rate from the video's start (``2 / second_per_grid_t`` frames a
-second): the times transformers gives every frame of a file, or frames at a whole-number stride.
+second): the times transformers gives every frame of a file, or frames at a whole-number stride. The tower's
+temporal patch must be Qwen3-VL's 2 frames (``VIDEO_FRAME_GROUPS``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from lavis_ds.common.errors import LavisDsError
 from lavis_ds.models.image_tokens import SECONDS_KEY, image_sizes, per_sample, video_flags
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.positions import Visual
-from lavis_ds.models.prompt import FrameGroups, image_counts
+from lavis_ds.models.prompt import image_counts
 from lavis_ds.models.qwen_vl import QwenVL
 
 
@@ -48,10 +49,22 @@ class Qwen3VL(QwenVL):
         "tiny": "models/qwen3_vl/tiny.yaml",
     }
     DEFAULT_PARTS = {"vision_tower": {"name": "qwen3_vl"}, "connector": {"name": "qwen3_vl_merger"}}
+    # Qwen3-VL's processor writes a video frame group by frame group (models.frame_groups), two frames a group: the
+    # prompt (also built without weights, by show_sample) times its groups by this temporal patch size.
+    VIDEO_FRAME_GROUPS = 2
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.check_deepstack()
+        self.check_temporal_patch()
+
+    def check_temporal_patch(self) -> None:
+        """The tower's temporal patch is the frame group the prompt times videos by."""
+        frames = self.vision_tower.layout.temporal_patch_size
+        if frames != self.VIDEO_FRAME_GROUPS:
+            raise PartError(f"model.vision_tower.vision_config.temporal_patch_size: {frames}; Qwen3-VL's prompt "
+                            f"times each video frame group as {self.VIDEO_FRAME_GROUPS} frames; valid: "
+                            f"{self.VIDEO_FRAME_GROUPS}")
 
     def check_deepstack(self) -> None:
         """One DeepStack merger per tapped tower block, and no more taps than the LLM has layers to add them after."""
@@ -70,24 +83,6 @@ class Qwen3VL(QwenVL):
         """``[sum of tokens, (1 + taps) * llm_hidden]``: each image's merged tokens, then its DeepStack tokens."""
         features, taps = self.vision_tower.forward_taps(*self.patches_and_grid(images, samples))
         return self.connector(features, {"taps": taps})
-
-    def video_marks(self, samples: dict[str, Any]) -> list[bool | FrameGroups]:
-        """Each video as its frame groups with their times (``FrameGroups``); False for an image."""
-        seconds = samples.get(SECONDS_KEY)
-        marks: list[bool | FrameGroups] = []
-        for i, (video, size) in enumerate(zip(video_flags(samples), image_sizes(samples), strict=True)):
-            marks.append(FrameGroups(self.frame_group_seconds(int(size[0]), float(seconds[i])), self.IMAGE_SPAN)
-                         if video else False)
-        return marks
-
-    def frame_group_seconds(self, groups: int, second_per_grid_t: float) -> tuple[float, ...]:
-        """Each frame group's time in seconds, as Qwen3-VL's processor computes it (``_calculate_timestamps``):
-        the mean of its first and last frame's index over the frame rate, the frames indexed 0, 1, ... at the
-        sampled rate ``temporal_patch_size / second_per_grid_t``."""
-        frames = self.vision_tower.layout.temporal_patch_size
-        fps = frames / second_per_grid_t
-        times = [index / fps for index in range(groups * frames)]
-        return tuple((times[i] + times[i + frames - 1]) / 2 for i in range(0, len(times), frames))
 
     def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
         """As Qwen2-VL's, for images; a grid of more than one temporal patch without video seconds is refused (it

@@ -69,6 +69,9 @@ class VisionLLM(VisionLLMForward):
     # The placeholder token of a video (a visual with its own time spacing, image_tokens.video_flags) where the
     # family's processor writes one of its own (Qwen-VL's <|video_pad|>); None: a video's placeholders are images'.
     VIDEO_TOKEN: str | None = None
+    # Frames per temporal patch where the family's processor writes a video frame group by frame group, each after
+    # its time (Qwen3-VL: models.frame_groups); None: a video is one run of placeholders.
+    VIDEO_FRAME_GROUPS: int | None = None
     # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
@@ -174,7 +177,7 @@ class VisionLLM(VisionLLMForward):
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
                                  record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN,
-                                 video_token=self.VIDEO_TOKEN)
+                                 video_token=self.VIDEO_TOKEN, video_frame_groups=self.VIDEO_FRAME_GROUPS)
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.positions = position_provider(self.llm_transformers_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
@@ -243,7 +246,7 @@ class VisionLLM(VisionLLMForward):
         return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
                           args["max_txt_len"], args["chat_template_kwargs"] or {},
                           record_system_prompt=args["record_system_prompt"], image_span=cls.IMAGE_SPAN,
-                          video_token=cls.VIDEO_TOKEN)
+                          video_token=cls.VIDEO_TOKEN, video_frame_groups=cls.VIDEO_FRAME_GROUPS)
 
     # ----------------------------------------------------------------- the LLM as a whole
     @property

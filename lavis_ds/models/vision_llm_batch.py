@@ -15,10 +15,10 @@ import torch
 from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplateError
 from lavis_ds.models.image_tokens import (GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes, per_sample,
-                                           select_images, video_flags)
+                                           select_images)
 from lavis_ds.models.lm_loss import supervised_positions
 from lavis_ds.models.packing import pack
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, FrameGroups, image_counts, pad_batch, pad_positions
+from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +39,15 @@ def sample_names(samples: dict[str, Any]) -> list[str]:
 
 
 def training_examples(prompt: ChatPrompt, samples: dict[str, Any],
-                      image_tokens: list[list[int]] | None = None, videos: list[bool | FrameGroups] | None = None
-                      ) -> list[Example | ImageSpanCut]:
+                      image_tokens: list[list[int]] | None = None) -> list[Example | ImageSpanCut]:
     """``(input_ids, labels)`` of each sample: its turns, its images' placeholder counts (``image_tokens``, a list per
-    sample; None: the prompt's fixed count), its own system turn (if any). ``videos``: each visual's video mark, in
-    flat image order (the model's ``video_marks``; None: ``video_flags``). A sample that truncation would cut into
+    sample; None: the prompt's fixed count), its own system turn (if any). A video is marked as the prompt writes it
+    (``ChatPrompt.video_marks``). A sample that truncation would cut into
     an image gives its :class:`ImageSpanCut`, naming it, in its place: the caller refuses or drops it."""
     names = sample_names(samples)
     systems = samples.get("system") or [None] * len(names)
     counts = image_tokens if image_tokens is not None else [None] * len(names)
-    marks = video_flags(samples) if videos is None else videos  # a video's placeholders are the video token
-    videos = per_sample(marks, image_counts(samples))
+    videos = per_sample(prompt.video_marks(samples), image_counts(samples))  # a video's placeholders: the video token
     examples: list[Example | ImageSpanCut] = []
     for name, instructions, answers, num_images, system, mine, my_videos in zip(
             names, samples["instruction"], samples["output"], image_counts(samples), systems, counts, videos,

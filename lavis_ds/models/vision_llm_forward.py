@@ -13,7 +13,7 @@ import torch
 
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
-                                           per_sample, select_images, video_flags)
+                                           per_sample, select_images)
 from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
@@ -101,11 +101,6 @@ class VisionLLMForward(BaseModel):
         (a family that writes a video as several runs gives each run)."""
         return per_sample(self.image_visuals(samples), image_counts(samples))
 
-    def video_marks(self, samples: dict[str, Any]) -> list[Any]:
-        """Each visual's video mark for the prompt (flat image order): ``video_flags`` (a family that writes a video
-        frame group by frame group gives its ``prompt.FrameGroups``)."""
-        return video_flags(samples)
-
     def _rope_positions(self, sequences: list[list[int]], samples: dict[str, Any]) -> list[torch.Tensor] | None:
         """Each sample's ``[rows, L]`` position ids from the LLM family's provider, when it takes more than one row
         (M-RoPE); None for 1-D families, whose positions are ``0..L-1`` (packing's ``position_ids``)."""
@@ -120,7 +115,7 @@ class VisionLLMForward(BaseModel):
         """Each sample's ``(input_ids, labels)`` and the batch they belong to: ``samples``, or without the samples
         truncation would cut into an image (``on_image_cut: drop``; a batch left empty keeps one blank sample)."""
         counts = per_sample(self.image_token_counts(samples), image_counts(samples))
-        examples = training_examples(self.prompt, samples, counts, self.video_marks(samples))
+        examples = training_examples(self.prompt, samples, counts)
         kept = [i for i, example in enumerate(examples) if not isinstance(example, ImageSpanCut)]
         if len(kept) == len(examples):
             return examples, samples
@@ -290,7 +285,7 @@ class VisionLLMForward(BaseModel):
         systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
         counts = per_sample(self.image_token_counts(samples), num_images)
-        videos = per_sample(self.video_marks(samples), num_images)
+        videos = per_sample(self.prompt.video_marks(samples), num_images)
         prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
                    for ins, out, mine, system, video in zip(samples["instruction"], answers, counts, systems, videos,
                                                             strict=True)]
