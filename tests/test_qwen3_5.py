@@ -18,7 +18,7 @@ from lavis_ds.common.registry import processors, registry
 from lavis_ds.models.image_tokens import GRID_KEY
 from lavis_ds.models.linear_attention import Qwen3_5TextForCausalLM
 from lavis_ds.models.parts import PartError
-from test_qwen3_vl import ANSWER, PIXELS, QUESTION, picture, user_yaml
+from test_qwen3_vl import ANSWER, PIXELS, QUESTION, picture, user_yaml, video_inputs_of
 from test_qwen3_vl import published_folder as qwen3_vl_folder
 
 CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "two images": [(70, 100), (150, 60)],
@@ -94,6 +94,19 @@ def test_the_folder_loads_into_qwen3_5s_parts(pair):
 def test_logits_equal_transformers(case, pair):
     theirs, processor, ours, _ = pair
     inputs, sample = inputs_of(processor, CASES[case], ANSWER)
+    prepared = ours.prepare_batch(sample)
+    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = theirs(**inputs).logits
+        embeds, layout, _ = ours._inputs(prepared, None)
+        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_video_takes_transformers_ids_and_logits(pair):
+    """Qwen3-VL's video layout (each frame group after its timestamp text) under Qwen3.5's text model."""
+    theirs, processor, ours, _ = pair
+    inputs, sample = video_inputs_of(processor, ANSWER, ours, THINKING_OFF)
     prepared = ours.prepare_batch(sample)
     assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
     with torch.no_grad():

@@ -100,21 +100,29 @@ def inputs_of(processor, images: list[tuple[int, int]], answer: str | None):
 VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 6, 1.5, (64, 96)
 
 
-def video_inputs_of(processor, answer: str | None):
+def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | None = None):
     """transformers' inputs for one conversation about a video (its frames as given: no sampling, no resizing),
-    and the same sample as a lavis_ds batch: the processor's patches and grid, the file's seconds per frame group."""
+    and the same sample as a lavis_ds batch: the processor's patches and grid, the file's seconds per frame group
+    (``ours``: the frames through lavis_ds's own processing, checked equal). ``variables``: chat-template ones."""
     from transformers.video_utils import VideoMetadata
 
     frames = np.stack([np.asarray(picture(*VIDEO_SIZE, seed)) for seed in range(VIDEO_FRAMES)])
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]}]
     if answer is not None:
         messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    text = processor.apply_chat_template(messages, add_generation_prompt=answer is None, tokenize=False)
+    text = processor.apply_chat_template(messages, add_generation_prompt=answer is None, tokenize=False,
+                                         **(variables or {}))
     metadata = VideoMetadata(total_num_frames=VIDEO_FRAMES, fps=VIDEO_FPS, frames_indices=list(range(VIDEO_FRAMES)))
     inputs = processor(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
                        do_resize=False, return_tensors="pt")
     sample = {"instruction": [["<ImageHere>" + QUESTION]], "num_images": [1], "image": inputs["pixel_values_videos"],
               GRID_KEY: inputs["video_grid_thw"], SECONDS_KEY: [2 / VIDEO_FPS]}
+    if ours is not None:  # the frames through lavis_ds's own processing, timed by the file's rate: the same fields
+        own = processors.get("qwen_vl_image")(**ours.vision_tower.processing.processor_keys())
+        fields = own.sample_fields([Image.fromarray(frame) for frame in frames], video=True, fps=VIDEO_FPS)
+        torch.testing.assert_close(fields["image"], sample["image"], atol=0, rtol=0)
+        assert fields[GRID_KEY].tolist() == sample[GRID_KEY].tolist() and fields[SECONDS_KEY] == sample[SECONDS_KEY]
+        sample.update(fields)
     if answer is not None:
         sample["output"] = [[answer]]
     return inputs, sample
@@ -122,7 +130,7 @@ def video_inputs_of(processor, answer: str | None):
 
 def test_a_video_takes_transformers_ids_and_logits(pair):
     theirs, processor, ours, _ = pair
-    inputs, sample = video_inputs_of(processor, ANSWER)
+    inputs, sample = video_inputs_of(processor, ANSWER, ours)
     assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
     text = processor.tokenizer.decode(inputs["input_ids"][0])
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
