@@ -129,13 +129,19 @@ def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | 
 
 
 def test_a_video_takes_transformers_ids_and_logits(pair):
-    theirs, processor, ours, _ = pair
+    from lavis_ds.models.vision_llm_batch import token_batch
+
+    theirs, processor, ours, folder = pair
     inputs, sample = video_inputs_of(processor, ANSWER, ours)
     assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
     text = processor.tokenizer.decode(inputs["input_ids"][0])
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     prepared = ours.prepare_batch(sample)
     assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
+    # show_sample's ids, from the prompt the model section builds without weights, are the same
+    weightless = type(ours).prompt_from_config(user_yaml("qwen3_vl", folder))
+    shown = token_batch(weightless, sample, ours.pad_id, tokens_for_image=ours.tokens_for_image)
+    assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
     with torch.no_grad():
         expected = theirs(**inputs).logits
         embeds, layout, _ = ours._inputs(prepared, None)
@@ -258,6 +264,12 @@ def test_deepstack_mergers_that_do_not_match_the_taps_are_named(tiny_tokenizer_d
     with pytest.raises(PartError, match=r"model.connector.deepstack_taps: 3 DeepStack mergers, but the tower taps 2 "
                                         r"blocks .*; valid: 2"):
         build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path, connector={"deepstack_taps": 3})
+
+
+def test_a_temporal_patch_other_than_qwen3_vls_is_named(tiny_tokenizer_dir, tmp_path):
+    with pytest.raises(PartError, match=r"model.vision_tower.vision_config.temporal_patch_size: 3; Qwen3-VL's prompt "
+                                        r"times each video frame group as 2 frames; valid: 2"):
+        build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path, vision_tower={"vision_config": {"temporal_patch_size": 3}})
 
 
 def test_a_qwen3_vl_folder_configured_as_another_family_is_refused_naming_it(pair):
