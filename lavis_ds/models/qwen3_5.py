@@ -12,6 +12,7 @@ text model interleaves the rows' frequencies over its rotary quarter of each hea
 the 32 frequencies of 64 rotary dimensions in the published models).
 
 Published folders load with ``load_pretrained`` and export with ``--format hf`` (``lavis_ds.models.hf.qwen3_5``).
+Videos take Qwen3-VL's layout (``models.qwen3_vl``: each frame group after its timestamp text).
 """
 from __future__ import annotations
 
