@@ -1,9 +1,10 @@
 """Qwen3.5 (``qwen3_5``): a tiny published ``Qwen3_5ForConditionalGeneration`` folder (random, written by transformers
 with a tokenizer of Qwen3.5's special tokens, its published chat template and the processor) loaded by the YAML users
-write: logits equal transformers' (fp32, 1e-5) on two aspect ratios, two images, text only and a video (Qwen3-VL's frame groups after their
-timestamps), greedy tokens are the same, and ``--format hf`` writes a folder that transformers alone reloads and generates the same tokens from. The
-tiny preset packs equal to padded (loss and gradients) with images of different grids, each sample's Gated-DeltaNet
-state starting afresh; DeepStack settings and a folder of the other family (Qwen3-VL) are one line."""
+write: logits equal transformers' (fp32, 1e-5) on two aspect ratios, two images, text only and a video (Qwen3-VL's
+frame groups after their timestamps), greedy tokens are the same, and ``--format hf`` writes a folder that
+transformers alone reloads and generates the same tokens from. The tiny preset packs equal to padded (loss and
+gradients) with images of different grids, each sample's Gated-DeltaNet state starting afresh; DeepStack settings
+and a folder of the other family (Qwen3-VL) are one line."""
 from __future__ import annotations
 
 import pytest
