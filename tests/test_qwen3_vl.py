@@ -128,6 +128,18 @@ def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | 
     return inputs, sample
 
 
+@pytest.mark.parametrize("fps", [0.5, 1.5, 2.0, 23.976, 29.97, 30.0])
+def test_frame_group_times_are_the_processors(fps):
+    """The seconds lavis_ds writes from a video's second_per_grid_t (2 / its sampled rate) are the text Qwen3-VL's
+    processor writes from every frame's index and the rate, to the decimal."""
+    from lavis_ds.models.frame_groups import frame_group_seconds
+
+    frames = 64
+    theirs = Qwen3VLProcessor._calculate_timestamps(None, list(range(frames)), fps, 2)
+    ours = frame_group_seconds(frames // 2, 2 / fps, 2)
+    assert [f"{t:.1f}" for t in ours] == [f"{t:.1f}" for t in theirs]
+
+
 def test_a_video_takes_transformers_ids_and_logits(pair):
     from lavis_ds.models.vision_llm_batch import token_batch
 
@@ -242,6 +254,26 @@ def test_packed_equals_padded_with_images_of_different_grids(tiny_tokenizer_dir,
     assert packed["input_ids"].shape[0] < 4 and len({tuple(g) for g in fields[GRID_KEY].tolist()}) == 4
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     assert grads_a.keys() == grads_b.keys() and any("deepstack_merger_list" in n for n in grads_a)
+    whole = torch.cat([g.flatten() for g in grads_a.values()]).norm()
+    for name, grad in grads_a.items():
+        assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole, name
+
+
+def test_packed_equals_padded_with_a_video_and_an_image(tiny_tokenizer_dir, tmp_path):
+    """Each frame group's positions and DeepStack rows follow its sample into the packed row."""
+    torch.manual_seed(0)
+    model = build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path).eval()
+    mine = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+    video = mine.sample_fields([picture(*VIDEO_SIZE, seed) for seed in range(4)], video=True, fps=VIDEO_FPS)
+    still = mine.sample_fields([picture(96, 64, 9)])
+    batch = {"image": torch.cat([video["image"], still["image"]]), GRID_KEY: torch.cat([video[GRID_KEY],
+             still[GRID_KEY]]), SECONDS_KEY: video[SECONDS_KEY] + still[SECONDS_KEY], "num_images": [1, 1],
+             "instruction": [["<ImageHere>What happens?"], ["<ImageHere>Colour?"]],
+             "output": [["A ball rolls."], ["Red."]]}
+    padded, loss_a, grads_a = loss_and_grads(model, batch, None)
+    packed, loss_b, grads_b = loss_and_grads(model, batch, int(padded["attention_mask"].sum()))
+    assert packed["input_ids"].shape[0] == 1
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     whole = torch.cat([g.flatten() for g in grads_a.values()]).norm()
     for name, grad in grads_a.items():
         assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole, name
