@@ -16,7 +16,7 @@ from run_utils import (assert_same_steps, comparable, continue_from, kill_after_
 # Of the Qwen-VL architectures (images at their own sizes) qwen2_5_vl runs here, the one the demo trains: qwen2_vl
 # and qwen3_vl differ from it in their image path (tested in-process: test_qwen_vl_arch, test_qwen3_vl), and each
 # architecture costs ~20 s of suite time.
-COMPOSED = [arch for arch in ARCHITECTURES if arch not in ("blip2_qwen", "qwen2_vl", "qwen3_vl")]
+COMPOSED = [arch for arch in ARCHITECTURES if arch not in ("blip2_qwen", "qwen2_vl")]
 SAVE_EVERY = 3
 
 
