@@ -7,6 +7,7 @@ The kernels (flash-linear-attention, causal-conv1d) are not installed here: the 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 from archs import loss_and_grads
 from families import FAMILIES, tokenizer_dir
 from lavis_ds.common.errors import InputError
+from lavis_ds.models import linear_attention
 from lavis_ds.models import Blip2Qwen, vision_llm_forward
 from lavis_ds.models.flops import ZERO, compose
 from lavis_ds.models.linear_attention import (PackedGatedDeltaNet, PackedSamples, Qwen3_5TextForCausalLM,
@@ -131,6 +133,20 @@ def test_packing_an_llm_with_recurrent_layers_that_take_no_boundaries_is_a_confi
     assert "Lfm3ForCausalLM (model_type lfm3) has recurrent layers (conv)" in problem
     assert packing_problems(run, {"llm_config": TEXT}) == packing_problems(run, {"llm_config": {}}) == []
     assert packing_problems({**run, "packing": False}, {"llm_config": {"model_type": "qwen3_next"}}) == []
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5"])
+def test_packing_qwen3_5_under_zero3_without_its_kernels_is_a_config_problem(model_type, monkeypatch):
+    run = {"packing": True, "max_seq_len": 512, "zero_stage": 3}
+    monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: True)  # one call per layer: no stall
+    assert packing_problems(run, {"llm_config": {"model_type": model_type}}) == []
+    monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: False)
+    [problem] = packing_problems(run, {"llm_config": {"model_type": model_type}})
+    assert re.fullmatch(rf"run\.packing with run\.zero_stage=3: the LLM \({model_type}\) .* differs between ranks "
+                        r"and stalls ZeRO-3's parameter gathers\. Install both kernels, or set run\.zero_stage: 2, "
+                        r"runner: runner_fsdp or run\.packing: false", problem)
+    for allowed in ({"zero_stage": 2}, {"runner": "runner_fsdp"}, {"packing": False}):
+        assert packing_problems({**run, **allowed}, {"llm_config": {"model_type": model_type}}) == []
 
 
 def test_the_vision_language_model_type_is_named_in_llm_config_and_its_folder_loads_the_language_model(

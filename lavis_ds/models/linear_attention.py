@@ -198,7 +198,23 @@ def model_packing_problems(run: dict, model: dict) -> list[str]:
             return []
     else:
         model_type = (model.get("llm_config") or {}).get("model_type")
-    return packing_problems(model_type) if isinstance(model_type, str) else []
+    if not isinstance(model_type, str):
+        return []
+    return packing_problems(model_type) or zero3_packing_problems(run, model_type)
+
+
+def zero3_packing_problems(run: dict, model_type: str) -> list[str]:
+    """Packed rows of Qwen3.5's text model under ZeRO-3 without the kernels that take sample boundaries: each
+    Gated-DeltaNet layer then runs its projections once per packed sample, ZeRO-3 gathers their parameters at each
+    call, and ranks holding different numbers of samples wait on each other's gathers forever (a hang, not an
+    error). FSDP2 gathers a decoder layer once; ZeRO-1/2 do not gather."""
+    if (model_type not in PACKS_EXACTLY or run.get("zero_stage") != 3
+            or run.get("runner") not in (None, "runner_deepspeed") or kernels_take_boundaries()):
+        return []
+    return [f"run.packing with run.zero_stage=3: the LLM ({model_type}) packs samples through Gated-DeltaNet "
+            "layers that, without the flash-linear-attention and causal-conv1d kernels, run once per sample, a "
+            "number that differs between ranks and stalls ZeRO-3's parameter gathers. Install both kernels, or "
+            "set run.zero_stage: 2, runner: runner_fsdp or run.packing: false"]
 
 
 def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, device: torch.device | str
