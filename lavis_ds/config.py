@@ -306,6 +306,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     if close is not None:  # the engine (or the closest to an unknown name) checks its own options section
         errors.extend(reg.engines.get(close).config.problems({**run, **(neutral or {})}, world_size,
                                                              neutral is not None))
+        errors.extend(reg.engines.get(close).config.model_problems({**run, **(neutral or {})}, model))
     errors.extend(run_checks.split_problems(run, plain["datasets"]))
     errors.extend(metric_problems(run, plain["datasets"]))
     if cls is not None and close is not None:

@@ -137,16 +137,23 @@ def test_packing_an_llm_with_recurrent_layers_that_take_no_boundaries_is_a_confi
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5"])
 def test_packing_qwen3_5_under_zero3_without_its_kernels_is_a_config_problem(model_type, monkeypatch):
+    """The engine's own model check (``EngineConfig.model_problems``, which the config check calls)."""
+    from lavis_ds.common import registry as reg
+
+    def problems(run):
+        return reg.engines.get(run.get("runner") or "runner_deepspeed").config.model_problems(
+            run, {"llm_config": {"model_type": model_type}})
+
     run = {"packing": True, "max_seq_len": 512, "zero_stage": 3}
     monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: True)  # one call per layer: no stall
-    assert packing_problems(run, {"llm_config": {"model_type": model_type}}) == []
+    assert problems(run) == []
     monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: False)
-    [problem] = packing_problems(run, {"llm_config": {"model_type": model_type}})
+    [problem] = problems(run)
     assert re.fullmatch(rf"run\.packing with run\.zero_stage=3: the LLM \({model_type}\) .* differs between ranks "
                         r"and stalls ZeRO-3's parameter gathers\. Install both kernels, or set run\.zero_stage: 2, "
                         r"runner: runner_fsdp or run\.packing: false", problem)
     for allowed in ({"zero_stage": 2}, {"runner": "runner_fsdp"}, {"packing": False}):
-        assert packing_problems({**run, **allowed}, {"llm_config": {"model_type": model_type}}) == []
+        assert problems({**run, **allowed}) == []
 
 
 def test_the_vision_language_model_type_is_named_in_llm_config_and_its_folder_loads_the_language_model(

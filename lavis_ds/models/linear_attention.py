@@ -187,34 +187,30 @@ def packing_problems(model_type: str | None) -> list[str]:
 
 def model_packing_problems(run: dict, model: dict) -> list[str]:
     """``run.packing`` with an LLM whose recurrent layers would carry state across packed samples, from the
-    ``model`` section: the LLM folder's config.json or ``model.llm_config`` (the config check calls it)."""
-    if not run.get("packing"):
-        return []
+    ``model`` section (the config check calls it)."""
+    model_type = packed_llm_type(model) if run.get("packing") else None
+    return packing_problems(model_type) if model_type is not None else []
+
+
+def packed_llm_type(model: dict) -> str | None:
+    """The LLM's ``model_type`` as the ``model`` section gives it: its folder's config.json or
+    ``model.llm_config`` (None where neither says)."""
     folder = model.get("llm_model")
     if isinstance(folder, str):
         try:
             model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):  # the build names an unreadable folder
-            return []
+            return None
     else:
         model_type = (model.get("llm_config") or {}).get("model_type")
-    if not isinstance(model_type, str):
-        return []
-    return packing_problems(model_type) or zero3_packing_problems(run, model_type)
+    return model_type if isinstance(model_type, str) else None
 
 
-def zero3_packing_problems(run: dict, model_type: str) -> list[str]:
-    """Packed rows of Qwen3.5's text model under ZeRO-3 without the kernels that take sample boundaries: each
-    Gated-DeltaNet layer then runs its projections once per packed sample, ZeRO-3 gathers their parameters at each
-    call, and ranks holding different numbers of samples wait on each other's gathers forever (a hang, not an
-    error). FSDP2 gathers a decoder layer once; ZeRO-1/2 do not gather."""
-    if (model_type not in PACKS_EXACTLY or run.get("zero_stage") != 3
-            or run.get("runner") not in (None, "runner_deepspeed") or kernels_take_boundaries()):
-        return []
-    return [f"run.packing with run.zero_stage=3: the LLM ({model_type}) packs samples through Gated-DeltaNet "
-            "layers that, without the flash-linear-attention and causal-conv1d kernels, run once per sample, a "
-            "number that differs between ranks and stalls ZeRO-3's parameter gathers. Install both kernels, or "
-            "set run.zero_stage: 2, runner: runner_fsdp or run.packing: false"]
+def runs_per_sample_when_packed(model_type: str) -> bool:
+    """Whether the LLM's Gated-DeltaNet layers run once per packed sample (Qwen3.5 without the flash-linear-attention
+    and causal-conv1d kernels): a number of module calls that differs between ranks, which an engine that gathers
+    parameters at every module call cannot follow (``EngineConfig.model_problems``)."""
+    return model_type in PACKS_EXACTLY and not kernels_take_boundaries()
 
 
 def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, device: torch.device | str

@@ -93,6 +93,12 @@ class EngineConfig:
         return []
 
     @classmethod
+    def model_problems(cls, run: dict, model: dict) -> list[str]:
+        """What this engine cannot run of the ``model`` section with these ``run`` settings (plain dicts, neutral
+        keys resolved). Default: none."""
+        return []
+
+    @classmethod
     def complete(cls, run: dict, world_size: int) -> tuple[dict, list[str]]:
         """``run`` (valid) with the section completed as the engine will use it, and notes for the log."""
         return run, []
