@@ -19,6 +19,7 @@ first and last frame's timestamps): Qwen2.5-VL spaces a video's temporal positio
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,6 +76,21 @@ def _frame_count(container, stream) -> int:
     return count
 
 
+@contextlib.contextmanager
+def _video_stream(path: Path, prefix: str):
+    """The container at ``path`` and its first video stream; any failure to read them, or inside the block, becomes
+    one :class:`UnreadableVideoError` naming the file (``prefix``: the record)."""
+    try:
+        with _open(path) as container:
+            if not container.streams.video:
+                raise ValueError("the file has no video stream")
+            yield container, container.streams.video[0]
+    except InputError:
+        raise
+    except Exception as e:  # PyAV raises its own errors (InvalidDataError, ...), OSError, ValueError
+        raise UnreadableVideoError(f"{prefix}cannot read video file {path}: {type(e).__name__}: {e}") from e
+
+
 def read_frames(path: Path, max_frames: int, where: str = "") -> SampledFrames:
     """Up to ``max_frames`` RGB frames of the video at ``path``, uniformly sampled, in order, with the rate they
     sample it at (``SampledFrames.fps``).
@@ -83,19 +99,10 @@ def read_frames(path: Path, max_frames: int, where: str = "") -> SampledFrames:
     decode or holds no video frame.
     """
     prefix = f"{where}: " if where else ""
-    try:
-        with _open(path) as container:
-            if not container.streams.video:
-                raise ValueError("the file has no video stream")
-            stream = container.streams.video[0]
-            total = _frame_count(container, stream)
-            wanted = uniform_indices(total, max_frames)
-            frames, times = _decode(container, stream, wanted)
-            rate = _frame_rate(stream, total, times)
-    except InputError:
-        raise
-    except Exception as e:  # PyAV raises its own errors (InvalidDataError, ...), OSError, ValueError
-        raise UnreadableVideoError(f"{prefix}cannot read video file {path}: {type(e).__name__}: {e}") from e
+    with _video_stream(path, prefix) as (container, stream):
+        total = _frame_count(container, stream)
+        frames, times = _decode(container, stream, uniform_indices(total, max_frames))
+        rate = _frame_rate(stream, total, times)
     if not frames:
         raise UnreadableVideoError(f"{prefix}video file {path} holds no decodable frame")
     return SampledFrames(frames, None if rate is None else len(frames) / total * rate)
@@ -105,17 +112,9 @@ def video_header(path: Path, where: str = "") -> VideoHeader:
     """The frame size and count of the video at ``path`` from its container, decoding no frame (a container without a
     frame count, mkv or webm, has its packets counted). :class:`UnreadableVideoError` where it tells neither."""
     prefix = f"{where}: " if where else ""
-    try:
-        with _open(path) as container:
-            if not container.streams.video:
-                raise ValueError("the file has no video stream")
-            stream = container.streams.video[0]
-            header = VideoHeader(int(stream.codec_context.height), int(stream.codec_context.width),
-                                 _frame_count(container, stream))
-    except InputError:
-        raise
-    except Exception as e:  # as read_frames
-        raise UnreadableVideoError(f"{prefix}cannot read video file {path}: {type(e).__name__}: {e}") from e
+    with _video_stream(path, prefix) as (container, stream):
+        header = VideoHeader(int(stream.codec_context.height), int(stream.codec_context.width),
+                             _frame_count(container, stream))
     if min(header) <= 0:
         raise UnreadableVideoError(f"{prefix}video file {path}: its header gives {header.width}x{header.height} px "
                                    f"and {header.frames} frame(s)")
