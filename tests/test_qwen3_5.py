@@ -13,13 +13,14 @@ from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGene
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from archs import build_tiny, loss_and_grads
+from archs import build_tiny
 from families import tokenizer_dir
 from lavis_ds.common.registry import processors, registry
 from lavis_ds.models.image_tokens import GRID_KEY
 from lavis_ds.models.linear_attention import Qwen3_5TextForCausalLM
 from lavis_ds.models.parts import PartError
-from test_qwen3_vl import ANSWER, PIXELS, QUESTION, picture, user_yaml, video_inputs_of
+from test_qwen3_vl import (ANSWER, PIXELS, QUESTION, assert_same_gradients, packed_and_padded, picture, user_yaml,
+                           video_inputs_of)
 from test_qwen3_vl import published_folder as qwen3_vl_folder
 
 CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "two images": [(70, 100), (150, 60)],
@@ -150,26 +151,11 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
 
 
 def test_packed_equals_padded_with_images_of_different_grids(tiny_tokenizer_dir, tmp_path):
-    torch.manual_seed(0)
-    model = build_tiny("qwen3_5", tiny_tokenizer_dir, tmp_path).eval()
-    mine = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
-    sizes = [[], [(150, 70), (60, 130)], [(180, 170)], [(64, 64)]]
-    fields = mine.sample_fields([picture(h, w, i) for i, (h, w) in enumerate(s for one in sizes for s in one)])
-    batch = {"image": fields["image"], GRID_KEY: fields[GRID_KEY], "num_images": [len(s) for s in sizes],
-             "instruction": [["<ImageHere>" * len(s) + q] for s, q in zip(sizes, ["Hi.", "Same?", "What?", "Colour?"])],
-             "output": [["Hello."], ["No, one is wider."], ["A square."], ["Red."]]}
-    padded, loss_a, grads_a = loss_and_grads(model, batch, None)
-    longest = int(padded["attention_mask"].sum(1).max())
-    row = next(n for n in range(longest, 3 * longest)
-               if model.prepare_batch(dict(batch), pack_to=n)["order"] != [0, 1, 2, 3])
-    packed, loss_b, grads_b = loss_and_grads(model, batch, row)
-    assert packed["input_ids"].shape[0] < 4 and len({tuple(g) for g in fields[GRID_KEY].tolist()}) == 4
+    packed, (loss_a, grads_a), (loss_b, grads_b) = packed_and_padded("qwen3_5", tiny_tokenizer_dir, tmp_path)
     assert any(len(spans) > 2 for spans in packed["row_spans"])  # a row holds several samples
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     assert grads_a.keys() == grads_b.keys() and any("linear_attn.conv1d" in n for n in grads_a)
-    whole = torch.cat([g.flatten() for g in grads_a.values()]).norm()
-    for name, grad in grads_a.items():
-        assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole, name
+    assert_same_gradients(grads_a, grads_b)
 
 
 # ----------------------------------------------------------------- bad input, one line each
