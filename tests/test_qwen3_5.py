@@ -92,10 +92,8 @@ def test_the_folder_loads_into_qwen3_5s_parts(pair):
     assert ours.vision_tower.tap_layers == () and ours.positions.rows == 3
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_logits_equal_transformers(case, pair):
-    theirs, processor, ours, _ = pair
-    inputs, sample = inputs_of(processor, CASES[case], ANSWER)
+def assert_same_ids_and_logits(theirs, ours, inputs: dict, sample: dict) -> None:
+    """lavis_ds's prompt ids equal the processor's, and its logits transformers' (fp32, 1e-5)."""
     prepared = ours.prepare_batch(sample)
     assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
     with torch.no_grad():
@@ -103,19 +101,20 @@ def test_logits_equal_transformers(case, pair):
         embeds, layout, _ = ours._inputs(prepared, None)
         logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers(case, pair):
+    theirs, processor, ours, _ = pair
+    inputs, sample = inputs_of(processor, CASES[case], ANSWER)
+    assert_same_ids_and_logits(theirs, ours, inputs, sample)
 
 
 def test_a_video_takes_transformers_ids_and_logits(pair):
     """Qwen3-VL's video layout (each frame group after its timestamp text) under Qwen3.5's text model."""
     theirs, processor, ours, _ = pair
     inputs, sample = video_inputs_of(processor, ANSWER, ours, THINKING_OFF)
-    prepared = ours.prepare_batch(sample)
-    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        expected = theirs(**inputs).logits
-        embeds, layout, _ = ours._inputs(prepared, None)
-        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    assert_same_ids_and_logits(theirs, ours, inputs, sample)
 
 
 @pytest.mark.parametrize("case", ["two images", "text only"])
