@@ -7,7 +7,7 @@ The kernels (flash-linear-attention, causal-conv1d) are not installed here: the 
 from __future__ import annotations
 
 import logging
-import re
+from collections import Counter
 
 import pytest
 import torch
@@ -19,7 +19,6 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 from archs import loss_and_grads
 from families import FAMILIES, tokenizer_dir
 from lavis_ds.common.errors import InputError
-from lavis_ds.models import linear_attention
 from lavis_ds.models import Blip2Qwen, vision_llm_forward
 from lavis_ds.models.flops import ZERO, compose
 from lavis_ds.models.linear_attention import (PackedGatedDeltaNet, PackedSamples, Qwen3_5TextForCausalLM,
@@ -73,8 +72,17 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
     # Qwen3.5's template, thinking off: each answer follows an empty think block, as generation would see it
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>" in \
         model.llm_tokenizer.decode(padded["input_ids"][0])
-    packed, loss_b, grads_b = loss_and_grads(model, _batch(), 512)
+    calls = Counter()  # ZeRO-3 gathers a module's parameters at each of its calls: one call each, on every rank
+    hooks = [module.register_forward_pre_hook(lambda module, args: calls.update([module]))
+             for layer in llm.model.layers if hasattr(layer, "linear_attn") for module in layer.linear_attn.modules()
+             if next(module.parameters(recurse=False), None) is not None]
+    try:
+        packed, loss_b, grads_b = loss_and_grads(model, _batch(), 512)
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert packed["input_ids"].shape[0] == 1 and len(packed["row_spans"][0]) == 4  # four samples in one row
+    assert len(calls) == len(hooks) and set(calls.values()) == {1}
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     whole = torch.cat([g.flatten() for g in grads_a.values()])
     assert grads_a.keys() == grads_b.keys() and any("linear_attn.conv1d" in name for name in grads_a)
@@ -136,24 +144,18 @@ def test_packing_an_llm_with_recurrent_layers_that_take_no_boundaries_is_a_confi
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5"])
-def test_packing_qwen3_5_under_zero3_without_its_kernels_is_a_config_problem(model_type, monkeypatch):
-    """The engine's own model check (``EngineConfig.model_problems``, which the config check calls)."""
+def test_packing_qwen3_5_is_accepted_under_every_engine_without_its_kernels(model_type):
+    """The checks the config check runs for packing (the engine's own model check, the recurrent-layer check) pass
+    Qwen3.5 under ZeRO-3 too: each of its parts with weights runs once per packed forward (the test above), so ranks
+    gather alike; tests/test_arch_runs.py trains it packed under ZeRO-3 on 2 processes."""
     from lavis_ds.common import registry as reg
 
-    def problems(run):
-        return reg.engines.get(run.get("runner") or "runner_deepspeed").config.model_problems(
-            run, {"llm_config": {"model_type": model_type}})
-
-    run = {"packing": True, "max_seq_len": 512, "zero_stage": 3}
-    monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: True)  # one call per layer: no stall
-    assert problems(run) == []
-    monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: False)
-    [problem] = problems(run)
-    assert re.fullmatch(rf"run\.packing with run\.zero_stage=3: the LLM \({model_type}\) .* differs between ranks "
-                        r"and stalls ZeRO-3's parameter gathers\. Install both kernels, or set run\.zero_stage: 2, "
-                        r"runner: runner_fsdp or run\.packing: false", problem)
-    for allowed in ({"zero_stage": 2}, {"runner": "runner_fsdp"}, {"packing": False}):
-        assert problems({**run, **allowed}) == []
+    assert not kernels_take_boundaries()
+    model = {"llm_config": {"model_type": model_type}}
+    for run in ({"zero_stage": 3}, {"zero_stage": 2}, {"runner": "runner_fsdp"}):
+        run = {"packing": True, "max_seq_len": 512, **run}
+        engine = reg.engines.get(run.get("runner", "runner_deepspeed"))
+        assert engine.config.model_problems(run, model) + packing_problems(run, model) == [], run
 
 
 def test_the_vision_language_model_type_is_named_in_llm_config_and_its_folder_loads_the_language_model(

@@ -13,7 +13,11 @@ them. So ``PackedGatedDeltaNet``, given ``packed_samples`` (the spans ``packing`
 
 - with both kernels installed and taking the boundaries: runs the rows as one sequence with ``cu_seqlens`` and
   ``seq_idx``, the kernels' variable-length path;
-- otherwise: runs once per span (a sample, or a row's padding tail), which is that sample's own computation.
+- otherwise (the torch path): runs every module with parameters once over the rows - the projections, the gated
+  norm, and the convolution over the spans laid apart by the zeros its own padding puts before a sequence - and
+  only the parameter-free chunked delta rule once per span (a sample, or a row's padding tail). So the number of
+  module calls does not depend on how many samples a row holds: ZeRO-3, which gathers a module's parameters at
+  each call, gathers alike on every rank.
 
 An LLM with recurrent layers that lavis_ds passes no boundaries to (Qwen3.5-MoE, Qwen3-Next, Mamba hybrids, ...)
 is refused under packing (``boundary_kwargs``) rather than trained with state leaking across samples.
@@ -28,8 +32,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -102,10 +108,43 @@ class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
             out = super().forward(flat, cu_seq_lens_q=packed_samples.cu_seqlens, seq_idx=packed_samples.seq_idx,
                                   **kwargs)
             return out.reshape(rows, width, -1)
-        whole_sequence = super().forward  # (a comprehension's scope has no zero-argument super())
-        pieces = [whole_sequence(hidden_states[row:row + 1, start:end], **kwargs)
-                  for row, start, end in packed_samples.spans]
-        return torch.cat(pieces, dim=1).reshape(rows, width, -1)
+        return self.per_span(hidden_states, packed_samples)
+
+    def per_span(self, hidden_states: torch.Tensor, packed: PackedSamples) -> torch.Tensor:
+        """transformers' torch path with each span's state and convolution starting at zero: what running the layer
+        once per span computes, with each module with parameters called once."""
+        rows, width, _ = hidden_states.shape
+        mixed = ACT2FN[self.activation](causal_conv_per_span(self.conv1d, self.in_proj_qkv(hidden_states), packed))
+        query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(rows, width, -1, self.head_k_dim)
+        key = key.reshape(rows, width, -1, self.head_k_dim)
+        value = value.reshape(rows, width, -1, self.head_v_dim)
+        beta = self.in_proj_b(hidden_states).sigmoid()
+        # As transformers computes the decay: in fp32, so that exp(A_log) cannot overflow in half precision.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+        pieces = [modeling_qwen3_5.torch_chunk_gated_delta_rule(
+            query[row:row + 1, start:end], key[row:row + 1, start:end], value[row:row + 1, start:end],
+            g=g[row:row + 1, start:end], beta=beta[row:row + 1, start:end], use_qk_l2norm_in_kernel=True)[0]
+            for row, start, end in packed.spans]
+        core = torch.cat(pieces, dim=1).reshape(-1, self.head_v_dim)
+        gate = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
+        return self.out_proj(self.norm(core, gate).reshape(rows, width, -1))
+
+
+def causal_conv_per_span(conv: nn.Conv1d, mixed: torch.Tensor, packed: PackedSamples) -> torch.Tensor:
+    """The causal depthwise ``conv`` (``padding = kernel - 1``, as Qwen3.5's) over each span of ``mixed``
+    ``[rows, width, channels]`` on its own, in one call of the module: the spans laid end to end with ``kernel - 1``
+    zeros before each, the zeros the convolution's padding puts before a whole sequence, so that no output reads
+    another span's tokens. One call whatever the number of spans, and through the module, so that ZeRO-3 gathers
+    its weight (transformers' layer reads ``conv1d.weight`` directly)."""
+    rows, width, channels = mixed.shape
+    gap = conv.kernel_size[0] - 1
+    # Each token's place in the spread layout: its own, shifted by the gaps before its span and before itself.
+    placed = torch.arange(rows * width, device=mixed.device) + gap * (packed.seq_idx[0].long() + 1)
+    spread = mixed.new_zeros(rows * width + gap * len(packed.spans), channels).index_copy(
+        0, placed, mixed.reshape(rows * width, channels))
+    convolved = conv(spread.t().unsqueeze(0))[0].t()  # [spread length + gap, channels]: causal outputs first
+    return convolved.index_select(0, placed).reshape(rows, width, channels)
 
 
 class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transformers' key renames
@@ -204,13 +243,6 @@ def packed_llm_type(model: dict) -> str | None:
     else:
         model_type = (model.get("llm_config") or {}).get("model_type")
     return model_type if isinstance(model_type, str) else None
-
-
-def runs_per_sample_when_packed(model_type: str) -> bool:
-    """Whether the LLM's Gated-DeltaNet layers run once per packed sample (Qwen3.5 without the flash-linear-attention
-    and causal-conv1d kernels): a number of module calls that differs between ranks, which an engine that gathers
-    parameters at every module call cannot follow (``EngineConfig.model_problems``)."""
-    return model_type in PACKS_EXACTLY and not kernels_take_boundaries()
 
 
 def boundary_kwargs(llm: nn.Module, row_spans: Sequence[Sequence[int]] | None, device: torch.device | str

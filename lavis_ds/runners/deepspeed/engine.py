@@ -15,7 +15,6 @@ from lavis_ds.common.errors import ConfigError, InputError
 from lavis_ds.common.precision import autocast, to_compute
 from lavis_ds.common import registry as reg
 from lavis_ds.common.run_config import ZERO_KEYS, with_batch_layout
-from lavis_ds.models.linear_attention import packed_llm_type, runs_per_sample_when_packed
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
 from lavis_ds.runners.deepspeed import section, zero_keys
@@ -53,20 +52,6 @@ class DeepSpeedEngineConfig(EngineConfig):
             # Checked as it will be handed to DeepSpeed (batch layout and optimizer completed).
             problems += section.schema_problems(build_deepspeed_config({**run, "deepspeed_config": ds}, world_size))
         return problems
-
-    @classmethod
-    def model_problems(cls, run, model):
-        """Packed rows of Qwen3.5's text model under ZeRO-3 without the kernels that take sample boundaries: each
-        Gated-DeltaNet layer then runs its projections once per packed sample, ZeRO-3 gathers their parameters at
-        each call, and ranks holding different numbers of samples wait on each other's gathers forever (a hang, not
-        an error). FSDP2 gathers a decoder layer once; ZeRO-1/2 do not gather."""
-        model_type = packed_llm_type(model) if run.get("packing") and run.get("zero_stage") == 3 else None
-        if model_type is None or not runs_per_sample_when_packed(model_type):
-            return []
-        return [f"run.packing with run.zero_stage=3: the LLM ({model_type}) packs samples through Gated-DeltaNet "
-                "layers that, without the flash-linear-attention and causal-conv1d kernels, run once per sample, a "
-                "number that differs between ranks and stalls ZeRO-3's parameter gathers. Install both kernels, or "
-                "set run.zero_stage: 2, runner: runner_fsdp or run.packing: false"]
 
     @classmethod
     def complete(cls, run, world_size):
