@@ -14,12 +14,8 @@ import lavis_ds.models  # noqa: F401  (registers the architectures)
 from lavis_ds.common.registry import connectors, models, registry
 from lavis_ds.models.vision_llm import VisionLLM
 
-# qwen3_5 is left out (of these and of test_arch_runs): its tiny preset costs ~35 s across the parametrized tests
-# (test_flops' five recipes alone ~30 s), more than the suite affords; tests/test_qwen3_5.py and
-# test_qwen3_5_llm.py cover it in-process, test_dpo_zoo (its own list) trains it with DPO.
-LEFT_OUT = ("qwen3_5",)
 ARCHITECTURES = sorted(name for name in models
-                       if issubclass(registry.get_model_class(name), VisionLLM) and name not in LEFT_OUT)
+                       if issubclass(registry.get_model_class(name), VisionLLM))
 # Architectures whose images keep their own sizes (Qwen-VL: flat patches and a grid per image). They take a square
 # [N, 3, S, S] pixel tensor too (each a still image, S a multiple of a merged token's side), which these tests make.
 FLAT_ARCHITECTURES = [name for name in ARCHITECTURES if getattr(registry.get_model_class(name), "FLAT_FEATURES", False)]
