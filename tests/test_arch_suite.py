@@ -73,7 +73,9 @@ def test_the_token_normalised_loss_of_split_micro_batches_is_the_whole_batchs(ar
     loss.backward()
     assert torch.allclose(loss, whole["loss"], rtol=1e-5)
     mean_of_means = (outs[0]["loss"] + outs[1]["loss"]) / 2
-    assert not torch.allclose(mean_of_means, whole["loss"], rtol=1e-3)  # what the token rule is not
+    # What the token rule is not: ten times further off than the rule's own tolerance (a randomly initialised LLM's
+    # token losses are all near log(vocabulary), so the two rules differ by 6e-4 on tiny qwen3_5).
+    assert not torch.allclose(mean_of_means, whole["loss"], rtol=1e-4)
     for name, grad in expected.items():
         # On the tensor's own scale: fp32 sums in another order differ by ~1e-7 of it, a wrong weighting by ~1e-1;
         # the floor is for gradients that are 0 in exact arithmetic (attention's key bias) and rounding here.

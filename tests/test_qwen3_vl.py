@@ -15,13 +15,15 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VL
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from archs import build_tiny, loss_and_grads
-from conftest import TINY_CORPUS
-from lavis_ds.common.errors import LavisDsError
+from archs import build_tiny, loss_and_grads, tiny_model_section
+from conftest import TINY_CORPUS, demo_storage_fixture
+from lavis_ds.common.errors import ConfigError, LavisDsError
+from lavis_ds.config import load_config
 from lavis_ds.common.registry import processors, registry, vision_towers
 from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY
 from lavis_ds.models.parts import PartError
 from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
+from run_utils import tiny_config, write_yaml
 
 QUESTION, ANSWER = "What is in the picture?", "A red ball on the grass."
 # (height, width) px of each image: 32 px per merged token, 48 LLM tokens at most
@@ -308,6 +310,40 @@ def test_deepstack_mergers_that_do_not_match_the_taps_are_named(tiny_tokenizer_d
     with pytest.raises(PartError, match=r"model.connector.deepstack_taps: 3 DeepStack mergers, but the tower taps 2 "
                                         r"blocks .*; valid: 2"):
         build_tiny("qwen3_vl", tiny_tokenizer_dir, tmp_path, connector={"deepstack_taps": 3})
+
+
+demo_storage = demo_storage_fixture(num_train=2, num_val=1, num_test=1)
+# name: (architecture, the model section's change, the config check's one line)
+DEEPSTACK_CASES = {
+    "a tap beyond the tower's blocks": (
+        "qwen3_vl", {"vision_tower": {"vision_config": {"deepstack_visual_indexes": [0, 3]}}},
+        r"model\.vision_tower\.vision_config\.deepstack_visual_indexes: \[0, 3\]; valid: increasing block indexes "
+        r"of the 3 blocks \(0\.\.2\), e\.g\. \[8, 16, 24\] of 27"),
+    "more taps than the LLM has layers": (
+        "qwen3_vl", {"llm_config": {"num_hidden_layers": 1}},
+        r"model\.vision_tower\.vision_config\.deepstack_visual_indexes: \[0, 1\] feed the LLM after its first 2 "
+        r"decoder layers, but it has 1; valid: at most 1 taps, added after decoder layers 0\.\.0"),
+    "mergers that do not match the taps": (
+        "qwen3_vl", {"connector": {"deepstack_taps": 1}},
+        r"model\.connector\.deepstack_taps: 1 DeepStack mergers, but the tower taps 2 blocks .*; valid: 2"),
+    "a tap on Qwen3.5": (
+        "qwen3_5", {"vision_tower": {"vision_config": {"deepstack_visual_indexes": [1]}}},
+        r"model\.vision_tower\.vision_config\.deepstack_visual_indexes: \[1\]; Qwen3\.5 has no DeepStack .*"
+        r"valid: \[\] \(or use model\.arch: qwen3_vl for DeepStack\)"),
+}
+
+
+@pytest.mark.parametrize("case", DEEPSTACK_CASES)
+def test_the_config_check_refuses_deepstack_settings_the_build_would(case, demo_storage, tmp_path):
+    """What ``lavis-ds train`` checks before it builds anything (load_config): one line naming the key and the
+    valid range; the preset itself passes."""
+    arch, change, message = DEEPSTACK_CASES[case]
+    cfg = tiny_config(tmp_path / "out", demo_storage, micro=2, sizes=(2, 1, 1))
+    cfg["model"] = tiny_model_section(arch, demo_storage / "tokenizer", demo_storage)
+    load_config(write_yaml(tmp_path / "valid.yaml", cfg))
+    cfg["model"] = tiny_model_section(arch, demo_storage / "tokenizer", demo_storage, **change)
+    with pytest.raises(ConfigError, match=rf"1 problem\(s\) in \S+:\n  - {message}$"):
+        load_config(write_yaml(tmp_path / "run.yaml", cfg))
 
 
 def test_a_temporal_patch_other_than_qwen3_vls_is_named(tiny_tokenizer_dir, tmp_path):

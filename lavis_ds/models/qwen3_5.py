@@ -17,7 +17,6 @@ Videos take Qwen3-VL's layout (``models.qwen3_vl``: each frame group after its t
 from __future__ import annotations
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.parts import PartError
 from lavis_ds.models.qwen3_vl import Qwen3VL
 
 
@@ -31,13 +30,14 @@ class Qwen35(Qwen3VL):
         "tiny": "models/qwen3_5/tiny.yaml",
     }
 
-    def check_deepstack(self) -> None:
+    @classmethod
+    def deepstack_problems(cls, taps: list[int], mergers: int, llm_layers: int | None) -> list[str]:
         """Qwen3.5 has no DeepStack: a tapped tower block or a DeepStack merger is refused, naming the setting."""
-        taps = list(getattr(self.vision_tower, "tap_layers", ()))
+        problems = []
         if taps:
-            raise PartError(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps}; Qwen3.5 has no "
+            problems.append(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps}; Qwen3.5 has no "
                             "DeepStack (transformers' Qwen3_5VisionModel taps no block); valid: [] (or use "
                             "model.arch: qwen3_vl for DeepStack)")
-        mergers = getattr(self.connector, "deepstack_taps", 0)
         if mergers:
-            raise PartError(f"model.connector.deepstack_taps: {mergers}; Qwen3.5 has no DeepStack mergers; valid: 0")
+            problems.append(f"model.connector.deepstack_taps: {mergers}; Qwen3.5 has no DeepStack mergers; valid: 0")
+        return problems

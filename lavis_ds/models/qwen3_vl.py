@@ -24,16 +24,21 @@ temporal patch must be Qwen3-VL's 2 frames (``VIDEO_FRAME_GROUPS``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from lavis_ds.common import registry as reg
+from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.common.errors import LavisDsError
 from lavis_ds.models.image_tokens import SECONDS_KEY, image_sizes, per_sample, video_flags
+from lavis_ds.models.llm_families import transformers_config
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.positions import Visual
 from lavis_ds.models.prompt import image_counts
+from lavis_ds.models.published import settings_from_published
 from lavis_ds.models.qwen_vl import QwenVL
 
 
@@ -67,17 +72,38 @@ class Qwen3VL(QwenVL):
                             f"{self.VIDEO_FRAME_GROUPS}")
 
     def check_deepstack(self) -> None:
-        """One DeepStack merger per tapped tower block, and no more taps than the LLM has layers to add them after."""
-        taps = list(getattr(self.vision_tower, "tap_layers", ()))
-        mergers = getattr(self.connector, "deepstack_taps", 0)
+        """The build refuses what the config check does (``deepstack_problems``), for a model built without it."""
+        problems = self.deepstack_problems(list(getattr(self.vision_tower, "tap_layers", ())),
+                                           getattr(self.connector, "deepstack_taps", 0),
+                                           self.llm_transformers_config.num_hidden_layers)
+        if problems:
+            raise PartError(problems[0])
+
+    @classmethod
+    def deepstack_problems(cls, taps: list[int], mergers: int, llm_layers: int | None) -> list[str]:
+        """One DeepStack merger per tapped tower block, and no more taps than the LLM has layers to add them after
+        (tap i's tokens are added after decoder layer i). ``llm_layers`` None: unknown (reported elsewhere)."""
+        problems = []
         if len(taps) != mergers:
-            raise PartError(f"model.connector.deepstack_taps: {mergers} DeepStack mergers, but the tower taps "
+            problems.append(f"model.connector.deepstack_taps: {mergers} DeepStack mergers, but the tower taps "
                             f"{len(taps)} blocks (vision_tower.vision_config.deepstack_visual_indexes {taps}); valid: "
                             f"{len(taps)}")
-        layers = self.llm_transformers_config.num_hidden_layers
-        if len(taps) > layers:
-            raise PartError(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps} feed the LLM after "
-                            f"its first {len(taps)} decoder layers, but it has {layers}; valid: at most {layers} taps")
+        if llm_layers is not None and len(taps) > llm_layers:
+            problems.append(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps} feed the LLM after "
+                            f"its first {len(taps)} decoder layers, but it has {llm_layers}; valid: at most "
+                            f"{llm_layers} taps, added after decoder layers 0..{llm_layers - 1}")
+        return problems
+
+    @classmethod
+    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        """The parts' and the LLM's problems, then DeepStack's (``deepstack_problems``) from the tower and connector
+        built on the meta device and the LLM's config: what the build would refuse, before anything is built."""
+        problems = super().config_problems(section)
+        if problems:
+            return problems  # DeepStack's counts are read from parts that build
+        if section.get("load_pretrained") and section.get("pretrained"):
+            section = settings_from_published(cls._with_parts(section))  # as the build sees it (checked above)
+        return cls.deepstack_problems(*_deepstack_of(*cls.part_sections(section)), _llm_layers(section))
 
     def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
         """``[sum of tokens, (1 + taps) * llm_hidden]``: each image's merged tokens, then its DeepStack tokens."""
@@ -119,3 +145,29 @@ class Qwen3VL(QwenVL):
             return embeds, {}
         mask = torch.isin(input_ids, torch.tensor(self.prompt.placeholder_ids, device=input_ids.device))
         return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}
+
+
+def _deepstack_of(tower: dict[str, Any], connector: dict[str, Any]) -> tuple[list[int], int]:
+    """The tower's tapped blocks and the connector's DeepStack mergers, their structure built on the meta device
+    (a tower folder's config.json read) as the build makes them: its presets and defaults filled in."""
+    tower, connector = dict(tower), dict(connector)
+    tower_cls, connector_cls = vision_towers.get(tower.pop("name")), connectors.get(connector.pop("name"))
+    folder = tower.pop("pretrained", None)
+    for key in ("freeze", "pretrained"):
+        tower.pop(key, None)
+        connector.pop(key, None)
+    with torch.device("meta"):
+        built = tower_cls.from_folder(folder, tower, "model.vision_tower") if folder else tower_cls(**tower)
+        merger = connector_cls(vision_width=built.num_features, llm_width=8, **connector)
+    return list(getattr(built, "tap_layers", ())), getattr(merger, "deepstack_taps", 0)
+
+
+def _llm_layers(section: Mapping[str, Any]) -> int | None:
+    """The LLM's decoder layers: its folder's config.json (a vision-language folder's text config), else
+    ``llm_config`` with transformers' defaults; None where neither reads (the LLM's own checks say why)."""
+    try:
+        folder = section.get("llm_model")
+        config = AutoConfig.from_pretrained(folder) if folder else transformers_config(section.get("llm_config") or {})
+    except (OSError, ValueError, TypeError):
+        return None
+    return config.get_text_config(decoder=True).num_hidden_layers
