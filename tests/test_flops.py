@@ -5,7 +5,8 @@ images of three sizes, each counted by its grid).
 torch.utils.flop_counter counts matmuls only, as the FLOP model does: they agree to float rounding. The gaps:
 torch 2.14 has no FLOP formula for CPU's fused attention kernel and counts it as 0, so attention runs on the math
 backend here, whose matmuls it counts; it counts a grouped convolution's weight gradient as a dense one's, corrected
-here (``grouped_conv_backward``); and Qwen3.5's torch path computes more than the model (``_counted_beyond_the_model``)."""
+here (``grouped_conv_backward``); and Qwen3.5's torch path computes more than the model
+(``_counted_beyond_the_model``)."""
 from __future__ import annotations
 
 from collections import Counter

@@ -55,7 +55,8 @@ class PackedSamples:
     ``spans``: ``(row, start, end)`` of every sample and every row's padding tail, row-major, covering each row
     (host integers, for the per-span path). ``cu_seqlens``: ``[spans + 1]`` int64, the spans' starts with the rows
     laid end to end (flash-linear-attention's ``cu_seqlens``). ``seq_idx``: ``[1, rows * width]`` int32, each
-    token's span (causal-conv1d's ``seq_idx``). Both tensors on the model's device.
+    token's span (causal-conv1d's ``seq_idx``; the torch path's convolution lays the spans apart by it). Both
+    tensors on the model's device.
     """
 
     spans: tuple[tuple[int, int, int], ...]
