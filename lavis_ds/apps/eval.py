@@ -57,7 +57,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.log_samples and not args.output_path:
         raise InputError("--log_samples writes files: give --output_path")
-    manager = task_manager(args.include_path)
+    manager = task_manager(args.include_path, args.tasks.split(","))
     tasks = check_task_names(args.tasks.split(","), manager)
     check_datasets_on_disk(tasks, manager)
     device = _device(args.device)

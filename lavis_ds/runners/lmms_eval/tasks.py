@@ -18,14 +18,20 @@ from lavis_ds.common.suggest import closest
 LOCAL_BUILDERS = frozenset({"csv", "json", "parquet", "text", "pandas", "arrow"})  # lmms-eval's utils._LOCAL_BUILDERS
 
 
-def task_manager(include_path: str | list[str] | None = None):
-    """lmms-eval's ``TaskManager`` over its own tasks and those under ``include_path`` (folders of task YAMLs)."""
+def task_manager(include_path: str | list[str] | None = None, names: Iterable[str] = ()):
+    """lmms-eval's ``TaskManager`` over the tasks under ``include_path`` (folders of task YAMLs) when they hold every
+    one of ``names``, else over lmms-eval's own tasks too (indexing its few hundred task folders takes seconds)."""
     from lmms_eval.tasks import TaskManager
 
     paths = [include_path] if isinstance(include_path, str) else list(include_path or [])
     missing = [p for p in paths if not Path(p).is_dir()]
     if missing:
         raise InputError(f"--include_path {missing[0]}: not a folder (a folder of lmms-eval task YAML files)")
+    names = list(names)
+    if paths and names:
+        local = TaskManager("WARNING", include_path=paths, include_defaults=False)
+        if all(name in local.match_tasks([name]) for name in names):
+            return local
     return TaskManager("WARNING", include_path=paths or None)
 
 
