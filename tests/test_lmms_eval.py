@@ -124,11 +124,11 @@ def test_lmms_eval_finds_the_model_by_the_entry_point_pyproject_declares():
 
 # ----------------------------------------------------------------------------- one line per bad input
 def _task_without_its_file(folder: Path) -> Path:
-    yaml = (TASKS / "demo_shapes_caption.yaml").read_text().replace("task: demo_shapes_caption",
-                                                                    "task: demo_shapes_elsewhere")
-    (folder / "demo_shapes_elsewhere.yaml").write_text(yaml.replace("test: demo_shapes_test.json",
-                                                                    "test: copies/demo_shapes_test.json"))
-    (folder / "utils.py").write_text((TASKS / "utils.py").read_text())
+    """docs/evaluation.md's recipe for a benchmark on local files: a YAML that includes a task and points its
+    data_files elsewhere, here at a file that is not there."""
+    (folder / "demo_shapes_elsewhere.yaml").write_text(
+        f"include: {TASKS / 'demo_shapes_caption.yaml'}\ntask: demo_shapes_elsewhere\ndataset_path: json\n"
+        "dataset_kwargs:\n  data_files:\n    test: copies/demo_shapes_test.json\n")
     return folder
 
 
