@@ -68,6 +68,7 @@ class LavisDsLmms(lmms):
         self.batch_size_per_process, self.max_frames = int(batch_size), int(max_frames)
         self.generation = {**DEFAULT_GENERATION, **(generation or {})}
         self._rank, self._world_size = dist.rank(), dist.world_size()
+        self._joining: tuple[dict, dict] | None = None  # the batch a round without requests of this rank reruns
 
     # ------------------------------------------------------------------ what lmms-eval reads
     @property
@@ -91,11 +92,11 @@ class LavisDsLmms(lmms):
         texts = []
         for batch_requests in self._batches(requests, self._request, with_settings=True):
             if batch_requests is None:  # a round this rank joins without requests of its own
-                self._generate(self._last_batch, self._last_kwargs)
+                self._generate(*self._joining)
                 continue
             kwargs = generate_kwargs(batch_requests[0].settings, self.generation, batch_requests[0].where)
             batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
-            self._last_batch, self._last_kwargs = batch, kwargs
+            self._joining = (batch, kwargs)
             answers = self._generate(batch, kwargs)
             texts.extend(cut_at(text, stop_strings(request.settings, request.where))
                          for text, request in zip(answers, batch_requests, strict=True))
@@ -115,10 +116,10 @@ class LavisDsLmms(lmms):
         results = []
         for batch_requests in self._batches(requests, self._request, with_settings=False):
             if batch_requests is None:
-                self._score(self._last_batch)
+                self._score(self._joining[0])
                 continue
             batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
-            self._last_batch = batch
+            self._joining = (batch, {})
             scores = {key: value.tolist() for key, value in self._score(batch).items()}
             check_complete(scores["complete"], [r.where for r in batch_requests], self.lavis_model)
             # Each (loss, is_greedy) pair inside a GenerationResult: lmms-eval 0.7.3's evaluator passes a result's
@@ -157,8 +158,11 @@ class LavisDsLmms(lmms):
             bar.update(len(batch))
         bar.close()
         if rounds > len(batches) and not batches:
-            raise InputError(f"rank {self.rank} holds no request while another holds {rounds} batch(es); lmms-eval "
-                             "pads every rank's share, so this is not a share lmms-eval made")
+            # No request here (a --limit below the number of processes leaves some without documents, and lmms-eval
+            # has none to pad with): the rounds run a text-only blank, whose answer nobody reads.
+            self._joining = (batch_of([Request(" ", continuation="" if not with_settings else None)],
+                                      self.image_processor, self.text_processor, self.max_frames),
+                             generate_kwargs({}, self.generation, "a blank request"))
         for _ in range(rounds - len(batches)):
             yield None
 
