@@ -34,11 +34,11 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -134,7 +134,7 @@ def write_data(folder: Path, records: int, per_folder: int, seed: int) -> tuple[
 def build(args, annotation: Path, root: Path, tokenizer: Path):
     """The tiny model of ``--arch`` (its host side: tokenizer, placeholders, positions), its objective, and the
     training set as the ``llava_conversation`` builder makes it with the tower's ``qwen_vl_image`` processor."""
-    import lavis_ds  # noqa: F401  (fills the registries)
+    importlib.import_module("lavis_ds")  # fills the registries
     from lavis_ds.common.registry import registry
     from lavis_ds.common.seeding import SeededDataset
     from lavis_ds.datasets import LlavaConversationBuilder
@@ -170,6 +170,7 @@ def stage_rates(args, model, objective, train_set) -> tuple[dict[str, float], li
     """Samples/s of each stage on one core, the prepared micro-batches of the collater stage, and the plan's rate."""
     from lavis_ds.datasets.lengths import counted_by, token_length_of
     from lavis_ds.datasets.samplers import TokenBudgetSampler
+    from lavis_ds.processors.qwen_vl import _uint8_chw
 
     dataset = train_set.dataset
     indices = list(range(min(args.stage_samples, len(dataset))))
@@ -178,8 +179,6 @@ def stage_rates(args, model, objective, train_set) -> tuple[dict[str, float], li
     per_image = len(images) / len(indices)  # a text-only record has none: stages of one image count per sample
     processing = dataset.vis_processor.processing
     decoded = [dataset._load_image(r, name) for r, name in images]
-    from lavis_ds.processors.qwen_vl import _uint8_chw
-
     arrays = [_uint8_chw(image)[None] for image in decoded]
     resized = [processing._resized(a) for a in arrays]
     frames = [r[:, None].expand(-1, processing.temporal_patch_size, -1, -1, -1) for r in resized]
@@ -216,7 +215,7 @@ def tokens_per_sample(prepared: list[dict]) -> tuple[float, float]:
     return tokens / samples, image / tokens
 
 
-def loader_rate(args, model, objective, train_set, workers: int, sampler) -> tuple[float, float, int]:
+def loader_rate(args, model, objective, train_set, workers: int, sampler) -> tuple[float, float, float]:
     """(seconds to the first micro-batch, samples/s and LLM tokens/s over the next ``--loader-batches``) of the
     trainer's DataLoader with ``workers`` workers, each micro-batch prepared (packed) in this process as the trainer
     prepares it."""
@@ -236,46 +235,61 @@ def loader_rate(args, model, objective, train_set, workers: int, sampler) -> tup
     return first_s, samples / seconds, tokens / seconds
 
 
+def report_stages(args, rates: dict[str, float], per_image: float, per_sample: float, image_share: float,
+                  samples: int) -> None:
+    print(f"\nQwen-VL image path on the host ({args.arch}'s tower processing), one process, one thread; {samples} "
+          f"LLaVA-665k-like records, {per_image:.2f} images a sample; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"{'stage':<46}{'samples/s/core':>15}{'ms/sample':>11}")
+    for stage, rate in rates.items():
+        print(f"{stage:<46}{rate:>15.1f}{1000 / rate:>11.2f}")
+    print(f"tokens per sample (text + image, as prepared): {per_sample:.0f}, image tokens {image_share:.0%}")
+
+
+def report_loader(args, model, objective, train_set) -> None:
+    """The trainer's DataLoader with each worker count, back to back, against 0 workers."""
+    from lavis_ds.datasets.lengths import counted_by, token_length_of
+    from lavis_ds.datasets.samplers import TokenBudgetSampler
+
+    length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len, model.tokens_for_image)
+    sampler = TokenBudgetSampler(len(train_set), args.micro, args.max_len, 1, 1, 0, args.seed, length_of, 1)
+    print(f"\nthe trainer's DataLoader: micro-batches of {args.micro} rows of {args.max_len} tokens (token budget), "
+          f"each prepared (packed) in the main process; {args.loader_batches} micro-batches per setting")
+    print(f"{'workers':>8}{'first batch s':>15}{'samples/s':>11}{'LLM tokens/s':>14}{'x 0 workers':>13}{'load':>6}")
+    base = None
+    for workers in (int(w) for w in args.workers.split(",")):
+        first_s, rate, tokens_per_s = loader_rate(args, model, objective, train_set, workers, sampler)
+        base = base or rate
+        print(f"{workers:>8}{first_s:>15.2f}{rate:>11.1f}{tokens_per_s:>14.0f}{rate / base:>13.2f}"
+              f"{os.getloadavg()[0]:>6.1f}", flush=True)
+
+
+def report_workers_needed(args, rates: dict[str, float], per_sample: float) -> None:
+    """Loader workers (one core each) that make the samples one GPU trains on at ``--tokens-per-s``; the main
+    process collates nothing (the workers do) and prepares every micro-batch."""
+    item = rates["dataset[i] (all of the above + text)"]
+    worker = 1 / (1 / item + 1 / rates["collate (16 a batch)"])
+    need = args.tokens_per_s / per_sample
+    print(f"\none GPU at {args.tokens_per_s:,.0f} LLM tokens/s takes {need:.1f} samples/s; one worker core reads, "
+          f"processes and collates {worker:.1f} samples/s -> {math.ceil(need / worker)} worker(s) at full use "
+          f"({need / worker:.2f} of a core); the main process prepares them in "
+          f"{need / rates['prepare: tokens, M-RoPE, packing']:.0%} of a core")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per process: the rates are per core
     import torch
 
     torch.set_num_threads(1)
-    from lavis_ds.datasets.lengths import counted_by, token_length_of
-    from lavis_ds.datasets.samplers import TokenBudgetSampler
-
     with tempfile.TemporaryDirectory(prefix="host_image_path_") as tmp:
         annotation, root, tokenizer = write_data(Path(tmp), args.records, args.images_per_folder, args.seed)
         model, objective, train_set = build(args, annotation, root, tokenizer)
         rates, prepared, per_image = stage_rates(args, model, objective, train_set)
         per_sample, image_share = tokens_per_sample(prepared)
-        print(f"\nQwen-VL image path on the host ({args.arch}'s tower processing), one process, one thread; "
-              f"{len(train_set)} LLaVA-665k-like records, {per_image:.2f} images a sample; load average "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-        print(f"{'stage':<46}{'samples/s/core':>15}{'ms/sample':>11}")
-        for stage, rate in rates.items():
-            print(f"{stage:<46}{rate:>15.1f}{1000 / rate:>11.2f}")
-        print(f"tokens per sample (text + image, as prepared): {per_sample:.0f}, image tokens {image_share:.0%}")
-
-        length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len, model.tokens_for_image)
-        sampler = TokenBudgetSampler(len(train_set), args.micro, args.max_len, 1, 1, 0, args.seed, length_of, 1)
-        print(f"\nthe trainer's DataLoader: micro-batches of {args.micro} rows of {args.max_len} tokens (token budget), "
-              f"each prepared (packed) in the main process; {args.loader_batches} micro-batches per setting")
-        print(f"{'workers':>8}{'first batch s':>15}{'samples/s':>11}{'LLM tokens/s':>14}{'x 0 workers':>13}{'load':>6}")
-        base = None
-        for workers in (int(w) for w in args.workers.split(",")):
-            first_s, rate, tokens_per_s = loader_rate(args, model, objective, train_set, workers, sampler)
-            base = base or rate
-            print(f"{workers:>8}{first_s:>15.2f}{rate:>11.1f}{tokens_per_s:>14.0f}{rate / base:>13.2f}"
-                  f"{os.getloadavg()[0]:>6.1f}", flush=True)
-
-        item = rates["dataset[i] (all of the above + text)"]
-        main_side = 1 / (1 / rates["collate (16 a batch)"] + 1 / rates["prepare: tokens, M-RoPE, packing"])
-        need = args.tokens_per_s / per_sample
-        print(f"\none GPU at {args.tokens_per_s:,.0f} LLM tokens/s takes {need:.1f} samples/s; one worker core makes "
-              f"{item:.1f} samples/s (dataset[i]) -> {math.ceil(need / item)} worker(s) at full use; the main process "
-              f"collates and prepares {main_side:.0f} samples/s ({need / main_side:.0%} of a core)")
+        report_stages(args, rates, per_image, per_sample, image_share, len(train_set))
+        report_loader(args, model, objective, train_set)
+        report_workers_needed(args, rates, per_sample)
 
 
 if __name__ == "__main__":

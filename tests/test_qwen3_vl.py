@@ -96,12 +96,14 @@ def inputs_of(processor, images: list[tuple[int, int]], answer: str | None):
     return inputs, sample
 
 
-# A video: six 64x96 px frames of a 1.5 fps file, every frame taken: three frame groups at 0.3, 1.7 and 3.0 s
+# A video: six 64x96 px frames of a 1.5 fps file, every frame taken: three frame groups at 0.3, 1.7 and 3.0 s,
+# resized to 128x192 px (the six frames' area raised to the video processor's least, 128 merged tokens' worth)
 VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 6, 1.5, (64, 96)
 
 
 def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | None = None):
-    """transformers' inputs for one conversation about a video (its frames as given: no sampling, no resizing),
+    """transformers' inputs for one conversation about a video (its frames as given: no sampling; resized by the
+    video processor's pixel budget for the whole video),
     and the same sample as a lavis_ds batch: the processor's patches and grid, the file's seconds per frame group
     (``ours``: the frames through lavis_ds's own processing, checked equal). ``variables``: chat-template ones."""
     from transformers.video_utils import VideoMetadata
@@ -114,7 +116,7 @@ def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | 
                                          **(variables or {}))
     metadata = VideoMetadata(total_num_frames=VIDEO_FRAMES, fps=VIDEO_FPS, frames_indices=list(range(VIDEO_FRAMES)))
     inputs = processor(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
-                       do_resize=False, return_tensors="pt")
+                       cap_pixels_per_frame=False, return_tensors="pt")
     sample = {"instruction": [["<ImageHere>" + QUESTION]], "num_images": [1], "image": inputs["pixel_values_videos"],
               GRID_KEY: inputs["video_grid_thw"], SECONDS_KEY: [2 / VIDEO_FPS]}
     if ours is not None:  # the frames through lavis_ds's own processing, timed by the file's rate: the same fields
@@ -145,7 +147,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
 
     theirs, processor, ours, folder = pair
     inputs, sample = video_inputs_of(processor, ANSWER, ours)
-    assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
+    assert inputs["video_grid_thw"].tolist() == [[3, 8, 12]]
     text = processor.tokenizer.decode(inputs["input_ids"][0])
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     prepared = ours.prepare_batch(sample)

@@ -69,14 +69,20 @@ class Qwen3VLFamily(QwenVLFamily):
 
     def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
         """``Qwen3VLProcessor`` around the image processor, the tokenizer and template, and Qwen3-VL's video
-        processor with the tower's patch sizes and normalisation."""
+        processor with the tower's patch sizes, normalisation and video sampling (its rate, frame bounds and pixel
+        budget; the per-frame cap off, as training samples)."""
         from transformers import Qwen3VLProcessor
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-        settings = processor_settings(model.vision_tower.processing)
+        processing = model.vision_tower.processing
+        settings = processor_settings(processing)
         video = Qwen3VLVideoProcessor(image_mean=settings["image_mean"], image_std=settings["image_std"],
                                       patch_size=settings["patch_size"], merge_size=settings["merge_size"],
-                                      temporal_patch_size=settings["temporal_patch_size"])
+                                      temporal_patch_size=settings["temporal_patch_size"], fps=processing.video_fps,
+                                      min_frames=processing.video_min_frames, max_frames=processing.video_max_frames,
+                                      size={"shortest_edge": processing.video_min_pixels,
+                                            "longest_edge": processing.video_max_pixels},
+                                      cap_pixels_per_frame=False)
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                 video_processor=video)
 

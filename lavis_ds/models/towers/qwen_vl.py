@@ -113,7 +113,7 @@ class QwenVLTower(VisionTower):
         try:
             self.processing = QwenVLProcessing(min_pixels, max_pixels, mean=self.IMAGE_MEAN, std=self.IMAGE_STD,
                                                patch_size=layout.patch_size, merge_size=layout.merge_size,
-                                               temporal_patch_size=layout.temporal_patch_size)
+                                               temporal_patch_size=layout.temporal_patch_size, **self.VIDEO_SAMPLING)
         except QwenVisionInputError as e:
             raise PartError(f"vision_tower: {e}") from None
 
@@ -144,6 +144,9 @@ class QwenVLTower(VisionTower):
     PATCH_BIAS: ClassVar[bool] = False  # whether the Conv3d patch embedding has a bias (Qwen3-VL's has)
     IMAGE_MEAN: ClassVar[tuple[float, float, float]] = CLIP_MEAN  # what the published image processor normalises by
     IMAGE_STD: ClassVar[tuple[float, float, float]] = CLIP_STD
+    # How the family's published video processor samples and sizes a video (``QwenVLProcessing``'s ``video_*``
+    # settings); none: the dataset's max_frames frames, each bounded as an image (Qwen2-VL's video processor).
+    VIDEO_SAMPLING: ClassVar[dict[str, Any]] = {}
     # The blocks whose outputs the tower also gives (``forward_taps``): Qwen3-VL's DeepStack layers.
     tap_layers: tuple[int, ...] = ()
 
