@@ -17,7 +17,7 @@ token budget's plan (``datasets.lengths.token_length_of`` reading each image's s
 ``TokenBudgetSampler`` cutting the epoch into micro-batches), and the trainer's DataLoader
 (``runners.data.make_loader``).
 
-One process with one thread (``OMP_NUM_THREADS=1``: one core), in one run:
+One process with one torch thread (one core), in one run:
 1. **Stages**, each over the same samples in turn, repeated ``--repeats`` times (the best of them: the least
    disturbed by other load): JPEG decode (``PIL`` open and RGB convert, as the dataset's ``_load_image``),
    ``smart_resize`` + bicubic resize + normalise (``QwenVLProcessing._resized``), patchify (``_patchify``), the
@@ -278,18 +278,21 @@ def report_workers_needed(args, rates: dict[str, float], per_sample: float) -> N
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per process: the rates are per core
     import torch
 
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="host_image_path_") as tmp:
-        annotation, root, tokenizer = write_data(Path(tmp), args.records, args.images_per_folder, args.seed)
-        model, objective, train_set = build(args, annotation, root, tokenizer)
-        rates, prepared, per_image = stage_rates(args, model, objective, train_set)
-        per_sample, image_share = tokens_per_sample(prepared)
-        report_stages(args, rates, per_image, per_sample, image_share, len(train_set))
-        report_loader(args, model, objective, train_set)
-        report_workers_needed(args, rates, per_sample)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: the rates are per core (DataLoader workers take one thread each anyway)
+    try:
+        with tempfile.TemporaryDirectory(prefix="host_image_path_") as tmp:
+            annotation, root, tokenizer = write_data(Path(tmp), args.records, args.images_per_folder, args.seed)
+            model, objective, train_set = build(args, annotation, root, tokenizer)
+            rates, prepared, per_image = stage_rates(args, model, objective, train_set)
+            per_sample, image_share = tokens_per_sample(prepared)
+            report_stages(args, rates, per_image, per_sample, image_share, len(train_set))
+            report_loader(args, model, objective, train_set)
+            report_workers_needed(args, rates, per_sample)
+    finally:
+        torch.set_num_threads(threads)  # as it was (the suite's smoke run calls main in its own process)
 
 
 if __name__ == "__main__":
