@@ -22,7 +22,8 @@ One process with one torch thread (one core), in one run:
    disturbed by other load): JPEG decode (``PIL`` open and RGB convert, as the dataset's ``_load_image``),
    ``smart_resize`` + bicubic resize + normalise (``QwenVLProcessing._resized``), patchify (``_patchify``), the
    whole ``dataset[i]`` (the three and the record's text), the collater, ``Objective.prepare`` per micro-batch, and
-   the token budget's plan per sample.
+   the token budget's plan per sample (each record's estimate from its images' header sizes, the rows filled; its
+   fit on up to 256 samples' exact counts, once per run, is printed apart).
 2. **Loader**: samples/s of the DataLoader over the token budget's micro-batches with each of ``--workers`` worker
    counts, the main process preparing every micro-batch as the trainer does (``TrainData.prepare``), and the
    ratio to 0 workers (everything in the one process), measured back to back.
@@ -166,8 +167,9 @@ def best_rate(samples: int, repeats: int, work) -> float:
     return samples / best
 
 
-def stage_rates(args, model, objective, train_set) -> tuple[dict[str, float], list[dict], float]:
-    """Samples/s of each stage on one core, the prepared micro-batches of the collater stage, and the plan's rate."""
+def stage_rates(args, model, objective, train_set) -> tuple[dict[str, float], list[dict], float, float]:
+    """Samples/s of each stage on one core, the collater stage's micro-batches prepared, images per sample, and the
+    seconds of the token budget's fit."""
     from lavis_ds.datasets.lengths import counted_by, token_length_of
     from lavis_ds.datasets.samplers import TokenBudgetSampler
     from lavis_ds.processors.qwen_vl import _uint8_chw
@@ -198,13 +200,19 @@ def stage_rates(args, model, objective, train_set) -> tuple[dict[str, float], li
             objective.prepare(model, batch, args.max_len) for batch in collated]),
     }
 
-    def plan() -> None:
+    # The token budget: a fit on up to 256 samples' exact counts (once per run, whatever the data's size), then each
+    # record's estimate (its images' header sizes) and the rows filled, per sample and epoch.
+    fits, plans = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
         length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len, model.tokens_for_image)
+        fits.append(time.perf_counter() - start)
+        start = time.perf_counter()
         TokenBudgetSampler(len(train_set), args.micro, args.max_len, 1, 1, 0, args.seed, length_of, 1)
-
-    rates["token budget plan (header sizes, fill rows)"] = best_rate(len(train_set), args.repeats, plan)
+        plans.append(time.perf_counter() - start)
+    rates["token budget plan (header sizes, fill rows)"] = len(train_set) / min(plans)
     prepared = [objective.prepare(model, batch, None) for batch in collated]
-    return rates, prepared, per_image
+    return rates, prepared, per_image, min(fits)
 
 
 def tokens_per_sample(prepared: list[dict]) -> tuple[float, float]:
@@ -236,13 +244,14 @@ def loader_rate(args, model, objective, train_set, workers: int, sampler) -> tup
 
 
 def report_stages(args, rates: dict[str, float], per_image: float, per_sample: float, image_share: float,
-                  samples: int) -> None:
+                  samples: int, fit_s: float) -> None:
     print(f"\nQwen-VL image path on the host ({args.arch}'s tower processing), one process, one thread; {samples} "
           f"LLaVA-665k-like records, {per_image:.2f} images a sample; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     print(f"{'stage':<46}{'samples/s/core':>15}{'ms/sample':>11}")
     for stage, rate in rates.items():
         print(f"{stage:<46}{rate:>15.1f}{1000 / rate:>11.2f}")
+    print(f"token budget fit (exact counts of up to 256 samples, once per run): {fit_s:.2f} s")
     print(f"tokens per sample (text + image, as prepared): {per_sample:.0f}, image tokens {image_share:.0%}")
 
 
@@ -286,9 +295,9 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(prefix="host_image_path_") as tmp:
             annotation, root, tokenizer = write_data(Path(tmp), args.records, args.images_per_folder, args.seed)
             model, objective, train_set = build(args, annotation, root, tokenizer)
-            rates, prepared, per_image = stage_rates(args, model, objective, train_set)
+            rates, prepared, per_image, fit_s = stage_rates(args, model, objective, train_set)
             per_sample, image_share = tokens_per_sample(prepared)
-            report_stages(args, rates, per_image, per_sample, image_share, len(train_set))
+            report_stages(args, rates, per_image, per_sample, image_share, len(train_set), fit_s)
             report_loader(args, model, objective, train_set)
             report_workers_needed(args, rates, per_sample)
     finally:
