@@ -6,6 +6,7 @@ side's own PyAV reader; the token budget counts the same grid from the file's he
 from __future__ import annotations
 
 import json
+import re
 
 import av
 import numpy as np
@@ -49,22 +50,32 @@ def write_video(path, frames: int, fps: int, size: tuple[int, int]):
     return path
 
 
-def video_dataset(root, processor: dict, **build_info):
-    """The ``minigpt4qwen_instruction`` builder's training set of one video record, as a run config builds it."""
+def video_builder(root, processor: dict, **build_info):
+    """The ``minigpt4qwen_instruction`` builder of a section with one video record, as a run config gives it."""
     (root / "ann.json").write_text(json.dumps([{"video": "v.mp4", "instruction": "<ImageHere> What happens?",
                                                 "output": "A change."}]))
     section = {"build_info": {"annotations": {"train": {"storage": str(root / "ann.json")}},
                               "images": {"storage": str(root)}, **build_info},
                "vis_processor": {"train": processor, "eval": processor}}
-    return builders.get("minigpt4qwen_instruction")(section).build()["train"]
+    return builders.get("minigpt4qwen_instruction")(section)
+
+
+def video_dataset(root, processor: dict, **build_info):
+    """The builder's training set (``video_builder``)."""
+    return video_builder(root, processor, **build_info).build()["train"]
+
+
+def tower_processor(arch: str) -> dict:
+    """The ``qwen_vl_image`` section a run of ``arch``'s tiny preset gets (the keys filled from its tower)."""
+    cls = registry.get_model_class(arch)
+    return {"name": "qwen_vl_image", **cls.image_processing_of(cls.default_config("tiny")).processor_keys()}
 
 
 @pytest.fixture(scope="module")
 def qwen3_vl_processor() -> dict:
     """The ``qwen_vl_image`` section a Qwen3-VL run's datasets get: the keys the config loader fills from the tiny
     preset's tower (``image_processing_of``)."""
-    cls = registry.get_model_class("qwen3_vl")
-    return {"name": "qwen_vl_image", **cls.image_processing_of(cls.default_config("tiny")).processor_keys()}
+    return tower_processor("qwen3_vl")
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +113,7 @@ def test_video_frames_pixels_and_timestamps_are_transformers(case, tmp_path, qwe
 ])
 def test_max_frames_given_or_a_tower_without_own_sampling_samples_uniformly(arch, build_info, frames, tmp_path):
     write_video(tmp_path / "v.mp4", 45, 10, (64, 64))
-    cls = registry.get_model_class(arch)
-    processor = {"name": "qwen_vl_image", **cls.image_processing_of(cls.default_config("tiny")).processor_keys()}
-    dataset = video_dataset(tmp_path, processor, **build_info)
+    dataset = video_dataset(tmp_path, tower_processor(arch), **build_info)
     sample = dataset[0]
     assert sample[GRID_KEY][0, 0] == frames // 2 and dataset.image_sizes(0)[0][0] == frames // 2
     step = 44 / (frames - 1)  # the frames' times: uniform over the file's 45 frames at 10 fps
@@ -112,22 +121,30 @@ def test_max_frames_given_or_a_tower_without_own_sampling_samples_uniformly(arch
     assert sample[SECONDS_KEY][0] == pytest.approx(2 / (frames / 45 * 10))
 
 
-@pytest.mark.parametrize("keys,message", [
-    ({"video_fps": 0}, r"video_fps: 0; valid: frames per second above 0 \(Qwen3-VL's 2\), or null for the "
-                       r"dataset's max_frames"),
-    ({"video_min_frames": 8, "video_max_frames": 4}, r"video_min_frames 8, video_max_frames 4; valid: integers, 1 <= "
-                                                     r"video_min_frames <= video_max_frames"),
-    ({"video_min_pixels": 4096}, r"video_min_pixels 4096, video_max_pixels None; valid: both \(a video's pixel "
-                                 r"budget\) or neither"),
-    ({"video_min_pixels": 8192, "video_max_pixels": 4096}, r"max_pixels: 4096 is below min_pixels 8192"),
+@pytest.mark.parametrize("arch,keys,message", [
+    ("qwen3_vl", {"video_fps": 0}, r"video_fps: 0; valid: frames per second above 0 \(Qwen3-VL's 2\), or null for "
+                                   r"the dataset's max_frames"),
+    ("qwen3_vl", {"video_min_frames": 8, "video_max_frames": 4},
+     r"video_min_frames 8, video_max_frames 4; valid: integers, 1 <= video_min_frames <= video_max_frames"),
+    # a tower without a video budget of its own (Qwen2-VL's) leaves the other bound unset
+    ("qwen2_vl", {"video_min_pixels": 4096}, r"video_min_pixels 4096, video_max_pixels None; valid: both \(a "
+                                             r"video's pixel budget\) or neither"),
+    ("qwen3_vl", {"video_min_pixels": 8192, "video_max_pixels": 4096}, r"max_pixels: 4096 is below min_pixels 8192"),
 ])
-def test_bad_video_settings(keys, message):
+def test_bad_video_settings(arch, keys, message, tmp_path):
+    """Each one problem line of the config check, naming the dataset's processor section."""
+    write_video(tmp_path / "v.mp4", 8, 4, (64, 64))
+    problems = video_builder(tmp_path, {**tower_processor(arch), **keys}).check()
+    assert len(problems) == 2, problems  # the train and eval processors
+    assert re.fullmatch(r"datasets\.minigpt4qwen_instruction\.vis_processor\.train: Qwen-VL processing.*: " + message
+                        + ".*", problems[0]), problems
     with pytest.raises(InputError, match=message):
         QwenVLImageProcessor(**keys)
 
 
 def test_frame_times_that_do_not_fill_the_grid_are_refused():
     batch = {GRID_KEY: torch.tensor([[2, 2, 2]]), SECONDS_KEY: [1.0], FRAME_SECONDS_KEY: [(0.0, 0.5)]}
-    with pytest.raises(LavisDsError, match=r"a video of 2 frame group\(s\) of 2 frames has 2 frame time\(s\) "
-                                           r"\(video_frame_seconds\)"):
+    with pytest.raises(LavisDsError, match=r"^video 0 of the batch: 2 frame group\(s\) of 2 frames \(its grid\) but 2 "
+                                           r"frame time\(s\) \(video_frame_seconds\); valid: a time for each sampled "
+                                           r"frame, 3 to 4$"):
         frame_group_marks(batch, 2, SPAN)

@@ -44,15 +44,17 @@ def frame_group_seconds(groups: int, second_per_grid_t: float, frames_per_group:
     return tuple((times[i] + times[i + frames_per_group - 1]) / 2 for i in range(0, len(times), frames_per_group))
 
 
-def timed_group_seconds(frame_seconds: Sequence[float], groups: int, frames_per_group: int) -> tuple[float, ...]:
+def timed_group_seconds(frame_seconds: Sequence[float], groups: int, frames_per_group: int, where: str = "a video"
+                        ) -> tuple[float, ...]:
     """Each frame group's time from its frames' own times, as Qwen3-VL's processor computes it
     (``_calculate_timestamps``): an odd last group repeats the last frame, each group's time is the mean of its first
     and last frame's. Raises where the frames do not fill the ``groups`` of the video's grid."""
     times = list(frame_seconds)
     times += times[-1:] * (-len(times) % frames_per_group)
     if len(times) != groups * frames_per_group:
-        raise LavisDsError(f"a video of {groups} frame group(s) of {frames_per_group} frames has {len(frame_seconds)} "
-                           f"frame time(s) ({FRAME_SECONDS_KEY}); its frames and their times come from one sampling")
+        raise LavisDsError(f"{where}: {groups} frame group(s) of {frames_per_group} frames (its grid) but "
+                           f"{len(frame_seconds)} frame time(s) ({FRAME_SECONDS_KEY}); valid: a time for each sampled "
+                           f"frame, {groups * frames_per_group - frames_per_group + 1} to {groups * frames_per_group}")
     return tuple((times[i] + times[i + frames_per_group - 1]) / 2 for i in range(0, len(times), frames_per_group))
 
 
@@ -66,7 +68,8 @@ def frame_group_marks(samples: dict[str, Any], frames_per_group: int, span: tupl
         if not video:
             marks.append(False)
         elif frame_seconds is not None and frame_seconds[i] is not None:
-            marks.append(FrameGroups(timed_group_seconds(frame_seconds[i], int(size[0]), frames_per_group), span))
+            times = timed_group_seconds(frame_seconds[i], int(size[0]), frames_per_group, f"video {i} of the batch")
+            marks.append(FrameGroups(times, span))
         else:
             marks.append(FrameGroups(frame_group_seconds(int(size[0]), float(seconds[i]), frames_per_group), span))
     return marks

@@ -11,7 +11,9 @@ model count them with that one function.
 Everything here reproduces transformers' ``Qwen2VLImageProcessor`` and ``Qwen2VLVideoProcessor`` (torchvision
 backend: a bicubic, antialiased resize of the uint8 image, CLIP's mean/std): the same pixel values and grids.
 A video's frames are sampled by ``fps`` or ``nframes`` as the video processor's ``sample_frames`` does; its
-``second_per_grid_t`` (seconds per temporal patch) gives Qwen2.5-VL's absolute-time positions.
+``second_per_grid_t`` (seconds per temporal patch) gives Qwen2.5-VL's absolute-time positions. A tower with
+``video_*`` settings (Qwen3-VL's) samples and sizes videos as ``Qwen3VLVideoProcessor`` does instead: 2 frames a
+second, one pixel budget for a video's frames together (``processors.qwen_vl_video``).
 
 The registered processor ``qwen_vl_image`` does this processing for a dataset; the config loader fills its keys
 from the model's Qwen-VL tower (``lavis_ds.image_config``), as it fills the ``tower_image_*`` processors'.
@@ -267,8 +269,10 @@ class QwenVLProcessing:
     def video(self, frames: Sequence[Image.Image | np.ndarray | torch.Tensor], sampled_fps: float | None = None
               ) -> QwenVisual:
         """A video's (sampled) frames as patches of ``temporal_patch_size`` frames, as ``Qwen2VLVideoProcessor``
-        makes them (an odd last patch repeats the last frame). ``sampled_fps``: frames per second of the sampled
-        frames (``len(indices) / total * video_fps``), for ``second_per_grid_t``; transformers' default 24 if None."""
+        makes them (an odd last patch repeats the last frame), or ``Qwen3VLVideoProcessor`` where the video pixel
+        budget is set (the frames resized together by ``video_smart_resize``). ``sampled_fps``: frames per second of
+        the sampled frames (``len(indices) / total * video_fps``), for ``second_per_grid_t``; transformers' default 24
+        if None."""
         if len(frames) < self.temporal_patch_size:
             raise QwenVisionInputError(
                 f"video of {len(frames)} frame(s): Qwen-VL takes frames in temporal patches of "
