@@ -28,6 +28,9 @@ QUESTION, ANSWER = "What is in the picture?", "A red ball on the grass."
 CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "square image": [(120, 120)],
          "two images": [(70, 100), (150, 60)], "text only": []}
 PIXELS = dict(min_pixels=64 * 64, max_pixels=32 * 32 * 48, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+# The folder's video processor: a video's frames together within 4096 px .. 48 merged tokens x 6 frames (the video
+# below keeps its size; not the published folders' budget, so that the loaded tower shows it read the folder's)
+VIDEO_BUDGET = {"shortest_edge": 4096, "longest_edge": 32 * 32 * 48 * 6}
 # DeepStack taps after blocks 0 and 2 of 3, added after the text model's layers 0 and 1 (of 2)
 VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, num_position_embeddings=16,
               deepstack_visual_indexes=[0, 2], out_hidden_size=64)
@@ -56,7 +59,7 @@ def published_folder(folder):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(folder)
-    video = Qwen3VLVideoProcessor(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video = Qwen3VLVideoProcessor(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3, size=VIDEO_BUDGET)
     processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**PIXELS), tokenizer=tokenizer,
                                  video_processor=video, chat_template=QWEN2_VL_TEMPLATE)
     processor.save_pretrained(folder)
@@ -96,13 +99,12 @@ def inputs_of(processor, images: list[tuple[int, int]], answer: str | None):
     return inputs, sample
 
 
-# A video: six 64x96 px frames of a 1.5 fps file, every frame taken: three frame groups at 0.3, 1.7 and 3.0 s,
-# resized to 128x192 px (the six frames' area raised to the video processor's least, 128 merged tokens' worth)
+# A video: six 64x96 px frames of a 1.5 fps file, every frame taken: three frame groups at 0.3, 1.7 and 3.0 s
 VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 6, 1.5, (64, 96)
 
 
 def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | None = None):
-    """transformers' inputs for one conversation about a video (its frames as given: no sampling; resized by the
+    """transformers' inputs for one conversation about a video (its frames as given: no sampling; sized by the
     video processor's pixel budget for the whole video),
     and the same sample as a lavis_ds batch: the processor's patches and grid, the file's seconds per frame group
     (``ours``: the frames through lavis_ds's own processing, checked equal). ``variables``: chat-template ones."""
@@ -147,7 +149,10 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
 
     theirs, processor, ours, folder = pair
     inputs, sample = video_inputs_of(processor, ANSWER, ours)
-    assert inputs["video_grid_thw"].tolist() == [[3, 8, 12]]
+    assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
+    processing = ours.vision_tower.processing  # the folder's video processor's sampling, as loaded
+    assert (processing.video_fps, processing.video_min_pixels, processing.video_max_pixels) == (
+        2, VIDEO_BUDGET["shortest_edge"], VIDEO_BUDGET["longest_edge"])
     text = processor.tokenizer.decode(inputs["input_ids"][0])
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     prepared = ours.prepare_batch(sample)

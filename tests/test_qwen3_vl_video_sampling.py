@@ -25,14 +25,18 @@ from lavis_ds.processors.qwen_vl import FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY
 from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
 
 SPAN = ("<|vision_start|>", "<|vision_end|>")
-# (frames, frames per second, (width, height) px) of each file
+# The published Qwen3-VL / Qwen3.5 folders' video_preprocessor_config.json size: the tower's own default budget
+PUBLISHED_BUDGET = {"shortest_edge": 4096, "longest_edge": 25165824}
+# Qwen3VLVideoProcessor's class defaults (a processor built without a folder), set as the dataset's keys
+CLASS_BUDGET = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
+# (frames, frames per second, (width, height) px) of each file, and the pixel budget both sides take
 VIDEOS = {
     # 3 s: 6 of 30 frames at a fractional stride (0, 6, 12, 17, 23, 29); 6 x 480 x 320 px is over the budget: smaller
-    "downscaled, fractional stride": (30, 10, (480, 320)),
+    "downscaled, fractional stride": (30, 10, (480, 320), CLASS_BUDGET),
     # 1.75 s: 3 frames at 2 a second, raised to the 4 fewest; under the budget's least area: larger
-    "upscaled, fewest frames": (7, 4, (96, 64)),
-    # 4.5 s: 9 frames, the last frame group repeating the last frame
-    "odd frame count": (45, 10, (160, 120)),
+    "upscaled, fewest frames": (7, 4, (96, 64), CLASS_BUDGET),
+    # 4.5 s: 9 frames, the last frame group repeating the last frame; the tower's own budget
+    "odd frame count": (45, 10, (160, 120), None),
 }
 
 
@@ -74,13 +78,16 @@ def tower_processor(arch: str) -> dict:
 @pytest.fixture(scope="module")
 def qwen3_vl_processor() -> dict:
     """The ``qwen_vl_image`` section a Qwen3-VL run's datasets get: the keys the config loader fills from the tiny
-    preset's tower (``image_processing_of``)."""
-    return tower_processor("qwen3_vl")
+    preset's tower (``image_processing_of``): 2 frames a second and the published folders' budget."""
+    processor = tower_processor("qwen3_vl")
+    assert (processor["video_fps"], processor["video_min_pixels"], processor["video_max_pixels"]) == (
+        2, PUBLISHED_BUDGET["shortest_edge"], PUBLISHED_BUDGET["longest_edge"])
+    return processor
 
 
 @pytest.fixture(scope="module")
 def transformers_processor(tmp_path_factory):
-    """transformers' Qwen3-VL processor (its video processor's defaults: 2 fps, the per-video budget)."""
+    """transformers' Qwen3-VL processor (its video processor's sampling defaults: 2 frames a second, 4 to 768)."""
     tokenizer = qwen_tokenizer(TINY_CORPUS, tmp_path_factory.mktemp("tokenizer"))
     return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16), tokenizer=tokenizer,
                             video_processor=Qwen3VLVideoProcessor(), chat_template=QWEN2_VL_TEMPLATE)
@@ -89,13 +96,15 @@ def transformers_processor(tmp_path_factory):
 @pytest.mark.parametrize("case", list(VIDEOS))
 def test_video_frames_pixels_and_timestamps_are_transformers(case, tmp_path, qwen3_vl_processor,
                                                              transformers_processor):
-    frames, fps, size = VIDEOS[case]
+    frames, fps, size, budget = VIDEOS[case]
     path = write_video(tmp_path / "v.mp4", frames, fps, size)
     decoded, metadata = load_video(str(path), backend="pyav")  # every frame, and the file's rate
     theirs = transformers_processor.video_processor(
         videos=[decoded], video_metadata=[metadata], do_sample_frames=True, return_metadata=True,
-        cap_pixels_per_frame=False, return_tensors="pt")
-    dataset = video_dataset(tmp_path, qwen3_vl_processor)
+        cap_pixels_per_frame=False, size=budget or PUBLISHED_BUDGET, return_tensors="pt")
+    keys = {} if budget is None else {"video_min_pixels": budget["shortest_edge"],
+                                      "video_max_pixels": budget["longest_edge"]}
+    dataset = video_dataset(tmp_path, {**qwen3_vl_processor, **keys})
     batch = dataset.collater([dataset[0]])
     torch.testing.assert_close(batch["image"], theirs["pixel_values_videos"], atol=0, rtol=0)  # the same frames
     assert batch[GRID_KEY].tolist() == theirs["video_grid_thw"].tolist()

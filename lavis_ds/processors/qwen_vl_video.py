@@ -7,8 +7,8 @@ transformers' ``Qwen3VLVideoProcessor`` differs from Qwen2-VL's video processor 
   frame to the last (``linspace``, rounded: ``datasets.video.uniform_indices``). A file that tells no frame rate
   counts as 24 fps, as transformers assumes.
 - **How large** (``video_smart_resize``): the frames' size is chosen for the video as a whole: the area of all of
-  its frames (frames rounded to whole temporal patches) lies within ``min_pixels`` .. ``max_pixels`` (128 and 768
-  merged tokens' worth by default), so a longer video has smaller frames. Qwen2-VL bounds each frame alone.
+  its frames (frames rounded to whole temporal patches) lies within ``min_pixels`` .. ``max_pixels``, so a longer
+  video has smaller frames. Qwen2-VL bounds each frame alone.
 
 ``QwenVLProcessing`` takes both as its ``video_*`` settings; Qwen3-VL's tower sets them (``VIDEO_SAMPLING``).
 """
@@ -18,11 +18,13 @@ import math
 
 from lavis_ds.common.errors import InputError
 
-# transformers' Qwen3VLVideoProcessor class defaults: 2 frames a second, 4 to 768 frames, a video's frames together
-# between 128 and 768 merged tokens of 32 x 32 px (size shortest_edge / longest_edge)
+# The published Qwen3-VL and Qwen3.5 folders' video processor (video_preprocessor_config.json): 2 frames a second,
+# 4 to 768 frames (Qwen3VLVideoProcessor's defaults), a video's frames together between 4096 px and 24,576 merged
+# tokens of 32 x 32 px (size shortest_edge / longest_edge; the class's own defaults, 128 and 768 merged tokens, hold
+# only for a processor built without a folder). A published folder's own values replace these (``hf.qwen3_vl``).
 QWEN3_VL_FPS = 2.0
-QWEN3_VL_VIDEO_MIN_PIXELS = 128 * 32 * 32
-QWEN3_VL_VIDEO_MAX_PIXELS = 32 * 32 * 768
+QWEN3_VL_VIDEO_MIN_PIXELS = 4096
+QWEN3_VL_VIDEO_MAX_PIXELS = 32 * 32 * 768 * 32
 # the rate transformers assumes for a file that tells none
 UNKNOWN_FILE_FPS = 24.0
 
