@@ -144,6 +144,24 @@ def test_frame_group_times_are_the_processors(fps):
     assert [f"{t:.1f}" for t in ours] == [f"{t:.1f}" for t in theirs]
 
 
+def test_the_datasets_processor_is_filled_with_the_folders_processing(pair):
+    """The config loader fills a dataset's ``qwen_vl_image`` from the folder's processors (image pixel bounds, the
+    video budget), the processing the model is built with, not the tower's defaults."""
+    from omegaconf import OmegaConf
+
+    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.image_config import fill_tower_processing
+
+    _, _, ours, folder = pair
+    cfg = OmegaConf.create({"model": user_yaml("qwen3_vl", folder),
+                            "datasets": {"clips": {"vis_processor": {"train": {"name": "qwen_vl_image"}}}}})
+    fill_tower_processing(cfg, registry.get_model_class("qwen3_vl"))
+    filled = build_processor(cfg.datasets.clips.vis_processor.train).processing
+    assert filled == ours.vision_tower.processing
+    assert (filled.min_pixels, filled.max_pixels, filled.video_max_pixels) == (
+        PIXELS["min_pixels"], PIXELS["max_pixels"], VIDEO_BUDGET["longest_edge"])
+
+
 def test_a_video_takes_transformers_ids_and_logits(pair):
     from lavis_ds.models.vision_llm_batch import token_batch
 
