@@ -1,6 +1,6 @@
 """The Qwen-VL image path on the host, in samples/s per core, on a LLaVA-665k-like mix: each stage, then the loader.
 
-    python benchmarks/host_image_path.py [--records 1024] [--workers 0,1,2] [--micro 16] [--arch qwen2_vl]
+    python benchmarks/host_image_path.py [--records 1024] [--workers 0,1,2] [--micro 2] [--arch qwen2_vl]
 
 Data: a ``llava_conversation`` file of ``--records`` records in the proportions of llava_v1_5_mix665k.json's parts
 (``benchmarks/llava_mix.py``'s ``PARTS``: 6.2 % text-only ShareGPT conversations, the rest one image each, 1-20
