@@ -301,7 +301,7 @@ def main(argv=None) -> None:
             report_loader(args, model, objective, train_set)
             report_workers_needed(args, rates, per_sample)
     finally:
-        torch.set_num_threads(threads)  # as it was (the suite's smoke run calls main in its own process)
+        torch.set_num_threads(threads)  # the caller's again (the suite's smoke run calls main in its own process)
 
 
 if __name__ == "__main__":

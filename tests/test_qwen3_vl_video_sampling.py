@@ -41,7 +41,7 @@ VIDEOS = {
 
 
 def write_video(path, frames: int, fps: int, size: tuple[int, int]):
-    """An MPEG-4 file of random 8 px blocks, new ones every frame (a frame taken in another's place shows)."""
+    """An MPEG-4 file of random 8 px blocks, other ones every frame (a frame taken in another's place shows)."""
     rng = np.random.default_rng(frames)
     with av.open(str(path), "w") as container:
         stream = container.add_stream("mpeg4", rate=fps)
