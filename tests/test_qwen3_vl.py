@@ -30,6 +30,9 @@ QUESTION, ANSWER = "What is in the picture?", "A red ball on the grass."
 CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "square image": [(120, 120)],
          "two images": [(70, 100), (150, 60)], "text only": []}
 PIXELS = dict(min_pixels=64 * 64, max_pixels=32 * 32 * 48, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+# The folder's video processor: a video's frames together within 4096 px .. 48 merged tokens x 6 frames (the video
+# below keeps its size; not the published folders' budget, so that the loaded tower shows it read the folder's)
+VIDEO_BUDGET = {"shortest_edge": 4096, "longest_edge": 32 * 32 * 48 * 6}
 # DeepStack taps after blocks 0 and 2 of 3, added after the text model's layers 0 and 1 (of 2)
 VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, num_position_embeddings=16,
               deepstack_visual_indexes=[0, 2], out_hidden_size=64)
@@ -58,7 +61,7 @@ def published_folder(folder):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(folder)
-    video = Qwen3VLVideoProcessor(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video = Qwen3VLVideoProcessor(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3, size=VIDEO_BUDGET)
     processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**PIXELS), tokenizer=tokenizer,
                                  video_processor=video, chat_template=QWEN2_VL_TEMPLATE)
     processor.save_pretrained(folder)
@@ -103,7 +106,8 @@ VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 6, 1.5, (64, 96)
 
 
 def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | None = None):
-    """transformers' inputs for one conversation about a video (its frames as given: no sampling, no resizing),
+    """transformers' inputs for one conversation about a video (its frames as given: no sampling; sized by the
+    video processor's pixel budget for the whole video),
     and the same sample as a lavis_ds batch: the processor's patches and grid, the file's seconds per frame group
     (``ours``: the frames through lavis_ds's own processing, checked equal). ``variables``: chat-template ones."""
     from transformers.video_utils import VideoMetadata
@@ -116,7 +120,7 @@ def video_inputs_of(processor, answer: str | None, ours=None, variables: dict | 
                                          **(variables or {}))
     metadata = VideoMetadata(total_num_frames=VIDEO_FRAMES, fps=VIDEO_FPS, frames_indices=list(range(VIDEO_FRAMES)))
     inputs = processor(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
-                       do_resize=False, return_tensors="pt")
+                       cap_pixels_per_frame=False, return_tensors="pt")
     sample = {"instruction": [["<ImageHere>" + QUESTION]], "num_images": [1], "image": inputs["pixel_values_videos"],
               GRID_KEY: inputs["video_grid_thw"], SECONDS_KEY: [2 / VIDEO_FPS]}
     if ours is not None:  # the frames through lavis_ds's own processing, timed by the file's rate: the same fields
@@ -142,12 +146,33 @@ def test_frame_group_times_are_the_processors(fps):
     assert [f"{t:.1f}" for t in ours] == [f"{t:.1f}" for t in theirs]
 
 
+def test_the_datasets_processor_is_filled_with_the_folders_processing(pair):
+    """The config loader fills a dataset's ``qwen_vl_image`` from the folder's processors (image pixel bounds, the
+    video budget), the processing the model is built with, not the tower's defaults."""
+    from omegaconf import OmegaConf
+
+    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.image_config import fill_tower_processing
+
+    _, _, ours, folder = pair
+    cfg = OmegaConf.create({"model": user_yaml("qwen3_vl", folder),
+                            "datasets": {"clips": {"vis_processor": {"train": {"name": "qwen_vl_image"}}}}})
+    fill_tower_processing(cfg, registry.get_model_class("qwen3_vl"))
+    filled = build_processor(cfg.datasets.clips.vis_processor.train).processing
+    assert filled == ours.vision_tower.processing
+    assert (filled.min_pixels, filled.max_pixels, filled.video_max_pixels) == (
+        PIXELS["min_pixels"], PIXELS["max_pixels"], VIDEO_BUDGET["longest_edge"])
+
+
 def test_a_video_takes_transformers_ids_and_logits(pair):
     from lavis_ds.models.vision_llm_batch import token_batch
 
     theirs, processor, ours, folder = pair
     inputs, sample = video_inputs_of(processor, ANSWER, ours)
     assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
+    processing = ours.vision_tower.processing  # the folder's video processor's sampling, as loaded
+    assert (processing.video_fps, processing.video_min_pixels, processing.video_max_pixels) == (
+        2, VIDEO_BUDGET["shortest_edge"], VIDEO_BUDGET["longest_edge"])
     text = processor.tokenizer.decode(inputs["input_ids"][0])
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     prepared = ours.prepare_batch(sample)

@@ -269,3 +269,17 @@ def test_the_step_profile_benchmark_times_every_phase_of_the_step(tmp_path, demo
     assert {"count_tokens", "unit_counts", "seed_everything", "loss check start", "loss check finish", "forward_backward",
             "last backward", "optimizer_step", "scheduler", "after_step hooks", "rest", "whole step"} <= set(phases)
     assert 0 < float(phases["forward_backward"]) < float(phases["whole step"])
+
+
+def test_the_host_image_path_benchmark_measures_every_stage_and_the_loader(capsys):
+    """``benchmarks/host_image_path.py`` in this process on a few small records, so that it cannot break unnoticed
+    (its figures are docs/benchmarks.md's): every stage and the loader give a rate, and it says how many workers."""
+    from benchmarks.host_image_path import main
+
+    main(["--records", "32", "--images-per-folder", "1", "--stage-samples", "8", "--repeats", "1",
+          "--loader-batches", "1", "--workers", "0", "--max-len", "2048", "--max-image-tokens", "64"])
+    out = capsys.readouterr().out
+    rates = dict(re.findall(r"^(\S.*?)\s+(\d+\.\d)\s+\d+\.\d\d$", out, flags=re.MULTILINE))
+    assert len(rates) == 7 and all(float(rate) > 0 for rate in rates.values()), out
+    assert re.search(r"^\s+0\s+\d+\.\d\d\s+\d+\.\d\s+\d+\s+1\.00", out, flags=re.MULTILINE), out  # 0 workers' row
+    assert re.search(r"-> \d+ worker\(s\) at full use", out), out

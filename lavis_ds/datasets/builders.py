@@ -10,7 +10,8 @@ Section layout (LAVIS):
             train: {storage: [a.json, b.json]}   # a path or a list of paths
             val: {storage: val.json}
           images: {storage: path/to/images/}
-          max_frames: 32                   # optional: frames sampled from each video record
+          max_frames: 32                   # optional: frames sampled uniformly from each video record (default
+                                           # 32, or the processor's own sampling: Qwen3-VL's 2 frames a second)
         vis_processor: {train: {name: blip2_image_train}, eval: {name: blip2_image_eval}}
         text_processor: {train: {name: plain_text}, eval: {name: plain_text}}   # optional
 
@@ -367,7 +368,8 @@ class BaseDatasetBuilder:
                 text_processor=processors["text_processor"].get(_stage(split)),
                 loader=self.loader_for(split),
                 replace_unreadable_images=self.options().skip_bad_records,
-                max_frames=self.max_frames(),
+                # not given: the processor's own video sampling where it has one (Qwen3-VL's 2 frames a second)
+                max_frames=self.max_frames() if "max_frames" in self.build_info else None,
             )
             if dataset.skip_summary and dist.is_main_process():  # every rank loads; one warning is enough
                 logger.warning("%s: %s", self.annotation_key(split), dataset.skip_summary)

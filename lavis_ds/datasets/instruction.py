@@ -35,7 +35,7 @@ from lavis_ds.datasets.record_store import RecordStore
 from lavis_ds.datasets.records import (IMAGE_HERE, IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, count_markers,
                                        each_record, record_where)
 from lavis_ds.datasets.video import UnreadableVideoError, read_frames, video_header
-from lavis_ds.processors.qwen_vl import GRID_KEY, SECONDS_KEY
+from lavis_ds.processors.qwen_vl import FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY
 
 __all__ = ["IMAGE_PLACEHOLDER", "InstructionRecord", "InstructionDataset", "UnreadableImageError",
            "UnreadableVideoError", "parse_record", "parse_instruction_file", "process_text", "expand_video_marker"]
@@ -137,8 +137,10 @@ def visual_fields(vis_processor: Callable, visuals: list[Image.Image], video: bo
     Qwen-VL's) gives flat patches with a grid row per image, and a video as one visual of its frames."""
     own_sizes = getattr(vis_processor, "sample_fields", None)
     if visuals and own_sizes is not None:
-        # a video's frames carry the rate they sample it at (datasets.video.SampledFrames): its time spacing
-        return own_sizes(visuals, video, getattr(visuals, "fps", None)) if video else own_sizes(visuals)
+        if not video:
+            return own_sizes(visuals)
+        # a video's frames carry the rate they sample it at and their times (datasets.video.SampledFrames)
+        return own_sizes(visuals, video, getattr(visuals, "fps", None), getattr(visuals, "seconds", None))
     if visuals:
         return {"image": torch.stack([vis_processor(v) for v in visuals])}
     size = getattr(vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater
@@ -176,7 +178,9 @@ class InstructionDataset(Dataset):
             decode is replaced by the next record whose visual input loads (deterministic),
             and the replacement is logged and counted in :attr:`replaced_images`; otherwise
             loading that sample raises an error naming the file and the record.
-        max_frames: frames sampled uniformly from a video record (fewer if the video has fewer).
+        max_frames: frames sampled uniformly from a video record (fewer if the video has fewer). None: as many as
+            the processor's own video sampling takes (``video_frame_count``: Qwen3-VL's towers sample 2 frames a
+            second), else 32.
     """
 
     def __init__(
@@ -188,18 +192,21 @@ class InstructionDataset(Dataset):
         *,
         loader: RecordLoader | None = None,
         replace_unreadable_images: bool = False,
-        max_frames: int = DEFAULT_MAX_FRAMES,
+        max_frames: int | None = None,
     ) -> None:
         if isinstance(annotation_paths, (str, os.PathLike)):
             annotation_paths = [annotation_paths]
         if not annotation_paths:
             raise ValueError("InstructionDataset needs at least one annotation file")
-        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)
+                                       or max_frames < 1):
             raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
         self.image_root = Path(image_root)
         self.vis_processor = vis_processor
         self.text_processor = text_processor
-        self.max_frames = max_frames
+        self.max_frames = DEFAULT_MAX_FRAMES if max_frames is None else max_frames
+        # max_frames not given: the processor's own video sampling, where it has one (video_frame_count)
+        self.own_frame_sampling = max_frames is None
         loader = loader or RecordLoader(parse_instruction_file)
         loaded = loader.load([Path(p) for p in annotation_paths], self.image_root)
         # Packed, decoded per access: DataLoader workers share it instead of copying it (see record_store).
@@ -278,7 +285,8 @@ class InstructionDataset(Dataset):
                 raise UnreadableVideoError(f"{record.where()}: run.batch_unit: tokens counts a video's tokens by the "
                                            f"frame size and count in its file's header: {e}; fix or remove the file, "
                                            "or set run.batch_unit: samples") from None
-            return [self.vis_processor.grid_of_video(header.height, header.width, min(header.frames, self.max_frames))]
+            frames = self.frames_to_take(header.frames, header.fps)
+            return [self.vis_processor.grid_of_video(header.height, header.width, frames)]
         return [self._header_grid(record, name, grid_of_size) for name in record.images]
 
     def _header_grid(self, record: InstructionRecord, name: str, grid_of_size: Callable[[int, int], tuple[int, ...]]
@@ -335,13 +343,26 @@ class InstructionDataset(Dataset):
         if record.video is None:
             return [self._load_image(record, name) for name in record.images]
         path = self._existing(record, record.video, "video")
-        frames = read_frames(path, self.max_frames, record.where())
-        if len(frames) < self.max_frames:
+        frames = read_frames(path, self.frames_to_take, record.where())
+        # a short video is news only where max_frames was to be taken (a processor without sampling of its own)
+        if len(frames) < self.max_frames and self.own_frame_count(self.max_frames, frames.fps) is None:
             self.short_videos += 1
             if self.short_videos <= MAX_NOTES:
                 logger.info("%s: the video has %d frame(s), fewer than max_frames=%d; all are used, one %s each",
                             record.where(), len(frames), self.max_frames, IMAGE_HERE)
         return frames
+
+    def own_frame_count(self, total: int, fps: float | None) -> int | None:
+        """Frames the processor's own video sampling takes of a file of ``total`` frames at ``fps`` (None: the file
+        tells no rate), where ``max_frames`` was not given; None where it has none (``video_frame_count``)."""
+        own = getattr(self.vis_processor, "video_frame_count", None) if self.own_frame_sampling else None
+        return None if own is None else own(total, fps)
+
+    def frames_to_take(self, total: int, fps: float | None) -> int:
+        """Frames a video record of ``total`` frames at ``fps`` gives: the processor's own sampling (Qwen3-VL's: 2 a
+        second), else ``max_frames`` (all of a shorter video's)."""
+        count = self.own_frame_count(total, fps)
+        return min(total, self.max_frames) if count is None else count
 
     def _existing(self, record: InstructionRecord, name: str, kind: str) -> Path:
         path = self.image_root / name
@@ -366,8 +387,10 @@ class InstructionDataset(Dataset):
         samples = list(samples)
         images = [s["image"] for s in samples if len(s["image"])]
         grids = [s for s in samples if GRID_KEY in s]  # images at their own sizes: flat patches, a grid row each
+        frame_seconds = [t for s in grids for t in (s.get(FRAME_SECONDS_KEY) or [None] * len(s[GRID_KEY]))]
         own_sizes = {GRID_KEY: torch.cat([s[GRID_KEY] for s in grids]),
-                     SECONDS_KEY: [t for s in grids for t in s[SECONDS_KEY]]} if grids else {}
+                     SECONDS_KEY: [t for s in grids for t in s[SECONDS_KEY]], FRAME_SECONDS_KEY: frame_seconds,
+                     } if grids else {}
         return {
             **own_sizes,
             # A micro-batch without any image keeps an empty tensor: the model's encoding rule decides what runs.

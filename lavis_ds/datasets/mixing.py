@@ -11,7 +11,7 @@ its records drawn from a generator seeded by (seed, dataset name, p), and epoch
 whose share is smaller than itself is covered without repeats across epochs
 (sampling without replacement within a pass), and one whose share is larger is
 repeated in whole passes (oversampling). Nothing depends on rank, world size or
-iteration state: the runner's ``StepBatchSampler`` permutes the epoch's indices
+iteration state: the trainer's ``StepBatchSampler`` permutes the epoch's indices
 with (seed, epoch), and this dataset maps an epoch-local index to
 (dataset, record). ``set_epoch`` must be called before each epoch's DataLoader
 iterator is created (workers copy the dataset then).
@@ -155,7 +155,7 @@ def mix_train_splits(datasets: Mapping[str, Mapping[str, Dataset]], sections: Ma
     if problems:
         raise ValueError("\n".join(problems))
     mixed = MixedDataset(parts, ratios, seed)
-    if dist.is_main_process():  # once per run, where the runner reports too
+    if dist.is_main_process():  # once per run, where the trainer reports too
         print(f"mixing {len(parts)} datasets by sample_ratio, {len(mixed)} samples per epoch: {mixed.describe()}",
               flush=True)
     return mixed

@@ -1,7 +1,7 @@
 """One split of several datasets as one dataset, and the dataset a sample's index falls in.
 
-Shared by the runner's data side (``runners/data.py``: training and evaluation loaders) and the objectives' passes
-over the data (``objectives/reference.py``), which sit below the runners.
+Shared by the trainer's data side (``runners/data.py``: training and evaluation loaders) and the objectives' passes
+over the data (``objectives/reference.py``), which sit below the trainer.
 """
 from __future__ import annotations
 

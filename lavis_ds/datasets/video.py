@@ -1,4 +1,5 @@
-"""Video records: up to ``max_frames`` frames sampled uniformly over the video, decoded with PyAV.
+"""Video records: up to ``max_frames`` frames sampled uniformly over the video (or as many as a processor's own
+sampling asks for: Qwen3-VL's 2 frames a second), decoded with PyAV.
 
 MPP-LLaVA (``lavis/datasets/datasets/video_instructions.py``) reads a video with moviepy
 and OpenCV, takes every ``total // max_frames``-th frame, and on any failure prints and
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 from PIL import Image
 
 from lavis_ds.common.errors import InputError
+from lavis_ds.processors.qwen_vl_video import UNKNOWN_FILE_FPS
 
 
 class UnreadableVideoError(InputError, OSError):
@@ -34,20 +36,25 @@ class UnreadableVideoError(InputError, OSError):
 
 
 class SampledFrames(list):
-    """The frames sampled from a video, in order (a list of RGB images), and ``fps``: how many of them fall in one
-    second of the video (None where the file tells no rate)."""
+    """The frames sampled from a video, in order (a list of RGB images); ``fps``: how many of them fall in one
+    second of the video (None where the file tells no rate); ``seconds``: each frame's time in the file, its frame
+    number over the file's frame rate (24 where the file tells none), as transformers' Qwen3-VL processor times the
+    frames it writes timestamps for."""
 
-    def __init__(self, frames: list[Image.Image], fps: float | None):
+    def __init__(self, frames: list[Image.Image], fps: float | None, seconds: tuple[float, ...] | None = None):
         super().__init__(frames)
         self.fps = fps
+        self.seconds = seconds
 
 
 class VideoHeader(NamedTuple):
-    """What a video file's header tells without decoding: its frame size and frame count."""
+    """What a video file's header tells without decoding: its frame size, frame count and frame rate (None where
+    its stream gives none)."""
 
     height: int
     width: int
     frames: int
+    fps: float | None = None
 
 
 def uniform_indices(total: int, count: int) -> list[int]:
@@ -91,9 +98,11 @@ def _video_stream(path: Path, prefix: str):
         raise UnreadableVideoError(f"{prefix}cannot read video file {path}: {type(e).__name__}: {e}") from e
 
 
-def read_frames(path: Path, max_frames: int, where: str = "") -> SampledFrames:
+def read_frames(path: Path, max_frames: int | Callable[[int, float | None], int], where: str = "") -> SampledFrames:
     """Up to ``max_frames`` RGB frames of the video at ``path``, uniformly sampled, in order, with the rate they
-    sample it at (``SampledFrames.fps``).
+    sample it at (``SampledFrames.fps``). ``max_frames`` may be a function of the file's frame count and frame rate
+    (its stream's; None where it gives none) that says how many to take (a processor's own sampling: Qwen3-VL's
+    2 frames a second).
 
     Raises :class:`UnreadableVideoError` (``where`` names the record) when the file does not
     decode or holds no video frame.
@@ -101,11 +110,13 @@ def read_frames(path: Path, max_frames: int, where: str = "") -> SampledFrames:
     prefix = f"{where}: " if where else ""
     with _video_stream(path, prefix) as (container, stream):
         total = _frame_count(container, stream)
-        frames, times = _decode(container, stream, uniform_indices(total, max_frames))
+        count = max_frames(total, _stream_rate(stream)) if callable(max_frames) else max_frames
+        frames, numbers, times = _decode(container, stream, uniform_indices(total, count))
         rate = _frame_rate(stream, total, times)
     if not frames:
         raise UnreadableVideoError(f"{prefix}video file {path} holds no decodable frame")
-    return SampledFrames(frames, None if rate is None else len(frames) / total * rate)
+    seconds = tuple(number / (rate or UNKNOWN_FILE_FPS) for number in numbers)
+    return SampledFrames(frames, None if rate is None else len(frames) / total * rate, seconds)
 
 
 def video_header(path: Path, where: str = "") -> VideoHeader:
@@ -114,34 +125,41 @@ def video_header(path: Path, where: str = "") -> VideoHeader:
     prefix = f"{where}: " if where else ""
     with _video_stream(path, prefix) as (container, stream):
         header = VideoHeader(int(stream.codec_context.height), int(stream.codec_context.width),
-                             _frame_count(container, stream))
-    if min(header) <= 0:
+                             _frame_count(container, stream), _stream_rate(stream))
+    if min(header[:3]) <= 0:
         raise UnreadableVideoError(f"{prefix}video file {path}: its header gives {header.width}x{header.height} px "
                                    f"and {header.frames} frame(s)")
     return header
 
 
+def _stream_rate(stream) -> float | None:
+    """The frames per second the video stream's header gives (its average rate, as transformers' PyAV reader takes
+    it); None where it gives none."""
+    return float(stream.average_rate) if stream.average_rate else None
+
+
 def _frame_rate(stream, total: int, times: list[float]) -> float | None:
     """The file's frames per second: its stream's average rate, else from the decoded frames' first and last
     timestamps; None where neither tells."""
-    if stream.average_rate:
-        return float(stream.average_rate)
+    if rate := _stream_rate(stream):
+        return rate
     if len(times) > 1 and times[-1] > times[0]:
         return (total - 1) / (times[-1] - times[0])  # the last decoded frame is the file's last (uniform_indices)
     return None
 
 
-def _decode(container, stream, wanted: list[int]) -> tuple[list[Image.Image], list[float]]:
-    """The frames numbered ``wanted`` (sorted), decoding in order and converting only those, and their timestamps
-    (seconds; those the file gives)."""
-    frames, times, want = [], [], set(wanted)
+def _decode(container, stream, wanted: list[int]) -> tuple[list[Image.Image], list[int], list[float]]:
+    """The frames numbered ``wanted`` (sorted), decoding in order and converting only those, their numbers (those
+    the file holds), and their timestamps (seconds; those the file gives)."""
+    frames, numbers, times, want = [], [], [], set(wanted)
     last = wanted[-1] if wanted else -1
     for number, frame in enumerate(container.decode(stream)):
         if number in want:
             frames.append(frame.to_image().convert("RGB"))
+            numbers.append(number)
             if frame.time is not None:
                 times.append(float(frame.time))
         if number >= last:
             break
-    return frames, times
+    return frames, numbers, times
 

@@ -174,7 +174,13 @@ class ComposedVisionLLM(VisionLLM):
     @classmethod
     def image_processing_of(cls, section: Mapping[str, Any]) -> ImageProcessing | None:
         """The tower's ``processing`` (size, mean/std, resize, padding), from its section alone: the structure built
-        on the meta device, a published folder's config.json read, no weights."""
+        on the meta device, a published folder's config.json read, no weights; with what a published folder in
+        ``pretrained`` fixes (a Qwen-VL processor's pixel bounds and video sampling), as ``from_config`` builds it,
+        so that the datasets' processors are filled with the processing the model is built with."""
+        try:
+            section = settings_from_published(cls._with_parts(section))
+        except PartError:
+            pass  # config_problems reports the folder
         try:
             return cls._geometry_of(section).processing
         except (PartError, ValueError, TypeError, KeyError):

@@ -22,7 +22,8 @@ import torch
 from lavis_ds.common.errors import LavisDsError
 # GRID_KEY: [N, 3] (t, h, w) patches per image, with flat patch pixels; SECONDS_KEY: per image seconds of video per
 # temporal patch (None for a still image), Qwen2.5-VL's absolute-time positions. Named where the processor makes them.
-from lavis_ds.processors.qwen_vl import GRID_KEY, SECONDS_KEY  # noqa: F401  (re-exported)
+# FRAME_SECONDS_KEY: per image a video's frame times in its file (None: an image, or a video timed evenly).
+from lavis_ds.processors.qwen_vl import FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY  # noqa: F401  (re-exported)
 
 SIZES_KEY = "image_sizes"  # per image sizes of a batch that holds no pixels (token counting)
 Size = tuple[int, ...]
@@ -76,7 +77,8 @@ def image_rows(samples: dict[str, Any]) -> list[int]:
 
 
 def select_images(samples: dict[str, Any], order: Sequence[int]) -> dict[str, Any]:
-    """The batch's image fields (``image``, its grid, sizes and video seconds) with the images listed in ``order``."""
+    """The batch's image fields (``image``, its grid, sizes, video seconds and frame times) with the images listed in
+    ``order``."""
     image = samples.get("image")
     out: dict[str, Any] = {}
     if image is not None and image.shape[0]:
@@ -84,7 +86,7 @@ def select_images(samples: dict[str, Any], order: Sequence[int]) -> dict[str, An
         starts = [sum(rows[:i]) for i in range(len(rows))]
         index = torch.tensor([starts[i] + k for i in order for k in range(rows[i])], dtype=torch.long)
         out["image"] = image[index.to(image.device)]
-    for key in (GRID_KEY, SIZES_KEY, SECONDS_KEY):
+    for key in (GRID_KEY, SIZES_KEY, SECONDS_KEY, FRAME_SECONDS_KEY):
         value = samples.get(key)
         if value is not None:
             out[key] = value[torch.tensor(list(order), dtype=torch.long)] if torch.is_tensor(value) \

@@ -1,7 +1,7 @@
-"""Where the LLM's weights live while a model is built: the runner chooses, the model follows.
+"""Where the LLM's weights live while a model is built: the engine chooses, the model follows.
 
 A 72B LLM in bf16 is 145 GB; eight processes of a node each building it whole before the
-engine partitions it would need over 1 TB of host memory. So the runner that will shard
+engine partitions it would need over 1 TB of host memory. So the engine that will shard
 the LLM hands the build an ``LLMPlacement`` (``Engine.setup.model_placement``), which says how
 this process builds it and how the build reaches weights the engine holds in pieces:
 
@@ -10,7 +10,7 @@ this process builds it and how the build reaches weights the engine holds in pie
 - ``Rank0Placement`` (``runner_fsdp`` on several processes): process 0 builds and loads it
   whole; the others build it on the meta device (no memory, no file read) and receive their
   shards from process 0 once FSDP has sharded the model.
-- an engine's own placement, defined beside its runner (the DeepSpeed runner's ZeRO-3 one builds
+- an engine's own placement, defined beside the engine (the DeepSpeed engine's ZeRO-3 one builds
   the LLM partitioned from the start and gathers pieces when the build writes rows into them).
 
 The LLM is built with the random number generator forked: however a placement draws random

@@ -17,10 +17,11 @@ A video (a visual with ``second_per_grid_t``) goes through the tower whole, as t
 takes it, and is written as Qwen3-VL's processor writes it: inside the marker's vision span, each temporal patch
 (frame group) after the text ``<{seconds:.1f} seconds>`` of its time, with its ``<|video_pad|>`` placeholders in a
 span of its own (``models.frame_groups``); M-RoPE numbers each frame group as an image of one temporal patch, the
-timestamp text between them (transformers' ``get_rope_index``). A frame group's time is the mean of its frames'
-times, the frames taken evenly at the sampled rate from the video's start (``2 / second_per_grid_t`` frames a
-second): the times transformers gives every frame of a file, or frames at a whole-number stride. The tower's
-temporal patch must be Qwen3-VL's 2 frames (``VIDEO_FRAME_GROUPS``).
+timestamp text between them (transformers' ``get_rope_index``). A frame group's time is the mean of its first
+and last frame's times: each frame's number in its file over the file's frame rate, as transformers times them
+(``video_frame_seconds``, from the dataset), or, for a batch without them, frames taken evenly at the sampled rate
+from the video's start (``2 / second_per_grid_t`` frames a second). The tower's temporal patch must be Qwen3-VL's
+2 frames (``VIDEO_FRAME_GROUPS``).
 """
 from __future__ import annotations
 

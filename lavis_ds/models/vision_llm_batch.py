@@ -14,8 +14,8 @@ import torch
 
 from lavis_ds.common.errors import ImageSpanCut
 from lavis_ds.models.chat_template import ChatTemplateError
-from lavis_ds.models.image_tokens import (GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes, per_sample,
-                                           select_images)
+from lavis_ds.models.image_tokens import (FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes,
+                                           per_sample, select_images)
 from lavis_ds.models.lm_loss import supervised_positions
 from lavis_ds.models.packing import pack
 from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_batch, pad_positions
@@ -23,7 +23,7 @@ from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, image_counts, pad_b
 logger = logging.getLogger(__name__)
 
 # Fields with a row (or block of rows) per image, not per sample.
-IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY, SECONDS_KEY)
+IMAGE_KEYS = ("image", GRID_KEY, SIZES_KEY, SECONDS_KEY, FRAME_SECONDS_KEY)
 Example = tuple[list[int], list[int]]  # a sample's (input_ids, labels)
 
 

@@ -20,12 +20,13 @@ import torch
 from torch import Tensor
 
 from lavis_ds.common.errors import LavisDsError
-from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, SIZES_KEY, batch_images
+from lavis_ds.models.image_tokens import FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY, SIZES_KEY, batch_images
 from lavis_ds.models.vision_llm_batch import with_supervised_positions
 
-# What describes each image beside its pixels (Qwen-VL's grid rows and video seconds; sizes of a batch for counting):
-# every side carries the pair's images' rows, so that it counts and numbers their placeholders as the model does.
-IMAGE_LAYOUT_KEYS = (GRID_KEY, SIZES_KEY, SECONDS_KEY)
+# What describes each image beside its pixels (Qwen-VL's grid rows, video seconds and frame times; sizes of a batch
+# for counting): every side carries the pair's images' rows, so that it counts and numbers their placeholders as the
+# model does.
+IMAGE_LAYOUT_KEYS = (GRID_KEY, SIZES_KEY, SECONDS_KEY, FRAME_SECONDS_KEY)
 
 IGNORE_INDEX = -100  # lavis_ds.models.prompt.IGNORE_INDEX (common to every model of the zoo)
 

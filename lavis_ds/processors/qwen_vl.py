@@ -11,7 +11,9 @@ model count them with that one function.
 Everything here reproduces transformers' ``Qwen2VLImageProcessor`` and ``Qwen2VLVideoProcessor`` (torchvision
 backend: a bicubic, antialiased resize of the uint8 image, CLIP's mean/std): the same pixel values and grids.
 A video's frames are sampled by ``fps`` or ``nframes`` as the video processor's ``sample_frames`` does; its
-``second_per_grid_t`` (seconds per temporal patch) gives Qwen2.5-VL's absolute-time positions.
+``second_per_grid_t`` (seconds per temporal patch) gives Qwen2.5-VL's absolute-time positions. A tower with
+``video_*`` settings (Qwen3-VL's) samples and sizes videos as ``Qwen3VLVideoProcessor`` does instead: 2 frames a
+second, one pixel budget for a video's frames together (``processors.qwen_vl_video``).
 
 The registered processor ``qwen_vl_image`` does this processing for a dataset; the config loader fills its keys
 from the model's Qwen-VL tower (``lavis_ds.image_config``), as it fills the ``tower_image_*`` processors'.
@@ -27,24 +29,24 @@ import torch
 from PIL import Image
 
 from lavis_ds.common import registry as reg
-from lavis_ds.common.errors import InputError
 from lavis_ds.processors.base import BaseProcessor
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
+from lavis_ds.processors.qwen_vl_video import QwenVisionInputError, frames_at_rate, video_smart_resize
 
 # The batch fields of Qwen-VL visuals beside their flat patches (``image``): one (t, h, w) row per image or video, and
 # the seconds of video per temporal patch (None for a still image; Qwen2.5-VL's absolute-time positions).
 GRID_KEY = "image_grid_thw"
 SECONDS_KEY = "second_per_grid_t"
+# Each visual's frame times in seconds (None for a still image, or a video whose frames are timed evenly by its
+# second_per_grid_t): a video's sampled frames' numbers in its file over the file's frame rate, which Qwen3-VL's
+# prompt writes its frame groups' timestamps from (models.frame_groups).
+FRAME_SECONDS_KEY = "video_frame_seconds"
 # Qwen2-VL's published image processor: at least 4 and at most 1280 merged tokens per image.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer strips
 # transformers' video processor: sampled frame counts are clamped to these before rounding to temporal patches.
 MIN_FRAMES, MAX_FRAMES = 4, 768
-
-
-class QwenVisionInputError(InputError, ValueError):
-    """An image, video or setting Qwen-VL processing cannot take; the message says what would be valid."""
 
 
 class QwenVisual(NamedTuple):
@@ -159,12 +161,20 @@ class QwenVLProcessing:
 
     Attributes:
         min_pixels: Least area an image is resized to (px).
-        max_pixels: Most area an image is resized to (px); a video's frames take the same bounds.
+        max_pixels: Most area an image is resized to (px); a video's frames take the same bounds, each frame alone,
+            unless ``video_min_pixels`` / ``video_max_pixels`` are set.
         mean: Per-channel mean the tower was trained with (OpenAI CLIP's).
         std: Per-channel std.
         patch_size: The tower's patch side (px).
         merge_size: Patches per side of one merged LLM token.
         temporal_patch_size: Frames per patch (a still image is repeated to fill it).
+        video_fps: Frames a video is sampled at per second of the file (Qwen3-VL's 2), between ``video_min_frames``
+            and ``video_max_frames``; None: the dataset's ``max_frames`` frames, uniformly.
+        video_min_frames: Fewest frames ``video_fps`` samples (a shorter file gives all of its frames).
+        video_max_frames: Most frames ``video_fps`` samples.
+        video_min_pixels: Least area of a video's frames together (Qwen3-VL's per-video budget; set with
+            ``video_max_pixels``); None: each frame within ``min_pixels`` .. ``max_pixels`` as an image.
+        video_max_pixels: Most area of a video's frames together.
     """
 
     min_pixels: int = MIN_PIXELS
@@ -174,12 +184,36 @@ class QwenVLProcessing:
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
+    video_fps: float | None = None
+    video_min_frames: int = MIN_FRAMES
+    video_max_frames: int = MAX_FRAMES
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         check_pixel_range(self.min_pixels, self.max_pixels, self.factor, "Qwen-VL processing")
         if len(self.mean) != 3 or len(self.std) != 3 or any(s <= 0 for s in self.std):
             raise QwenVisionInputError(f"Qwen-VL processing: mean {list(self.mean)} and std {list(self.std)}; valid: "
                                        "three values each (RGB), std positive")
+        self._check_video_settings()
+
+    def _check_video_settings(self) -> None:
+        where = "Qwen-VL processing"
+        if self.video_fps is not None and (isinstance(self.video_fps, bool) or
+                                           not isinstance(self.video_fps, (int, float)) or self.video_fps <= 0):
+            raise QwenVisionInputError(f"{where}: video_fps: {self.video_fps!r}; valid: frames per second above 0 "
+                                       "(Qwen3-VL's 2), or null for the dataset's max_frames")
+        frames = (self.video_min_frames, self.video_max_frames)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in frames) or frames[0] > frames[1]:
+            raise QwenVisionInputError(f"{where}: video_min_frames {frames[0]!r}, video_max_frames {frames[1]!r}; "
+                                       f"valid: integers, 1 <= video_min_frames <= video_max_frames (transformers' "
+                                       f"{MIN_FRAMES} and {MAX_FRAMES})")
+        bounds = (self.video_min_pixels, self.video_max_pixels)
+        if (bounds[0] is None) != (bounds[1] is None):
+            raise QwenVisionInputError(f"{where}: video_min_pixels {bounds[0]!r}, video_max_pixels {bounds[1]!r}; "
+                                       "valid: both (a video's pixel budget) or neither (each frame as an image)")
+        if bounds[0] is not None:
+            check_pixel_range(*bounds, self.factor, f"{where} (video_min_pixels, video_max_pixels)")
 
     @property
     def factor(self) -> int:
@@ -190,10 +224,25 @@ class QwenVLProcessing:
         """The keys of a ``qwen_vl_image`` section that do this processing."""
         return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "mean": list(self.mean),
                 "std": list(self.std), "patch_size": self.patch_size, "merge_size": self.merge_size,
-                "temporal_patch_size": self.temporal_patch_size}
+                "temporal_patch_size": self.temporal_patch_size, "video_fps": self.video_fps,
+                "video_min_frames": self.video_min_frames, "video_max_frames": self.video_max_frames,
+                "video_min_pixels": self.video_min_pixels, "video_max_pixels": self.video_max_pixels}
 
-    def resized_size(self, height: int, width: int) -> tuple[int, int]:
-        """(height, width) an image of this size is resized to (``smart_resize``)."""
+    def video_frame_count(self, total_frames: int, file_fps: float | None) -> int | None:
+        """Frames to sample of a video of ``total_frames`` frames at ``file_fps`` (None: the file tells no rate):
+        ``video_fps`` frames a second (``frames_at_rate``); None where ``video_fps`` is unset (the dataset's
+        ``max_frames`` then)."""
+        if self.video_fps is None:
+            return None
+        return frames_at_rate(total_frames, file_fps, self.video_fps, self.video_min_frames, self.video_max_frames)
+
+    def resized_size(self, height: int, width: int, frames: int = 1) -> tuple[int, int]:
+        """(height, width) an image (``frames`` = 1) of this size is resized to (``smart_resize``), or ``frames``
+        video frames: within the video's pixel budget where it has one (``video_smart_resize``), else each as an
+        image."""
+        if frames > 1 and self.video_max_pixels is not None:
+            return video_smart_resize(frames, height, width, self.temporal_patch_size, self.factor,
+                                      self.video_min_pixels, self.video_max_pixels)
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
     def grid(self, height: int, width: int, frames: int = 1) -> tuple[int, int, int]:
@@ -201,7 +250,7 @@ class QwenVLProcessing:
         if frames < 1:
             raise QwenVisionInputError(f"Qwen-VL grid of {frames} frame(s): an image is 1 frame, a video at least "
                                        f"{self.temporal_patch_size}")
-        resized_h, resized_w = self.resized_size(height, width)
+        resized_h, resized_w = self.resized_size(height, width, frames)
         temporal = -(-frames // self.temporal_patch_size) if frames > 1 else 1
         return temporal, resized_h // self.patch_size, resized_w // self.patch_size
 
@@ -220,8 +269,10 @@ class QwenVLProcessing:
     def video(self, frames: Sequence[Image.Image | np.ndarray | torch.Tensor], sampled_fps: float | None = None
               ) -> QwenVisual:
         """A video's (sampled) frames as patches of ``temporal_patch_size`` frames, as ``Qwen2VLVideoProcessor``
-        makes them (an odd last patch repeats the last frame). ``sampled_fps``: frames per second of the sampled
-        frames (``len(indices) / total * video_fps``), for ``second_per_grid_t``; transformers' default 24 if None."""
+        makes them (an odd last patch repeats the last frame), or ``Qwen3VLVideoProcessor`` where the video pixel
+        budget is set (the frames resized together by ``video_smart_resize``). ``sampled_fps``: frames per second of
+        the sampled frames (``len(indices) / total * video_fps``), for ``second_per_grid_t``; transformers' default 24
+        if None."""
         if len(frames) < self.temporal_patch_size:
             raise QwenVisionInputError(
                 f"video of {len(frames)} frame(s): Qwen-VL takes frames in temporal patches of "
@@ -233,7 +284,7 @@ class QwenVLProcessing:
             raise QwenVisionInputError(f"video frames of {len(sizes)} sizes (height, width): {sizes}; a video's "
                                        "frames share one size")
         stacked = torch.stack(arrays)  # [T, 3, H, W]
-        pixels = self._resized(stacked)
+        pixels = self._resized(stacked, self.resized_size(*stacked.shape[-2:], frames=len(frames)))
         if pad := -len(frames) % self.temporal_patch_size:
             pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
         patches, grid = self._patchify(pixels.view(-1, self.temporal_patch_size, *pixels.shape[1:]))
@@ -250,13 +301,13 @@ class QwenVLProcessing:
         frames = pixels[None, None].expand(-1, self.temporal_patch_size, -1, -1, -1)
         return QwenVisual(*self._patchify(frames))
 
-    def _resized(self, images: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, H, W]`` uint8 -> resized by ``smart_resize``, normalised float32 (transformers' fused rescale and
-        normalisation: mean and std scaled by 255, applied to the 0..255 values)."""
+    def _resized(self, images: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        """``[N, 3, H, W]`` uint8 -> resized to ``size`` (default: an image's ``smart_resize``), normalised float32
+        (transformers' fused rescale and normalisation: mean and std scaled by 255, applied to the 0..255 values)."""
         from torchvision.transforms import InterpolationMode
         from torchvision.transforms.v2 import functional as tvF
 
-        size = self.resized_size(*images.shape[-2:])
+        size = size or self.resized_size(*images.shape[-2:])
         resized = tvF.resize(images, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
         mean = (torch.tensor(self.mean) * (1.0 / (1 / 255))).tolist()
         std = (torch.tensor(self.std) * (1.0 / (1 / 255))).tolist()
@@ -287,7 +338,10 @@ class QwenVLImageProcessor(BaseProcessor):
 
     def __init__(self, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  mean: list[float] | None = None, std: list[float] | None = None, patch_size: int | None = None,
-                 merge_size: int | None = None, temporal_patch_size: int | None = None) -> None:
+                 merge_size: int | None = None, temporal_patch_size: int | None = None,
+                 video_fps: float | None = None, video_min_frames: int | None = None,
+                 video_max_frames: int | None = None, video_min_pixels: int | None = None,
+                 video_max_pixels: int | None = None) -> None:
         """
         Args:
             min_pixels: Least area an image is resized to (default 56*56).
@@ -297,10 +351,19 @@ class QwenVLImageProcessor(BaseProcessor):
             patch_size: The tower's patch side (14).
             merge_size: Patches per side of one LLM token (2).
             temporal_patch_size: Frames per patch (2).
+            video_fps: Frames sampled per second of a video file (Qwen3-VL's tower: 2); unset, a video gives the
+                dataset's ``max_frames`` frames, uniformly.
+            video_min_frames: Fewest frames ``video_fps`` samples (4).
+            video_max_frames: Most frames ``video_fps`` samples (768).
+            video_min_pixels: Least area of a video's frames together (Qwen3-VL's tower: 128*32*32); unset, each
+                frame is bounded as an image.
+            video_max_pixels: Most area of a video's frames together (Qwen3-VL's tower: 768*32*32).
         """
         given = dict(min_pixels=min_pixels, max_pixels=max_pixels, mean=None if mean is None else tuple(mean),
                      std=None if std is None else tuple(std), patch_size=patch_size, merge_size=merge_size,
-                     temporal_patch_size=temporal_patch_size)
+                     temporal_patch_size=temporal_patch_size, video_fps=video_fps, video_min_frames=video_min_frames,
+                     video_max_frames=video_max_frames, video_min_pixels=video_min_pixels,
+                     video_max_pixels=video_max_pixels)
         self.processing = QwenVLProcessing(**{k: v for k, v in given.items() if v is not None})
         for key, value in self.processing.processor_keys().items():
             setattr(self, key, value)
@@ -318,16 +381,23 @@ class QwenVLImageProcessor(BaseProcessor):
         dataset tells a token budget's planning without decoding the image (``datasets.lengths``)."""
         return self.processing.grid(height, width)
 
+    def video_frame_count(self, total_frames: int, file_fps: float | None) -> int | None:
+        """Frames this processor samples of a video file (``QwenVLProcessing.video_frame_count``); None: it has no
+        rate of its own (the dataset's ``max_frames``)."""
+        return self.processing.video_frame_count(total_frames, file_fps)
+
     def grid_of_video(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
         """The grid row (t, h, w) of ``frames`` sampled frames of ``height`` x ``width`` px: what a token budget
         counts a video record by from its file's header (``datasets.lengths``)."""
         return self.processing.grid(height, width, frames)
 
-    def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False,
-                      fps: float | None = None) -> dict[str, Any]:
+    def sample_fields(self, visuals: Sequence[Image.Image], video: bool = False, fps: float | None = None,
+                      frame_seconds: Sequence[float] | None = None) -> dict[str, Any]:
         """A sample's visual fields: its images (``video``: the frames of one video, a single visual) as flat patches
-        end to end (``image``), a grid row each (``image_grid_thw``) and their ``second_per_grid_t`` (a video's from
-        ``fps``, the rate its frames sample it at; transformers' default 24 where the file tells none)."""
+        end to end (``image``), a grid row each (``image_grid_thw``), their ``second_per_grid_t`` (a video's from
+        ``fps``, the rate its frames sample it at; transformers' default 24 where the file tells none) and their
+        frame times (``video_frame_seconds``: a video's ``frame_seconds``, each frame's time in the file)."""
         made = [self.processing.video(visuals, fps)] if video else [self.processing.image(v) for v in visuals]
+        times = [tuple(frame_seconds) if video and frame_seconds is not None else None for _ in made]
         return {"image": torch.cat([v.pixel_values for v in made]), GRID_KEY: torch.stack([v.grid_thw for v in made]),
-                SECONDS_KEY: [v.second_per_grid_t for v in made]}
+                SECONDS_KEY: [v.second_per_grid_t for v in made], FRAME_SECONDS_KEY: times}

@@ -9,10 +9,11 @@ architecture, part for part, and ``--format hf`` writes one back.
 
 What Qwen2-VL's family does holds otherwise (``hf.qwen_vl``: the folder's vision config, pixel bounds, text config,
 tokenizer, chat template's vision tokens); the folder also fixes the connector's DeepStack mergers (one per
-``deepstack_visual_indexes``).
+``deepstack_visual_indexes``) and the tower's video sampling (its video processor's ``fps`` and ``size``).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,11 @@ class Qwen3VLFamily(QwenVLFamily):
         return super().holds(model) and part_name(model, reg.models) == self.arch
 
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
-        """As Qwen2-VL's, and the configured architecture must be the folder's."""
+        """As Qwen2-VL's, with the folder's video sampling (rate and pixel budget) where the section sets none; the
+        configured architecture must be the folder's."""
         settings = super().published_settings(section, folder, config)
+        tower = settings["vision_tower"]
+        tower.update({k: v for k, v in video_sampling(folder).items() if tower.get(k) is None})
         arch = section.get("arch")
         if arch is not None and arch != self.arch:
             raise PartError(f"model.pretrained: {folder} is a {self.hf_class} folder (config.json model_type "
@@ -69,16 +73,37 @@ class Qwen3VLFamily(QwenVLFamily):
 
     def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
         """``Qwen3VLProcessor`` around the image processor, the tokenizer and template, and Qwen3-VL's video
-        processor with the tower's patch sizes and normalisation."""
+        processor with the tower's patch sizes, normalisation and video sampling (its rate, frame bounds and pixel
+        budget; the per-frame cap off, as training samples)."""
         from transformers import Qwen3VLProcessor
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-        settings = processor_settings(model.vision_tower.processing)
+        processing = model.vision_tower.processing
+        settings = processor_settings(processing)
         video = Qwen3VLVideoProcessor(image_mean=settings["image_mean"], image_std=settings["image_std"],
                                       patch_size=settings["patch_size"], merge_size=settings["merge_size"],
-                                      temporal_patch_size=settings["temporal_patch_size"])
+                                      temporal_patch_size=settings["temporal_patch_size"], fps=processing.video_fps,
+                                      min_frames=processing.video_min_frames, max_frames=processing.video_max_frames,
+                                      size={"shortest_edge": processing.video_min_pixels,
+                                            "longest_edge": processing.video_max_pixels},
+                                      cap_pixels_per_frame=False)
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                 video_processor=video)
 
 
 reg.hf_families.register("qwen3_vl")(Qwen3VLFamily())
+
+
+def video_sampling(folder: Path) -> dict[str, Any]:
+    """The tower's ``video_fps`` / ``video_min_pixels`` / ``video_max_pixels`` from the folder's video processor,
+    where it has one: video_preprocessor_config.json (the Hub's folders) or the ``video_processor`` of
+    processor_config.json (transformers 5's save_pretrained)."""
+    saved: dict[str, Any] = {}
+    if (folder / "video_preprocessor_config.json").is_file():
+        saved = json.loads((folder / "video_preprocessor_config.json").read_text())
+    elif (folder / "processor_config.json").is_file():
+        saved = json.loads((folder / "processor_config.json").read_text()).get("video_processor") or {}
+    size = saved.get("size") or {}
+    found = {"video_fps": saved.get("fps"), "video_min_pixels": size.get("shortest_edge"),
+             "video_max_pixels": size.get("longest_edge")}
+    return {k: (float(v) if k == "video_fps" else int(v)) for k, v in found.items() if v is not None}

@@ -21,6 +21,7 @@ from lavis_ds.common import registry as reg
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.towers.qwen_vl import Layout, QwenVLTower
 from lavis_ds.models.towers.qwen_vl_layers import GridRows, LinearFcMlp, grid_rows
+from lavis_ds.processors.qwen_vl_video import QWEN3_VL_FPS, QWEN3_VL_VIDEO_MAX_PIXELS, QWEN3_VL_VIDEO_MIN_PIXELS
 
 # The towers of the published sizes (config.json vision_config); out_hidden_size is the LLM's width.
 _SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, num_position_embeddings=2304,
@@ -37,6 +38,9 @@ class Qwen3VLTower(QwenVLTower):
     CONFIG_CLASS, MODEL_TYPE, NORM = Qwen3VLVisionConfig, "qwen3_vl", nn.LayerNorm
     PATCH_BIAS = True
     IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
+    # Qwen3-VL's video processor: 2 frames a second, and one pixel budget for all of a video's frames
+    VIDEO_SAMPLING = dict(video_fps=QWEN3_VL_FPS, video_min_pixels=QWEN3_VL_VIDEO_MIN_PIXELS,
+                          video_max_pixels=QWEN3_VL_VIDEO_MAX_PIXELS)
     PRESETS = {
         "2b": dict(hub_id="Qwen/Qwen3-VL-2B-Instruct", **_SMALL, out_hidden_size=2048),
         "4b": dict(hub_id="Qwen/Qwen3-VL-4B-Instruct", **_SMALL, out_hidden_size=2560),

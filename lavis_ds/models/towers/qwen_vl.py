@@ -80,7 +80,8 @@ class QwenVLTower(VisionTower):
     PRESETS: ClassVar[dict[str, dict[str, Any]]]
 
     def __init__(self, *, preset: str, vision_config: dict[str, Any] | None = None, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS, use_grad_checkpoint: bool = False):
+                 max_pixels: int = MAX_PIXELS, use_grad_checkpoint: bool = False, video_fps: float | None = None,
+                 video_min_pixels: int | None = None, video_max_pixels: int | None = None):
         """
         Args:
             preset: Architecture by name (``PRESETS``: the published sizes' towers, ``tiny`` for tests);
@@ -89,6 +90,12 @@ class QwenVLTower(VisionTower):
             min_pixels: Least area an image is resized to (the tower's processing; Qwen's default 56*56).
             max_pixels: Most area an image is resized to (Qwen's default 28*28*1280: at most 1280 LLM tokens).
             use_grad_checkpoint: Recompute each block's activations in backward (a trained tower on large images).
+            video_fps: Frames a video is sampled at per second (default: the family's, ``VIDEO_SAMPLING``: Qwen3-VL's
+                2; none for Qwen2-VL's, whose videos take the dataset's ``max_frames``). A published folder's video
+                processor gives its own.
+            video_min_pixels: Least area of a video's frames together (default: the family's; none: each frame
+                bounded as an image).
+            video_max_pixels: Most area of a video's frames together (default: the family's).
         """
         super().__init__()
         if preset not in self.PRESETS:
@@ -113,9 +120,16 @@ class QwenVLTower(VisionTower):
         try:
             self.processing = QwenVLProcessing(min_pixels, max_pixels, mean=self.IMAGE_MEAN, std=self.IMAGE_STD,
                                                patch_size=layout.patch_size, merge_size=layout.merge_size,
-                                               temporal_patch_size=layout.temporal_patch_size)
+                                               temporal_patch_size=layout.temporal_patch_size,
+                                               **self.video_sampling(video_fps, video_min_pixels, video_max_pixels))
         except QwenVisionInputError as e:
             raise PartError(f"vision_tower: {e}") from None
+
+    @classmethod
+    def video_sampling(cls, fps: float | None, min_pixels: int | None, max_pixels: int | None) -> dict[str, Any]:
+        """The processing's ``video_*`` settings: those given, else the family's (``VIDEO_SAMPLING``)."""
+        given = {"video_fps": fps, "video_min_pixels": min_pixels, "video_max_pixels": max_pixels}
+        return {**cls.VIDEO_SAMPLING, **{key: value for key, value in given.items() if value is not None}}
 
     @classmethod
     def config_keys(cls) -> list[str]:
@@ -144,6 +158,9 @@ class QwenVLTower(VisionTower):
     PATCH_BIAS: ClassVar[bool] = False  # whether the Conv3d patch embedding has a bias (Qwen3-VL's has)
     IMAGE_MEAN: ClassVar[tuple[float, float, float]] = CLIP_MEAN  # what the published image processor normalises by
     IMAGE_STD: ClassVar[tuple[float, float, float]] = CLIP_STD
+    # How the family's published video processor samples and sizes a video (``QwenVLProcessing``'s ``video_*``
+    # settings); none: the dataset's max_frames frames, each bounded as an image (Qwen2-VL's video processor).
+    VIDEO_SAMPLING: ClassVar[dict[str, Any]] = {}
     # The blocks whose outputs the tower also gives (``forward_taps``): Qwen3-VL's DeepStack layers.
     tap_layers: tuple[int, ...] = ()
 
