@@ -42,13 +42,17 @@ class LmmsEval(Hook):
 
     def after_step(self, trainer, metrics: dict) -> None:
         if isinstance(self.every, int) and trainer.state.global_step % self.every == 0:
-            self.evaluate(trainer)
+            self.benchmark(trainer)
 
     def after_epoch(self, trainer) -> None:
         if self.every == "epoch":
-            self.evaluate(trainer)
+            self.benchmark(trainer)
 
     def evaluate(self, trainer) -> None:
+        self.benchmark(trainer)
+
+    def benchmark(self, trainer) -> None:
+        """Evaluate on the tasks (every rank), log the record and write the predictions (rank 0)."""
         if not self.tasks:
             return
         started = time.perf_counter()
