@@ -254,3 +254,19 @@ def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 def _fmt(values: tuple[float, ...]) -> str:
     return "[" + ", ".join(f"{v:.8g}" for v in values) + "]"
+
+
+def eval_processors_of(cfg: DictConfig) -> tuple[Any, Any | None]:
+    """``(image processor, text processor or None)`` a run config (or an export's config.yaml) evaluates with: its
+    first dataset section's eval processors; without one, the model's own (its tower's processing for llava and
+    instructblip, else ``blip2_image_eval`` at the model's ``image_size``)."""
+    for section in (cfg.get("datasets") or {}).values():
+        if "vis_processor" in section:
+            text = section.get("text_processor")
+            return build_processor(section.vis_processor.eval), build_processor(text.eval) if text else None
+    import lavis_ds.models  # noqa: F401  (registers the models)
+
+    model_cls = reg.models.get(cfg.model.arch)  # the model says what its tower takes
+    section = OmegaConf.to_container(cfg.model, resolve=True)
+    processing, size = model_cls.image_processing_of(section), model_cls.image_size_of(section)
+    return build_processor(model_eval_processor(model_cls, processing, size)), None

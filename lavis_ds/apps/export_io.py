@@ -152,15 +152,38 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
             every parameter, so casting them the same way reproduces what training computed;
             ``fp32`` keeps the dtypes the model is built with. Or ``bf16``/``fp16``/a torch dtype.
     """
+    folder = Path(folder)
+    cfg = read_export_config(folder)
+    return _rebuilt(exported_model_config(folder), int(cfg.seed), _read_weights(folder / WEIGHTS_FILE),
+                    str(folder / WEIGHTS_FILE), cfg.export.get("dtype", "fp32") if dtype == "auto" else dtype, device)
+
+
+def load_trained(path: str | os.PathLike, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = "auto") -> tuple[nn.Module, DictConfig]:
+    """``(model in eval mode, config)`` for an export folder, a checkpoint folder or a run's output_dir (its newest
+    complete checkpoint, :func:`find_checkpoint`), without writing anything. ``config``: the export's config.yaml or
+    the run's config (both hold the ``datasets`` eval processors and the ``model`` section). ``dtype`` as
+    :func:`load_exported`'s (``auto``: the checkpoint's engine dtype)."""
+    if is_export(path):
+        return load_exported(path, device, dtype), read_export_config(path)
+    tag_dir = find_checkpoint(path)
+    weights, info = read_checkpoint(tag_dir)
+    cfg = info["config"]
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_cfg["tokenizer"] = run_tokenizer(model_cfg, tag_dir)
+    model = _rebuilt(OmegaConf.create(model_cfg), int(cfg.run.seed), weights, f"the trained weights of {tag_dir}",
+                     info["dtype"] if dtype == "auto" else dtype, device)
+    return model, cfg
+
+
+def _rebuilt(model_cfg: DictConfig, seed: int, weights: dict[str, torch.Tensor], source: str,
+             dtype: str | torch.dtype, device: str | torch.device) -> nn.Module:
+    """The model built from ``model_cfg`` through the registry with ``weights`` loaded, cast to ``dtype``."""
     import lavis_ds.models  # noqa: F401  (registers the models)
     from lavis_ds.build import build_model
 
-    folder = Path(folder)
-    cfg = read_export_config(folder)
-    model = build_model(exported_model_config(folder), int(cfg.seed))
-    load_trained_weights(model, _read_weights(folder / WEIGHTS_FILE), str(folder / WEIGHTS_FILE))
-    if dtype == "auto":
-        dtype = cfg.export.get("dtype", "fp32")
+    model = build_model(model_cfg, seed)
+    load_trained_weights(model, weights, source)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ExportError(f"dtype {dtype!r}: expected auto, {', '.join(DTYPES)} or a torch dtype")

@@ -8,57 +8,25 @@ command-line arguments.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
 
 from lavis_ds.apps.export_io import read_export_config
-from lavis_ds.common.precision import autocast, to_compute
+from lavis_ds.common.precision import as_trained, cast_dtype  # noqa: F401  (cast_dtype: importers of this module)
 from lavis_ds.common.suggest import did_you_mean
 
 
 def eval_processors(folder: str | Path) -> tuple[Callable, Callable | None]:
-    """``(image processor, text processor or None)`` for an export folder."""
-    from lavis_ds.datasets.builders import build_processor
+    """``(image processor, text processor or None)`` for an export folder (``image_config.eval_processors_of``)."""
+    from lavis_ds.image_config import eval_processors_of
 
-    cfg = read_export_config(folder)
-    for section in (cfg.get("datasets") or {}).values():
-        if "vis_processor" in section:
-            text = section.get("text_processor")
-            return build_processor(section.vis_processor.eval), build_processor(text.eval) if text else None
-    import lavis_ds.models  # noqa: F401  (registers the models)
-    from lavis_ds.common import registry as reg
-    from lavis_ds.image_config import model_eval_processor
-
-    model_cls = reg.models.get(cfg.model.arch)  # the model says what its tower takes
-    section = OmegaConf.to_container(cfg.model, resolve=True)
-    processing, size = model_cls.image_processing_of(section), model_cls.image_size_of(section)
-    return build_processor(model_eval_processor(model_cls, processing, size)), None
-
-
-def cast_dtype(model: nn.Module) -> torch.dtype | None:
-    """The half dtype all parameters of a model were cast to (what a bf16/fp16 DeepSpeed engine does), else None."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} else None
-
-
-def as_trained(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
-    """``(batch, context)`` to run ``model`` on ``batch`` as the DeepSpeed engine ran it in training.
-
-    A model whose parameters are all bf16 (or fp16) gets float inputs in that dtype and
-    runs under autocast (as the trainer feeds its engine); any other model gets the batch
-    on its device (fp32 inputs stay fp32) and no autocast.
-    """
-    dtype = cast_dtype(model) or torch.float32
-    device = next(model.parameters()).device
-    return to_compute(batch, device, dtype), autocast(device, dtype)
+    return eval_processors_of(read_export_config(folder))
 
 
 @torch.no_grad()

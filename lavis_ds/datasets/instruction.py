@@ -132,6 +132,19 @@ def process_text(text: str, text_processor: TextProcessor) -> str:
     return " ".join(pieces)
 
 
+def visual_fields(vis_processor: Callable, visuals: list[Image.Image], video: bool) -> dict[str, Any]:
+    """``image``: the processed images stacked; a processor of images at their own sizes (``sample_fields``,
+    Qwen-VL's) gives flat patches with a grid row per image, and a video as one visual of its frames."""
+    own_sizes = getattr(vis_processor, "sample_fields", None)
+    if visuals and own_sizes is not None:
+        # a video's frames carry the rate they sample it at (datasets.video.SampledFrames): its time spacing
+        return own_sizes(visuals, video, getattr(visuals, "fps", None)) if video else own_sizes(visuals)
+    if visuals:
+        return {"image": torch.stack([vis_processor(v) for v in visuals])}
+    size = getattr(vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater
+    return {"image": torch.zeros((0, 3, size, size))}
+
+
 def expand_video_marker(turns: list[str], num_frames: int) -> list[str]:
     """A video record's turns with its one marker repeated per frame (MPP-LLaVA: ``<Img>`` + ``<ImageHere>``
     x frames + ``</Img>``); without a marker the frames go in front of the first turn."""
@@ -291,16 +304,7 @@ class InstructionDataset(Dataset):
         return text if self.text_processor is None else process_text(text, self.text_processor)
 
     def _visual_fields(self, visuals: list[Image.Image], video: bool) -> dict[str, Any]:
-        """``image``: the processed images stacked; a processor of images at their own sizes (``sample_fields``,
-        Qwen-VL's) gives flat patches with a grid row per image, and a video as one visual of its frames."""
-        own_sizes = getattr(self.vis_processor, "sample_fields", None)
-        if visuals and own_sizes is not None:
-            # a video's frames carry the rate they sample it at (datasets.video.SampledFrames): its time spacing
-            return own_sizes(visuals, video, getattr(visuals, "fps", None)) if video else own_sizes(visuals)
-        if visuals:
-            return {"image": torch.stack([self.vis_processor(v) for v in visuals])}
-        size = getattr(self.vis_processor, "image_size", 0)  # an empty batch of the right shape, for the collater
-        return {"image": torch.zeros((0, 3, size, size))}
+        return visual_fields(self.vis_processor, visuals, video)
 
     def _visuals_or_replacement(self, index: int) -> tuple[int, list[Image.Image]]:
         if not self.replace_unreadable_images:

@@ -1,0 +1,182 @@
+"""``LavisDsLmms``: lmms-eval's model class for a lavis_ds model (``--model lavis_ds``); imports lmms-eval.
+
+It evaluates a model that is already in memory: the trainer's (handing over its engine, so that ZeRO-3 and FSDP2
+gather what they shard), or one loaded from a run or an export (``lavis_ds.apps.eval_model.PretrainedLavisDsLmms``,
+which lmms-eval's ``--model lavis_ds --model_args pretrained=PATH`` builds). Import this module only where
+lmms-eval is installed (``require_lmms_eval`` says how to install it).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+from lmms_eval.api.instance import GenerationResult
+from lmms_eval.api.model import lmms
+from tqdm import tqdm
+
+from lavis_ds.common import comm, dist
+from lavis_ds.common.errors import InputError
+from lavis_ds.common.modes import eval_mode
+from lavis_ds.common.precision import as_trained
+from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES
+from lavis_ds.runners.lmms_eval.requests import (Request, batch_of, cut_at, generate_kwargs, stop_strings)
+from lavis_ds.runners.lmms_eval.scoring import ContinuationScorer, check_scored, scoring_problem
+
+# What lavis_ds generates with when neither the caller nor the task says otherwise (the demo's run.generate).
+DEFAULT_GENERATION = {"max_new_tokens": 30, "num_beams": 1}
+
+
+class LavisDsLmms(lmms):
+    """A lavis_ds model as lmms-eval's model: ``generate_until`` and ``loglikelihood`` over lmms-eval's requests.
+
+    Simple style (``is_simple``): lmms-eval hands each request's context text and visuals, and the model's own
+    chat template (``ChatPrompt``: its system prompt and turn markers) makes the prompt, exactly as in training and
+    in ``lavis-ds generate``; images go through the run's eval image processor, videos are sampled to
+    ``max_frames`` frames where the architecture takes videos. Requests are answered ``batch_size`` at a time.
+
+    Under several processes lmms-eval gives each rank its share of the requests (``rank``, ``world_size`` follow
+    ``torch.distributed``) and pads the shares to the same length; every rank then runs as many batches as the
+    rank with the most (agreed through ``lavis_ds.common.comm``, whose control group takes host tensors under
+    NCCL too), since a ZeRO-3 or FSDP2 forward is a collective. ``device`` is the model's: lmms-eval's own
+    collectives put their tensors there.
+
+    Args:
+        model: The lavis_ds model (the engine's module in training: ``trainer.engine.module``).
+        image_processor: The eval image processor (``lavis_ds.image_config.eval_processors_of(run config)``).
+        text_processor: The eval text processor, or None.
+        engine: The trainer's engine: ``engine.generate(batch, **kwargs)`` and ``engine.forward(batch)`` run the
+            model as training runs it (dtype, autocast, gathered shards). None: ``model`` is run as it trained
+            (``common.precision.as_trained``), the way ``lavis-ds generate`` runs an export.
+        batch_size: Requests per generate or forward call (per process).
+        generation: Generation settings under the task's (``max_new_tokens``, ``num_beams``, ...; default
+            ``DEFAULT_GENERATION``); a task's ``generation_kwargs`` override them.
+        max_frames: Frames sampled from a video request.
+    """
+
+    is_simple = True
+
+    def __init__(self, model: torch.nn.Module, image_processor: Callable, text_processor: Callable | None = None, *,
+                 engine: Any = None, batch_size: int = 1, generation: dict[str, Any] | None = None,
+                 max_frames: int = DEFAULT_MAX_FRAMES):
+        super().__init__()
+        if int(batch_size) < 1:
+            raise InputError(f"batch_size must be >= 1, got {batch_size!r}")
+        self.lavis_model, self.engine = model, engine
+        self.image_processor, self.text_processor = image_processor, text_processor
+        self.batch_size_per_process, self.max_frames = int(batch_size), int(max_frames)
+        self.generation = {**DEFAULT_GENERATION, **(generation or {})}
+        self._rank, self._world_size = dist.rank(), dist.world_size()
+
+    # ------------------------------------------------------------------ what lmms-eval reads
+    @property
+    def batch_size(self) -> int:
+        return self.batch_size_per_process
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.lavis_model.parameters()).device
+
+    @property
+    def tokenizer(self):
+        return self.lavis_model.llm_tokenizer
+
+    def clean(self) -> None:
+        """Nothing: lmms-eval's default drops every ``nn.Module`` attribute after an evaluation; the model is the
+        caller's (the trainer evaluates it again later)."""
+
+    # ------------------------------------------------------------------ requests
+    def generate_until(self, requests) -> list[str]:
+        texts = []
+        for batch_requests in self._batches(requests, self._request, with_settings=True):
+            if batch_requests is None:  # a round this rank joins without requests of its own
+                self._generate(self._last_batch, self._last_kwargs)
+                continue
+            kwargs = generate_kwargs(batch_requests[0].settings, self.generation, batch_requests[0].where)
+            batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
+            self._last_batch, self._last_kwargs = batch, kwargs
+            answers = self._generate(batch, kwargs)
+            texts.extend(cut_at(text, stop_strings(request.settings, request.where))
+                         for text, request in zip(answers, batch_requests, strict=True))
+        return texts
+
+    def loglikelihood(self, requests) -> list[GenerationResult]:
+        """Per request, ``GenerationResult(text=(log-likelihood of the continuation, whether greedy decoding gives
+        it))``."""
+        problem = scoring_problem(self.lavis_model)
+        if problem is not None and requests:
+            task = requests[0].args[4]
+            raise InputError(f"task {task!r} asks for log-likelihoods (a multiple-choice task); {problem}")
+        results = []
+        for batch_requests in self._batches(requests, self._request, with_settings=False):
+            if batch_requests is None:
+                self._score(self._last_batch)
+                continue
+            batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
+            self._last_batch = batch
+            scores = self._score(batch)
+            tokens = scores["tokens"].tolist()
+            check_scored(tokens, [r.where for r in batch_requests], self.lavis_model)
+            # Each (log-likelihood, is_greedy) pair inside a GenerationResult: lmms-eval 0.7.3's evaluator passes a
+            # result's text through as it is, but turns any other output that is not a string into its str()
+            # (api/instance.py, unwrap_generation_output), which no multiple-choice task can read back.
+            results.extend(GenerationResult(text=(logp, bool(greedy)))
+                           for logp, greedy in zip(scores["logp"].tolist(), scores["greedy"].tolist()))
+        return results
+
+    def generate_until_multi_round(self, requests) -> list[str]:
+        raise InputError("lavis_ds answers single-round tasks (generate_until, loglikelihood); a multi-round task "
+                         "needs generate_until_multi_round, which the lavis_ds model does not implement")
+
+    # ------------------------------------------------------------------ running the model
+    def _request(self, instance, with_settings: bool) -> Request:
+        context, second, doc_to_visual, doc_id, task, split = instance.args[:6]
+        doc = self.task_dict[task][split][doc_id]
+        visuals = doc_to_visual(doc) if callable(doc_to_visual) else []
+        where = f"task {task} ({split} doc {doc_id})"
+        if with_settings:
+            return Request(context, list(visuals or []), settings=dict(second or {}), where=where)
+        return Request(context, list(visuals or []), continuation=second, where=where)
+
+    def _batches(self, requests, make: Callable, with_settings: bool) -> Iterator[list[Request] | None]:
+        """This rank's requests in batches of ``batch_size`` (a batch shares its generation settings), then None
+        for each round another rank still runs (sharded engines need every rank in every forward)."""
+        made = [make(instance, with_settings) for instance in requests]
+        groups = [list(g) for _, g in itertools.groupby(made, key=lambda r: repr(sorted(r.settings.items())))]
+        batches = [group[i:i + self.batch_size] for group in groups for i in range(0, len(group), self.batch_size)]
+        rounds = len(batches)
+        if self.world_size > 1:
+            rounds = int(comm.all_reduce(torch.tensor([rounds]), op="max").item())
+        bar = tqdm(total=len(made), disable=self.rank != 0, desc="lavis_ds")
+        for batch in batches:
+            yield batch
+            bar.update(len(batch))
+        bar.close()
+        if rounds > len(batches) and not batches:
+            raise InputError(f"rank {self.rank} holds no request while another holds {rounds} batch(es); lmms-eval "
+                             "pads every rank's share, so this is not a share lmms-eval made")
+        for _ in range(rounds - len(batches)):
+            yield None
+
+    def _generate(self, batch: dict[str, Any], kwargs: dict[str, Any]) -> list[str]:
+        with self._running():
+            if self.engine is not None:
+                return self.engine.generate(batch, **kwargs)
+            batch, context = as_trained(self.lavis_model, batch)
+            with context:
+                return self.lavis_model.generate(batch, **kwargs)
+
+    @torch.no_grad()
+    def _score(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        batch = {**batch, "objective": ContinuationScorer()}
+        with self._running():
+            if self.engine is not None:
+                return self.engine.forward(batch)
+            batch, context = as_trained(self.lavis_model, batch)
+            with context:
+                return self.lavis_model(batch)
+
+    def _running(self) -> contextlib.AbstractContextManager:
+        return eval_mode(self.lavis_model)
+
