@@ -38,7 +38,8 @@ def test_a_benchmark_score_as_best_metric_is_accepted(tmp_path, demo_storage):
      "'pope_adv'? (a task of your own: set run.lmms_eval.include_path)"),
     ({"lmms_eval": {"tasks": ["pope"], "every": 0}},
      "run.lmms_eval.every: expected a number of optimizer steps (>= 1) or 'epoch', got 0"),
-    ({"lmms_eval": {"tasks": ["pope"], "every": "epochs"}}, "run.lmms_eval.every: expected int | 'epoch', got 'epochs'"),
+    ({"lmms_eval": {"tasks": ["pope"], "every": "epochs"}},
+     "run.lmms_eval.every: expected int | 'epoch', got 'epochs'"),
     ({"lmms_eval": {"tasks": ["pope"], "limt": 3}}, "run.lmms_eval.limt: unknown key; did you mean 'limit'?"),
     ({"lmms_eval": {"tasks": []}},
      "run.lmms_eval.tasks: no task named; list lmms-eval task names, e.g. [mmbench_en_dev]"),
@@ -56,6 +57,6 @@ def test_a_bad_lmms_eval_setting_is_one_line(tmp_path, demo_storage, run, proble
 def test_lmms_eval_not_installed_names_the_install_command(tmp_path, demo_storage, monkeypatch):
     monkeypatch.setitem(sys.modules, "lmms_eval", None)  # as if not installed: imports of it fail
     with pytest.raises(ConfigError, match=r"run\.lmms_eval: evaluating on lmms-eval tasks needs lmms-eval, which is "
-                                          r"not installed; pip install 'lavis_ds\[eval\]'") as info:
+                                          r"not installed; pip install -e \"\.\[eval\]\"") as info:
         _load(tmp_path, demo_storage, lmms_eval={"tasks": ["pope"]})
     assert len(info.value.problems) == 1

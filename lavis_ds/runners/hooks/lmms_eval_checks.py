@@ -19,8 +19,8 @@ from lavis_ds.common.run_config import AtLeastOne, NonNegative
 from lavis_ds.common.schema import Range, check_section, fields_of
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.metrics.selection import LMMS_EVAL_SPLIT as SPLIT  # its records' split: scores are lmms_eval/<key>
+from lavis_ds.runners.lmms_eval import INSTALL_LINE
 
-INSTALL = "pip install 'lavis_ds[eval]'"  # the extra that pins lmms-eval and what it needs (pyproject.toml)
 DEFAULT_FILTER = "none"  # lmms-eval's name for "no filter": left out of the logged names
 
 
@@ -93,11 +93,11 @@ def lmms_eval_problems(run: Mapping[str, Any]) -> list[str]:
         problems.append(f"run.lmms_eval.include_path: folder {include!r} does not exist (it holds task YAMLs)")
     if not lmms_eval_installed():
         return problems + [f"run.lmms_eval: evaluating on lmms-eval tasks needs lmms-eval, which is not installed; "
-                           f"{INSTALL}"]
+                           f"{INSTALL_LINE}"]
     if not (isinstance(tasks, list) and all(isinstance(t, str) for t in tasks)) or any(
             p.startswith("run.lmms_eval.include_path") for p in problems):
         return problems  # the tasks cannot be looked up: what is wrong with them or the folder is reported
-    index = task_index(str(Path(include).expanduser()) if include else None)
+    index = task_index(str(Path(include).expanduser()) if include else None, tuple(tasks))
     for i, task in enumerate(tasks):
         if task not in index.all_tasks:
             problems.append(f"run.lmms_eval.tasks[{i}]: {task!r} is not an lmms-eval task or group; "
@@ -111,11 +111,16 @@ def lmms_eval_problems(run: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-@functools.lru_cache(maxsize=4)  # lmms-eval indexes every task YAML it ships: seconds, once per process and path
-def task_index(include_path: str | None):
-    """lmms-eval's ``TaskManager`` over its own tasks and those of ``include_path``."""
+@functools.lru_cache(maxsize=4)  # indexing every task YAML lmms-eval ships takes seconds: once per process and tasks
+def task_index(include_path: str | None, tasks: tuple[str, ...] = ()):
+    """lmms-eval's ``TaskManager`` that knows ``tasks``: over ``include_path`` alone when every one of them is a task
+    there (a folder of a few YAMLs indexes in milliseconds), else over lmms-eval's own tasks and that folder's."""
     from lmms_eval.tasks import TaskManager
 
+    if include_path is not None and tasks:
+        local = TaskManager(verbosity="ERROR", include_path=include_path, include_defaults=False)
+        if all(local.task_index.get(task, {}).get("type") == "task" for task in tasks):
+            return local
     return TaskManager(verbosity="ERROR", include_path=include_path)
 
 

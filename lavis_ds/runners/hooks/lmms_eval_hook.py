@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,14 +28,15 @@ from lavis_ds.runners.hooks.lmms_eval_checks import SPLIT, scores_of, task_index
 @hook_registry.register("lmms_eval")
 class LmmsEval(Hook):
     """Evaluates the live model on `run.lmms_eval.tasks` every `every` optimizer steps or at every epoch end (and
-    in `run.evaluate`); logs each evaluation's scores, its request count, its seconds and its share of the wall
-    time since the previous one. Does nothing when `run.lmms_eval` is unset."""
+    in `run.evaluate`); logs each evaluation's scores, its documents (``num_samples``, over all tasks), its seconds
+    and its share of the wall time since the previous one. Does nothing when `run.lmms_eval` is unset."""
 
     def __init__(self, tasks: tuple[str, ...] = (), every: int | str = "epoch", limit: int | float | None = None,
                  num_fewshot: int | None = None, batch_size: int = 1, include_path: str | None = None) -> None:
         """The keys of `run.lmms_eval` (``lmms_eval_checks.LmmsEvalSettings``, checked with the config)."""
         self.tasks, self.every, self.limit = list(tasks), every, limit
-        self.num_fewshot, self.batch_size, self.include_path = num_fewshot, batch_size, include_path
+        self.num_fewshot, self.batch_size = num_fewshot, batch_size
+        self.include_path = str(Path(include_path).expanduser()) if include_path else None
         self.since: float | None = None  # when the wall time the next evaluation's share is of began
 
     def before_train(self, trainer) -> None:
@@ -60,12 +62,11 @@ class LmmsEval(Hook):
         seconds = time.perf_counter() - started
         if trainer.rank == 0:
             scores, directions = scores_of(results)
-            counts = results.get("n-samples", {})
-            requests = sum(int(n.get("effective", 0)) for n in counts.values())
+            documents = sum(int(n.get("effective", 0)) for n in results.get("n-samples", {}).values())
             # the share of the wall time since the previous evaluation (or the start) that this one took
             share = seconds / max(seconds + started - (self.since or started), 1e-9)
             trainer.hooks.log({"step": trainer.state.global_step, "epoch": trainer.state.epoch, "split": SPLIT,
-                               **scores, "num_requests": requests, "seconds": seconds, "time_share": share,
+                               **scores, "num_samples": documents, "seconds": seconds, "time_share": share,
                                "higher_is_better": directions})
             self._write_predictions(trainer, results)
         self.since = time.perf_counter()
@@ -82,7 +83,8 @@ class LmmsEval(Hook):
         with _kept_random_states(), eval_mode(trainer.engine.module):
             return simple_evaluate(
                 model=model, tasks=list(self.tasks), limit=self.limit, num_fewshot=self.num_fewshot,
-                batch_size=self.batch_size, task_manager=task_index(self.include_path), log_samples=True,
+                batch_size=self.batch_size, task_manager=task_index(self.include_path, tuple(self.tasks)),
+                log_samples=True,  # the per-document answers, for the predictions files
                 bootstrap_iters=0,  # no stderr resampling in the loop: the scores are the same, minutes faster
                 # lmms-eval's collectives on the run's process group; "accelerate" would build one of its own
                 distributed_executor_backend="torchrun")
@@ -90,7 +92,7 @@ class LmmsEval(Hook):
     def _write_predictions(self, trainer, results: dict) -> None:
         """predictions/lmms_eval_<task>_step<N>.jsonl: each document's id, target, answer and scores (rank 0)."""
         step = trainer.state.global_step
-        for task, samples in (results.get("samples") or {}).items():
+        for task, samples in sorted((results.get("samples") or {}).items()):
             metrics = [key.split(",", 1)[0] for key in results["results"].get(task, {}) if "," in key]
             rows = [{"doc_id": s.get("doc_id"), "target": s.get("target"), "filtered_resps": s.get("filtered_resps"),
                      **{m: s[m] for m in metrics if m in s}} for s in sorted(samples, key=lambda s: s["doc_id"])]
@@ -101,8 +103,15 @@ class LmmsEval(Hook):
 
 
 def live_model(trainer, batch_size: int):
-    """The lmms-eval model over the trainer's live model: its forwards and generation go through the engine."""
-    raise NotImplementedError("the lavis_ds lmms-eval model class")
+    """lmms-eval's model over the trainer's live model (``LavisDsLmms``): its forwards and generation go through the
+    engine (which gathers what ZeRO-3 and FSDP2 shard), with the run's eval processors and `run.generate` under each
+    task's own generation settings."""
+    from lavis_ds.image_config import eval_processors_of
+    from lavis_ds.runners.lmms_eval.model import LavisDsLmms
+
+    image_processor, text_processor = eval_processors_of(trainer.cfg)
+    return LavisDsLmms(trainer.engine.module, image_processor, text_processor, engine=trainer.engine,
+                       batch_size=batch_size, generation=dict(trainer.run.generate))
 
 
 @contextlib.contextmanager
