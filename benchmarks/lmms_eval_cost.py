@@ -38,12 +38,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--runner", default="runner_deepspeed", choices=("runner_deepspeed", "runner_fsdp"))
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (DeepSpeed)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="engine precision")
-    parser.add_argument("--tasks", default="demo_shapes_qa", help="lmms-eval tasks, comma-separated")
+    parser.add_argument("--tasks", default="demo_shapes_caption", help="lmms-eval tasks, comma-separated")
     parser.add_argument("--include-path", default=str(DEMO_TASKS), help="folder of task YAMLs")
-    parser.add_argument("--requests", type=int, default=16, help="documents per task (lmms-eval's limit)")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="documents per task (lmms-eval's limit; a multiple-choice document is a request per option)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per generate call")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps, first")
+    parser.add_argument("--warmup", type=int, default=100,
+                        help="untimed optimizer steps, first: the model learns to answer in captions (an untrained "
+                             "model answers with its end token at once: a generation one token long)")
     parser.add_argument("--repeats", type=int, default=3, help="timed evaluations")
     parser.add_argument("--every", type=int, default=500, help="steps between evaluations, for the reported share")
     parser.add_argument("--options", nargs="+", default=[], metavar="KEY=VALUE", help="more config overrides")
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
         _synchronize()
         if i >= args.warmup:
             step_times.append(time.perf_counter() - start)
-    requests = 0
+    documents, answers = 0, []
     for _ in range(args.repeats):
         comm.barrier()
         start = time.perf_counter()
@@ -83,29 +86,33 @@ def main(argv=None) -> int:
         _synchronize()
         eval_times.append(time.perf_counter() - start)
         if results is not None:  # rank 0
-            requests = sum(int(n.get("effective", 0)) for n in results.get("n-samples", {}).values())
+            documents = sum(int(n.get("effective", 0)) for n in results.get("n-samples", {}).values())
+            answers = [s["filtered_resps"][0] for samples in results["samples"].values() for s in samples
+                       if isinstance(s["filtered_resps"][0], str)]
     trainer.close()
     shutil.rmtree(output_dir, ignore_errors=True)
     mine = {"step_s": statistics.median(step_times), "eval_s": statistics.median(eval_times)}
     slowest = {key: max(r[key] for r in comm.all_gather_object(mine)) for key in mine}
     if dist.is_main_process():
-        _report(args, trainer, slowest, requests)
+        _report(args, trainer, slowest, documents, answers)
     return 0
 
 
-def _report(args, trainer, figures: dict, requests: int) -> None:
+def _report(args, trainer, figures: dict, documents: int, answers: list[str]) -> None:
     step, evaluation = figures["step_s"], figures["eval_s"]
-    summary = {**figures, "requests": requests, "eval_s_per_request": evaluation / max(requests, 1),
+    summary = {**figures, "documents": documents, "eval_s_per_document": evaluation / max(documents, 1),
                "eval_over_step": evaluation / step, "share_every": args.every,
                "share": evaluation / (evaluation + args.every * step), "engine": args.runner,
                "stage": args.stage if args.runner == "runner_deepspeed" else None, "dtype": args.dtype,
                "world_size": trainer.world_size, "global_batch": trainer.plan.global_batch,
-               "batch_size": args.batch_size, "tasks": args.tasks}
-    print(f"{args.runner} (stage {args.stage}) {args.dtype}, {trainer.world_size} process(es), global batch "
+               "batch_size": args.batch_size, "tasks": args.tasks, "answers": answers[:4],
+               "mean_answer_words": statistics.fmean(len(a.split()) for a in answers) if answers else None}
+    engine = f"{args.runner} (ZeRO-{args.stage})" if args.runner == "runner_deepspeed" else args.runner
+    print(f"{engine} {args.dtype}, {trainer.world_size} process(es), global batch "
           f"{trainer.plan.global_batch}: step {step * 1e3:.1f} ms (median of {args.steps}); evaluation of "
-          f"{requests} requests ({args.tasks}, batch {args.batch_size}) {evaluation:.2f} s (median of {args.repeats}), "
-          f"{summary['eval_s_per_request'] * 1e3:.1f} ms per request, {summary['eval_over_step']:.1f} steps' worth; "
-          f"every {args.every} steps: {summary['share']:.2%} of the wall time", flush=True)
+          f"{documents} documents ({args.tasks}, batch {args.batch_size}) {evaluation:.2f} s (median of {args.repeats}), "
+          f"{summary['eval_s_per_document'] * 1e3:.1f} ms per document, {summary['eval_over_step']:.1f} steps' worth; "
+          f"every {args.every} steps: {summary['share']:.2%} of the wall time; answers such as {answers[:3]}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(summary))
 

@@ -6,13 +6,14 @@ task scored by log-likelihoods).
   lmms-eval run on that step's checkpoint by the class `lavis-ds eval` loads it with (``PretrainedLavisDsLmms``):
   the same generated answers, the same chosen options and per-document scores, the same task scores; the
   log-likelihoods agree to 1e-5 (ZeRO-3's own linear layers round differently from torch's in the 7th digit).
-- The ZeRO-3 run is killed during its evaluation of the last step (rank 0 held while writing that evaluation's
-  predictions: a FIFO where the file's temporary copy goes blocks the write, as tests/test_resume.py holds a save);
-  its rerun evaluates that step again and metrics.jsonl has one row per evaluated step.
+- The ZeRO-3 run evaluates every step and is killed during its evaluation of the last one (rank 0 held while
+  writing that evaluation's predictions: a FIFO where the file's temporary copy goes blocks the write, as
+  tests/test_resume.py holds a save); its rerun evaluates that step again and metrics.jsonl has one row per
+  evaluated step. The FSDP2 run evaluates at its epoch ends (`every: epoch`).
 - `run.best_metric: lmms_eval/demo_shapes_colour/acc` scores the checkpoints of evaluated steps and keep_last=1 keeps
   the newest and the best by it.
 
-Cost: two 2-process training runs of 4 steps (the ZeRO-3 one killed and rerun from its step-3 checkpoint), each
+Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
 evaluating 2 documents per task twice, and two in-process lmms-eval evaluations of a checkpoint.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ INCLUDE = REPO / "projects" / "demo" / "lmms_eval"
 LIMIT = 2  # documents per task: one per rank
 BEST = "lmms_eval/demo_shapes_colour/acc"
 
-demo_storage = demo_storage_fixture(num_train=32, num_val=8, num_test=16)  # the demo tasks read test_00000..15
+demo_storage = demo_storage_fixture(num_train=16, num_val=8, num_test=16)  # the demo tasks read test_00000..15
+LAST = 2  # the last optimizer step of either run
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,35 +46,35 @@ def demo_task_images(demo_storage):
         yield
 
 
-def _config(out: Path, demo_storage: Path, runner: str, stage: int | None, **run) -> dict:
-    """4 optimizer steps (32 samples, micro 4 x 2 processes), a checkpoint every step, benchmarks every 2 steps."""
+def _config(out: Path, demo_storage: Path, runner: str, stage: int | None, every: int | str, **run) -> dict:
+    """2 optimizer steps (micro 4 x 2 processes), a checkpoint every step, benchmarks ``every``."""
     return tiny_config(out, demo_storage, stage=stage, runner=runner, save_freq_steps=1, keep_last=1,
-                       best_metric=BEST, lmms_eval={"tasks": TASKS, "every": 2, "limit": LIMIT, "batch_size": 1,
+                       best_metric=BEST, lmms_eval={"tasks": TASKS, "every": every, "limit": LIMIT, "batch_size": 1,
                                                     "include_path": str(INCLUDE)}, **run)
 
 
 @pytest.fixture(scope="module")
 def zero3_killed_run(tmp_path_factory, demo_storage):
-    """A ZeRO-3 run killed during its step-4 evaluation, then run again to the end: its output_dir."""
+    """A ZeRO-3 run of 16 samples killed during its step-2 evaluation, then run again to the end: its output_dir."""
     root = tmp_path_factory.mktemp("lmms_eval_zero3")
     out = root / "out"
-    cfg = write_yaml(root / "run.yaml", _config(out, demo_storage, "runner_deepspeed", 3))
-    # The second task's file of step 4 is written after the first's: hold rank 0 there, mid-evaluation.
-    held = out / "predictions" / "lmms_eval_demo_shapes_colour_step4.jsonl.tmp"
+    cfg = write_yaml(root / "run.yaml", _config(out, demo_storage, "runner_deepspeed", 3, every=1))
+    # The second task's file of the step is written after the first's: hold rank 0 there, mid-evaluation.
+    held = out / "predictions" / f"lmms_eval_demo_shapes_colour_step{LAST}.jsonl.tmp"
     held.parent.mkdir(parents=True)
     os.mkfifo(held)
     job = start(cfg)
-    first = held.parent / "lmms_eval_demo_shapes_caption_step4.jsonl"
+    first = held.parent / f"lmms_eval_demo_shapes_caption_step{LAST}.jsonl"
     deadline = time.time() + 600
     while not first.exists() and job.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    assert first.exists(), "the run did not reach its step-4 evaluation in time"
+    assert first.exists(), "the run did not reach its last evaluation in time"
     time.sleep(1.0)
-    assert job.poll() is None, "the run ended instead of blocking in its step-4 evaluation"
+    assert job.poll() is None, "the run ended instead of blocking in its last evaluation"
     kill(job)
     killed = metrics(out)
-    assert [m["step"] for m in killed if m.get("split") == "lmms_eval"] == [2], "step 4's row came before the kill"
-    assert not (out / "checkpoints" / "step_4").exists(), "a checkpoint of a step whose evaluation did not finish"
+    assert [m["step"] for m in killed if m.get("split") == "lmms_eval"] == [1], "the last row came before the kill"
+    assert not (out / "checkpoints" / f"step_{LAST}").exists(), "a checkpoint of a step whose evaluation is not done"
     held.unlink()
     run_train(cfg)
     return out
@@ -82,7 +84,8 @@ def zero3_killed_run(tmp_path_factory, demo_storage):
 def fsdp_run(tmp_path_factory, demo_storage):
     root = tmp_path_factory.mktemp("lmms_eval_fsdp")
     out = root / "out"
-    run_train(write_yaml(root / "run.yaml", _config(out, demo_storage, "runner_fsdp", None)))
+    cfg = _config(out, demo_storage, "runner_fsdp", None, every="epoch", max_epoch=2, micro=8)  # a step an epoch
+    run_train(write_yaml(root / "run.yaml", cfg))
     return out
 
 
@@ -102,13 +105,13 @@ def _predictions(out: Path, task: str, step: int) -> list[dict]:
 
 def test_each_evaluated_step_has_one_row_with_the_tasks_scores_and_its_time_share(run_dir):
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == [2, 4]  # one row for step 4 after the kill and the rerun
+    assert [r["step"] for r in rows] == [1, LAST]  # one row for the last step after the kill and the rerun
     for row in rows:
         assert 0 <= row["demo_shapes_caption/exact_match"] <= 1 and 0 <= row["demo_shapes_colour/acc"] <= 1
         assert row["num_samples"] == 2 * LIMIT and row["seconds"] > 0 and 0 < row["time_share"] < 1
         assert row["higher_is_better"] == {"lmms_eval/demo_shapes_caption/exact_match": True, BEST: True}
     for task in TASKS:  # every document of the limit, from both ranks' shares; no temporary file left
-        assert [p["doc_id"] for p in _predictions(run_dir, task, 4)] == list(range(LIMIT))
+        assert [p["doc_id"] for p in _predictions(run_dir, task, LAST)] == list(range(LIMIT))
     assert not list((run_dir / "predictions").glob("*.tmp"))
 
 
@@ -116,27 +119,27 @@ def test_the_best_checkpoint_is_kept_by_the_lmms_eval_metric(run_dir):
     scores = {r["step"]: r["demo_shapes_colour/acc"] for r in _rows(run_dir)}
     best = max(scores, key=lambda step: (scores[step], -step))  # the highest, the earliest of equals
     kept = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
-    assert kept == sorted({best, 4})
+    assert kept == sorted({best, LAST})
     for step in kept:
         score = json.loads((run_dir / "checkpoints" / f"step_{step}" / "lavis_ds_score.json").read_text())
         assert score == {"metric": BEST, "value": scores[step], "higher_is_better": True}
 
 
 def test_the_live_model_scores_as_lavis_ds_eval_on_the_checkpoint(run_dir):
-    """lmms-eval on the step-4 checkpoint, one process, with the model class `lavis-ds eval` builds from a path."""
+    """lmms-eval on the last checkpoint, one process, with the model class `lavis-ds eval` builds from a path."""
     from lmms_eval.evaluator import simple_evaluate
 
     from lavis_ds.apps.eval_model import PretrainedLavisDsLmms
     from lavis_ds.runners.hooks.lmms_eval_checks import scores_of, task_index
 
-    model = PretrainedLavisDsLmms.from_pretrained(str(run_dir / "checkpoints" / "step_4"), batch_size=1)
+    model = PretrainedLavisDsLmms.from_pretrained(str(run_dir / "checkpoints" / f"step_{LAST}"), batch_size=1)
     results = simple_evaluate(model=model, tasks=TASKS, limit=LIMIT, log_samples=True, bootstrap_iters=0,
                               task_manager=task_index(str(INCLUDE), tuple(TASKS)), distributed_executor_backend="torchrun")
-    live = [r for r in _rows(run_dir) if r["step"] == 4][0]
+    live = [r for r in _rows(run_dir) if r["step"] == LAST][0]
     assert {k: live[k] for k in scores_of(results)[0]} == scores_of(results)[0]
     for task in TASKS:
         offline = sorted(results["samples"][task], key=lambda s: s["doc_id"])
-        in_training = _predictions(run_dir, task, 4)
+        in_training = _predictions(run_dir, task, LAST)
         assert [p["target"] for p in in_training] == [s["target"] for s in offline]
         answers = [json.loads(json.dumps(s["filtered_resps"])) for s in offline]  # tuples as the file has them
         if task == "demo_shapes_caption":  # the generated text, as scored
