@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 --no-python lavis-ds train --cfg-path ...          # N processes
     lavis-ds export output/demo --out exports/demo                                 # = python export.py ...
     lavis-ds generate --model exports/demo --image x.png --prompt "Describe the image."
+    lavis-ds eval --model output/demo --tasks demo_shapes_caption --include_path projects/demo/lmms_eval
     lavis-ds chat --model exports/demo
     lavis-ds webui --model exports/demo
     lavis-ds show-sample --cfg-path projects/demo/tiny_zero2.yaml --index 3
@@ -22,6 +23,7 @@ COMMANDS = {
     "train": ("lavis_ds.train", "train (or evaluate) from one run YAML"),
     "export": ("lavis_ds.apps.export", "export a checkpoint for inference (safetensors, or transformers' BLIP-2)"),
     "generate": ("lavis_ds.apps.generate", "answer prompts about images with an exported model, or a data file's"),
+    "eval": ("lavis_ds.apps.eval", "lmms-eval's benchmarks on a run, checkpoint or export (the eval extra)"),
     "chat": ("lavis_ds.apps.chat", "chat with an exported model in the terminal"),
     "webui": ("lavis_ds.apps.webui", "chat with an exported model in the browser (the webui extra)"),
     "show-sample": ("lavis_ds.show_sample", "show one training sample as the model sees it (prompt and loss mask)"),

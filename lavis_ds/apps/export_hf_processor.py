@@ -34,8 +34,9 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
                   image_run: str | None = None, video_run: str | None = None) -> str:
     """A Jinja chat template that renders messages as ``ChatPrompt.generation_prompt`` writes them.
 
-    A ``{"type": "image"}`` item becomes lavis_ds's default image prefix with its placeholders
-    (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands one token
+    A ``{"type": "image"}`` item, and in a string each ``<image>`` with the newline after it (LLaVA's convention,
+    which lmms-eval's ``llava_hf`` writes in front of a task's question), becomes lavis_ds's default image prefix with
+    its placeholders (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands one token
     per image itself, so its template writes 1); text items are copied as they are. A first system message is
     what a record's own system turn is in training (``record_system``, the model's ``record_system_prompt``):
     ``use`` sends it instead of the model's ``system_prompt``, ``ignore`` sends the model's, ``fold`` sends the
@@ -57,7 +58,11 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
            "fold": "{%- set fold = render(messages[0]['content']) + '\\n\\n' -%}"}[record_system]
     return (
         "{%- macro render(content) -%}"
-        "{%- if content is string -%}{{ content }}"
+        "{%- if content is string -%}"
+        # LLaVA's convention in a string: "<image>" (and the newline after it) stands for an image
+        "{%- set parts = content.split('<image>') -%}{{ parts[0] }}"
+        "{%- for part in parts[1:] -%}{{ " + image_run + " }}{{ part[1:] if part.startswith('\\n') else part }}"
+        "{%- endfor -%}"
         "{%- else -%}{%- for item in content -%}"
         "{%- if item['type'] == 'image' -%}{{ " + image_run + " }}" + video +
         "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"

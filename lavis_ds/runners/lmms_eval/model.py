@@ -22,7 +22,7 @@ from lavis_ds.common.modes import eval_mode
 from lavis_ds.common.precision import as_trained
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES
 from lavis_ds.runners.lmms_eval.requests import (Request, batch_of, cut_at, generate_kwargs, stop_strings)
-from lavis_ds.runners.lmms_eval.scoring import ContinuationScorer, check_scored, scoring_problem
+from lavis_ds.runners.lmms_eval.scoring import ContinuationScorer, check_complete, scoring_problem
 
 # What lavis_ds generates with when neither the caller nor the task says otherwise (the demo's run.generate).
 DEFAULT_GENERATION = {"max_new_tokens": 30, "num_beams": 1}
@@ -102,8 +102,12 @@ class LavisDsLmms(lmms):
         return texts
 
     def loglikelihood(self, requests) -> list[GenerationResult]:
-        """Per request, ``GenerationResult(text=(log-likelihood of the continuation, whether greedy decoding gives
-        it))``."""
+        """Per request, ``GenerationResult(text=(the continuation's loss, whether greedy decoding gives it))``.
+
+        The loss is the mean negative log-probability of the continuation's tokens, what lmms-eval 0.7.3's models
+        return (``llava_hf``: the model's loss over them): its multiple-choice scoring picks the choice with the
+        lowest value (``np.argmin`` in api/task.py, "we return the actual loss"), not the highest log-likelihood.
+        """
         problem = scoring_problem(self.lavis_model)
         if problem is not None and requests:
             task = requests[0].args[4]
@@ -115,14 +119,13 @@ class LavisDsLmms(lmms):
                 continue
             batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
             self._last_batch = batch
-            scores = self._score(batch)
-            tokens = scores["tokens"].tolist()
-            check_scored(tokens, [r.where for r in batch_requests], self.lavis_model)
-            # Each (log-likelihood, is_greedy) pair inside a GenerationResult: lmms-eval 0.7.3's evaluator passes a
-            # result's text through as it is, but turns any other output that is not a string into its str()
+            scores = {key: value.tolist() for key, value in self._score(batch).items()}
+            check_complete(scores["complete"], [r.where for r in batch_requests], self.lavis_model)
+            # Each (loss, is_greedy) pair inside a GenerationResult: lmms-eval 0.7.3's evaluator passes a result's
+            # text through as it is, but turns any other output that is not a string into its str()
             # (api/instance.py, unwrap_generation_output), which no multiple-choice task can read back.
-            results.extend(GenerationResult(text=(logp, bool(greedy)))
-                           for logp, greedy in zip(scores["logp"].tolist(), scores["greedy"].tolist()))
+            results.extend(GenerationResult(text=(-logp / max(tokens, 1), bool(greedy)))
+                           for logp, tokens, greedy in zip(scores["logp"], scores["tokens"], scores["greedy"]))
         return results
 
     def generate_until_multi_round(self, requests) -> list[str]:
@@ -148,7 +151,7 @@ class LavisDsLmms(lmms):
         rounds = len(batches)
         if self.world_size > 1:
             rounds = int(comm.all_reduce(torch.tensor([rounds]), op="max").item())
-        bar = tqdm(total=len(made), disable=self.rank != 0, desc="lavis_ds")
+        bar = tqdm(total=len(made), disable=self.rank != 0, desc="lmms-eval requests")
         for batch in batches:
             yield batch
             bar.update(len(batch))

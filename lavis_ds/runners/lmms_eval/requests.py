@@ -5,14 +5,16 @@ No lmms-eval import here: a request arrives as plain values (its context, its vi
 
 The prompt. A task's context is a user turn; the model's own chat template (``ChatPrompt``) wraps it, with the
 model's system prompt, as training did. Where the context says where an image goes, it says so with lmms-eval's
-(and LLaVA's) ``<image>``: each becomes lavis_ds's ``<ImageHere>`` marker, so the demo task's
-``<Img><image></Img> question`` is the training instruction ``<Img><ImageHere></Img> question``, and LLaVA's
-``<image>\\nquestion`` keeps its layout. A context without markers gets one ``<Img><ImageHere></Img>`` per image in
-front (lavis_ds's single-image format; ``lavis-ds generate`` does the same). A video is one marker whose frames
+(and LLaVA's) ``<image>`` (or ``<video>``), followed by a newline: each becomes lavis_ds's image prefix
+``<Img><ImageHere></Img>`` and a space, so ``<image>\\nquestion`` is the training instruction
+``<Img><ImageHere></Img> question`` (which a ``--format hf`` export's chat template writes for the same string). A
+context without markers gets one ``<Img><ImageHere></Img>`` per image in front (lavis_ds's single-image format;
+``lavis-ds generate`` does the same). A video is one marker whose frames
 ``expand_video_marker`` repeats, as a video record is in training.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,8 +28,8 @@ from lavis_ds.datasets.records import IMAGE_HERE, IMAGE_PLACEHOLDER
 from lavis_ds.datasets.video import read_frames
 from lavis_ds.processors.qwen_vl import GRID_KEY
 
-LMMS_IMAGE_TOKEN = "<image>"  # where lmms-eval's (and LLaVA's) contexts put an image
-LMMS_VIDEO_TOKEN = "<video>"
+# Where lmms-eval's (and LLaVA's) contexts put an image or a video, with the newline LLaVA writes after it
+LMMS_MARKER = re.compile(r"<(?:image|video)>\n?")
 # lmms-eval's generation keys that lavis_ds's generate takes under the same name (others are refused: a setting that
 # is silently dropped gives numbers nobody can reproduce)
 GENERATE_KEYS = ("max_new_tokens", "num_beams", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
@@ -49,10 +51,9 @@ class Request:
 
 def instruction_of(context: str, num_visuals: int, video: bool) -> str:
     """The lavis_ds instruction for a task's ``context`` shown with ``num_visuals`` images (or one video)."""
-    text = context.replace(LMMS_IMAGE_TOKEN, IMAGE_HERE).replace(LMMS_VIDEO_TOKEN, IMAGE_HERE)
-    marked = text.count(IMAGE_HERE)
+    text = LMMS_MARKER.sub(IMAGE_PLACEHOLDER + " ", context)
     wanted = 1 if video else num_visuals
-    if marked == 0 and wanted:
+    if IMAGE_HERE not in text and wanted:
         return " ".join([IMAGE_PLACEHOLDER] * wanted + [text.lstrip()])
     return text
 

@@ -4,7 +4,7 @@ A batch that carries ``objective`` is scored by it inside the root module's forw
 (``VisionLLMForward.forward``), where ZeRO-3 and FSDP2 have gathered the root's own parameters; the trainer's engine
 runs that forward (``engine.forward``) on every rank. :class:`ContinuationScorer` is such an objective: it returns,
 per sample, the summed log-probability of the answer's tokens (the continuation; the end-of-turn token the chat
-template closes the answer with is not part of it) and whether greedy decoding picks every one of them.
+template closes the answer with is not part of it), their number, and whether greedy decoding picks every one of them.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def scoring_problem(model: torch.nn.Module) -> str | None:
 
 
 class ContinuationScorer:
-    """``scorer(model, batch)`` inside the model's forward: ``{"logp": [B] fp32, "greedy": [B] bool,
-    "tokens": [B] long}`` for a batch whose ``output`` holds each sample's continuation as its one answer."""
+    """``scorer(model, batch)`` inside the model's forward: ``{"logp": [B] fp32, "tokens": [B] long, "greedy": [B] bool,
+    "complete": [B] bool}`` for a batch whose ``output`` holds each sample's continuation as its one answer (``complete``: no token of
+    it was cut by the model's ``max_txt_len``)."""
 
     def __call__(self, model: torch.nn.Module, samples: dict[str, Any]) -> "ContinuationScores":
         samples = {k: v for k, v in samples.items() if k != "objective"}
@@ -54,23 +55,25 @@ class ContinuationScorer:
         misses = torch.zeros(num_samples, dtype=torch.long, device=owner.device).index_add(
             0, owner, (~greedy & keep).long())
         tokens = torch.zeros(num_samples, dtype=torch.long, device=owner.device).index_add(0, owner, keep.long())
-        return ContinuationScores(logp, misses == 0, tokens)
+        # An answer the prompt's max_txt_len cut keeps no end-of-turn token: its log-likelihood would be a part's.
+        complete = torch.zeros(num_samples, dtype=torch.long, device=owner.device).index_add(0, owner, closes.long())
+        return ContinuationScores(logp, tokens, misses == 0, complete > 0)
 
 
 class ContinuationScores:
-    def __init__(self, logp: torch.Tensor, greedy: torch.Tensor, tokens: torch.Tensor):
-        self.logp, self.greedy, self.tokens = logp, greedy, tokens
+    def __init__(self, logp: torch.Tensor, tokens: torch.Tensor, greedy: torch.Tensor, complete: torch.Tensor):
+        self.logp, self.tokens, self.greedy, self.complete = logp, tokens, greedy, complete
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """Plain dicts, as a forward returns them (FSDP2 and ZeRO-3 find a forward's output tensors in dicts)."""
-        return {"logp": self.logp, "greedy": self.greedy, "tokens": self.tokens}
+        return {"logp": self.logp, "tokens": self.tokens, "greedy": self.greedy, "complete": self.complete}
 
 
-def check_scored(tokens: list[int], wheres: list[str], model: torch.nn.Module) -> None:
-    """Refuse, in one line, requests whose continuation kept no token (the prompt filled ``max_txt_len``)."""
-    cut = [where for where, n in zip(wheres, tokens) if n == 0]
+def check_complete(complete: list[bool], wheres: list[str], model: torch.nn.Module) -> None:
+    """Refuse, in one line, requests whose continuation the model's ``max_txt_len`` cut (or cut away)."""
+    cut = [where for where, whole in zip(wheres, complete) if not whole]
     if cut:
-        limit = getattr(model, "max_txt_len", None)
-        raise InputError(f"{cut[0]}{f' and {len(cut) - 1} more' if len(cut) > 1 else ''}: no token of the "
-                         f"continuation is left after truncation to the model's max_txt_len={limit}, so its "
-                         "log-likelihood cannot be computed; raise model.max_txt_len or shorten the task's prompt")
+        limit = getattr(getattr(model, "prompt", None), "max_len", None)
+        raise InputError(f"{cut[0]}{f' and {len(cut) - 1} more' if len(cut) > 1 else ''}: the model's max_txt_len="
+                         f"{limit} cuts the continuation, so its log-likelihood cannot be computed; raise "
+                         "model.max_txt_len (config.yaml of an export) or shorten the task's prompt")

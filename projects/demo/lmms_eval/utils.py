@@ -5,17 +5,17 @@ as lavis_ds's demo data generator writes them (seed 0, 64-pixel images: what pro
 images are that split's PNG files, read from the demo data folder: $LAVIS_DS_DEMO_DATA, else
 ${LAVIS_DS_CACHE:-~/.cache/lavis_ds}/demo_shapes (where the demo's first training run generates it).
 
-A prompt says where the image goes with lmms-eval's `<image>`: `<Img><image></Img> question` is the demo's training
-instruction for lavis_ds (which reads `<image>` as its `<ImageHere>` marker) and the same text for lmms-eval's own
-`llava_hf` on a `--format hf` export (whose processor expands `<image>`).
+A prompt is the demo's question alone: a model puts the image in front of it as it does for its tasks (lavis_ds:
+`<Img><ImageHere></Img> question`, the demo's training instruction; lmms-eval's `llava_hf`: `<image>\nquestion`,
+which a `--format hf` export's chat template writes as the same prompt).
 """
 import os
 from pathlib import Path
 
 from PIL import Image
 
-CAPTION_PROMPT = "<Img><image></Img> Describe the image in a few words."
-COLOUR_PROMPT = "<Img><image></Img> What colour is the shape?"
+CAPTION_PROMPT = "Describe the image in a few words."  # lavis_ds.datasets.demo_shapes.CAPTION_PROMPT
+COLOUR_PROMPT = "What colour is the shape?"  # demo_shapes.COLOUR_QUESTION
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]  # lavis_ds.datasets.demo_shapes.COLOURS
 
 
