@@ -1,5 +1,6 @@
 """`run.lmms_eval` and a `run.best_metric` on its scores, checked with the config: one `lavis_ds:` line per mistake,
-against lmms-eval's real task index (its shipped `pope` and `mme` tasks: their YAMLs are read, no data)."""
+against lmms-eval's real task index (its shipped `pope` and `mme` tasks: their YAMLs are read, no data; the demo's
+offline tasks; a task of the user's whose data file is missing)."""
 from __future__ import annotations
 
 import sys
@@ -8,10 +9,11 @@ import pytest
 
 from conftest import demo_storage_fixture
 from lavis_ds.config import ConfigError, load_config
-from run_utils import tiny_config, write_yaml
+from run_utils import REPO, tiny_config, write_yaml
 
 demo_storage = demo_storage_fixture(num_train=16, num_val=8, num_test=8)
 
+DEMO_TASKS = REPO / "projects" / "demo" / "lmms_eval"
 POPE_SCORES = ("lmms_eval/pope/pope_accuracy, lmms_eval/pope/pope_precision, lmms_eval/pope/pope_recall, "
                "lmms_eval/pope/pope_f1_score, lmms_eval/pope/pope_yes_ratio")
 
@@ -52,6 +54,39 @@ def test_a_bad_lmms_eval_setting_is_one_line(tmp_path, demo_storage, run, proble
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, demo_storage, **run)
     assert info.value.problems == [problem]
+
+
+def test_the_demo_tasks_and_their_scores_are_accepted(tmp_path, demo_storage):
+    cfg = _load(tmp_path, demo_storage, best_metric="lmms_eval/demo_shapes_colour/acc",
+                lmms_eval={"tasks": ["demo_shapes_caption", "demo_shapes_colour"], "include_path": str(DEMO_TASKS)})
+    assert cfg.run.best_metric == "lmms_eval/demo_shapes_colour/acc"
+
+
+def test_a_task_whose_local_dataset_is_not_on_disk_is_refused_before_training(tmp_path, demo_storage):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "local_vqa.yaml").write_text(LOCAL_TASK)
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, demo_storage, lmms_eval={"tasks": ["local_vqa"], "include_path": str(folder)})
+    assert info.value.problems == [
+        f"run.lmms_eval.tasks: task local_vqa ({folder / 'local_vqa.yaml'}): dataset file vqa.json is not on disk (dataset_kwargs.data_files; a relative path is read beside the task's YAML file): copy the "
+        "dataset there or point data_files at it"]
+
+
+LOCAL_TASK = """task: local_vqa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: vqa.json
+test_split: test
+output_type: generate_until
+doc_to_text: question
+doc_to_target: answer
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
 
 
 def test_lmms_eval_not_installed_names_the_install_command(tmp_path, demo_storage, monkeypatch):

@@ -3,7 +3,7 @@ demo's offline lmms-eval tasks (projects/demo/lmms_eval: a generation task score
 task scored by log-likelihoods).
 
 - Every rank takes a share of the requests, and the live model's predictions and scores at a step equal those of
-  lmms-eval run on that step's checkpoint by the class `lavis-ds eval` loads it with (``PretrainedLavisDsLmms``):
+  `lavis-ds eval` on that step's checkpoint (its result files):
   the same generated answers, the same chosen options and per-document scores, the same task scores; the
   log-likelihoods agree to 1e-5 (ZeRO-3's own linear layers round differently from torch's in the 7th digit).
 - The ZeRO-3 run evaluates every step and is killed during its evaluation of the last one (rank 0 held while
@@ -14,7 +14,7 @@ task scored by log-likelihoods).
   the newest and the best by it.
 
 Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
-evaluating 2 documents per task twice, and two in-process lmms-eval evaluations of a checkpoint.
+evaluating 2 documents per task twice, and two in-process `lavis-ds eval` runs on a checkpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import pytest
 
 from conftest import demo_storage_fixture
 from harness import REPO
+from lavis_ds.runners.hooks.lmms_eval_checks import scores_of
 from run_utils import kill, metrics, run_train, start, tiny_config, write_yaml
 
 TASKS = ["demo_shapes_caption", "demo_shapes_colour"]
@@ -39,10 +40,14 @@ LAST = 2  # the last optimizer step of either run
 
 
 @pytest.fixture(scope="module", autouse=True)
-def demo_task_images(demo_storage):
-    """The demo tasks read their images from $LAVIS_DS_DEMO_DATA (projects/demo/lmms_eval/utils.py)."""
+def offline(demo_storage, tmp_path_factory):
+    """The demo tasks read their images from $LAVIS_DS_DEMO_DATA (projects/demo/lmms_eval/utils.py); nothing
+    reaches the network, and the datasets cache is this module's."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LAVIS_DS_DEMO_DATA", str(demo_storage))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("LMMS_EVAL_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets_cache")))
         yield
 
 
@@ -125,35 +130,41 @@ def test_the_best_checkpoint_is_kept_by_the_lmms_eval_metric(run_dir):
         assert score == {"metric": BEST, "value": scores[step], "higher_is_better": True}
 
 
-def test_the_live_model_scores_as_lavis_ds_eval_on_the_checkpoint(run_dir):
-    """lmms-eval on the last checkpoint, one process, with the model class `lavis-ds eval` builds from a path."""
-    from lmms_eval.evaluator import simple_evaluate
+def test_the_live_model_scores_as_lavis_ds_eval_on_the_checkpoint(run_dir, tmp_path):
+    """`lavis-ds eval` on the last checkpoint (one process, in this one): its result files against the run's."""
+    from lavis_ds.cli import main
 
-    from lavis_ds.apps.eval_model import PretrainedLavisDsLmms
-    from lavis_ds.runners.hooks.lmms_eval_checks import scores_of, task_index
-
-    model = PretrainedLavisDsLmms.from_pretrained(str(run_dir / "checkpoints" / f"step_{LAST}"), batch_size=1)
-    results = simple_evaluate(model=model, tasks=TASKS, limit=LIMIT, log_samples=True, bootstrap_iters=0,
-                              task_manager=task_index(str(INCLUDE), tuple(TASKS)), distributed_executor_backend="torchrun")
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(run_dir / "checkpoints" / f"step_{LAST}"), "--tasks", ",".join(TASKS),
+                 "--include_path", str(INCLUDE), "--limit", str(LIMIT), "--batch_size", "1", "--output_path", str(out),
+                 "--log_samples"]) == 0
+    [results_file] = out.glob("*/*_results.json")
+    results = json.loads(results_file.read_text())
     live = [r for r in _rows(run_dir) if r["step"] == LAST][0]
-    assert {k: live[k] for k in scores_of(results)[0]} == scores_of(results)[0]
+    scores = {k: v for k, v in scores_of(results)[0].items() if "_stderr" not in k}  # the loop bootstraps none
+    assert set(scores) == {"demo_shapes_caption/exact_match", "demo_shapes_colour/acc"}
+    assert {k: live[k] for k in scores} == scores
     for task in TASKS:
-        offline = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+        [samples_file] = out.glob(f"*/*_samples_{task}.jsonl")
+        offline = sorted((json.loads(line) for line in samples_file.read_text().splitlines()),
+                         key=lambda s: s["doc_id"])
         in_training = _predictions(run_dir, task, LAST)
-        assert [p["target"] for p in in_training] == [s["target"] for s in offline]
-        answers = [json.loads(json.dumps(s["filtered_resps"])) for s in offline]  # tuples as the file has them
-        if task == "demo_shapes_caption":  # the generated text, as scored
-            assert [p["filtered_resps"] for p in in_training] == answers
-        else:  # per choice (log-likelihood, greedy): ZeRO-3's gathered linear layers round apart in the 7th digit
-            for mine, theirs in zip([p["filtered_resps"] for p in in_training], answers, strict=True):
-                assert [greedy for _, greedy in mine] == [greedy for _, greedy in theirs]
-                assert [logp for logp, _ in mine] == pytest.approx([logp for logp, _ in theirs], rel=1e-5, abs=1e-5)
-                assert _argmax(mine) == _argmax(theirs)  # the chosen colour
+        assert [str(p["target"]) for p in in_training] == [s["target"] for s in offline]  # the file writes str()
         assert [p[METRIC[task]] for p in in_training] == [s[METRIC[task]] for s in offline]
+        if task == "demo_shapes_caption":  # the generated text, as scored
+            # lmms-eval's samples file flattens a document's one answer ([text] -> text)
+            assert [p["filtered_resps"] for p in in_training] == [[s["filtered_resps"]] for s in offline]
+        else:  # per option (score, greedy): ZeRO-3's own linear layers round apart from torch's in the 7th digit
+            for mine, theirs in zip([p["filtered_resps"] for p in in_training],
+                                    [_options(s["filtered_resps"]) for s in offline], strict=True):
+                assert [greedy for _, greedy in mine] == [greedy for _, greedy in theirs]
+                assert [v for v, _ in mine] == pytest.approx([v for v, _ in theirs], rel=1e-5, abs=1e-5)
 
 
 METRIC = {"demo_shapes_caption": "exact_match", "demo_shapes_colour": "acc"}
 
 
-def _argmax(choices: list) -> int:
-    return max(range(len(choices)), key=lambda i: choices[i][0])
+def _options(written: list) -> list[tuple[float, bool]]:
+    """A multiple-choice document's per-option (score, greedy) pairs from lmms-eval's samples file (which writes
+    every value as a string)."""
+    return [(float(score), greedy in (True, "True")) for score, greedy in written]

@@ -19,7 +19,9 @@ from lavis_ds.common.run_config import AtLeastOne, NonNegative
 from lavis_ds.common.schema import Range, check_section, fields_of
 from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.metrics.selection import LMMS_EVAL_SPLIT as SPLIT  # its records' split: scores are lmms_eval/<key>
+from lavis_ds.common.errors import InputError
 from lavis_ds.runners.lmms_eval import INSTALL_LINE
+from lavis_ds.runners.lmms_eval.tasks import check_datasets_on_disk, task_manager
 
 DEFAULT_FILTER = "none"  # lmms-eval's name for "no filter": left out of the logged names
 
@@ -94,34 +96,42 @@ def lmms_eval_problems(run: Mapping[str, Any]) -> list[str]:
     if not lmms_eval_installed():
         return problems + [f"run.lmms_eval: evaluating on lmms-eval tasks needs lmms-eval, which is not installed; "
                            f"{INSTALL_LINE}"]
-    if not (isinstance(tasks, list) and all(isinstance(t, str) for t in tasks)) or any(
+    if not (tasks and isinstance(tasks, list) and all(isinstance(t, str) for t in tasks)) or any(
             p.startswith("run.lmms_eval.include_path") for p in problems):
         return problems  # the tasks cannot be looked up: what is wrong with them or the folder is reported
+    return problems + _task_problems(tasks, include, best if names_lmms else None)
+
+
+def _task_problems(tasks: list[str], include: str | None, best: str | None) -> list[str]:
+    """Unknown task names; else a local dataset that is not on disk; else a ``best`` no task scores."""
     index = task_index(str(Path(include).expanduser()) if include else None, tuple(tasks))
-    for i, task in enumerate(tasks):
-        if task not in index.all_tasks:
-            problems.append(f"run.lmms_eval.tasks[{i}]: {task!r} is not an lmms-eval task or group; "
-                            f"{did_you_mean(task, index.all_tasks, 'see lmms-eval --tasks list', n=3)}"
-                            f"{'' if include else ' (a task of your own: set run.lmms_eval.include_path)'}")
-    if names_lmms and not any(p.startswith("run.lmms_eval.tasks") for p in problems):
-        logged = [f"{SPLIT}/{name}" for task in tasks for name in task_metric_names(index, task)]
-        if best not in logged:
-            problems.append(f"run.best_metric: {best!r} is not a score of the tasks of run.lmms_eval; choose one of: "
-                            f"{', '.join(logged) or '(their YAMLs name no metric_list)'}")
-    return problems
+    matched = index.match_tasks(tasks)  # names and wildcards, as lmms-eval resolves them
+    unknown = [(i, task) for i, task in enumerate(tasks) if task not in matched and "*" not in task]
+    if unknown:
+        return [f"run.lmms_eval.tasks[{i}]: {task!r} is not an lmms-eval task or group; "
+                f"{did_you_mean(task, index.all_tasks, 'see lmms-eval --tasks list', n=3)}"
+                f"{'' if include else ' (a task of your own: set run.lmms_eval.include_path)'}" for i, task in unknown]
+    try:  # a local dataset that is not there fails the first evaluation, maybe hours into the run: say so now
+        check_datasets_on_disk(matched, index)
+    except InputError as e:
+        return [f"run.lmms_eval.tasks: {e}"]
+    logged = [f"{SPLIT}/{name}" for task in matched for name in task_metric_names(index, task)]
+    if best is not None and best not in logged:
+        return [f"run.best_metric: {best!r} is not a score of the tasks of run.lmms_eval; choose one of: "
+                f"{', '.join(logged) or '(their YAMLs name no metric_list)'}"]
+    return []
 
 
-@functools.lru_cache(maxsize=4)  # indexing every task YAML lmms-eval ships takes seconds: once per process and tasks
 def task_index(include_path: str | None, tasks: tuple[str, ...] = ()):
-    """lmms-eval's ``TaskManager`` that knows ``tasks``: over ``include_path`` alone when every one of them is a task
-    there (a folder of a few YAMLs indexes in milliseconds), else over lmms-eval's own tasks and that folder's."""
-    from lmms_eval.tasks import TaskManager
+    """lmms-eval's ``TaskManager`` that knows ``tasks`` (``lmms_eval.tasks.task_manager``: over ``include_path``
+    alone when it holds every one, else over lmms-eval's own tasks too), once per process: the config check and the
+    hook share it. Without ``include_path`` it is the index of lmms-eval's own tasks, whatever ``tasks`` are."""
+    return _task_manager(include_path, tuple(tasks) if include_path else ())
 
-    if include_path is not None and tasks:
-        local = TaskManager(verbosity="ERROR", include_path=include_path, include_defaults=False)
-        if all(local.task_index.get(task, {}).get("type") == "task" for task in tasks):
-            return local
-    return TaskManager(verbosity="ERROR", include_path=include_path)
+
+@functools.lru_cache(maxsize=4)  # indexing lmms-eval's own tasks takes seconds
+def _task_manager(include_path: str | None, tasks: tuple[str, ...]):
+    return task_manager(include_path, tasks)
 
 
 def task_metric_names(index, name: str) -> list[str]:
