@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import demo_storage_fixture
 from harness import REPO
@@ -108,13 +109,18 @@ def _predictions(out: Path, task: str, step: int) -> list[dict]:
             .splitlines()]
 
 
-def test_each_evaluated_step_has_one_row_with_the_tasks_scores_and_its_time_share(run_dir):
+def test_each_evaluated_step_has_one_row_with_the_tasks_scores_and_its_time_share_in_every_tracker(run_dir):
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, LAST]  # one row for the last step after the kill and the rerun
     for row in rows:
         assert 0 <= row["demo_shapes_caption/exact_match"] <= 1 and 0 <= row["demo_shapes_colour/acc"] <= 1
         assert row["num_samples"] == 2 * LIMIT and row["seconds"] > 0 and 0 < row["time_share"] < 1
         assert row["higher_is_better"] == {"lmms_eval/demo_shapes_caption/exact_match": True, BEST: True}
+    events = EventAccumulator(str(run_dir / "tb"))  # the trackers get the rows as metrics.jsonl has them
+    events.Reload()
+    scalars = events.Scalars(BEST)
+    assert [e.step for e in scalars] == [r["step"] for r in rows]
+    assert [e.value for e in scalars] == pytest.approx([r["demo_shapes_colour/acc"] for r in rows])  # float32
     for task in TASKS:  # every document of the limit, from both ranks' shares; no temporary file left
         assert [p["doc_id"] for p in _predictions(run_dir, task, LAST)] == list(range(LIMIT))
     assert not list((run_dir / "predictions").glob("*.tmp"))
