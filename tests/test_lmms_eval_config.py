@@ -3,7 +3,9 @@ against lmms-eval's real task index (its shipped `pope` and `mme` tasks: their Y
 offline tasks; a task of the user's whose data file is missing)."""
 from __future__ import annotations
 
+import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,3 +97,24 @@ def test_lmms_eval_not_installed_names_the_install_command(tmp_path, demo_storag
                                           r"not installed; pip install -e \"\.\[eval\]\"") as info:
         _load(tmp_path, demo_storage, lmms_eval={"tasks": ["pope"]})
     assert len(info.value.problems) == 1
+
+
+def test_the_best_checkpoint_follows_the_direction_the_lmms_eval_record_gives(tmp_path):
+    """lavis_ds knows no metric `acc`; lmms-eval's record says higher is better: the highest is kept, not the lowest
+    (which a loss-like name would keep). The hook is the run's own, on real checkpoint folders."""
+    from lavis_ds.runners import checkpoint as ckpt
+    from lavis_ds.runners.hooks import BestCheckpoint
+
+    metric = "lmms_eval/demo_shapes_colour/acc"
+    hook = BestCheckpoint(metric=metric, keep_last=1)
+    trainer = SimpleNamespace(rank=0, state=SimpleNamespace(global_step=0), checkpoint_dir=tmp_path)
+    for step, value in [(1, 0.25), (2, 0.75), (3, 0.5)]:
+        trainer.state.global_step = step
+        hook.log(trainer, {"step": step, "epoch": 0, "split": "lmms_eval", "demo_shapes_colour/acc": value,
+                           "higher_is_better": {metric: True}})
+        (tmp_path / f"step_{step}").mkdir()
+        ckpt.mark_complete(tmp_path / f"step_{step}", {"global_step": step})
+        hook.after_save(trainer, tmp_path / f"step_{step}")
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3"]
+    assert json.loads((tmp_path / "step_2" / BestCheckpoint.SCORE_FILE).read_text()) == {
+        "metric": metric, "value": 0.75, "higher_is_better": True}
