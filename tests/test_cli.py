@@ -26,7 +26,7 @@ def test_every_command_takes_its_modules_flags(command, capsys):
     assert done.value.code == 0
     text = capsys.readouterr().out
     expected = {"train": "--cfg-path", "export": "--merge-lora", "generate": "--prompt", "chat": "--model",
-                "webui": "--model", "show-sample": "--index"}[command]
+                "webui": "--model", "show-sample": "--index", "eval": "--include_path"}[command]
     assert text.startswith("usage:") and expected in text
 
 

@@ -447,3 +447,44 @@ def test_export_py_writes_a_trained_run_as_its_class(trained_runs, arch, hf_clas
                                                                "num_images": [1] * 4}}
     expected = _lavis_ds_token_ids(model, request, vis)
     assert _hf_generate(tmp_path / "hf", arch, images, questions) == expected
+
+
+# ----------------------------------------------------------------------------- lmms-eval on the LLaVA run
+def test_lmms_eval_gives_the_same_answers_on_the_checkpoint_its_export_and_its_hf_export_with_llava_hf(
+        trained_runs, tmp_path, monkeypatch):
+    """The demo's caption task (projects/demo/lmms_eval, offline) by three paths: `lavis-ds eval` on the run's
+    checkpoint, lavis_ds's model class on its export, and lmms-eval's own `llava_hf` on its `--format hf` export
+    (which writes `<image>\\nquestion` into the chat template it was saved with): the same answers and score."""
+    from lmms_eval import evaluator
+    from lmms_eval.tasks import TaskManager
+
+    from lavis_ds.apps.eval_model import PretrainedLavisDsLmms
+    from lavis_ds.apps.export import export_checkpoint, main as export_main
+    from lavis_ds.cli import main
+
+    runs, storage = trained_runs
+    tasks = Path(__file__).resolve().parent.parent / "projects" / "demo" / "lmms_eval"
+    for name, value in (("LAVIS_DS_DEMO_DATA", str(storage)), ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                        ("LMMS_EVAL_DATASETS_CACHE", str(tmp_path / "datasets_cache"))):
+        monkeypatch.setenv(name, value)
+    assert main(["eval", "--model", str(runs["llava"]), "--tasks", "demo_shapes_caption", "--include_path",
+                 str(tasks), "--limit", "4", "--batch_size", "2", "--output_path", str(tmp_path / "run"),
+                 "--log_samples"]) == 0
+    [written] = (tmp_path / "run").glob("*/*_samples_demo_shapes_caption.jsonl")
+    from_checkpoint = [json.loads(line)["filtered_resps"] for line in written.read_text().splitlines()]
+
+    assert export_main([str(runs["llava"]), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    answers, scores = [], []
+    for model, args in ((PretrainedLavisDsLmms.from_pretrained(export_checkpoint(runs["llava"], tmp_path / "lavis_ds"),
+                                                               batch_size=4), None),
+                        ("llava_hf", f"pretrained={tmp_path / 'hf'},device=cpu,device_map=cpu,dtype=float32")):
+        result = evaluator.simple_evaluate(model=model, model_args=args, tasks=["demo_shapes_caption"], limit=4,
+                                           task_manager=manager, log_samples=True)
+        answers.append([s["filtered_resps"][0] for s in sorted(result["samples"]["demo_shapes_caption"],
+                                                                key=lambda s: s["doc_id"])])
+        scores.append(result["results"]["demo_shapes_caption"]["exact_match,none"])
+    assert from_checkpoint == answers[0] == answers[1] and len(answers[0]) == 4
+    [run_results] = (tmp_path / "run").glob("*/*_results.json")
+    assert json.loads(run_results.read_text())["results"]["demo_shapes_caption"]["exact_match,none"] == \
+        scores[0] == scores[1]

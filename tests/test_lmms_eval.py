@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from run_utils import REPO
 
@@ -124,11 +125,11 @@ def test_lmms_eval_finds_the_model_by_the_entry_point_pyproject_declares():
 
 # ----------------------------------------------------------------------------- one line per bad input
 def _task_without_its_file(folder: Path) -> Path:
-    yaml = (TASKS / "demo_shapes_caption.yaml").read_text().replace("task: demo_shapes_caption",
-                                                                    "task: demo_shapes_elsewhere")
-    (folder / "demo_shapes_elsewhere.yaml").write_text(yaml.replace("test: demo_shapes_test.json",
-                                                                    "test: copies/demo_shapes_test.json"))
-    (folder / "utils.py").write_text((TASKS / "utils.py").read_text())
+    """docs/evaluation.md's recipe for a benchmark on local files: a YAML that includes a task and points its
+    data_files elsewhere, here at a file that is not there."""
+    (folder / "demo_shapes_elsewhere.yaml").write_text(
+        f"include: {TASKS / 'demo_shapes_caption.yaml'}\ntask: demo_shapes_elsewhere\ndataset_path: json\n"
+        "dataset_kwargs:\n  data_files:\n    test: copies/demo_shapes_test.json\n")
     return folder
 
 
@@ -195,3 +196,33 @@ def test_a_model_that_gives_no_log_likelihoods_is_refused_for_a_multiple_choice_
                                          r"llm_model, stop_token_ids"):
         evaluator.simple_evaluate(model=lm, tasks=["demo_shapes_colour"], limit=1,
                                   task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+
+
+# ----------------------------------------------------------------------------- requests as batches
+def test_a_request_s_images_and_video_make_the_batch_their_training_records_make(tmp_path):
+    """Several images in one request, LLaVA's `<image>` marking each, and a video request: the instruction, the
+    pixels and the frames a training record of the same content gives (no lmms-eval needed: requests are values)."""
+    from PIL import Image
+
+    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.instruction import InstructionDataset
+    from lavis_ds.runners.lmms_eval.requests import Request, batch_of
+    from test_images_per_sample import write_video
+
+    images = [Image.new("RGB", (40, 30), colour) for colour in ((200, 30, 30), (30, 200, 30))]
+    for i, image in enumerate(images):
+        image.save(tmp_path / f"{i}.png")
+    write_video(tmp_path / "clip.mp4", frames=10)
+    records = [{"image": ["0.png", "1.png"], "instruction": "<Img><ImageHere></Img> <Img><ImageHere></Img> "
+                "Which image is green?", "output": "the second"},
+               {"video": "clip.mp4", "instruction": "<Img><ImageHere></Img> Describe the video.", "output": "grey"}]
+    (tmp_path / "records.json").write_text(json.dumps(records))
+    processor = build_processor({"name": "blip2_image_eval", "image_size": 32})
+    dataset = InstructionDataset([tmp_path / "records.json"], tmp_path, processor, max_frames=4)
+    requests = [Request("<image>\n<image>\nWhich image is green?", images, settings={}),
+                Request("Describe the video.", [str(tmp_path / "clip.mp4")], settings={})]
+    ours = batch_of(requests, processor, None, max_frames=4)
+    theirs = InstructionDataset.collater([dataset[0], dataset[1]])
+    assert ours["instruction"] == theirs["instruction"]
+    assert ours["num_images"] == theirs["num_images"] == [2, 4]
+    assert torch.equal(ours["image"], theirs["image"])

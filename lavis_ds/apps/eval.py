@@ -24,7 +24,8 @@ PROG = "lavis-ds eval"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="export folder, checkpoint folder or a run's output_dir")
     parser.add_argument("--tasks", required=True, help="comma-separated lmms-eval task names (wildcards allowed)")
     parser.add_argument("--include_path", action="append", help="a folder of task YAMLs beside lmms-eval's own "
@@ -71,7 +72,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             batch_size=args.batch_size, limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
             log_samples=args.log_samples, evaluation_tracker=tracker, gen_kwargs=args.gen_kwargs,
             task_manager=manager, random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-            fewshot_random_seed=args.seed, datetime_str=datetime_str, distributed_executor_backend="torchrun" if _processes() > 1 else "accelerate")
+            fewshot_random_seed=args.seed, datetime_str=datetime_str,
+            distributed_executor_backend="torchrun" if _processes() > 1 else "accelerate")
     except LavisDsError:
         raise
     except Exception as e:  # a hub dataset that is not on disk is found only when it loads

@@ -40,7 +40,8 @@ class PretrainedLavisDsLmms(LavisDsLmms):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PretrainedLavisDsLmms":
-        """lmms-eval's ``--model_args`` (``pretrained=PATH,max_new_tokens=16``) and its ``--batch_size``/``--device``."""
+        """lmms-eval's ``--model_args`` (``pretrained=PATH,max_new_tokens=16``), its ``--batch_size`` and
+        ``--device``."""
         from lmms_eval import utils
 
         args = {**utils.simple_parse_args_string(arg_string),

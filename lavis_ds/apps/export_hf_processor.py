@@ -36,8 +36,8 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
 
     A ``{"type": "image"}`` item, and in a string each ``<image>`` with the newline after it (LLaVA's convention,
     which lmms-eval's ``llava_hf`` writes in front of a task's question), becomes lavis_ds's default image prefix with
-    its placeholders (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands one token
-    per image itself, so its template writes 1); text items are copied as they are. A first system message is
+    its placeholders (``<Img>`` + ``num_query_tokens`` x ``image_token`` + ``</Img> ``; LLaVA's processor expands
+    one token per image itself, so its template writes 1); text items are copied as they are. A first system message is
     what a record's own system turn is in training (``record_system``, the model's ``record_system_prompt``):
     ``use`` sends it instead of the model's ``system_prompt``, ``ignore`` sends the model's, ``fold`` sends the
     model's and puts its text and a blank line in front of the first user message. Without one the model's own

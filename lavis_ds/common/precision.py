@@ -33,7 +33,8 @@ def cast_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} else None
 
 
-def as_trained(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
+def as_trained(model: torch.nn.Module, batch: dict[str, Any]
+               ) -> tuple[dict[str, Any], contextlib.AbstractContextManager]:
     """``(batch, context)`` to run ``model`` on ``batch`` as the DeepSpeed engine ran it in training.
 
     A model whose parameters are all bf16 (or fp16) gets float inputs in that dtype and

@@ -4,6 +4,7 @@
   one module that imports lmms-eval; nothing in lavis_ds imports it unless an evaluation is asked for.
 - :mod:`.requests`: lmms-eval's requests as lavis_ds batches (prompt markers, images, videos, stop strings).
 - :mod:`.scoring`: the log-likelihood of a continuation, computed inside the model's forward.
+- :mod:`.tasks`: lmms-eval's tasks checked before a model loads (known names, local datasets on disk).
 
 lmms-eval is the optional extra ``eval`` (``pip install -e ".[eval]"``); :func:`require_lmms_eval` says so in one
 line where it is missing.

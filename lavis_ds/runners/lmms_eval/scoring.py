@@ -31,9 +31,9 @@ def scoring_problem(model: torch.nn.Module) -> str | None:
 
 
 class ContinuationScorer:
-    """``scorer(model, batch)`` inside the model's forward: ``{"logp": [B] fp32, "tokens": [B] long, "greedy": [B] bool,
-    "complete": [B] bool}`` for a batch whose ``output`` holds each sample's continuation as its one answer (``complete``: no token of
-    it was cut by the model's ``max_txt_len``)."""
+    """``scorer(model, batch)`` inside the model's forward: ``{"logp": [B] fp32, "tokens": [B] long, "greedy": [B]
+    bool, "complete": [B] bool}`` for a batch whose ``output`` holds each sample's continuation as its one answer
+    (``complete``: no token of it was cut by the model's ``max_txt_len``)."""
 
     def __call__(self, model: torch.nn.Module, samples: dict[str, Any]) -> "ContinuationScores":
         samples = {k: v for k, v in samples.items() if k != "objective"}
