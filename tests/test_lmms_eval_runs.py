@@ -14,7 +14,8 @@ task scored by log-likelihoods).
   the newest and the best by it.
 
 Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
-evaluating 2 documents per task twice, and two in-process `lavis-ds eval` runs on a checkpoint.
+evaluating 2 documents per task twice, and two in-process `lavis-ds eval` runs on a checkpoint: about 45 s on the
+shared 2-core machine once the suite's process server is up (starting it adds some 20 s to whichever run is first).
 """
 from __future__ import annotations
 
