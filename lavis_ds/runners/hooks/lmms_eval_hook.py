@@ -25,6 +25,9 @@ from lavis_ds.runners.hooks.evaluation import write_json_lines
 from lavis_ds.runners.hooks.lmms_eval_checks import SPLIT, scores_of, task_index
 
 
+EVAL_SEED = 0  # lmms-eval's python, numpy, torch and few-shot seeds, as `lavis-ds eval` sets them by default
+
+
 @hook_registry.register("lmms_eval")
 class LmmsEval(Hook):
     """Evaluates the live model on `run.lmms_eval.tasks` every `every` optimizer steps or at every epoch end (and
@@ -85,6 +88,9 @@ class LmmsEval(Hook):
                 model=model, tasks=list(self.tasks), limit=self.limit, num_fewshot=self.num_fewshot,
                 batch_size=self.batch_size, task_manager=task_index(self.include_path, tuple(self.tasks)),
                 log_samples=True,  # the per-document answers, for the predictions files
+                # lavis-ds eval's seeds (its --seed default): a task that samples draws as it does there
+                random_seed=EVAL_SEED, numpy_random_seed=EVAL_SEED, torch_random_seed=EVAL_SEED,
+                fewshot_random_seed=EVAL_SEED,
                 bootstrap_iters=0,  # no stderr resampling in the loop: the scores are the same, minutes faster
                 # lmms-eval's collectives on the run's process group; "accelerate" would build one of its own
                 distributed_executor_backend="torchrun")
