@@ -14,8 +14,9 @@ task scored by log-likelihoods).
   the newest and the best by it.
 
 Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
-evaluating 2 documents per task twice, and two in-process `lavis-ds eval` runs on a checkpoint: about 45 s on the
-shared 2-core machine once the suite's process server is up (starting it adds some 20 s to whichever run is first).
+evaluating 2 documents per task twice, two in-process `lavis-ds eval` runs on a checkpoint, and the cost benchmark
+(benchmarks/lmms_eval_cost.py) for one step and 2 documents in one process: 30-50 s on the shared 2-core machine
+once the suite's process server is up (starting it adds some 15 s to whichever run is first).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import demo_storage_fixture
 from harness import REPO
 from lavis_ds.runners.hooks.lmms_eval_checks import scores_of
-from run_utils import kill, metrics, run_train, start, tiny_config, write_yaml
+from run_utils import kill, metrics, run_forked, run_train, start, tiny_config, write_yaml
 
 TASKS = ["demo_shapes_caption", "demo_shapes_colour"]
 INCLUDE = REPO / "projects" / "demo" / "lmms_eval"
@@ -175,3 +176,16 @@ def _options(written: list) -> list[tuple[float, bool]]:
     """A multiple-choice document's per-option (score, greedy) pairs from lmms-eval's samples file (which writes
     every value as a string)."""
     return [(float(score), greedy in (True, "True")) for score, greedy in written]
+
+
+def test_the_cost_benchmark_times_an_evaluation_against_a_step(tmp_path, demo_storage):
+    """benchmarks/lmms_eval_cost.py, one process forked from the suite's server, one step and one evaluation of 2
+    documents: so that it cannot break unnoticed (its figures are the ones docs/benchmarks.md reports)."""
+    figures = tmp_path / "figures.json"
+    cfg = write_yaml(tmp_path / "bench.yaml", tiny_config(tmp_path / "out", demo_storage))
+    proc = run_forked("benchmarks.lmms_eval_cost:main", [
+        "--cfg-path", str(cfg), "--tasks", "demo_shapes_colour", "--requests", "2", "--steps", "1", "--warmup", "1",
+        "--repeats", "1", "--json", str(figures)], tmp_path / "logs")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    written = json.loads(figures.read_text())
+    assert written["documents"] == 2 and written["step_s"] > 0 and written["eval_s"] > 0 and 0 < written["share"] < 1
