@@ -114,13 +114,15 @@ def hub_dataset_error(error: BaseException, tasks: list[str], manager) -> InputE
     while seen is not None and len(chain) < 10:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    if not any(type(e).__name__ in kinds for e in chain):
+    found = next((e for e in chain if type(e).__name__ in kinds), None)
+    if found is None:
         return None
     hub = sorted({str(config.get("dataset_path")) for name in tasks for _, config in _task_configs(name, manager)
                   if config.get("dataset_path") and config.get("dataset_path") not in LOCAL_BUILDERS})
     from lmms_eval.api.task import _resolve_hf_datasets_cache_dir
 
+    reason = str(found).splitlines()[0] if str(found) else ""
     return InputError(f"dataset {', '.join(hub) or '?'} is not on disk (datasets cache "
-                      f"{_resolve_hf_datasets_cache_dir()}) and could not be downloaded ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}); download it where there is a network, "
-                      "or point the task at a local copy (docs/evaluation.md)")
+                      f"{_resolve_hf_datasets_cache_dir()}) and could not be downloaded ({type(found).__name__}: "
+                      f"{reason}); download it where there is a network, or point the task at a local copy "
+                      "(docs/evaluation.md)")
