@@ -44,6 +44,7 @@ from lavis_ds.models.base import COMMON_KEYS as COMMON_MODEL_KEYS
 from lavis_ds.objectives.config import data_problems, objective_problems, option_section_keys
 from lavis_ds.runners import DEFAULT_ENGINE
 from lavis_ds.runners.hooks import hook_problems
+from lavis_ds.runners.hooks.lmms_eval_checks import lmms_eval_problems
 
 logger = logging.getLogger(__name__)
 
@@ -309,6 +310,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
         errors.extend(reg.engines.get(close).config.model_problems({**run, **(neutral or {})}, model))
     errors.extend(run_checks.split_problems(run, plain["datasets"]))
     errors.extend(metric_problems(run, plain["datasets"]))
+    errors.extend(lmms_eval_problems(run))
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.engines.get(close)))
     errors.extend(run_checks.packing_problems(run, model, cls))

@@ -107,8 +107,8 @@ def test_every_problem_of_run_hooks_is_named_at_load_time(tmp_path, demo_storage
     assert problems[2:] == [
         "run.hooks[1].tracking_ur: unknown key; did you mean 'tracking_uri'?",
         "run.hooks[2].mode: expected 'online' | 'offline' | 'disabled' | null, got 'sometimes'",
-        "run.hooks[3]: 'validation' is a built-in hook and always runs (metrics_log, validation, checkpointer, "
-        "best_checkpoint, test_generation, training_clock, in that order); run.hooks lists the others",
+        "run.hooks[3]: 'validation' is a built-in hook and always runs (metrics_log, validation, lmms_eval, "
+        "checkpointer, best_checkpoint, test_generation, training_clock, in that order); run.hooks lists the others",
         "run.hooks[4].name: required key is missing; a hook is a registered name or a mapping with `name` and its "
         "options",
         "run.hooks[6]: 'tensorboard' is listed twice",
@@ -300,8 +300,8 @@ def test_a_user_hook_from_imports_sees_every_event_in_order_and_its_save_follows
     trainer, out = tracked_run
     recorder = trainer.hooks[-1]
     assert [type(hook).__name__ for hook in trainer.hooks] == [
-        "MetricsLog", "Validation", "Checkpointer", "BestCheckpoint", "TestGeneration", "TrainingClock", "TensorBoard",
-        "MLflow", "Wandb", "EventRecorder"]
+        "MetricsLog", "Validation", "LmmsEval", "Checkpointer", "BestCheckpoint", "TestGeneration", "TrainingClock",
+        "TensorBoard", "MLflow", "Wandb", "EventRecorder"]
     assert recorder.label == "the user asked"
     expected = [("before_train", 0)]
     for step in range(1, TOTAL + 1):

@@ -69,7 +69,11 @@ class RunConfig:
     test_metrics: list[str] = field(default_factory=lambda: ["exact_match"])  # registered metrics of test splits
     val_metrics: list[str] = field(default_factory=list)  # generation metrics of valid splits (besides the loss)
     val_freq_steps: Annotated[int, NonNegative] = 0  # validate every N optimizer steps too; 0 = at epoch ends only
-    best_metric: str | None = None  # "<split>/<logged key>", e.g. val/caption/CIDEr; default: first valid split's loss
+    # "<split>/<logged key>", e.g. val/caption/CIDEr, or lmms_eval/<task>/<metric>; default: first valid split's loss
+    best_metric: str | None = None
+    # benchmarks in the loop: {tasks: [...], every: N | epoch, limit, num_fewshot, batch_size, include_path}, run by
+    # lmms-eval on the live model (runners.hooks.lmms_eval_checks.LmmsEvalSettings; docs/evaluation.md)
+    lmms_eval: dict[str, Any] | None = None
     num_log_samples: Annotated[int, NonNegative] = 5  # generated samples written to metrics.jsonl per test split
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss: stop the run, or skip that optimizer step
     # GPU numerics (common.device): TF32 matmuls on Ampere and later; deterministic kernels (a GPU run repeats

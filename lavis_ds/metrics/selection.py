@@ -6,7 +6,7 @@ A split's metrics: the dataset section's ``metrics`` if set, else ``run.test_met
 else ``<metric>/<score>`` (``caption/CIDEr``); when several datasets share a split,
 each is scored on its own samples and its keys start with the section name
 (``coco/caption/CIDEr``). ``run.best_metric`` is ``<split>/<logged key>``, or
-``<split>/loss``.
+``<split>/loss``, or a benchmark score of `run.lmms_eval` (``lmms_eval/<task>/<metric>``).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from lavis_ds.common import registry as reg
 
 TEST, VALID = "test", "valid"
+LMMS_EVAL_SPLIT = "lmms_eval"  # the split of the lmms-eval hook's records: run.best_metric lmms_eval/<task>/<metric>
 
 
 def metric_names(run: Mapping[str, Any], section: Mapping[str, Any], phase: str) -> list[str]:
@@ -68,7 +69,8 @@ def metric_problems(run: Mapping[str, Any], datasets: Mapping[str, Any]) -> list
     if isinstance(freq, int) and freq < 0:
         problems.append(f"run.val_freq_steps: expected 0 (epoch ends only) or a positive step count, got {freq}")
     best = run.get("best_metric")
-    if isinstance(best, str) and not problems:
+    # lmms_eval/<task>/<metric>: a benchmark score, checked against its tasks (runners.hooks.lmms_eval_checks)
+    if isinstance(best, str) and not problems and not best.startswith(f"{LMMS_EVAL_SPLIT}/"):
         valid = run.get("valid_splits") or []
         choices = [f"{split}/{key}" for split in valid
                    for key in ["loss", *split_keys(run, datasets, split, VALID)]]

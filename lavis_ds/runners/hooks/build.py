@@ -23,10 +23,11 @@ from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.runners.hooks.base import Hook, HookList
 
 # Their order is their run order. Logging first: the records of an event are written before any hook acts on
-# them. Validation before the checkpoint hooks: a step's checkpoint is scored by that step's validation (the
-# save itself waits for the whole dispatch anyway). The test generation: once, at the very end. The training clock
-# last: the throughput clock restarts when the evaluations of a step are done.
-BUILTIN_HOOKS = ("metrics_log", "validation", "checkpointer", "best_checkpoint", "test_generation", "training_clock")
+# them. Validation and the benchmarks (lmms_eval) before the checkpoint hooks: a step's checkpoint is scored by
+# that step's evaluations (the save itself waits for the whole dispatch anyway). The test generation: once, at the
+# very end. The training clock last: the throughput clock restarts when the evaluations of a step are done.
+BUILTIN_HOOKS = ("metrics_log", "validation", "lmms_eval", "checkpointer", "best_checkpoint", "test_generation",
+                 "training_clock")
 
 
 def build_hooks(trainer) -> HookList:
@@ -46,6 +47,7 @@ def builtin_settings(run) -> dict[str, dict[str, Any]]:
                         "precision": run.get("precision")},
         "validation": {"valid_splits": run["valid_splits"], "val_freq_steps": run["val_freq_steps"],
                        "val_metrics": run.get("val_metrics") or []},
+        "lmms_eval": run.get("lmms_eval") or {},  # unset: the hook does nothing
         "checkpointer": {"save_freq_steps": run["save_freq_steps"]},
         "best_checkpoint": {"metric": run.get("best_metric"), "valid_splits": run["valid_splits"],
                             "keep_last": run["keep_last"]},

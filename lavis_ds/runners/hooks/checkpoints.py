@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 from lavis_ds.common.registry import hooks as hook_registry
-from lavis_ds.metrics.selection import higher_is_better
+from lavis_ds.metrics.selection import LMMS_EVAL_SPLIT, higher_is_better
 from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.hooks.base import Hook
 
@@ -42,8 +42,9 @@ class BestCheckpoint(Hook):
 
     A checkpoint cut at the step of a validation gets ``lavis_ds_score.json`` (metric, value, direction);
     the best is read back from those files, so it survives a resume. `run.best_metric` defaults to the
-    first valid split's loss (lower is better); a metric says its own direction (CIDEr: higher). The scores
-    come from the validation records (``log``), which reach every hook before the checkpoint is cut.
+    first valid split's loss (lower is better); a metric says its own direction (CIDEr: higher; an lmms-eval
+    score: its record's ``higher_is_better``). The scores come from the validation and lmms-eval records (``log``),
+    which reach every hook before the checkpoint is cut.
     """
 
     SCORE_FILE = "lavis_ds_score.json"
@@ -54,21 +55,24 @@ class BestCheckpoint(Hook):
         self.valid_splits, self.keep_last = tuple(valid_splits), keep_last
         self.metric = metric or (f"{self.valid_splits[0]}/loss" if self.valid_splits else None)
         self.latest: dict = {}  # {"step": N, "scores": {"val/loss": ..., "val/caption/CIDEr": ...}}
+        self.directions: dict[str, bool] = {}  # what the records say of their metrics' direction (lmms-eval's)
 
     def log(self, trainer, record: dict) -> None:
-        if record.get("split") not in self.valid_splits:
+        if record.get("split") not in (*self.valid_splits, LMMS_EVAL_SPLIT):
             return
         if self.latest.get("step") != record["step"]:
             self.latest = {"step": record["step"], "scores": {}}
         split = record["split"]
         self.latest["scores"].update({f"{split}/{k}": v for k, v in record.items() if isinstance(v, float)})
+        self.directions.update(record.get("higher_is_better") or {})
 
     def after_save(self, trainer, tag_dir: Path) -> None:
         if trainer.rank != 0:
             return
         metric, latest = self.metric, self.latest
         if metric and latest.get("step") == trainer.state.global_step and metric in latest["scores"]:
-            info = {"metric": metric, "value": latest["scores"][metric], "higher_is_better": higher_is_better(metric)}
+            higher = self.directions.get(metric, higher_is_better(metric))
+            info = {"metric": metric, "value": latest["scores"][metric], "higher_is_better": higher}
             (Path(tag_dir) / self.SCORE_FILE).write_text(json.dumps(info, indent=2))
         if self.keep_last:
             ckpt.prune(trainer.checkpoint_dir, self.keep_last, keep=self.best(trainer.checkpoint_dir, metric))

@@ -53,11 +53,15 @@ def _run_metrics(phase: str, metrics: list[str]) -> dict:
 def write_predictions(path: Path, results: list[dict]) -> None:
     """One JSON line per sample: image, prompt, references, generated (and index, dataset); atomic."""
     keys = ("index", "dataset", "image", "prompt", "references", "generated")
+    write_json_lines(path, [{k: r[k] for k in keys} for r in results])
+
+
+def write_json_lines(path: Path, rows: list[dict]) -> None:
+    """One JSON line per row, atomically: a rerun after a kill replaces the file, a reader never sees half of it."""
     tmp = path.with_suffix(".jsonl.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("".join(json.dumps({k: r[k] for k in keys}, ensure_ascii=False) + "\n" for r in results),
-                       encoding="utf-8")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows), encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):  # a part-written file is never read; gone if the disk lets it go

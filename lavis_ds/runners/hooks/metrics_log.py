@@ -66,7 +66,7 @@ class MetricsLog(Hook):
             return
         # An evaluation: one line on screen, and the samples of a test split under it.
         tqdm.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in record.items() if k not in ("samples", "step", "epoch")))
+                            for k, v in record.items() if k not in ("samples", "step", "epoch", "higher_is_better")))
         for s in record.get("samples", []):
             tqdm.write(f"  {s['image']}: expected {s['expected']!r}, generated {s['generated']!r}")
 
