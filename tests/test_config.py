@@ -12,7 +12,8 @@ import lavis_ds  # noqa: F401
 from lavis_ds.config import ConfigError, load_config
 from run_utils import REPO, run_train, write_yaml
 
-PROJECT_YAMLS = sorted((REPO / "projects").rglob("*.yaml"))
+# Run YAMLs; lmms-eval task YAMLs (projects/*/lmms_eval/, docs/evaluation.md) are lmms-eval's, not run configs
+PROJECT_YAMLS = sorted(p for p in (REPO / "projects").rglob("*.yaml") if "lmms_eval" not in p.parts)
 # The one shipped YAML that says its DeepSpeed settings in DeepSpeed's words, to show a DeepSpeed JSON as it is
 DEEPSPEED_SPELLED = REPO / "projects/minigpt4qwen/zero2_offload.yaml"
 
