@@ -41,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tasks", default="demo_shapes_caption", help="lmms-eval tasks, comma-separated")
     parser.add_argument("--include-path", default=str(DEMO_TASKS), help="folder of task YAMLs")
     parser.add_argument("--requests", type=int, default=16,
-                        help="documents per task (lmms-eval's limit; a multiple-choice document is a request per option)")
+                        help="documents per task (lmms-eval's limit; a multiple-choice document is a request per "
+                             "option)")
     parser.add_argument("--batch-size", type=int, default=8, help="requests per generate call")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=100,
@@ -110,9 +111,11 @@ def _report(args, trainer, figures: dict, documents: int, answers: list[str]) ->
     engine = f"{args.runner} (ZeRO-{args.stage})" if args.runner == "runner_deepspeed" else args.runner
     print(f"{engine} {args.dtype}, {trainer.world_size} process(es), global batch "
           f"{trainer.plan.global_batch}: step {step * 1e3:.1f} ms (median of {args.steps}); evaluation of "
-          f"{documents} documents ({args.tasks}, batch {args.batch_size}) {evaluation:.2f} s (median of {args.repeats}), "
+          f"{documents} documents ({args.tasks}, batch {args.batch_size}) {evaluation:.2f} s "
+          f"(median of {args.repeats}), "
           f"{summary['eval_s_per_document'] * 1e3:.1f} ms per document, {summary['eval_over_step']:.1f} steps' worth; "
-          f"every {args.every} steps: {summary['share']:.2%} of the wall time; answers such as {answers[:3]}", flush=True)
+          f"every {args.every} steps: {summary['share']:.2%} of the wall time; answers such as {answers[:3]}",
+          flush=True)
     if args.json:
         args.json.write_text(json.dumps(summary))
 
