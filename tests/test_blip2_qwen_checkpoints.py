@@ -42,3 +42,21 @@ def test_run_checkpoint_gives_the_recorded_logits(engine):
 def test_export_gives_the_recorded_logits():
     torch.testing.assert_close(make.logits_of(load_exported(FIXTURE / "export")), RECORDED["export"], rtol=0,
                                atol=1e-6)
+
+
+def test_resuming_a_run_checkpoint_in_the_flat_names_is_refused_with_what_to_do(tmp_path):
+    """Its optimizer state follows the parameters' old order: the resume check says so and names the way out."""
+    from lavis_ds.runners import checkpoint as ckpt
+    from lavis_ds.runners.deepspeed import checkpoint as ds_ckpt
+    from lavis_ds.runners.fsdp import checkpoint as fsdp_ckpt
+
+    deepspeed_tag, fsdp_tag = (find_checkpoint(FIXTURE / f"{engine}_run") for engine in ("deepspeed", "fsdp"))
+    _, info = read_checkpoint(deepspeed_tag)
+    section = OmegaConf.to_container(info["config"].model, resolve=True)
+    model = build_model(OmegaConf.create({**section, "tokenizer": str(FIXTURE / "tokenizer")}))
+    deepspeed_states = ds_ckpt.load_file(ds_ckpt.model_states_file(deepspeed_tag))
+    for tag, saved in ((deepspeed_tag, ds_ckpt.saved_trainable(deepspeed_states)),
+                       (fsdp_tag, fsdp_ckpt.saved_shapes(fsdp_ckpt.read_index(fsdp_tag)))):
+        problems = ckpt.trainable_problems(tag, saved, model)
+        assert len(problems) == 1 and "the names Blip2Qwen gave them before (" in problems[0], problems
+        assert "visual_encoder." in problems[0] and "start a run from the export" in problems[0]
