@@ -6,7 +6,8 @@ the old names are read under the new ones.
 """
 from __future__ import annotations
 
-from typing import Mapping, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 Renames = tuple[tuple[str, str], ...]
 V = TypeVar("V")
