@@ -193,9 +193,8 @@ def counts(llm_config: dict | None) -> dict:
     llm = model.llm_model
     return {"llm": sum(p.numel() for p in llm.parameters()),
             "largest": max(p.numel() for p in llm.parameters()),  # the embedding / lm_head matrix
-            "vit": sum(p.numel() for p in model.visual_encoder.parameters()),
-            "bridge": sum(p.numel() for name, p in model.named_parameters()
-                          if not name.startswith(("llm_model.", "visual_encoder.")))}
+            "vit": sum(p.numel() for p in model.vision_tower.parameters()),
+            "bridge": sum(p.numel() for p in model.connector.parameters())}
 
 
 def on_paper(nproc: int) -> str:

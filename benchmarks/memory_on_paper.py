@@ -104,10 +104,11 @@ def count(yaml_path: Path, gpus: int, tokenizer_dir: Path) -> Counts:
     lora = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
     lora_cfg = ({k: model_cfg[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")}
                 if model_cfg.get("get_lora") else None)
-    qformer = n(model.qformer) + n(model.ln_vision) + model.query_tokens.numel()
-    return Counts(vit=n(model.visual_encoder), qformer=qformer, proj=n(model.llm_proj),
-                  llm=n(model.llm_model) - lora, lora=lora, vit_blocks=n(model.visual_encoder.blocks),
-                  qformer_layers=n(model.qformer.encoder.layer),
+    vit, connector = model.vision_tower.vit, model.connector
+    qformer = n(connector.qformer) + n(connector.ln_vision) + connector.query_tokens.numel()
+    return Counts(vit=n(vit), qformer=qformer, proj=n(connector.llm_proj),
+                  llm=n(model.llm_model) - lora, lora=lora, vit_blocks=n(vit.blocks),
+                  qformer_layers=n(connector.qformer.encoder.layer),
                   trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                   micro_batch=int(cfg.run.batch_size_train),
                   lora_cfg=lora_cfg, llm_transformers_config=model.llm_model.config)

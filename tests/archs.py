@@ -77,19 +77,15 @@ def build_tiny(arch: str, tokenizer: str | Path, files: Path, **overrides: Any) 
     return registry.get_model_class(arch).from_config(tiny_model_config(arch, tokenizer, files, **overrides))
 
 
-# Parameter-name prefixes of each part of the image path: a composed architecture holds `vision_tower` and
-# `connector`; BLIP2-Qwen keeps MiniGPT4Qwen's attribute names.
-IMAGE_PATH_PREFIXES = {"blip2_qwen": {"tower": ("visual_encoder.",),
-                                      "connector": ("ln_vision.", "qformer.", "query_tokens", "llm_proj.")}}
-COMPOSED_PREFIXES = {"tower": ("vision_tower.",), "connector": ("connector.",)}
+# Parameter-name prefixes of each part: every architecture holds `vision_tower`, `connector` and `llm_model`.
+PART_PREFIXES = {"tower": ("vision_tower.",), "connector": ("connector.",), "llm": ("llm_model.",)}
 
 
 def set_trainable(model: VisionLLM, arch: str, **parts: bool) -> None:
     """Make the parameters of ``tower``, ``connector`` and ``llm`` train or not, as ``parts`` says (others as built)."""
-    prefixes = {**IMAGE_PATH_PREFIXES.get(arch, COMPOSED_PREFIXES), "llm": ("llm_model.",)}
     for name, parameter in model.named_parameters():
         for part, trains in parts.items():
-            if name.startswith(prefixes[part]):
+            if name.startswith(PART_PREFIXES[part]):
                 parameter.requires_grad_(trains)
 
 
@@ -110,10 +106,13 @@ def mixed_batch(model: VisionLLM) -> dict[str, Any]:
 def without_dropout(arch: str) -> dict[str, Any]:
     """Overrides that turn off the dropout a tiny preset has (a Q-Former connector's), so that runs on other
     engines or numbers of processes draw no different masks."""
-    connector = registry.get_model_class(arch).default_config("tiny").get("connector") or {}
-    if arch == "blip2_qwen" or connector.get("name") in ("qformer", "instruct_qformer"):
-        off = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-        return {"qformer": off} if arch == "blip2_qwen" else {"connector": {"qformer": off}}
+    preset = registry.get_model_class(arch).default_config("tiny")
+    connector = preset.get("connector") or {}
+    off = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    if "qformer" in preset:  # a Q-Former set by the model section's own key (blip2_qwen's MiniGPT4Qwen keys)
+        return {"qformer": off}
+    if connector.get("name") in ("qformer", "instruct_qformer"):
+        return {"connector": {"qformer": off}}
     return {}
 
 

@@ -363,7 +363,7 @@ def test_instruction_tuning_yaml_trains_with_its_batch_and_precision(tmp_path, p
     assert ds["bf16"]["enabled"] is True and ds["gradient_clipping"] == 1.0
     states = next((tmp_path / "out").rglob("mp_rank_00_model_states.pt"))
     module = torch.load(states, map_location="cpu", weights_only=False)["module"]
-    assert module["llm_proj.weight"].dtype == torch.bfloat16  # the engine ran in bf16
+    assert module["connector.llm_proj.weight"].dtype == torch.bfloat16  # the engine ran in bf16
     assert proc.stderr.count("change nothing in lavis_ds, ignored") == 1
 
 

@@ -211,8 +211,8 @@ def test_exported_keys_are_the_trainable_parameters_only(trained, exported):
     keys = set(load_file(str(folder / "model.safetensors")))
     model = build_model(exported_model_config(folder), seed=7)
     assert keys == {name for name, p in model.named_parameters() if p.requires_grad}
-    assert any(".lora_A." in k for k in keys) and any(k.startswith("llm_proj.") for k in keys)
-    assert not any(k.startswith("visual_encoder.") or ("llm_model." in k and ".lora_" not in k) for k in keys)
+    assert any(".lora_A." in k for k in keys) and any(k.startswith("connector.llm_proj.") for k in keys)
+    assert not any(k.startswith("vision_tower.vit.") or ("llm_model." in k and ".lora_" not in k) for k in keys)
 
 
 def test_exported_tensors_are_the_fp32_master_weights_zero2_bf16(trained, exported):
@@ -334,14 +334,19 @@ def _edited_export(folder: Path, dest: Path, edit) -> Path:
 
 def test_strict_accounting_names_missing_unknown_and_misshapen_keys(exported, tmp_path):
     folder = exported("zero2_fp32")
-    missing = _edited_export(folder, tmp_path / "missing", lambda w: w.pop("llm_proj.weight"))
-    with pytest.raises(ExportError, match=r"1 trainable parameter\(s\) are not in the file .*: llm_proj.weight"):
+    missing = _edited_export(folder, tmp_path / "missing", lambda w: w.pop("connector.llm_proj.weight"))
+    with pytest.raises(ExportError, match=r"1 trainable parameter\(s\) are not in the file .*: "
+                                         r"connector\.llm_proj\.weight"):
         load_exported(missing)
-    unknown = _edited_export(folder, tmp_path / "unknown", lambda w: w.update({"llm_proj.extra": torch.zeros(2)}))
-    with pytest.raises(ExportError, match=r"1 key\(s\) name no parameter of the rebuilt Blip2Qwen: llm_proj.extra"):
+    unknown = _edited_export(folder, tmp_path / "unknown",
+                             lambda w: w.update({"connector.llm_proj.extra": torch.zeros(2)}))
+    with pytest.raises(ExportError, match=r"1 key\(s\) name no parameter of the rebuilt Blip2Qwen: "
+                                         r"connector\.llm_proj\.extra"):
         load_exported(unknown)
-    shape = _edited_export(folder, tmp_path / "shape", lambda w: w.update({"query_tokens": torch.zeros(1, 2, 3)}))
-    with pytest.raises(ExportError, match=r"shape mismatch\(es\) \(file vs model\): query_tokens \(1, 2, 3\) vs"):
+    shape = _edited_export(folder, tmp_path / "shape",
+                           lambda w: w.update({"connector.query_tokens": torch.zeros(1, 2, 3)}))
+    with pytest.raises(ExportError, match=r"shape mismatch\(es\) \(file vs model\): connector\.query_tokens "
+                                         r"\(1, 2, 3\) vs"):
         load_exported(shape)
 
 

@@ -217,9 +217,9 @@ def blip2_export(tiny_tokenizer_dir, tmp_path_factory) -> tuple[Path, nn.Module]
     cfg = Blip2Qwen.default_config("tiny") | {"tokenizer": str(tiny_tokenizer_dir)}
     torch.manual_seed(0)
     model = Blip2Qwen.from_config(cfg).eval()
-    model.ln_vision.eps = model.visual_encoder.blocks[0].norm1.eps
+    model.connector.ln_vision.eps = model.vision_tower.vit.blocks[0].norm1.eps
     with torch.no_grad():  # random weights answer alike whatever the image: make the image path count
-        model.llm_proj.weight.mul_(4)
+        model.connector.llm_proj.weight.mul_(4)
     folder = tmp_path_factory.mktemp("blip2_hf") / "blip2"
     assert write_hf_folder(model, folder, {"name": "blip2_image_eval", "image_size": 64}) == []
     return folder, model

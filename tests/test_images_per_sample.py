@@ -221,7 +221,7 @@ def test_each_images_features_go_where_its_marker_stands(model):
     is_image = ids == model.prompt.image_token_id
     assert is_image.sum(1).tolist() == [0, 2 * n_query, n_query]
     with torch.no_grad():
-        features = model.encode_image(batch["image"])
+        features = model.encode_images(batch["image"], {})
         embeds = model._embed(ids, features)
     torch.testing.assert_close(embeds[1][is_image[1]], features[:2].flatten(0, 1))
     torch.testing.assert_close(embeds[2][is_image[2]], features[2])
@@ -247,14 +247,14 @@ def test_a_micro_batch_without_images_still_runs_the_towers_once_with_zero_gradi
     """ZeRO-3 and FSDP need every rank to run the same modules: an image-free micro-batch runs them on a blank
     image whose features count zero times."""
     calls = []
-    model.visual_encoder.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    model.vision_tower.vit.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     model.train()
     batch = {"image": torch.zeros((0, 3, 64, 64)), "num_images": [0, 0], "instruction": [["Hi"], ["How many?"]],
              "output": [["Hello"], ["Two."]]}
     out = model(batch)
     out["loss"].backward()
     assert calls == [1] and torch.isfinite(out["loss"])
-    assert model.llm_proj.weight.grad is not None and not model.llm_proj.weight.grad.any()
+    assert model.connector.llm_proj.weight.grad is not None and not model.connector.llm_proj.weight.grad.any()
     assert model.llm_model.get_input_embeddings().weight.grad.any()  # the text itself trains
     torch.manual_seed(0)
     reference = {k: v for k, v in batch.items() if k != "image"}  # same numbers without the image key at all

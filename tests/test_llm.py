@@ -83,7 +83,7 @@ def test_qwen25_tokenizer_adds_nothing_and_the_folder_weights_load_unchanged(fol
     state = model.llm_model.state_dict()
     for name, tensor in llm_weights(folders["qwen25"]).items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
-    assert trainable(model) == {"llm_proj.weight", "llm_proj.bias"}
+    assert trainable(model) == {"connector.llm_proj.weight", "connector.llm_proj.bias"}
 
 
 def test_qwen2_tokenizer_gets_the_image_token_in_a_spare_row_without_resize(folders):
@@ -92,7 +92,7 @@ def test_qwen2_tokenizer_gets_the_image_token_in_a_spare_row_without_resize(fold
     assert model.prompt.image_token_id == size  # the next id: a spare row of the embedding
     assert model.llm_model.get_input_embeddings().num_embeddings == size + SPARE_ROWS  # not resized
     # The placeholder's row never trains: image features replace it, it is never a target.
-    assert trainable(model) == {"llm_proj.weight", "llm_proj.bias"}
+    assert trainable(model) == {"connector.llm_proj.weight", "connector.llm_proj.bias"}
     assert torch.isfinite(model(samples())["loss"])
 
 
@@ -123,7 +123,7 @@ def test_tokenizer_without_chatml_trains_only_the_new_rows(folders, tie):
     assert embedding.token_ids.tolist() == new_ids[:2]  # ChatML only; the image row never trains
     assert embedding.num_embeddings == size + 3
     rows = {"llm_model.model.embed_tokens.rows"} | (set() if tie else {"llm_model.lm_head.rows"})
-    assert trainable(model) == {"llm_proj.weight", "llm_proj.bias"} | rows
+    assert trainable(model) == {"connector.llm_proj.weight", "connector.llm_proj.bias"} | rows
     assert (head.rows is embedding.rows) is tie
 
     model.train()
@@ -317,7 +317,7 @@ def _check_lean_and_trained(losses, step_dir, initial, expected_trainable):
     trained = _trained_weights(step_dir)
     assert set(trained) == expected_trainable
     start = dict(initial.named_parameters())
-    for name in ("llm_proj.weight", *[n for n in expected_trainable if ".lora_B." in n or n.endswith(".rows")]):
+    for name in ("connector.llm_proj.weight", *[n for n in expected_trainable if ".lora_B." in n or n.endswith(".rows")]):
         assert not torch.allclose(trained[name], start[name].float()), f"{name} did not train"
     # The checkpoint loads back into a model built from the YAML: nothing unexpected, only frozen weights missing.
     missing, unexpected = initial.load_state_dict(trained, strict=False)
@@ -330,7 +330,8 @@ def test_frozen_llm_with_added_chatml_tokens_trains_on_2_processes(tmp_path, sto
     # LLM gradient checkpointing on: ZeRO-3 gathers each layer again for the recomputation.
     losses, out, step_dir, initial = _train(tmp_path, storage, folders["plain"], stage=3, dtype="bf16",
                                             llm_grad_checkpoint=True)
-    expected = {"llm_proj.weight", "llm_proj.bias", "llm_model.model.embed_tokens.rows", "llm_model.lm_head.rows"}
+    expected = {"connector.llm_proj.weight", "connector.llm_proj.bias", "llm_model.model.embed_tokens.rows",
+                "llm_model.lm_head.rows"}
     model = _check_lean_and_trained(losses, step_dir, initial, expected)
     # The tokenizer as used, with its three added tokens, is in output_dir.
     saved = AutoTokenizer.from_pretrained(out / "tokenizer")
@@ -353,7 +354,7 @@ def test_lora_trains_lean_at_every_zero_stage(tmp_path, storage, folders, stage,
                                             get_lora=True, lora_r=4, lora_alpha=8, llm_grad_checkpoint=stage == 3)
     lora = {n for n, _ in initial.named_parameters() if ".lora_A." in n or ".lora_B." in n}
     assert len(lora) == 2 * 7 * TINY_QWEN2["num_hidden_layers"]  # A and B on every linear layer of each block
-    model = _check_lean_and_trained(losses, step_dir, initial, lora | {"llm_proj.weight", "llm_proj.bias"})
+    model = _check_lean_and_trained(losses, step_dir, initial, lora | {"connector.llm_proj.weight", "connector.llm_proj.bias"})
     assert (out / "tokenizer" / "tokenizer.json").is_file()
     # The trained adapters merge: same outputs from the plain Qwen2 export would write.
     model.eval()

@@ -51,7 +51,7 @@ def test_each_family_trains_generates_and_shards_by_its_own_decoder_layers(token
     model.train()
     out = model(samples())
     out["loss"].backward()
-    assert math.isfinite(out["loss"].item()) and model.llm_proj.weight.grad.abs().sum() > 0
+    assert math.isfinite(out["loss"].item()) and model.connector.llm_proj.weight.grad.abs().sum() > 0
     llm_blocks = model.repeated_blocks()[-2:]
     assert [type(b).__name__ for b in llm_blocks] == [LAYER_CLASSES[name]] * 2
     eot = model.llm_tokenizer.convert_tokens_to_ids(FAMILIES[name].end_of_turn)

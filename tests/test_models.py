@@ -168,8 +168,8 @@ def test_tiny_blip2_qwen_builds_without_yaml(tiny_tokenizer_dir):
                       llm_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                                   "num_key_value_heads": 1, "intermediate_size": 64},
                       tokenizer=str(tiny_tokenizer_dir))
-    assert model.query_tokens.shape == (1, 4, 32) and model.llm_proj.out_features == 32
-    assert model.qformer.config.encoder_hidden_size == model.visual_encoder.num_features
+    assert model.connector.query_tokens.shape == (1, 4, 32) and model.connector.llm_proj.out_features == 32
+    assert model.connector.qformer.config.encoder_hidden_size == model.vision_tower.vit.num_features
     assert model.llm_model.get_input_embeddings().num_embeddings == len(model.llm_tokenizer)
 
 
@@ -182,7 +182,7 @@ def test_image_placeholders_are_replaced_by_projected_queries(tiny_model_config)
 
     input_ids = torch.tensor([ids[0], ids[0]])
     with torch.no_grad():
-        image_embeds = model.encode_image(batch["image"])
+        image_embeds = model.encode_images(batch["image"], {})
         embeds = model._embed(input_ids, image_embeds)
         token_embeds = model.llm_model.get_input_embeddings()(input_ids)
     is_image = input_ids == model.prompt.image_token_id
@@ -229,13 +229,15 @@ def test_llm_model_folder_is_loaded_with_from_pretrained(tiny_model_config, tiny
 # ----------------------------------------------------------------- freezing
 LLM = "llm_model."
 FREEZE_CASES = {
-    "minigpt4qwen": ({}, lambda n: n.startswith("llm_proj.")),
-    "pos_embed": ({"unfreeze_pos_embed": True}, lambda n: n.startswith("llm_proj.") or n == "visual_encoder.pos_embed"),
-    "queries": ({"freeze_queries": False}, lambda n: n.startswith("llm_proj.") or n == "query_tokens"),
+    "minigpt4qwen": ({}, lambda n: n.startswith("connector.llm_proj.")),
+    "pos_embed": ({"unfreeze_pos_embed": True},
+                  lambda n: n.startswith("connector.llm_proj.") or n == "vision_tower.vit.pos_embed"),
+    "queries": ({"freeze_queries": False},
+                lambda n: n.startswith("connector.llm_proj.") or n == "connector.query_tokens"),
     "qformer": ({"freeze_qformer": False},
-                lambda n: n.startswith(("llm_proj.", "qformer.", "ln_vision."))),
+                lambda n: n.startswith(("connector.llm_proj.", "connector.qformer.", "connector.ln_vision."))),
     "llm_only": ({"freeze_proj": True, "freeze_llm": False}, lambda n: n.startswith(LLM)),
-    "lora": ({"get_lora": True}, lambda n: n.startswith("llm_proj.") or ".lora_" in n),
+    "lora": ({"get_lora": True}, lambda n: n.startswith("connector.llm_proj.") or ".lora_" in n),
 }
 MINIGPT4QWEN_FREEZE = {"freeze_vit": True, "freeze_qformer": True, "freeze_queries": True, "freeze_proj": False,
                        "freeze_llm": True}
@@ -250,8 +252,8 @@ def test_freeze_switches_select_the_trainable_parameters(case, tiny_model_config
     assert trainable(model)
 
     model.train()
-    assert model.training and not model.visual_encoder.training
-    assert model.qformer.training is (case == "qformer")
+    assert model.training and not model.vision_tower.vit.training
+    assert model.connector.qformer.training is (case == "qformer")
     # LoRA needs train mode (dropout); a plain frozen LLM stays in eval.
     assert model.llm_model.training is (case in ("llm_only", "lora"))
     model.eval()
@@ -293,7 +295,7 @@ def test_forward_loss_is_the_mean_over_answer_tokens(tiny_model_config):
     input_ids, attention_mask = pad_batch([e[0] for e in examples], model.pad_id, "right")
     labels, _ = pad_batch([e[1] for e in examples], IGNORE_INDEX, "right")
     with torch.no_grad():
-        embeds = model._embed(input_ids, model.encode_image(batch["image"]))
+        embeds = model._embed(input_ids, model.encode_images(batch["image"], {}))
         hf = model.llm_model(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels).loss
     torch.testing.assert_close(out["loss"].detach(), hf, rtol=1e-5, atol=1e-5)
     # Right padding must not leak into the loss: the batch sums to its samples' sums.
@@ -306,7 +308,8 @@ def test_forward_backward_fp32(tiny_model_config):
     out = model(samples())
     assert torch.isfinite(out["loss"]) and out["loss"].requires_grad
     out["loss"].backward()
-    for name in ("llm_proj.weight", "query_tokens", "visual_encoder.patch_embed.proj.weight", "ln_vision.weight"):
+    for name in ("connector.llm_proj.weight", "connector.query_tokens", "vision_tower.vit.patch_embed.proj.weight",
+                 "connector.ln_vision.weight"):
         grad = model.get_parameter(name).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
 
@@ -333,7 +336,7 @@ def test_llm_grad_checkpoint_recomputes_each_layer_with_the_same_loss_and_gradie
     (loss, grads, forwards, recomputed), (loss_c, grads_c, forwards_c, recomputed_c) = results.values()
     assert (recomputed, recomputed_c) == (0, forwards_c) and forwards == forwards_c == len(layers)
     torch.testing.assert_close(loss_c, loss, rtol=0, atol=0)
-    assert grads_c.keys() == grads.keys() and "llm_proj.weight" in grads
+    assert grads_c.keys() == grads.keys() and "connector.llm_proj.weight" in grads
     for name in grads:
         torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
     # Evaluation never recomputes (nor keeps anything to recompute from).
@@ -350,7 +353,7 @@ def test_forward_backward_bf16_module_under_autocast(tiny_model_config):
         out = model(samples())
     assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
     out["loss"].backward()
-    grad = model.llm_proj.weight.grad
+    grad = model.connector.llm_proj.weight.grad
     assert grad is not None and grad.dtype == torch.bfloat16 and torch.isfinite(grad.float()).all()
 
 
@@ -414,8 +417,8 @@ def test_generate_without_outputs(tiny_model_config):
 def test_fp16_vision_tower_in_an_fp32_model(tiny_model_config):
     # The full-size presets keep the frozen ViT in fp16 (vit_precision), the rest in fp32.
     model = build(tiny_model_config, vit_precision="fp16", freeze_vit=True)
-    assert model.visual_encoder.pos_embed.dtype == torch.float16 and model.llm_proj.weight.dtype == torch.float32
+    assert model.vision_tower.vit.pos_embed.dtype == torch.float16 and model.connector.llm_proj.weight.dtype == torch.float32
     out = model(samples())
     assert torch.isfinite(out["loss"])
     out["loss"].backward()
-    assert torch.isfinite(model.llm_proj.weight.grad).all()
+    assert torch.isfinite(model.connector.llm_proj.weight.grad).all()

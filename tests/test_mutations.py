@@ -110,7 +110,7 @@ CASES: tuple[Case, ...] = (
          [r"run\.resume: checkpoint folder '.*checkpoints/step_5' does not exist"], ALL_FOUR),
     # -- errors during resume: the checkpoint does not fit the model or the engine
     Case("trainable set grew", grow_or_shrink(grow=True), 2,
-         [r"parameter\(s\) train now but were not trained in the checkpoint: visual_encoder\.", "freeze_"],
+         [r"parameter\(s\) train now but were not trained in the checkpoint: vision_tower\.vit\.", "freeze_"],
          ALL_FOUR),
     Case("trainable set shrank", grow_or_shrink(grow=False), 2,
          [r"parameter\(s\) trained in the checkpoint are frozen now: .*llm_model\.", "run.resume=false"],

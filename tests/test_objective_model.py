@@ -56,7 +56,7 @@ def test_answer_logps_equal_the_sft_loss_of_the_last_answer(model, pairs):
 
 def test_one_vision_pass_per_pair_and_one_llm_forward(model, pairs):
     calls = []
-    model.visual_encoder.register_forward_hook(lambda module, args, out: calls.append(("vit", args[0].shape[0])))
+    model.vision_tower.vit.register_forward_hook(lambda module, args, out: calls.append(("vit", args[0].shape[0])))
     # the LLM's token embedding runs once per LLM forward (whichever head computes the log-probs)
     model.llm_model.get_input_embeddings().register_forward_hook(
         lambda module, args, out: calls.append(("llm", args[0].shape[0])))
@@ -76,7 +76,7 @@ def test_objective_trains_the_bridge_and_logs_trl_metrics(model, pairs, objectiv
     assert counts[PAIRS] == 2
     loss = sum(out.loss_sums[unit] / counts[unit] for unit in out.loss_sums)
     loss.backward()
-    assert model.llm_proj.weight.grad.abs().sum() > 0 and model.query_tokens.grad.abs().sum() > 0
+    assert model.connector.llm_proj.weight.grad.abs().sum() > 0 and model.connector.query_tokens.grad.abs().sum() > 0
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
             "logps/rejected"} <= set(out.metric_sums)
     if objective.sft_weight():  # the SFT term's unit: the chosen answers' supervised tokens

@@ -67,11 +67,11 @@ def build(cfg: dict, **overrides) -> Blip2Qwen:
 
 
 def ours(model: Blip2Qwen, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ln_vision(visual_encoder(x))`` and the Q-Former's query outputs, as ``encode_image`` computes them."""
+    """``ln_vision(visual_encoder(x))`` and the Q-Former's query outputs, as ``encode_images`` computes them."""
     with torch.no_grad():
-        features = model.ln_vision(model.visual_encoder(images))
+        features = model.connector.ln_vision(model.vision_tower.vit(images))
         mask = torch.ones(features.shape[:-1], dtype=torch.long)
-        queries = model.qformer(query_embeds=model.query_tokens.expand(len(images), -1, -1),
+        queries = model.connector.qformer(query_embeds=model.connector.query_tokens.expand(len(images), -1, -1),
                                 encoder_hidden_states=features, encoder_attention_mask=mask).last_hidden_state
     return features, queries
 
@@ -93,7 +93,7 @@ def assert_same_outputs(model, hf, images, atol=1e-5, **vision_kwargs):
 
 def pretrained_part(model: Blip2Qwen) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()
-            if k.startswith(("visual_encoder.", "ln_vision.", "qformer.", "query_tokens"))}
+            if k.startswith(("vision_tower.vit.", "connector.ln_vision.", "connector.qformer.", "connector.query_tokens"))}
 
 
 # ----------------------------------------------------------------- Hugging Face folders
@@ -120,7 +120,7 @@ def test_position_embedding_is_interpolated_like_transformers(hf_blip2, tiny_mod
     hf, folder = hf_blip2
     big = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(4))  # 6x6 patches, the file has 4x4
     model = build(tiny_model_config, image_size=96, load_pretrained=True, pretrained=str(folder))
-    assert model.visual_encoder.pos_embed.shape == (1, 1 + 36, WIDTH)
+    assert model.vision_tower.vit.pos_embed.shape == (1, 1 + 36, WIDTH)
     # transformers' interpolate_pos_encoding is the same bicubic resize of the patch grid, CLS kept.
     assert_same_outputs(model, hf, big, interpolate_pos_encoding=True)
 
@@ -197,13 +197,13 @@ def test_eva_vit_position_embedding_interpolation_keeps_cls(hf_blip2, tmp_path):
 def test_vit_precision_applies_after_loading(precision, dtype, atol, hf_blip2, tiny_model_config, images):
     hf, folder = hf_blip2
     model = build(tiny_model_config, vit_precision=precision, load_pretrained=True, pretrained=str(folder))
-    assert {p.dtype for p in model.visual_encoder.parameters()} == {dtype}
+    assert {p.dtype for p in model.vision_tower.vit.parameters()} == {dtype}
     hf_state = hf.state_dict()
-    assert torch.equal(model.visual_encoder.patch_embed.proj.weight,
+    assert torch.equal(model.vision_tower.vit.patch_embed.proj.weight,
                        hf_state["vision_model.embeddings.patch_embedding.weight"].to(dtype))
     # ln_vision and the Q-Former stay fp32 (ln_vision also computes in fp32).
-    assert model.ln_vision.weight.dtype == model.query_tokens.dtype == torch.float32
-    assert torch.equal(model.ln_vision.weight, hf_state["vision_model.post_layernorm.weight"])
+    assert model.connector.ln_vision.weight.dtype == model.connector.query_tokens.dtype == torch.float32
+    assert torch.equal(model.connector.ln_vision.weight, hf_state["vision_model.post_layernorm.weight"])
     features, _ = ours(model, images)
     assert features.dtype == dtype
     torch.testing.assert_close(features.float(), theirs(hf, images)[0], atol=atol, rtol=atol)
@@ -279,8 +279,10 @@ def test_wrong_formats_are_refused_with_the_valid_ones(hf_blip2, tiny_model_conf
     vit_file = eva_vit_file(hf, tmp_path)
     with pytest.raises(CheckpointError, match=r"eva_vit_g\.pth: is a LAVIS eva_vit_g\.pth.*give it as `vit_pretrained`"):
         build(tiny_model_config, load_pretrained=True, pretrained=vit_file)
-    with pytest.raises(CheckpointError, match=r"is a Hugging Face BLIP-2 folder.*but a ViT checkpoint needs"):
-        build(tiny_model_config, vit_pretrained=str(folder))
+    # `vit_pretrained` is the eva_vit_g tower's `pretrained`, which also reads a BLIP-2 folder's vision_model.
+    model = build(tiny_model_config, vit_pretrained=str(folder))
+    assert torch.equal(model.vision_tower.vit.patch_embed.proj.weight,
+                       hf.vision_model.embeddings.patch_embedding.weight)
 
 
 def eva_vit_file(hf, tmp_path) -> str:
@@ -309,7 +311,7 @@ def test_unexpected_key_is_named_with_the_skipped_list(hf_blip2, tiny_model_conf
     hf, _ = hf_blip2
     path = lavis_t5_file(hf, tmp_path, lambda s: s.update({"Qformer.bert.pooler.dense.weight": torch.zeros(64, 64)}))
     with pytest.raises(CheckpointError, match=r"blip2\.pth \(lavis_blip2\): 1 unexpected key\(s\): "
-                                              r"Qformer\.bert\.pooler\.dense\.weight \(our qformer\.pooler\.dense\.weight\)\. "
+                                              r"Qformer\.bert\.pooler\.dense\.weight \(our connector\.qformer\.pooler\.dense\.weight\)\. "
                                               r"Keys skipped on purpose for this format: Qformer\.cls\.\*; "):
         build(tiny_model_config, vit_pretrained=eva_vit_file(hf, tmp_path), load_pretrained=True, pretrained=str(path))
 
@@ -319,7 +321,7 @@ def test_missing_key_is_named(hf_blip2, tiny_model_config, tmp_path):
     vit_path = eva_vit_file(hf, tmp_path)
     path = lavis_t5_file(hf, tmp_path, lambda s: s.pop("query_tokens"))
     with pytest.raises(CheckpointError, match=r"blip2\.pth \(lavis_blip2\): 1 key\(s\) the model needs are not in "
-                                              r"the file: query_tokens$"):
+                                              r"the file: connector\.query_tokens$"):
         build(tiny_model_config, vit_pretrained=str(vit_path), load_pretrained=True, pretrained=str(path))
     partial_vit = tmp_path / "partial_vit.pth"
     state = torch.load(vit_path)
@@ -331,7 +333,8 @@ def test_missing_key_is_named(hf_blip2, tiny_model_config, tmp_path):
 
 def test_shape_mismatch_names_key_and_both_shapes(hf_blip2, tiny_model_config):
     _, folder = hf_blip2
-    with pytest.raises(CheckpointError, match=r"shape mismatch for query_tokens: file \(1, 8, 64\), model \(1, 4, 64\)"):
+    with pytest.raises(CheckpointError, match=r"shape mismatch for query_tokens \(our connector\.query_tokens\): "
+                                              r"file \(1, 8, 64\), model \(1, 4, 64\)"):
         build(tiny_model_config, num_query_token=4, load_pretrained=True, pretrained=str(folder))
 
 

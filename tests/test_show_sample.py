@@ -162,7 +162,7 @@ def _trains(model, batch, pack_to):
     out = model(prepared)
     loss = out["loss"] if "loss" in out else sum(out["loss_sums"].values())  # an objective's summed losses
     loss.backward()
-    assert torch.isfinite(loss) and loss > 0 and model.llm_proj.weight.grad is not None
+    assert torch.isfinite(loss) and loss > 0 and model.connector.llm_proj.weight.grad is not None
 
 
 @pytest.mark.parametrize("run, packing", [("sft", False), ("sft", True), ("dpo", False)])

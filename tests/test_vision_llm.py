@@ -47,16 +47,20 @@ def tokenizers(tmp_path_factory):
     return {name: tokenizer_dir(root / name, name) for name in ("qwen2.5", "llama3.2", "gemma2")}
 
 
-def test_blip2_qwen_keeps_its_parameter_names_and_order(tiny_tokenizer_dir):
-    """MiniGPT4Qwen's attribute names, in the order the engines' flat optimizer states follow."""
+def test_blip2_qwen_holds_the_eva_tower_and_qformer_connector(tiny_tokenizer_dir):
+    """The parts' names, in the order the engines' flat optimizer states follow; MiniGPT4Qwen's flat names
+    (``visual_encoder.*``, ...) map onto them (``RENAMED_KEYS``, tests/test_blip2_qwen_checkpoints.py)."""
     model = build(tiny_tokenizer_dir)
     tops = list(dict.fromkeys(key.split(".")[0] for key in model.state_dict()))
-    assert tops == ["query_tokens", "visual_encoder", "ln_vision", "qformer", "llm_model", "llm_proj"]
+    assert tops == ["vision_tower", "llm_model", "connector"]
     keys = set(model.state_dict())
-    assert {"llm_proj.weight", "llm_proj.bias", "ln_vision.weight", "llm_model.model.embed_tokens.weight",
-            "llm_model.lm_head.weight", "visual_encoder.blocks.0.attn.qkv.weight",
-            "qformer.encoder.layer.0.crossattention.attention.query.weight"} <= keys
-    assert [n for n, _ in model.named_parameters()][0] == "query_tokens"
+    assert {"connector.llm_proj.weight", "connector.llm_proj.bias", "connector.ln_vision.weight",
+            "llm_model.model.embed_tokens.weight", "llm_model.lm_head.weight",
+            "vision_tower.vit.blocks.0.attn.qkv.weight",
+            "connector.qformer.encoder.layer.0.crossattention.attention.query.weight",
+            "connector.query_tokens"} <= keys
+    renamed = {old: new for old, new in Blip2Qwen.RENAMED_KEYS}
+    assert {new.split(".")[0] for new in renamed.values()} == {"vision_tower", "connector"}
 
 
 def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
@@ -148,7 +152,7 @@ def test_answer_logps_share_one_vision_pass_and_carry_gradients(tiny_tokenizer_d
     (chosen_logps, _), (rejected_logps, _) = (model.answer_logps(b, image_features=features)
                                               for b in (chosen, rejected))
     (chosen_logps - rejected_logps).sum().backward()
-    assert model.llm_proj.weight.grad.abs().sum() > 0 and model.query_tokens.grad.abs().sum() > 0
+    assert model.connector.llm_proj.weight.grad.abs().sum() > 0 and model.connector.query_tokens.grad.abs().sum() > 0
 
 
 def test_a_family_the_head_path_cannot_reproduce_uses_the_full_logits(tiny_tokenizer_dir):

@@ -5,7 +5,7 @@ alone loads and runs.
 ``AutoProcessor.from_pretrained(DIR)`` read, with no lavis_ds import (docs/export-hf.md shows the lines a
 transformers user writes). The class follows the model (``export_hf_checks.hf_family``):
 
-    blip2_qwen, or eva_vit_g + qformer      Blip2ForConditionalGeneration + Blip2Processor
+    eva_vit_g + qformer (blip2_qwen)        Blip2ForConditionalGeneration + Blip2Processor
     eva_vit_g + instruct_qformer            InstructBlipForConditionalGeneration + InstructBlipProcessor
                                             (with the Q-Former's BERT tokenizer under qformer_tokenizer/)
     clip or siglip + mlp2x_gelu             LlavaForConditionalGeneration + LlavaProcessor

@@ -15,7 +15,8 @@ from torch import nn
 from lavis_ds.apps.export_io import ExportError
 from lavis_ds.models.hf.family import HfFamily, all_families, exporting_family, part_name
 
-# The image processor lavis_ds evaluates blip2_qwen with; BlipImageProcessor does the same steps.
+# The image processor LAVIS's BLIP-2 configs (and blip2_qwen's presets) evaluate with; BlipImageProcessor does the
+# same steps.
 EVAL_IMAGE_PROCESSOR = "blip2_image_eval"
 INSTEAD = ("export it with --format lavis_ds (the default): a folder of its trained weights and config that "
            "lavis_ds loads (load_exported, `python -m lavis_ds.apps.generate`, chat, the web page)")
@@ -34,9 +35,8 @@ def hf_family(model: nn.Module) -> HfFamily:
     if family is not None:
         return family
     if not hasattr(model, "vision_tower"):
-        flat = [why for why in (f.not_flat_because(model) for f in all_families()) if why]
-        raise ExportError(f"--format hf: {type(model).__name__} is not a vision_tower + connector architecture, nor "
-                          f"{' nor '.join(flat)}; {INSTEAD}")
+        raise ExportError(f"--format hf: {type(model).__name__} is not a vision_tower + connector architecture; "
+                          f"{INSTEAD}")
     tower, connector = part_name(model.vision_tower, vision_towers), part_name(model.connector, connectors)
     whys = [f.why_not[connector] for f in all_families() if connector in f.why_not]
     why = whys[0] if whys else "no transformers class holds this tower with this connector"

@@ -101,6 +101,9 @@ class BaseModel(nn.Module):
     REPLACED_MODEL_TYPES: dict[str, tuple[str, str]] = {}
     # keys of the `model:` section naming local files or folders the model reads (checked before any rank loads)
     FILE_KEYS: tuple[str, ...] = ()
+    # (old prefix, new prefix) of parameter names the architecture's checkpoints and exports may hold from when its
+    # parameters were named otherwise: read under the new names (``export_folder.load_trained_weights``)
+    RENAMED_KEYS: tuple[tuple[str, str], ...] = ()
 
     # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
     IMAGE_PROCESSORS: dict[str, str] = {}

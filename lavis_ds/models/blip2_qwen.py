@@ -1,34 +1,29 @@
-"""BLIP2-Qwen (the MiniGPT4Qwen recipe): EVA-ViT -> ln_vision -> Q-Former -> Linear -> chat LLM.
+"""BLIP2-Qwen (the MiniGPT4Qwen recipe): the ``eva_vit_g`` tower and the ``qformer`` connector into a chat LLM.
 
-The LLM is Qwen2.5 by default and any transformers causal LM on request
-(``lavis_ds.models.llm_families``). The projected query outputs replace the embeddings
-of the image placeholder tokens in a prompt rendered by the tokenizer's chat template
-(see ``lavis_ds.models.prompt``); the loss covers the assistant's answers only.
-Attribute names follow MiniGPT4Qwen (``visual_encoder``,
-``ln_vision``, ``query_tokens``, ``llm_proj``, ``llm_model``) so its trainable-part
-checkpoints keep their keys; the Q-Former is Hugging Face's (``qformer``).
+The image path is the registered parts, composed as every architecture composes them
+(``lavis_ds.models.composed``): ``vision_tower`` (EVA-ViT-g) -> ``connector`` (``ln_vision``, BLIP-2's Q-Former
+with its queries, a linear projection into the LLM). The LLM is Qwen2.5 by default and any transformers causal LM
+on request (``lavis_ds.models.llm_families``).
 
-The LLM side (tokenizer, LLM, LoRA, prompt, batch, splice, loss, generate) is ``VisionLLM``'s; this class
-holds only the image path: the ViT, ``ln_vision``, the Q-Former, its queries and the projection.
+Its ``model:`` section keeps MiniGPT4Qwen's flat keys (``vit_model``, ``image_size``, ``vit_precision``,
+``freeze_vit``, ``num_query_token``, ``qformer``, ...): :func:`part_sections_of` turns them into the two parts'
+sections, the one place they are read. Checkpoints written while blip2_qwen held those parts as flat attributes
+(``visual_encoder.*``, ``ln_vision.*``, ``qformer.*``, ``query_tokens``, ``llm_proj.*``) load through
+``RENAMED_KEYS``; ``pretrained`` takes a LAVIS BLIP-2 ``.pth`` or a Hugging Face BLIP-2 folder (its image path
+only, ``lavis_ds.models.pretrained.load_blip2``).
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
-import torch
-from torch import nn
-from transformers import Blip2QFormerConfig, Blip2QFormerModel
+from transformers import Blip2QFormerConfig
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.connectors.qformer import FP32LayerNorm  # ln_vision: statistics in fp32 (LAVIS's)
+from lavis_ds.common.schema import check_section, fields_of
+from lavis_ds.models.composed import ComposedVisionLLM
 from lavis_ds.models.eva_vit import EvaViT, Precision
-from lavis_ds.models import flops
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.vision_llm import VisionLLM
-from lavis_ds.processors.image import ImageProcessing
-
-logger = logging.getLogger(__name__)
 
 # The ViT presets by name; a Literal so that the config validator catches a misspelt `vit_model`.
 VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[valid-type]
@@ -36,11 +31,36 @@ VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[
 VIT_KEYS_SET_AT_TOP_LEVEL = {"img_size": "image_size", "drop_path_rate": "drop_path_rate",
                              "use_grad_checkpoint": "use_grad_checkpoint", "precision": "vit_precision",
                              "pretrained": "vit_pretrained", "load_pretrained": "vit_pretrained"}
+# Each flat key -> (the part, its key there). `vit_model` names an EvaViT preset; eva_clip_g is LAVIS's name.
+FLAT_KEYS = {
+    "vit_model": ("vision_tower", "preset"), "vit": ("vision_tower", "vit"),
+    "image_size": ("vision_tower", "image_size"), "drop_path_rate": ("vision_tower", "drop_path_rate"),
+    "use_grad_checkpoint": ("vision_tower", "use_grad_checkpoint"), "vit_precision": ("vision_tower", "precision"),
+    "vit_pretrained": ("vision_tower", "pretrained"), "freeze_vit": ("vision_tower", "freeze"),
+    "unfreeze_pos_embed": ("vision_tower", "unfreeze_pos_embed"),
+    "num_query_token": ("connector", "num_query_token"), "qformer": ("connector", "qformer"),
+    "freeze_qformer": ("connector", "freeze_qformer"), "freeze_queries": ("connector", "freeze_queries"),
+    "freeze_proj": ("connector", "freeze_proj"),
+}
+PRESET_ALIASES = {"eva_clip_g": "eva_vit_g"}
+
+
+def part_sections_of(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``eva_vit_g`` tower's and the ``qformer`` connector's sections that blip2_qwen's flat keys describe."""
+    sections: dict[str, dict[str, Any]] = {"vision_tower": {"name": "eva_vit_g"}, "connector": {"name": "qformer"}}
+    for key, (part, part_key) in FLAT_KEYS.items():
+        if key in flat:
+            sections[part][part_key] = flat[key]
+    tower = sections["vision_tower"]
+    tower["preset"] = PRESET_ALIASES.get(tower.get("preset"), tower.get("preset"))
+    if tower.get("vit") is not None:
+        tower["vit"] = {k: v for k, v in tower["vit"].items() if k not in VIT_KEYS_SET_AT_TOP_LEVEL}
+    return tower, sections["connector"]
 
 
 @reg.models.register("blip2_qwen")
-class Blip2Qwen(VisionLLM):
-    """BLIP-2 vision tower and Q-Former bridged into a chat LLM (Qwen2.5 by default) by one linear projection."""
+class Blip2Qwen(ComposedVisionLLM):
+    """BLIP-2's EVA-ViT-g and Q-Former bridged into a chat LLM (Qwen2.5 by default) by one linear projection."""
 
     PRETRAINED_MODEL_CONFIG_DICT = {
         "qwen2.5_7b_instruct": "models/blip2_qwen/qwen2.5_7b_instruct.yaml",
@@ -62,8 +82,13 @@ class Blip2Qwen(VisionLLM):
         "qwen14b_chat": ("qwen2.5_7b_instruct", _QWEN1),
         "qwen1.8b_chat": ("qwen2.5_1.5b_instruct", _QWEN1),
     }
-    FILE_KEYS = (*VisionLLM.FILE_KEYS, "vit_pretrained")  # loaded whatever load_pretrained says, as LAVIS does
-    CONNECTOR_PREFIXES = ("llm_proj.",)
+    # The flat attributes' parameter names (MiniGPT4Qwen's) -> the parts'; checkpoints saved with them load.
+    RENAMED_KEYS = (("visual_encoder.", "vision_tower.vit."), ("ln_vision.", "connector.ln_vision."),
+                    ("qformer.", "connector.qformer."), ("query_tokens", "connector.query_tokens"),
+                    ("llm_proj.", "connector.llm_proj."))
+    FILE_KEYS = (*ComposedVisionLLM.FILE_KEYS, "vit_pretrained")  # loaded whatever load_pretrained says, as LAVIS does
+    # The datasets keep their builders' processors (blip2_image_*), as LAVIS's BLIP-2 configs name them.
+    IMAGE_PROCESSORS: dict[str, str] = {}
 
     # Over 50 lines: most of it is the keyword list, the model section's schema (read from the signature).
     def __init__(
@@ -108,115 +133,83 @@ class Blip2Qwen(VisionLLM):
             **llm_args: The LLM side's arguments (``VisionLLM``: ``llm_model``, ``tokenizer``, ``get_lora``,
                 ``max_txt_len``, ...).
         """
-        super().__init__(**llm_args)
-        self.image_size = image_size
-        self.tokens_per_image = num_query_token
-        self.visual_encoder = self._build_vit(vit_model, vit, image_size, drop_path_rate,
-                                              use_grad_checkpoint, vit_precision, vit_pretrained)
+        arguments = locals()  # outside the comprehension, whose own scope locals() would read
+        flat = {key: arguments[key] for key in FLAT_KEYS}
+        parts = [key for key in ("vision_tower", "connector") if key in llm_args]
+        if parts:
+            raise ValueError(f"{', '.join(parts)}: blip2_qwen sets its parts with its own keys ({', '.join(FLAT_KEYS)}"
+                             "); for other parts use an architecture that takes part sections (arch: llava)")
+        check_vit_overrides(vit)
+        tower, connector = part_sections_of(flat)
+        super().__init__(vision_tower=tower, connector=connector, **llm_args)
         self.vit_pretrained = vit_pretrained
-        vit_width = self.visual_encoder.num_features
-        self.ln_vision = FP32LayerNorm(vit_width)
 
-        qformer_kwargs = dict(qformer or {})
-        if qformer_kwargs.setdefault("encoder_hidden_size", vit_width) != vit_width:
-            raise ValueError(f"qformer.encoder_hidden_size={qformer_kwargs['encoder_hidden_size']} "
-                             f"must equal the ViT width {vit_width} (or be left out)")
-        self.qformer = Blip2QFormerModel(Blip2QFormerConfig(**qformer_kwargs))
-        qformer_width = self.qformer.config.hidden_size
-        self.query_tokens = nn.Parameter(torch.zeros(1, num_query_token, qformer_width))
-        # BLIP-2 initialises the queries like BERT weights.
-        nn.init.normal_(self.query_tokens, std=self.qformer.config.initializer_range)
+    # ----------------------------------------------------------------- config side (nothing built, no weights)
+    @classmethod
+    def part_sections(cls, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The parts' sections the flat keys give, each key's default where the section leaves it out."""
+        return part_sections_of(cls.settings_of(section))
 
-        llm_hidden = self.build_llm()
-        self.llm_proj = nn.Linear(qformer_width, llm_hidden)
-        self._freeze_image_path(freeze_vit, unfreeze_pos_embed, freeze_qformer, freeze_queries, freeze_proj)
-        self.finish_build()
+    @classmethod
+    def _with_parts(cls, section: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(section)  # the flat keys are the parts' description: the constructor translates them
+
+    @classmethod
+    def _part_files(cls, section: Mapping[str, Any]) -> dict[str, str]:
+        return {}  # the tower's one file is `vit_pretrained` (FILE_KEYS)
+
+    @classmethod
+    def published_settings(cls, section: dict[str, Any]) -> dict[str, Any]:
+        """None: a BLIP-2 checkpoint in ``pretrained`` brings weights of the image path only."""
+        return section
 
     @classmethod
     def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
-        """What the constructor would refuse, found before anything is built (same rules as below)."""
-        clashes = sorted(k for k in (section.get("vit") or {}) if k in VIT_KEYS_SET_AT_TOP_LEVEL)
-        problems = [f"model.vit.{k}: set it with model.{VIT_KEYS_SET_AT_TOP_LEVEL[k]}, not under vit" for k in clashes]
-        return problems + super().config_problems(section)
+        """Keys under ``vit`` that have their own top-level key, and what the parts' sections refuse, each named by
+        its flat key."""
+        problems = [f"model.vit.{k}: set it with model.{VIT_KEYS_SET_AT_TOP_LEVEL[k]}, not under vit"
+                    for k in sorted(section.get("vit") or {}) if k in VIT_KEYS_SET_AT_TOP_LEVEL]
+        problems += [f"model.{k}: blip2_qwen sets its parts with its own keys ({', '.join(FLAT_KEYS)}); for other "
+                     "parts use an architecture that takes part sections (arch: llava)"
+                     for k in ("vision_tower", "connector") if k in section]
+        unknown = [key for key, target in cls.NESTED_SCHEMAS.items()
+                   if any(k not in fields_of(target) for k in section.get(key) or {})]
+        wrong_types: list[str] = []
+        fields = fields_of(cls)
+        check_section({k: v for k, v in section.items() if k in FLAT_KEYS}, {k: fields[k] for k in FLAT_KEYS}, "model",
+                      wrong_types, require=False)
+        if problems or unknown or wrong_types:  # the parts are not built from what the validator reports
+            return problems + [flat_name(p) for p in VisionLLM.config_problems.__func__(cls, section)]
+        return [flat_name(p) for p in super().config_problems(section)]
 
     @classmethod
-    def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
-        """One placeholder per Q-Former query: ``num_query_token``."""
-        return cls.settings_of(section)["num_query_token"]
-
-    @classmethod
-    def image_processing_of(cls, section: Mapping[str, Any]) -> ImageProcessing:
-        """EVA-CLIP's: a square bicubic resize to ``image_size`` and CLIP's mean/std (what ``blip2_image_eval``
-        does; a ``tower_image_*`` processor is filled with it)."""
-        return ImageProcessing(cls.settings_of(section)["image_size"])
-
-    def vision_blocks(self) -> list[nn.Module]:
-        """The ViT blocks and the Q-Former layers."""
-        return [*self.visual_encoder.blocks, *self.qformer.encoder.layer]
-
-    # ----------------------------------------------------------------- building
-    @staticmethod
-    def _build_vit(vit_model: str, vit: dict[str, Any] | None, image_size: int, drop_path_rate: float,
-                   use_grad_checkpoint: bool, vit_precision: str, vit_pretrained: str | None) -> EvaViT:
-        overrides = dict(vit or {})
-        clashes = sorted(k for k in overrides if k in VIT_KEYS_SET_AT_TOP_LEVEL)
-        if clashes:
-            raise ValueError("set these with their top-level model keys, not under `vit:`: " +
-                             ", ".join(f"vit.{k} -> {VIT_KEYS_SET_AT_TOP_LEVEL[k]}" for k in clashes))
-        cfg = EvaViT.default_config(vit_model)
-        cfg.update(overrides)
-        cfg.update(img_size=image_size, drop_path_rate=drop_path_rate,
-                   use_grad_checkpoint=use_grad_checkpoint, precision=vit_precision,
-                   load_pretrained=vit_pretrained is not None, pretrained=vit_pretrained)
-        return EvaViT.from_config(cfg)
+    def part_schema_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        return []  # the parts' keys are the flat keys, which the model section's own schema checks
 
     def load_from_pretrained(self, path: str) -> None:
         """Load a BLIP-2 checkpoint (``pretrained``): a LAVIS ``.pth`` or a Hugging Face BLIP-2 folder.
 
-        Sets ``ln_vision``, ``qformer``, ``query_tokens`` and, if the file has them, the ViT.
+        Sets ``ln_vision``, the Q-Former, its queries and, if the file has them, the ViT.
         See ``lavis_ds.models.pretrained`` for the key mapping and the keys skipped on purpose.
         """
         load_blip2(self, path, vit_loaded=self.vit_pretrained is not None)
 
-    def _freeze_image_path(self, freeze_vit: bool, unfreeze_pos_embed: bool, freeze_qformer: bool,
-                           freeze_queries: bool, freeze_proj: bool) -> None:
-        if freeze_vit:
-            self.freeze_module("visual_encoder")
-            if unfreeze_pos_embed:
-                self.visual_encoder.pos_embed.requires_grad_(True)
-        elif unfreeze_pos_embed:
-            logger.info("unfreeze_pos_embed has no effect: the whole ViT trains (freeze_vit=false)")
-        if freeze_qformer:
-            self.freeze_module("qformer")
-            self.freeze_module("ln_vision")
-        if freeze_queries:
-            self.query_tokens.requires_grad_(False)
-        if freeze_proj:
-            self.freeze_module("llm_proj")
 
-    def image_path_flops(self) -> tuple[flops.Flops, Callable[[int], flops.Flops], bool]:
-        """The EVA-ViT as the tower; ``ln_vision``, the Q-Former, its queries and ``llm_proj`` as the connector."""
-        tower, connector = flops.Tally(), flops.Tally()
-        features_grad = flops.eva_vit(self.visual_encoder, tower)
-        image_grad = flops.qformer(self.qformer, self.query_tokens, self.ln_vision, self.llm_proj,
-                                   flops.eva_vit_tokens(self.visual_encoder), features_grad, connector)
-        return tower.flops(), lambda text_tokens: connector.flops(), image_grad
+def check_vit_overrides(vit: Mapping[str, Any] | None) -> None:
+    """Raise where ``vit`` repeats a setting that has its own top-level key."""
+    clashes = sorted(k for k in (vit or {}) if k in VIT_KEYS_SET_AT_TOP_LEVEL)
+    if clashes:
+        raise ValueError("set these with their top-level model keys, not under `vit:`: " +
+                         ", ".join(f"vit.{k} -> {VIT_KEYS_SET_AT_TOP_LEVEL[k]}" for k in clashes))
 
-    # ----------------------------------------------------------------- the image path
-    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
-        """``image [B, 3, H, W]`` -> projected queries ``[B, num_query_token, llm_hidden]`` in the LLM embedding dtype."""
-        features = self.ln_vision(self.visual_encoder(image))
-        queries = self.query_tokens.expand(features.shape[0], -1, -1)
-        mask = torch.ones(features.shape[:-1], dtype=torch.long, device=features.device)
-        # The HF Q-Former casts queries and features to its own dtype.
-        query_out = self.qformer(query_embeds=queries, encoder_hidden_states=features,
-                                 encoder_attention_mask=mask).last_hidden_state
-        projected = self.llm_proj(query_out.to(self.llm_proj.weight.dtype))
-        return projected.to(self._embedding_dtype())
 
-    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
-        """BLIP-2 reads the images alone (``encode_image``)."""
-        return self.encode_image(images)
+def flat_name(problem: str) -> str:
+    """A part section's problem (``model.vision_tower.image_size: ...``) under the flat key a user wrote."""
+    for key, (part, part_key) in FLAT_KEYS.items():
+        prefix = f"model.{part}.{part_key}"
+        if problem.startswith(prefix) and problem[len(prefix):len(prefix) + 1] in (":", ".", " "):
+            return f"model.{key}{problem[len(prefix):]}"
+    return problem
 
 
 # MiniGPT4Qwen's name for the same architecture (Coobiw/MPP-LLaVA: `arch: minigpt4qwen`).

@@ -69,7 +69,8 @@ class ComposedVisionLLM(VisionLLM):
             **llm_args: The LLM side's arguments (``VisionLLM``: ``llm_model``, ``tokenizer``, ``get_lora``, ...).
         """
         super().__init__(**llm_args)
-        tower_section, connector_section = self.part_sections({"vision_tower": vision_tower, "connector": connector})
+        tower_section, connector_section = given_part_sections(type(self), {"vision_tower": vision_tower,
+                                                                            "connector": connector})
         check_layouts(type(self), tower_section, connector_section)
         self.vision_tower = build_part(vision_towers, tower_section, "model.vision_tower")
         llm_width = self.build_llm()
@@ -87,7 +88,7 @@ class ComposedVisionLLM(VisionLLM):
         gives the settings that come with its weights (``models.published.settings_from_published``)."""
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-        return super().from_config(settings_from_published(cls._with_parts(cfg)))
+        return super().from_config(cls.published_settings(cls._with_parts(cfg)))
 
     def load_from_pretrained(self, path: str) -> None:
         """A ``LlavaForConditionalGeneration`` or ``InstructBlipForConditionalGeneration`` folder (every part),
@@ -100,19 +101,21 @@ class ComposedVisionLLM(VisionLLM):
     def settings_of(cls, section: Mapping[str, Any]) -> dict[str, Any]:
         """The constructor's arguments, with what a published folder in ``pretrained`` fixes (its image token)."""
         try:
-            section = settings_from_published(cls._with_parts(section))
+            section = cls.published_settings(cls._with_parts(section))
         except PartError:
             pass  # config_problems reports the folder
         return super().settings_of(section)
 
     @classmethod
+    def published_settings(cls, section: dict[str, Any]) -> dict[str, Any]:
+        """``section`` with the settings a published folder in ``pretrained`` fixes (``settings_from_published``)."""
+        return settings_from_published(section)
+
+    @classmethod
     def part_sections(cls, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The tower's and the connector's sections of a ``model:`` section, the defaults where left out."""
-        out = []
-        for key in PART_KINDS:
-            given = section.get(key)
-            out.append(dict(given) if given is not None else dict(cls.DEFAULT_PARTS[key]))
-        return out[0], out[1]
+        """The tower's and the connector's sections a ``model:`` section describes (an architecture with keys of its
+        own for them translates those)."""
+        return given_part_sections(cls, section)
 
     @classmethod
     def _with_parts(cls, section: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,13 +144,11 @@ class ComposedVisionLLM(VisionLLM):
         pretrained = section.get("pretrained")
         if section.get("load_pretrained") and pretrained and Path(pretrained).expanduser().exists():
             try:
-                section = settings_from_published(cls._with_parts(section))
+                section = cls.published_settings(cls._with_parts(section))
             except PartError as e:
                 problems.append(str(e))
         problems = super().config_problems(section) + problems
-        part_problems: list[str] = []
-        for key, given in zip(PART_KINDS, cls.part_sections(section)):
-            part_problems += _part_section_problems(PART_KINDS[key], given, f"model.{key}")
+        part_problems = cls.part_schema_problems(section)
         if part_problems or any(not Path(p).expanduser().exists() for p in cls._part_files(section).values()):
             return problems + part_problems  # a missing file is reported by the file check, once
         try:
@@ -156,6 +157,14 @@ class ComposedVisionLLM(VisionLLM):
             # A part names its own keys (`vision_tower.image_size`); here they sit in the model section.
             message = str(e)
             problems.append(f"model.{message}" if message.startswith(tuple(f"{k}." for k in PART_KINDS)) else message)
+        return problems
+
+    @classmethod
+    def part_schema_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        """Each part section's name looked up and its keys and types checked against the part's class."""
+        problems: list[str] = []
+        for key, given in zip(PART_KINDS, cls.part_sections(section)):
+            problems += _part_section_problems(PART_KINDS[key], given, f"model.{key}")
         return problems
 
     @classmethod
@@ -233,6 +242,15 @@ class ComposedVisionLLM(VisionLLM):
                 inputs = {k: v[order.to(v.device)] for k, v in inputs.items()}
             inputs = {k: v.to(images.device) for k, v in inputs.items()}
         return self.connector(self.vision_tower(images), inputs)
+
+
+def given_part_sections(arch: type, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``vision_tower`` and ``connector`` sections of ``section``, ``arch``'s defaults where left out."""
+    out = []
+    for key in PART_KINDS:
+        given = section.get(key)
+        out.append(dict(given) if given is not None else dict(arch.DEFAULT_PARTS[key]))
+    return out[0], out[1]
 
 
 def _part_section_problems(kind: Registry, section: Mapping[str, Any], path: str) -> list[str]:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common.errors import InputError
+from lavis_ds.common.renamed_keys import renamed_keys
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -51,8 +52,10 @@ def load_trained_weights(model: nn.Module, weights: dict[str, torch.Tensor], sou
     Every key must name a parameter of ``model`` (trainable or not) of the same shape,
     and every trainable parameter must be in ``weights``; otherwise :class:`ExportError`
     lists the offending names. Frozen parameters not in ``weights`` keep the values the
-    model was built with.
+    model was built with. A key under a name the architecture's parameters had in files it wrote earlier
+    (``RENAMED_KEYS``: blip2_qwen's ``visual_encoder.*``, ...) is read under today's name.
     """
+    weights = renamed_keys(weights, getattr(model, "RENAMED_KEYS", ()))
     present = dict(model.named_parameters(remove_duplicate=False))  # a tied alias is a present name too
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     problems = []

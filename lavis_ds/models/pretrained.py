@@ -99,9 +99,11 @@ def load_eva_vit(vit: nn.Module, path: str | Path) -> None:
 
 
 def load_blip2(model: nn.Module, path: str | Path, vit_loaded: bool) -> None:
-    """Load a LAVIS BLIP-2 ``.pth`` or a Hugging Face BLIP-2 folder into a ``Blip2Qwen`` (format auto-detected).
+    """Load a LAVIS BLIP-2 ``.pth`` or a Hugging Face BLIP-2 folder into a ``blip2_qwen`` (format auto-detected).
 
-    Loads ``ln_vision``, ``qformer``, ``query_tokens`` and, when the file has them, the ViT.
+    Loads ``ln_vision``, the Q-Former, ``query_tokens`` and, when the file has them, the ViT. The file's keys are
+    renamed to BLIP-2's names (``visual_encoder.*``, ``ln_vision.*``, ``qformer.*``, ``query_tokens``, which the
+    messages use), then by the model's ``RENAMED_KEYS`` to its parts' (``vision_tower.vit.*``, ``connector.*``).
     LAVIS saves only trained parameters, so its BLIP-2 files usually hold no ViT: then the
     ViT must already be loaded (``vit_loaded``, from ``vit_pretrained``), or this raises.
     """
@@ -112,14 +114,20 @@ def load_blip2(model: nn.Module, path: str | Path, vit_loaded: bool) -> None:
     if fmt == HF_BLIP2:
         _check_hf_architecture(Path(path).expanduser(), model)
     renames = HF_RENAMES if fmt == HF_BLIP2 else LAVIS_QFORMER_RENAMES
-    file_key = {_rename_key(k, renames): k for k in state}  # our name -> the file's, for error messages
-    state = _split_qkv_bias({_rename_key(k, renames): v for k, v in state.items()})
+    to_parts = tuple((re.escape(old), new) for old, new in getattr(model, "RENAMED_KEYS", ()))
+
+    def ours(key: str) -> str:
+        return _rename_key(_rename_key(key, renames), to_parts)
+
+    file_key = {ours(k): k for k in state}  # our name -> the file's, for error messages
+    state = _split_qkv_bias({ours(k): v for k, v in state.items()})
     own = model.state_dict().keys()
-    expected = [k for k in own if k.startswith(BRIDGE_PREFIXES)]
-    has_vit = any(k.startswith(VIT_PREFIX) for k in state)
+    bridge, vit_prefix = tuple(_rename_key(p, to_parts) for p in BRIDGE_PREFIXES), _rename_key(VIT_PREFIX, to_parts)
+    expected = [k for k in own if k.startswith(bridge)]
+    has_vit = any(k.startswith(vit_prefix) for k in state)
     if has_vit:
-        state = _fit_pos_embed(state, VIT_PREFIX + "pos_embed", model.get_submodule(VIT_PREFIX[:-1]))
-        expected += [k for k in own if k.startswith(VIT_PREFIX)]
+        state = _fit_pos_embed(state, vit_prefix + "pos_embed", model.get_submodule(vit_prefix[:-1]))
+        expected += [k for k in own if k.startswith(vit_prefix)]
     elif not vit_loaded:
         raise CheckpointError(
             f"{path}: holds no visual_encoder.* (ViT) weights, and no other source gave them. LAVIS saves only "
@@ -244,8 +252,8 @@ def _check_hf_architecture(path: Path, model: nn.Module) -> None:
     from transformers import Blip2Config
 
     config = Blip2Config.from_pretrained(path)
-    attn, norm = model.visual_encoder.blocks[0].attn, model.visual_encoder.blocks[0].norm1
-    qformer = model.qformer.config
+    attn, norm = model.vision_tower.vit.blocks[0].attn, model.vision_tower.vit.blocks[0].norm1
+    qformer = model.connector.qformer.config
     pairs = {  # name: (folder's value, our value)
         "vision_config.num_attention_heads (vit.num_heads)": (config.vision_config.num_attention_heads, attn.num_heads),
         "vision_config.layer_norm_eps (EVA uses 1e-6)": (config.vision_config.layer_norm_eps, norm.eps),

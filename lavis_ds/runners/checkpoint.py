@@ -23,6 +23,7 @@ import torch
 from lavis_ds.common import dist, safe_files
 from lavis_ds.common.errors import CheckpointError, LavisDsError  # noqa: F401  (CheckpointError: ckpt.CheckpointError)
 from lavis_ds.common.registry import engines as engine_registry
+from lavis_ds.common.renamed_keys import renamed
 
 COMPLETE_MARKER = "lavis_ds_complete.json"
 DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed out of the step_<N> namespace, never deleted
@@ -264,6 +265,13 @@ def trainable_problems(tag_dir: Path, saved: dict[str, tuple], model: torch.nn.M
     not match". Both are changes of freeze_* / get_lora / lr settings between runs.
     """
     every_name = dict(model.named_parameters(remove_duplicate=False))  # tied aliases are names too
+    renames = getattr(model, "RENAMED_KEYS", ())
+    old_names = [name for name in saved if name not in every_name and renamed(name, renames) in every_name]
+    if old_names:
+        return [(f"its parameters have the names {type(model).__name__} gave them before ({_names(old_names)}); the "
+                 "optimizer state follows the parameters' order, which changed with them, so it cannot be resumed. "
+                 "Its weights load under today's names: export it (lavis-ds export) and start a run from the export "
+                 "(model.load_pretrained: true, model.pretrained: the export folder), or pass run.resume=false")]
     trainable = {name: dist.full_shape(p) for name, p in model.named_parameters() if p.requires_grad}
     trainable_aliases = {name for name, p in every_name.items() if p.requires_grad}
     problems = []

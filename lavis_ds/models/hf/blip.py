@@ -4,8 +4,7 @@ Two registered families (``blip2``, ``instructblip``). Both classes hold the sam
 (``vision_model`` with ``post_layernorm``, ``qformer``, ``query_tokens``, ``language_projection``,
 ``language_model`` built by ``AutoModelForCausalLM``); InstructBLIP's Q-Former also embeds the instruction's BERT
 tokens, and its processor carries that BERT tokenizer (``qformer_tokenizer/``). :class:`BlipParts` names those parts
-in a lavis_ds model, whichever way the model holds them: ``blip2_qwen``'s flat attributes, or a composed
-architecture's ``vision_tower`` (``eva_vit_g``) and ``connector`` (``qformer`` / ``instruct_qformer``).
+in a lavis_ds model: its ``vision_tower`` (``eva_vit_g``) and ``connector`` (``qformer`` / ``instruct_qformer``).
 
 The key mapping (ours -> Hugging Face) is the inverse of the one ``lavis_ds.models.pretrained`` reads Hugging
 Face BLIP-2 folders with: the timm EVA ViT becomes ``vision_model`` (its q/v biases one ``qkv.bias`` with a zero
@@ -31,8 +30,6 @@ from lavis_ds.models.hf.family import (TORCHVISION_BACKEND_NOTE, HfFamily, diffe
 from lavis_ds.models.llm_placement import empty_weights
 from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
-# blip2_qwen holds BLIP-2's parts as flat attributes (MiniGPT4Qwen's names).
-FLAT_PARTS = ("visual_encoder", "ln_vision", "qformer", "query_tokens", "llm_proj", "llm_model")
 # Ours -> Hugging Face, the inverse of pretrained.HF_RENAMES (a test checks that they agree). The q/v
 # biases are not renamed but fused into qkv.bias, see `vision_state_dict`.
 VISION_RENAMES = (
@@ -48,8 +45,7 @@ VISION_RENAMES = (
 
 @dataclass(frozen=True)
 class BlipParts:
-    """A BLIP-family model's parts, and the names its messages give them (``visual_encoder`` or
-    ``vision_tower.vit``, ...)."""
+    """A BLIP-family model's parts, and the names its messages give them (``vision_tower.vit``, ...)."""
 
     vit: nn.Module
     ln_vision: nn.Module
@@ -57,18 +53,15 @@ class BlipParts:
     query_tokens: nn.Parameter
     llm_proj: nn.Linear
     llm: nn.Module
-    vit_name: str = "visual_encoder"
-    ln_name: str = "ln_vision"
-    proj_name: str = "llm_proj"
+    vit_name: str = "vision_tower.vit"
+    ln_name: str = "connector.ln_vision"
+    proj_name: str = "connector.llm_proj"
 
     @classmethod
     def of(cls, model: nn.Module) -> "BlipParts":
-        """The parts of ``blip2_qwen`` (flat attributes) or of a composed eva_vit_g + Q-Former architecture."""
-        if hasattr(model, "vision_tower"):
-            tower, connector = model.vision_tower, model.connector
-            return cls(tower.vit, connector.ln_vision, connector.qformer, connector.query_tokens, connector.llm_proj,
-                       model.llm_model, "vision_tower.vit", "connector.ln_vision", "connector.llm_proj")
-        return cls(model.visual_encoder, model.ln_vision, model.qformer, model.query_tokens, model.llm_proj,
+        """The parts of an eva_vit_g + Q-Former architecture (``blip2_qwen``, ``instructblip``, ...)."""
+        tower, connector = model.vision_tower, model.connector
+        return cls(tower.vit, connector.ln_vision, connector.qformer, connector.query_tokens, connector.llm_proj,
                    model.llm_model)
 
 
@@ -138,7 +131,7 @@ def vision_state_dict(vit: nn.Module) -> dict[str, torch.Tensor]:
             continue
         new = _rename_key(key, VISION_RENAMES)
         if new == key:
-            raise RuntimeError(f"visual_encoder.{key}: no Blip2VisionModel name for it")  # checked layout: a bug
+            raise RuntimeError(f"vision_tower.vit.{key}: no Blip2VisionModel name for it")  # checked layout: a bug
         state[new] = value
     for i, block in enumerate(vit.blocks):
         attn = block.attn
@@ -165,11 +158,11 @@ def ln_vision_note(parts: BlipParts) -> list[str]:
 
 # ----------------------------------------------------------------------------- the families
 class Blip2Family(HfFamily):
-    """``Blip2ForConditionalGeneration`` + ``Blip2Processor``: ``blip2_qwen``, or an ``eva_vit_g`` + ``qformer``."""
+    """``Blip2ForConditionalGeneration`` + ``Blip2Processor``: an ``eva_vit_g`` + ``qformer`` (``blip2_qwen``)."""
 
     hf_class, model_type = "Blip2ForConditionalGeneration", "blip-2"
     pairs = (("eva_vit_g", "qformer"),)
-    exportable = "blip2_qwen, or eva_vit_g + qformer"
+    exportable = "eva_vit_g + qformer (blip2_qwen)"
     square_images_only = True  # BlipImageProcessor: a square resize, no crop, no padding
     processor_keeps_chat_template = False  # Blip2Processor's __init__ drops it; the tokenizer keeps it
 
@@ -178,15 +171,6 @@ class Blip2Family(HfFamily):
         from transformers import Blip2Config, Blip2ForConditionalGeneration
 
         return Blip2ForConditionalGeneration, Blip2Config
-
-    def holds(self, model: nn.Module) -> bool:
-        if hasattr(model, "vision_tower"):
-            return super().holds(model)
-        return all(hasattr(model, name) for name in FLAT_PARTS)
-
-    def not_flat_because(self, model: nn.Module) -> str | None:
-        missing = [f"model.{name}" for name in FLAT_PARTS if not hasattr(model, name)]
-        return f"blip2_qwen ({', '.join(missing)} missing)"
 
     def export_problems(self, model: nn.Module) -> list[str]:
         """The EVA layout, LayerNorms, the LLM class, the projection's bias."""
@@ -237,8 +221,6 @@ class InstructBlipFamily(Blip2Family):
     pairs = (("eva_vit_g", "instruct_qformer"),)
     exportable = "eva_vit_g + instruct_qformer"
     reads_published = True
-    holds = HfFamily.holds  # composed models only: blip2_qwen has no instruction path
-    not_flat_because = HfFamily.not_flat_because
 
     def classes(self) -> tuple[type, type]:
         from transformers import InstructBlipConfig, InstructBlipForConditionalGeneration

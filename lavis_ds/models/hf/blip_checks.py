@@ -18,7 +18,7 @@ def activation_name(act: nn.Module) -> str | None:
     return GELU_ACTIVATIONS.get(act.approximate) if type(act) is nn.GELU else None
 
 
-def vit_problems(vit: nn.Module, where: str = "visual_encoder") -> list[str]:
+def vit_problems(vit: nn.Module, where: str = "vision_tower.vit") -> list[str]:
     """What of the vision tower Blip2VisionModel lacks (it is EVA-ViT-g as BLIP-2 uses it, and nothing else)."""
     from timm.models.eva import Eva
 

@@ -69,11 +69,6 @@ class HfFamily:
             return False
         return (part_name(model.vision_tower, vision_towers), part_name(model.connector, connectors)) in self.pairs
 
-    def not_flat_because(self, model: nn.Module) -> str | None:
-        """For a model without ``vision_tower`` that no family holds: why this family's class does not hold it
-        (None: the class holds composed models only)."""
-        return None
-
     def exports(self) -> str:
         """What the class holds, for messages."""
         return f"{self.hf_class}: {self.exportable}"

@@ -25,7 +25,7 @@ class EvaTower(VisionTower):
 
     def __init__(self, *, preset: Literal["eva_vit_g", "tiny"] = "eva_vit_g", vit: dict[str, Any] | None = None,
                  image_size: int | None = None, drop_path_rate: float = 0.0, use_grad_checkpoint: bool = False,
-                 precision: Precision = "fp32"):
+                 precision: Precision = "fp32", unfreeze_pos_embed: bool = False):
         """
         Args:
             preset: ``EvaViT`` preset (its YAML under ``configs/models/eva_vit_g``).
@@ -35,6 +35,7 @@ class EvaTower(VisionTower):
             drop_path_rate: Stochastic depth.
             use_grad_checkpoint: Recompute block activations in backward.
             precision: Parameter dtype (LAVIS keeps the frozen tower in fp16).
+            unfreeze_pos_embed: With ``freeze``, still train the position embedding (MiniGPT4Qwen's option).
         """
         super().__init__()
         arguments = {k: v for k, v in EvaViT.default_config(preset).items() if k not in ("arch", "model_type")}
@@ -53,6 +54,13 @@ class EvaTower(VisionTower):
         self.num_tokens = self.vit.patch_embed.num_patches + 1  # CLS first, as BLIP-2's Q-Former reads them
         # BLIP-2's eval processing: a square bicubic resize and CLIP's statistics (EVA-CLIP trained with them).
         self.processing = ImageProcessing(image_size)
+        self.unfreeze_pos_embed = unfreeze_pos_embed
+
+    def freeze_submodule(self, name: str = "") -> None:
+        """Freeze ``name`` (``""``: the whole tower), the position embedding excepted with ``unfreeze_pos_embed``."""
+        super().freeze_submodule(name)
+        if self.unfreeze_pos_embed:
+            self.vit.pos_embed.requires_grad_(True)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.vit(images)
