@@ -187,7 +187,7 @@ class ComposedVisionLLM(VisionLLM):
         ``pretrained`` fixes (a Qwen-VL processor's pixel bounds and video sampling), as ``from_config`` builds it,
         so that the datasets' processors are filled with the processing the model is built with."""
         try:
-            section = settings_from_published(cls._with_parts(section))
+            section = cls.published_settings(cls._with_parts(section))
         except PartError:
             pass  # config_problems reports the folder
         try:
