@@ -100,7 +100,14 @@ class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 packed_samples: PackedSamples | None = None, **kwargs) -> torch.Tensor:
         if packed_samples is None:
-            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            if cache is not None or kernels_take_boundaries():  # generation; the kernels' own path
+                return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            # Padded rows, one span each: transformers' torch path reads ``conv1d.weight`` without calling the
+            # module, which ZeRO-3 gathers only where its engine's forward finds the read (at a persistence
+            # threshold below the weight's size, reached through ``generate``, it is an empty partition).
+            rows, width, _ = hidden_states.shape
+            hidden_states = modeling_qwen3_5.apply_mask_to_padding_states(hidden_states, attention_mask)
+            return self.per_span(hidden_states, PackedSamples.of([[width]] * rows, hidden_states.device))
         if cache is not None:  # packing lays out training batches; generation runs padded rows
             raise ValueError("packed rows run without a cache (generation takes padded rows)")
         rows, width, _ = hidden_states.shape
