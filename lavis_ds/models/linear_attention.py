@@ -101,7 +101,10 @@ class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
                 packed_samples: PackedSamples | None = None, **kwargs) -> torch.Tensor:
         if packed_samples is None:
             if cache is not None or kernels_take_boundaries():  # generation; the kernels' own path
-                return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+                # transformers' layer reads conv1d.weight itself: run it inside a call of conv1d, where ZeRO-3
+                # holds that weight gathered.
+                return self.conv1d(functools.partial(super().forward, hidden_states, cache=cache,
+                                                     attention_mask=attention_mask, **kwargs))
             # Padded rows, one span each: transformers' torch path reads ``conv1d.weight`` without calling the
             # module, which ZeRO-3 gathers only where its engine's forward finds the read (at a persistence
             # threshold below the weight's size, reached through ``generate``, it is an empty partition).
@@ -155,6 +158,16 @@ def causal_conv_per_span(conv: nn.Conv1d, mixed: torch.Tensor, packed: PackedSam
     return convolved.index_select(0, placed).reshape(rows, width, channels)
 
 
+class CallableConv1d(nn.Conv1d):
+    """Qwen3.5's causal convolution, which can also run code that reads its weight (transformers' cached and kernel
+    paths pass ``conv1d.weight`` to their functions instead of calling the module): ``conv(read)`` returns
+    ``read()``, inside this module's call, where ZeRO-3 gathers the weight (a read outside any call of the module
+    finds an empty partition below ``stage3_param_persistence_threshold``)."""
+
+    def forward(self, input_or_read):
+        return input_or_read() if callable(input_or_read) else super().forward(input_or_read)
+
+
 class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transformers' key renames
     """transformers' ``Qwen3_5ForCausalLM`` whose Gated-DeltaNet layers are ``PackedGatedDeltaNet``: the same
     parameters under the same names (checkpoints, LoRA targets, ZeRO-3 / FSDP units per decoder layer unchanged)."""
@@ -163,8 +176,9 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transf
         super().__init__(config)
         for module in self.modules():
             if type(module) is Qwen3_5GatedDeltaNet:
-                # The class alone changes (no new state): transformers' decoder layer builds its own class by name.
+                # The classes alone change (no new state): transformers' decoder layer builds its own class by name.
                 module.__class__ = PackedGatedDeltaNet
+                module.conv1d.__class__ = CallableConv1d
 
     def as_transformers(self) -> Qwen3_5ForCausalLM:
         """This model as transformers' own class, in place (same parameters): what an export saves, so that its
@@ -172,6 +186,7 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transf
         for module in self.modules():
             if type(module) is PackedGatedDeltaNet:
                 module.__class__ = Qwen3_5GatedDeltaNet
+                module.conv1d.__class__ = nn.Conv1d
         self.__class__ = Qwen3_5ForCausalLM
         return self
 
