@@ -101,6 +101,24 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
     assert not torch.allclose(leaked, loss_a, atol=1e-3)
 
 
+def test_generation_reads_the_convolution_weight_inside_a_call_of_the_convolution(model):
+    """transformers' cached path passes ``conv1d.weight`` to its functions: lavis_ds runs it inside a call of conv1d
+    (where ZeRO-3 holds the weight gathered) at every forward of ``generate``; the tokens are transformers'
+    (tests/test_qwen3_5.py)."""
+    llm = model.llm_model
+    convs = [layer.linear_attn.conv1d for layer in llm.model.layers if hasattr(layer, "linear_attn")]
+    calls = Counter()
+    hooks = [conv.register_forward_pre_hook(lambda module, args: calls.update([module])) for conv in convs]
+    try:
+        with torch.no_grad():
+            out = llm.generate(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=3, min_new_tokens=3,
+                               do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.shape[1] == 8 and [calls[conv] for conv in convs] == [3] * len(convs)  # prefill and two steps
+
+
 def test_packed_samples_lay_the_spans_end_to_end():
     spans = PackedSamples.of([[3, 2], [4, 1]], "cpu")
     assert spans.spans == ((0, 0, 3), (0, 3, 5), (1, 0, 4), (1, 4, 5))
