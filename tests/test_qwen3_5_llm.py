@@ -119,6 +119,27 @@ def test_generation_reads_the_convolution_weight_inside_a_call_of_the_convolutio
     assert out.shape[1] == 8 and [calls[conv] for conv in convs] == [3] * len(convs)  # prefill and two steps
 
 
+def test_transformers_path_runs_inside_a_call_of_the_convolution(model, monkeypatch):
+    """Padded rows as the kernels' path takes them (transformers' layer; here its torch functions, since the
+    kernels are not installed): conv1d is called once per layer, and the logits are the per-span path's."""
+    from lavis_ds.models import linear_attention
+
+    llm, embeds = model.llm_model, torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
+    convs = [layer.linear_attn.conv1d for layer in llm.model.layers if hasattr(layer, "linear_attn")]
+    with torch.no_grad():
+        per_span = llm(inputs_embeds=embeds, use_cache=False).logits
+        monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: True)
+        calls = Counter()
+        hooks = [conv.register_forward_pre_hook(lambda module, args: calls.update([module])) for conv in convs]
+        try:
+            theirs = llm(inputs_embeds=embeds, use_cache=False).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert [calls[conv] for conv in convs] == [1] * len(convs)
+    torch.testing.assert_close(theirs, per_span, atol=1e-5, rtol=0)
+
+
 def test_packed_samples_lay_the_spans_end_to_end():
     spans = PackedSamples.of([[3, 2], [4, 1]], "cpu")
     assert spans.spans == ((0, 0, 3), (0, 3, 5), (1, 0, 4), (1, 4, 5))

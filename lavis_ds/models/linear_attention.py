@@ -95,31 +95,32 @@ def kernels_take_boundaries() -> bool:
 
 class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
     """Qwen3.5's Gated-DeltaNet layer that starts its state and convolution afresh at each packed sample
-    (``packed_samples``); without it, transformers' layer unchanged."""
+    (``packed_samples``), and reaches every module with parameters through a call of it on every path (ZeRO-3
+    gathers a module's parameters at its call; transformers' layer reads ``conv1d.weight`` without one)."""
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 packed_samples: PackedSamples | None = None, **kwargs) -> torch.Tensor:
-        if packed_samples is None:
-            if cache is not None or kernels_take_boundaries():  # generation; the kernels' own path
-                # transformers' layer reads conv1d.weight itself: run it inside a call of conv1d, where ZeRO-3
-                # holds that weight gathered.
-                return self.conv1d(functools.partial(super().forward, hidden_states, cache=cache,
-                                                     attention_mask=attention_mask, **kwargs))
-            # Padded rows, one span each: transformers' torch path reads ``conv1d.weight`` without calling the
-            # module, which ZeRO-3 gathers only where its engine's forward finds the read (at a persistence
-            # threshold below the weight's size, reached through ``generate``, it is an empty partition).
-            rows, width, _ = hidden_states.shape
-            hidden_states = modeling_qwen3_5.apply_mask_to_padding_states(hidden_states, attention_mask)
-            return self.per_span(hidden_states, PackedSamples.of([[width]] * rows, hidden_states.device))
-        if cache is not None:  # packing lays out training batches; generation runs padded rows
-            raise ValueError("packed rows run without a cache (generation takes padded rows)")
         rows, width, _ = hidden_states.shape
+        if packed_samples is not None and cache is not None:  # packing lays out training batches
+            raise ValueError("packed rows run without a cache (generation takes padded rows)")
+        if cache is not None:  # generation: transformers' cached path
+            return self.transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if kernels_take_boundaries():
+            if packed_samples is None:
+                return self.transformers_forward(hidden_states, attention_mask=attention_mask, **kwargs)
             flat = hidden_states.reshape(1, rows * width, -1)
-            out = super().forward(flat, cu_seq_lens_q=packed_samples.cu_seqlens, seq_idx=packed_samples.seq_idx,
-                                  **kwargs)
+            out = self.transformers_forward(flat, cu_seq_lens_q=packed_samples.cu_seqlens,
+                                            seq_idx=packed_samples.seq_idx, **kwargs)
             return out.reshape(rows, width, -1)
+        if packed_samples is None:  # padded rows: one span each, their padding zeroed as transformers does
+            hidden_states = modeling_qwen3_5.apply_mask_to_padding_states(hidden_states, attention_mask)
+            packed_samples = PackedSamples.of([[width]] * rows, hidden_states.device)
         return self.per_span(hidden_states, packed_samples)
+
+    def transformers_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """transformers' layer, run inside a call of ``conv1d`` (``CallableConv1d``): the weight it reads directly
+        is gathered there under ZeRO-3 at any ``stage3_param_persistence_threshold``."""
+        return self.conv1d(functools.partial(super().forward, hidden_states, **kwargs))
 
     def per_span(self, hidden_states: torch.Tensor, packed: PackedSamples) -> torch.Tensor:
         """transformers' torch path with each span's state and convolution starting at zero: what running the layer
