@@ -19,6 +19,11 @@ them. So ``PackedGatedDeltaNet``, given ``packed_samples`` (the spans ``packing`
   module calls does not depend on how many samples a row holds: ZeRO-3, which gathers a module's parameters at
   each call, gathers alike on every rank.
 
+Without ``packed_samples``, padded rows without a cache take the same torch path with one span per row. transformers'
+layer itself (generation with its cache, the kernels' path) reads ``conv1d.weight`` without calling the module, which
+ZeRO-3 would leave an empty partition below ``stage3_param_persistence_threshold`` wherever its engine's forward does
+not catch the read (``generate``); it runs inside a call of ``conv1d`` (``CallableConv1d``), where the weight is whole.
+
 An LLM with recurrent layers that lavis_ds passes no boundaries to (Qwen3.5-MoE, Qwen3-Next, Mamba hybrids, ...)
 is refused under packing (``boundary_kwargs``) rather than trained with state leaking across samples.
 """
