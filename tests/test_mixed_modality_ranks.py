@@ -36,8 +36,9 @@ TWO_IMAGES = {"image": ["tall.png", "wide.png"], "instruction": "<Img><ImageHere
               "output": "No, one is green."}
 VIDEO = {"video": "clip.mp4", "instruction": "<Img><ImageHere></Img> What happens?", "output": "It gets lighter."}
 # Architectures run here: one Qwen-VL (flat patches, a grid per image, video as temporal patches: the blank image
-# is one merge window with its own grid) and the EVA + Q-Former path of fixed-size images.
-ARCHS = ["qwen2_5_vl", "blip2_qwen"]
+# is one merge window with its own grid), the EVA + Q-Former path of fixed-size images, and Qwen3.5 (its padded rows'
+# Gated-DeltaNet convolution, whose weight transformers' layer reads without calling the module).
+ARCHS = ["qwen2_5_vl", "blip2_qwen", "qwen3_5"]
 TOWERS = ("vision_tower.",)  # the trained towers' parameter names
 EVAL_64 = {"train": {"name": "blip2_image_eval", "image_size": 64}, "eval": {"name": "blip2_image_eval",
                                                                             "image_size": 64}}

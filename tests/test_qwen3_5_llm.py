@@ -68,21 +68,26 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
     llm = model.llm_model
     assert isinstance(llm, Qwen3_5TextForCausalLM) and not kernels_take_boundaries()
     assert type(llm.model.layers[0].linear_attn) is PackedGatedDeltaNet
-    padded, loss_a, grads_a = loss_and_grads(model, _batch(), None)
-    # Qwen3.5's template, thinking off: each answer follows an empty think block, as generation would see it
-    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>" in \
-        model.llm_tokenizer.decode(padded["input_ids"][0])
-    calls = Counter()  # ZeRO-3 gathers a module's parameters at each of its calls: one call each, on every rank
+    # ZeRO-3 gathers a module's parameters at each of its calls (a parameter read without one is an empty partition
+    # below stage3_param_persistence_threshold): padded and packed, every module with parameters is called, once.
+    calls = Counter()
     hooks = [module.register_forward_pre_hook(lambda module, args: calls.update([module]))
              for layer in llm.model.layers if hasattr(layer, "linear_attn") for module in layer.linear_attn.modules()
              if next(module.parameters(recurse=False), None) is not None]
     try:
+        padded, loss_a, grads_a = loss_and_grads(model, _batch(), None)
+        padded_calls, calls = calls, Counter()
         packed, loss_b, grads_b = loss_and_grads(model, _batch(), 512)
     finally:
         for hook in hooks:
             hook.remove()
+    # Qwen3.5's template, thinking off: each answer follows an empty think block, as generation would see it
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>" in \
+        model.llm_tokenizer.decode(padded["input_ids"][0])
+    assert padded["input_ids"].shape[0] == 4  # four padded rows
     assert packed["input_ids"].shape[0] == 1 and len(packed["row_spans"][0]) == 4  # four samples in one row
-    assert len(calls) == len(hooks) and set(calls.values()) == {1}
+    for counted in (padded_calls, calls):
+        assert len(counted) == len(hooks) and set(counted.values()) == {1}
     torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
     whole = torch.cat([g.flatten() for g in grads_a.values()])
     assert grads_a.keys() == grads_b.keys() and any("linear_attn.conv1d" in name for name in grads_a)
@@ -94,6 +99,45 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
     with torch.no_grad():
         leaked = model(model.prepare_batch(_batch(), pack_to=512))["loss_sum"]
     assert not torch.allclose(leaked, loss_a, atol=1e-3)
+
+
+def test_generation_reads_the_convolution_weight_inside_a_call_of_the_convolution(model):
+    """transformers' cached path passes ``conv1d.weight`` to its functions: lavis_ds runs it inside a call of conv1d
+    (where ZeRO-3 holds the weight gathered) at every forward of ``generate``; the tokens are transformers'
+    (tests/test_qwen3_5.py)."""
+    llm = model.llm_model
+    convs = [layer.linear_attn.conv1d for layer in llm.model.layers if hasattr(layer, "linear_attn")]
+    calls = Counter()
+    hooks = [conv.register_forward_pre_hook(lambda module, args: calls.update([module])) for conv in convs]
+    try:
+        with torch.no_grad():
+            out = llm.generate(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=3, min_new_tokens=3,
+                               do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.shape[1] == 8 and [calls[conv] for conv in convs] == [3] * len(convs)  # prefill and two steps
+
+
+def test_transformers_path_runs_inside_a_call_of_the_convolution(model, monkeypatch):
+    """Padded rows as the kernels' path takes them (transformers' layer; here its torch functions, since the
+    kernels are not installed): conv1d is called once per layer, and the logits are the per-span path's."""
+    from lavis_ds.models import linear_attention
+
+    llm, embeds = model.llm_model, torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
+    convs = [layer.linear_attn.conv1d for layer in llm.model.layers if hasattr(layer, "linear_attn")]
+    with torch.no_grad():
+        per_span = llm(inputs_embeds=embeds, use_cache=False).logits
+        monkeypatch.setattr(linear_attention, "kernels_take_boundaries", lambda: True)
+        calls = Counter()
+        hooks = [conv.register_forward_pre_hook(lambda module, args: calls.update([module])) for conv in convs]
+        try:
+            theirs = llm(inputs_embeds=embeds, use_cache=False).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert [calls[conv] for conv in convs] == [1] * len(convs)
+    torch.testing.assert_close(theirs, per_span, atol=1e-5, rtol=0)
 
 
 def test_packed_samples_lay_the_spans_end_to_end():
@@ -180,10 +224,11 @@ def test_the_vision_language_model_type_is_named_in_llm_config_and_its_folder_lo
 
 def test_the_flop_model_counts_the_gated_delta_net_layers(model):
     """Forward FLOPs of the LLM on one 128-token sequence (two whole chunks) as FlopCounterMode measures them; the
-    one difference is the convolution's K - 1 outputs past the end, which transformers computes and drops."""
+    one difference is the convolution's K - 1 outputs before the start and K - 1 past the end, which the per-span
+    path computes over the zeros laid before the sequence and its padding after it, and drops."""
     llm, tokens = model.llm_model, 128
     flops = compose(ZERO, lambda n: ZERO, False, llm, head_at_every_position=True)
-    conv_edges = sum(2 * (c.kernel_size[0] - 1) * c.kernel_size[0] * c.out_channels
+    conv_edges = sum(2 * 2 * (c.kernel_size[0] - 1) * c.kernel_size[0] * c.out_channels
                      for c in (layer.linear_attn.conv1d for layer in llm.model.layers[::2]))
     # The math attention backend: the counter has no formula for CPU's fused kernel (tests/test_flops.py).
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:

@@ -19,6 +19,11 @@ them. So ``PackedGatedDeltaNet``, given ``packed_samples`` (the spans ``packing`
   module calls does not depend on how many samples a row holds: ZeRO-3, which gathers a module's parameters at
   each call, gathers alike on every rank.
 
+Without ``packed_samples``, padded rows without a cache take the same torch path with one span per row. transformers'
+layer itself (generation with its cache, the kernels' path) reads ``conv1d.weight`` without calling the module, which
+ZeRO-3 would leave an empty partition below ``stage3_param_persistence_threshold`` wherever its engine's forward does
+not catch the read (``generate``); it runs inside a call of ``conv1d`` (``CallableConv1d``), where the weight is whole.
+
 An LLM with recurrent layers that lavis_ds passes no boundaries to (Qwen3.5-MoE, Qwen3-Next, Mamba hybrids, ...)
 is refused under packing (``boundary_kwargs``) rather than trained with state leaking across samples.
 """
@@ -95,21 +100,32 @@ def kernels_take_boundaries() -> bool:
 
 class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
     """Qwen3.5's Gated-DeltaNet layer that starts its state and convolution afresh at each packed sample
-    (``packed_samples``); without it, transformers' layer unchanged."""
+    (``packed_samples``), and reaches every module with parameters through a call of it on every path (ZeRO-3
+    gathers a module's parameters at its call; transformers' layer reads ``conv1d.weight`` without one)."""
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 packed_samples: PackedSamples | None = None, **kwargs) -> torch.Tensor:
-        if packed_samples is None:
-            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        if cache is not None:  # packing lays out training batches; generation runs padded rows
-            raise ValueError("packed rows run without a cache (generation takes padded rows)")
         rows, width, _ = hidden_states.shape
+        if packed_samples is not None and cache is not None:  # packing lays out training batches
+            raise ValueError("packed rows run without a cache (generation takes padded rows)")
+        if cache is not None:  # generation: transformers' cached path
+            return self.transformers_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if kernels_take_boundaries():
+            if packed_samples is None:
+                return self.transformers_forward(hidden_states, attention_mask=attention_mask, **kwargs)
             flat = hidden_states.reshape(1, rows * width, -1)
-            out = super().forward(flat, cu_seq_lens_q=packed_samples.cu_seqlens, seq_idx=packed_samples.seq_idx,
-                                  **kwargs)
+            out = self.transformers_forward(flat, cu_seq_lens_q=packed_samples.cu_seqlens,
+                                            seq_idx=packed_samples.seq_idx, **kwargs)
             return out.reshape(rows, width, -1)
+        if packed_samples is None:  # padded rows: one span each, their padding zeroed as transformers does
+            hidden_states = modeling_qwen3_5.apply_mask_to_padding_states(hidden_states, attention_mask)
+            packed_samples = PackedSamples.of([[width]] * rows, hidden_states.device)
         return self.per_span(hidden_states, packed_samples)
+
+    def transformers_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """transformers' layer, run inside a call of ``conv1d`` (``CallableConv1d``): the weight it reads directly
+        is gathered there under ZeRO-3 at any ``stage3_param_persistence_threshold``."""
+        return self.conv1d(functools.partial(super().forward, hidden_states, **kwargs))
 
     def per_span(self, hidden_states: torch.Tensor, packed: PackedSamples) -> torch.Tensor:
         """transformers' torch path with each span's state and convolution starting at zero: what running the layer
@@ -148,6 +164,16 @@ def causal_conv_per_span(conv: nn.Conv1d, mixed: torch.Tensor, packed: PackedSam
     return convolved.index_select(0, placed).reshape(rows, width, channels)
 
 
+class CallableConv1d(nn.Conv1d):
+    """Qwen3.5's causal convolution, which can also run code that reads its weight (transformers' cached and kernel
+    paths pass ``conv1d.weight`` to their functions instead of calling the module): ``conv(read)`` returns
+    ``read()``, inside this module's call, where ZeRO-3 gathers the weight (a read outside any call of the module
+    finds an empty partition below ``stage3_param_persistence_threshold``)."""
+
+    def forward(self, input_or_read):
+        return input_or_read() if callable(input_or_read) else super().forward(input_or_read)
+
+
 class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transformers' key renames
     """transformers' ``Qwen3_5ForCausalLM`` whose Gated-DeltaNet layers are ``PackedGatedDeltaNet``: the same
     parameters under the same names (checkpoints, LoRA targets, ZeRO-3 / FSDP units per decoder layer unchanged)."""
@@ -156,8 +182,9 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transf
         super().__init__(config)
         for module in self.modules():
             if type(module) is Qwen3_5GatedDeltaNet:
-                # The class alone changes (no new state): transformers' decoder layer builds its own class by name.
+                # The classes alone change (no new state): transformers' decoder layer builds its own class by name.
                 module.__class__ = PackedGatedDeltaNet
+                module.conv1d.__class__ = CallableConv1d
 
     def as_transformers(self) -> Qwen3_5ForCausalLM:
         """This model as transformers' own class, in place (same parameters): what an export saves, so that its
@@ -165,6 +192,7 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM):  # registered below for transf
         for module in self.modules():
             if type(module) is PackedGatedDeltaNet:
                 module.__class__ = Qwen3_5GatedDeltaNet
+                module.conv1d.__class__ = nn.Conv1d
         self.__class__ = Qwen3_5ForCausalLM
         return self
 
