@@ -46,6 +46,9 @@ def offline(demo_export, tmp_path_factory):
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("HF_DATASETS_OFFLINE", "1")
         patch.setenv("LMMS_EVAL_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets_cache")))
+        # lmms-eval's logger (loguru) keeps the sys.stderr of its import: imported inside a test's capsys, its later
+        # messages would go to that test's closed stream and print loguru's own traceback into another test's
+        import lmms_eval.evaluator  # noqa: F401
         yield demo_export
 
 
