@@ -9,6 +9,7 @@ in one prompt. (tests/test_export_hf.py does the same for BLIP-2 on the trained 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -559,3 +560,19 @@ def test_lmms_eval_s_own_model_on_each_export_does_what_docs_models_md_says(lavi
     continued = hf_model.language_model.generate(**prompt, max_new_tokens=12, do_sample=False)
     text_alone = processor.tokenizer.decode(continued[0], skip_special_tokens=True).strip()
     assert theirs == [text_alone] * len(ours) and text_alone.startswith(question())
+
+
+def test_lavis_ds_eval_on_a_hf_export_says_which_folders_it_reads(exports, capsys):
+    """`--model lavis_ds` (and `lavis-ds eval`) read lavis_ds's folders; a `--format hf` export is lmms-eval's own
+    models' to read: one `lavis_ds:` line says so."""
+    from lavis_ds.cli import main
+
+    from lmms_eval_runs import TASK, TASKS
+
+    folder = exports["llava-clip"][3]
+    assert main(["eval", "--model", str(folder), "--tasks", TASK, "--include_path", str(TASKS), "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("lavis_ds:")] == err[-1:] and "Traceback" not in "\n".join(err)
+    assert re.search(r"llava-clip is not a lavis_ds checkpoint but a transformers model's folder \(config\.json\), as "
+                     r"`--format hf` writes: transformers and lmms-eval's own models read it .*lavis_ds reads the run "
+                     r"it was exported from or its `--format lavis_ds` export", err[-1]), err[-1]
