@@ -8,8 +8,8 @@ lavis_ds's own model class on a model in memory (what ``--model lavis_ds`` build
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -21,13 +21,19 @@ LIMIT = 3  # documents: three images, one question
 # lmms-eval's models on the CPU in fp32 (llava_hf takes a dtype; instructblip and qwen2_vl load the folder's, fp32;
 # huggingface loads bf16 whatever it is told).
 CPU_ARGS = {"llava_hf": "device=cpu,device_map=cpu,dtype=float32", "huggingface": "device=cpu,device_map=cpu",
-            "instructblip": "device=cpu", "qwen2_vl": "device=cpu,device_map=cpu", "qwen2_5_vl": "device=cpu,device_map=cpu"}
+            "instructblip": "device=cpu", "qwen2_vl": "device=cpu,device_map=cpu",
+            "qwen2_5_vl": "device=cpu,device_map=cpu"}
 
 
 @contextlib.contextmanager
 def offline(demo_storage: Path, cache: Path) -> Iterator[None]:
-    """The demo task's images are ``demo_storage``'s test images; nothing reaches the network."""
+    """The demo task's images are ``demo_storage``'s test images; nothing reaches the network. lmms-eval's models
+    skip their ``clean()`` after an evaluation: two full ``gc.collect()`` calls, seconds in a test process that holds
+    a session's objects, which free memory and change no answer."""
+    from lmms_eval.api.model import lmms
+
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lmms, "clean", lambda self: None)
         for name, value in (("LAVIS_DS_DEMO_DATA", str(demo_storage)), ("HF_HUB_OFFLINE", "1"),
                             ("HF_DATASETS_OFFLINE", "1"), ("LMMS_EVAL_DATASETS_CACHE", str(cache))):
             patch.setenv(name, value)

@@ -1,7 +1,8 @@
 """The qwen2_vl and qwen2_5_vl architectures on their data: the qwen_vl_image processor's output (images of their own
 sizes, several per sample, a video) through the dataset and the collater into the model, the vision span in the
 prompt, packed equal to padded (loss and gradients, fp32) with images of different grids, and the tiny preset
-training through train.py on the demo's images of random sizes, its FLOPs logged."""
+training through train.py on the demo's images of random sizes, its FLOPs logged; lmms-eval's own models on the
+`--format hf` export (docs/models.md's lmms-eval column)."""
 from __future__ import annotations
 
 import math
@@ -335,7 +336,6 @@ def test_lmms_eval_s_own_model_on_the_export_does_what_docs_models_md_says(kind,
         with pytest.raises(ValueError, match=r"keyword argument `audios` which is deprecated"):
             caption_answers("huggingface", f"pretrained={folder},{CPU_ARGS['huggingface']}")
         return
-    bounds = {key: model_value for key, model_value in models(kind).vision_tower.processing.processor_keys().items()
-              if key in ("min_pixels", "max_pixels")}
-    pixels = ",".join(f"{key}={value}" for key, value in bounds.items())
+    processing = models(kind).vision_tower.processing.processor_keys()  # the bounds the export's processor holds
+    pixels = f"min_pixels={processing['min_pixels']},max_pixels={processing['max_pixels']}"
     assert caption_answers(kind, f"pretrained={folder},{CPU_ARGS[kind]},{pixels}") == ours
