@@ -5,10 +5,12 @@ The main check builds tiny random models, writes their folders, and runs docs/ex
 interpreter where importing lavis_ds fails: the token ids must be the ones lavis_ds.apps.generation generates
 from the same model, for a batch of prompts of different lengths, a second turn after an answer, and two images
 in one prompt. (tests/test_export_hf.py does the same for BLIP-2 on the trained demo, through ``export.py``.)
+lmms-eval's own models run on each export as docs/models.md's lmms-eval column says (tests/lmms_eval_runs.py).
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -488,3 +490,94 @@ def test_lmms_eval_gives_the_same_answers_on_the_checkpoint_its_export_and_its_h
     [run_results] = (tmp_path / "run").glob("*/*_results.json")
     assert json.loads(run_results.read_text())["results"]["demo_shapes_caption"]["exact_match,none"] == \
         scores[0] == scores[1]
+
+
+
+# ----------------------------------------------------------------------------- lmms-eval's own models on each export
+# docs/models.md's lmms-eval column for these exports, row by row. lmms-eval's `huggingface` model fails in 0.7.3 for
+# every folder: it renders with `processor.apply_chat_template`, which Blip2Processor and InstructBlipProcessor cannot
+# (their __init__ hands ProcessorMixin no chat_template, so the saved chat_template.jinja is dropped on load; the
+# tokenizer keeps it), and where that works it passes `audios=` to the processor, which transformers 5.24 refuses.
+HUGGINGFACE_FAILS = {"llava-clip": r"keyword argument `audios` which is deprecated",
+                     "blip2": r"this processor does not have a chat template",
+                     "instructblip": r"this processor does not have a chat template"}
+LMMS_EVAL_COLUMN = [("llava-clip", "llava_hf"), *[(name, "huggingface") for name in HUGGINGFACE_FAILS],
+                    ("instructblip", "instructblip")]
+
+
+@pytest.fixture(scope="module")
+def lmms_eval_offline(trained_runs, tmp_path_factory):
+    """The demo task's images: the demo data the trained runs above use."""
+    from lmms_eval_runs import offline
+
+    with offline(trained_runs[1], tmp_path_factory.mktemp("datasets_cache")):
+        yield
+
+
+@pytest.fixture(scope="module")
+def lavis_ds_answers(exports, blip2_export, lmms_eval_offline):
+    """``name -> (export folder, the answers lavis_ds's own lmms-eval model gives on the model the folder holds)``:
+    ``LavisDsLmms``, the class `--model lavis_ds` builds, with the eval image processing lavis_ds generates with."""
+    from lavis_ds.apps.export_hf_processor import default_image_cfg
+    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.runners.lmms_eval.model import LavisDsLmms
+    from lmms_eval_runs import caption_answers
+
+    made = {}
+
+    def get(name: str) -> tuple[Path, list[str]]:
+        if name not in made:
+            folder, model = blip2_export if name == "blip2" else exports[name][3:]
+            made[name] = folder, caption_answers(LavisDsLmms(model, build_processor(default_image_cfg(model))))
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name, lmms_model", LMMS_EVAL_COLUMN)
+def test_lmms_eval_s_own_model_on_each_export_does_what_docs_models_md_says(lavis_ds_answers, name, lmms_model):
+    """lmms-eval's model named in the table, on the `--format hf` export, over the demo's caption task (three images,
+    one question), against `--model lavis_ds` (lavis_ds's lmms-eval model) on the same weights."""
+    from transformers import AutoProcessor, InstructBlipForConditionalGeneration
+
+    from lmms_eval_runs import CPU_ARGS, caption_answers, question
+
+    folder, ours = lavis_ds_answers(name)
+    assert len(set(ours)) > 1, ours  # lavis_ds's prompt holds the image: the answers depend on it
+    model_args = f"pretrained={folder},{CPU_ARGS[lmms_model]}"
+    if lmms_model == "huggingface":
+        with pytest.raises(ValueError, match=HUGGINGFACE_FAILS[name]):
+            caption_answers(lmms_model, model_args)
+        if name in ("blip2", "instructblip"):  # the folder holds the template; the processor class drops it on load
+            processor = AutoProcessor.from_pretrained(folder)
+            assert (folder / "chat_template.jinja").is_file() and processor.tokenizer.chat_template is not None
+            assert processor.chat_template is None
+        return
+    theirs = caption_answers(lmms_model, model_args)
+    if lmms_model == "llava_hf":  # lavis_ds's answers (lavis_ds strips the whitespace around an answer)
+        assert [answer.strip() for answer in theirs] == ours
+        return
+    # instructblip: the task's text alone, no chat template, so no image token in the prompt. The LLM never sees the
+    # image: it continues the question's tokens, and lmms-eval's answer is the question followed by that continuation
+    # (the class's generate returns the prompt's ids too, and lmms-eval decodes them all).
+    processor = AutoProcessor.from_pretrained(folder)
+    hf_model = InstructBlipForConditionalGeneration.from_pretrained(folder).eval()
+    prompt = processor.tokenizer(question(), return_tensors="pt")
+    continued = hf_model.language_model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    text_alone = processor.tokenizer.decode(continued[0], skip_special_tokens=True).strip()
+    assert theirs == [text_alone] * len(ours) and text_alone.startswith(question())
+
+
+def test_lavis_ds_eval_on_a_hf_export_says_which_folders_it_reads(exports, capsys):
+    """`--model lavis_ds` (and `lavis-ds eval`) read lavis_ds's folders; a `--format hf` export is lmms-eval's own
+    models' to read: one `lavis_ds:` line says so."""
+    from lavis_ds.cli import main
+
+    from lmms_eval_runs import TASK, TASKS
+
+    folder = exports["llava-clip"][3]
+    assert main(["eval", "--model", str(folder), "--tasks", TASK, "--include_path", str(TASKS), "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if line.startswith("lavis_ds:")] == err[-1:] and "Traceback" not in "\n".join(err)
+    assert re.search(r"llava-clip is not a lavis_ds checkpoint but a transformers model's folder \(config\.json\), as "
+                     r"`--format hf` writes: transformers and lmms-eval's own models read it .*lavis_ds reads the run "
+                     r"it was exported from or its `--format lavis_ds` export", err[-1]), err[-1]

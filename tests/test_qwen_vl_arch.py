@@ -1,7 +1,8 @@
 """The qwen2_vl and qwen2_5_vl architectures on their data: the qwen_vl_image processor's output (images of their own
 sizes, several per sample, a video) through the dataset and the collater into the model, the vision span in the
 prompt, packed equal to padded (loss and gradients, fp32) with images of different grids, and the tiny preset
-training through train.py on the demo's images of random sizes, its FLOPs logged."""
+training through train.py on the demo's images of random sizes, its FLOPs logged; lmms-eval's own models on the
+`--format hf` export (docs/models.md's lmms-eval column)."""
 from __future__ import annotations
 
 import math
@@ -293,3 +294,48 @@ def test_preference_pairs_of_processed_images_and_a_video_score_as_their_sides_d
         for side, answers in enumerate((pairs["chosen"], pairs["rejected"])):
             alone, _ = model.answer_logps({**pairs, "output": [[a] for a in answers]})
             torch.testing.assert_close(logps[2 * side:2 * side + 2], alone, atol=1e-5, rtol=1e-5)
+
+
+
+@pytest.fixture(scope="module")
+def lmms_eval_exports(models, tmp_path_factory):
+    """``kind -> (its --format hf export, the answers `--model lavis_ds` gives on the model the export holds)`` over
+    the demo's caption task (tests/lmms_eval_runs.py), and the demo data it reads, offline."""
+    from lavis_ds.apps.export_hf import write_hf_folder
+    from lavis_ds.runners.lmms_eval.model import LavisDsLmms
+    from lmms_eval_runs import caption_answers, offline
+
+    root = tmp_path_factory.mktemp("lmms_eval")
+    storage = ensure_demo_shapes(root / "demo", DemoShapesSpec(num_train=4, num_val=4, num_test=4))
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            model = models(kind)
+            assert write_hf_folder(model, root / kind) == []
+            image_processor = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
+            made[kind] = root / kind, caption_answers(LavisDsLmms(model, image_processor))
+        return made[kind]
+
+    with offline(storage, root / "datasets_cache"):
+        yield get
+
+
+@pytest.mark.parametrize("lmms_model", ["own", "huggingface"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_lmms_eval_s_own_model_on_the_export_does_what_docs_models_md_says(kind, lmms_model, models,
+                                                                           lmms_eval_exports):
+    """docs/models.md's lmms-eval column: lmms-eval's `qwen2_vl` / `qwen2_5_vl` on the CPU, given the export's pixel
+    bounds (its defaults are its own: Qwen2.5-VL's min_pixels upscales a 64 px image), gives lavis_ds's answers;
+    `huggingface` fails in lmms-eval 0.7.3 (it passes `audios=`, which transformers 5.24 refuses)."""
+    from lmms_eval_runs import CPU_ARGS, caption_answers
+
+    folder, ours = lmms_eval_exports(kind)
+    assert len(set(ours)) > 1, ours  # the answers depend on the image
+    if lmms_model == "huggingface":
+        with pytest.raises(ValueError, match=r"keyword argument `audios` which is deprecated"):
+            caption_answers("huggingface", f"pretrained={folder},{CPU_ARGS['huggingface']}")
+        return
+    processing = models(kind).vision_tower.processing.processor_keys()  # the bounds the export's processor holds
+    pixels = f"min_pixels={processing['min_pixels']},max_pixels={processing['max_pixels']}"
+    assert caption_answers(kind, f"pretrained={folder},{CPU_ARGS[kind]},{pixels}") == ours

@@ -55,6 +55,10 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     incomplete = sorted(str(p) for folder in (path / "checkpoints", path) if folder.is_dir()
                         for p in folder.iterdir() if p.is_dir() and _is_checkpoint_folder(p))
     found = f" (only incomplete checkpoints: {', '.join(incomplete)})" if incomplete else ""
+    if (path / "config.json").is_file():  # a `--format hf` export or a published folder: transformers' format
+        found += (" but a transformers model's folder (config.json), as `--format hf` writes: transformers and "
+                  "lmms-eval's own models read it (docs/models.md), lavis_ds reads the run it was exported from or "
+                  "its `--format lavis_ds` export")
     raise ExportError(f"{path} is not a lavis_ds checkpoint{found}: give a checkpoint folder "
                       f"<output_dir>/checkpoints/step_<N> holding {ckpt.COMPLETE_MARKER}, or a run's output_dir "
                       f"(its newest complete checkpoint is exported)")
