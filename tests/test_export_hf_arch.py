@@ -247,27 +247,41 @@ def _assert_same_greedy(theirs: list[int], ours: list[int], scores: tuple[torch.
 @pytest.mark.parametrize("name", ONE_CALL)
 def test_the_ecosystem_s_one_call_generates_lavis_ds_s_tokens(exports, blip2_export, image_paths, name):
     """``AutoProcessor(folder)(images=, text=)`` then ``AutoModelForImageTextToText(folder).generate(**inputs)``: one
-    prompt per call (lmms-eval's default batch), each image of another size, the processor's default backend."""
+    prompt per call (lmms-eval's default batch), each image of another size, the processor's default backend.
+
+    That backend (torchvision) resizes a uint8 tensor: its pixels are up to one grey level off lavis_ds's (PIL's
+    bicubic; the README says so and ``backend="pil"`` gives them exactly, the tests above). One grey level can flip a
+    greedy token of a random tiny model, so the pixels are checked against that bound, and lavis_ds generates from the
+    processor's pixels: everything after the resize must agree to float precision."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from lavis_ds.apps.export_hf_processor import default_image_cfg
+    from lavis_ds.datasets.builders import build_processor
 
     folder, model = blip2_export if name == "blip2" else exports[name][3:]
     processor = AutoProcessor.from_pretrained(folder)
     hf_model = AutoModelForImageTextToText.from_pretrained(folder)
+    ours_pixels = build_processor(default_image_cfg(model))
+    grey_level = 1 / 255 / torch.tensor(model.vision_tower.processing.std).view(3, 1, 1)
     render = (processor.apply_chat_template if name.startswith("llava") else processor.tokenizer.apply_chat_template)
     answers = []
     for path, question in zip(image_paths, QUESTIONS, strict=True):
         prompt = render([_user(None, question)], add_generation_prompt=True, tokenize=False)
-        inputs = processor(images=[Image.open(path).convert("RGB")], text=[prompt], return_tensors="pt")
+        image = Image.open(path).convert("RGB")
+        inputs = processor(images=[image], text=[prompt], return_tensors="pt")
+        pixels = inputs["pixel_values"][0]
+        assert ((pixels - ours_pixels(image)).abs() <= grey_level + 1e-5).all(), (name, path)
         # max_new_tokens as lmms-eval passes it: BLIP-2's class generates with its LLM's settings otherwise (README).
         out = hf_model.generate(**inputs, max_new_tokens=12, output_scores=True, return_dict_in_generate=True)
         new_tokens = out.sequences[:, inputs["input_ids"].shape[1]:].tolist()
         request = {"images": [path], "lavis_ds": {"prompts": [question], "answers": None, "num_images": [1]}}
-        _assert_same_greedy(new_tokens[0], _lavis_ds_token_ids(model, request, max_new_tokens=12)[0], out.scores,
-                            (name, question))
+        ours = _lavis_ds_token_ids(model, request, lambda _: pixels, max_new_tokens=12)[0]
+        _assert_same_greedy(new_tokens[0], ours, out.scores, (name, question))
         answers.append(new_tokens[0])
     assert len({tuple(a) for a in answers}) > 1, answers  # the answers depend on the image and the question
     readme = (folder / "README.md").read_text()
     assert "processor(images=" in readme and "AutoModelForImageTextToText.from_pretrained(folder)" in readme
+    assert "torchvision backend" in readme  # what the README says the one call computes otherwise
 
 
 def test_the_one_call_gives_the_q_former_the_words_lavis_ds_gives_it(exports, image_paths, tiny_bert_tokenizer_dir):

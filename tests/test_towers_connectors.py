@@ -239,6 +239,25 @@ def test_instruct_qformer_tokenizes_each_images_instruction(tmp_path):
     assert out.shape == (2, 4, 48)
 
 
+def test_the_tiny_qformer_tokenizer_is_the_same_files_on_every_build(tmp_path):
+    """The Q-Former's word embeddings are indexed by its ids: a vocabulary numbered otherwise on another build (as
+    tokenizers' WordPieceTrainer numbers it, in its hash maps' order) is another model from the same seed."""
+    from transformers import AutoTokenizer
+
+    from lavis_ds.models.tokenizer import train_bert_tokenizer
+
+    texts = ["A dog runs on the grass next to a red ball.", "What color is the ball? It is red."] * 3
+    first, second = (train_bert_tokenizer(texts, tmp_path / name, vocab_size=80) for name in ("first", "second"))
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    assert all((first / p.name).read_bytes() == (second / p.name).read_bytes() for p in first.iterdir())
+    tokenizer = AutoTokenizer.from_pretrained(first)
+    # A word of the texts is one token; another word of their letters splits into them; bos is [DEC].
+    assert tokenizer.tokenize("What ball") == ["what", "ball"]
+    assert tokenizer.tokenize("Grad") == ["g", "##r", "##a", "##d"] and tokenizer.bos_token == "[DEC]"
+    with pytest.raises(ValueError, match="vocab_size must be at least"):
+        train_bert_tokenizer(texts, tmp_path / "small", vocab_size=10)
+
+
 # ----------------------------------------------------------------- LLaVA checkpoints
 def test_llava_folder_and_mm_projector_split_into_parts(tmp_path):
     torch.manual_seed(0)

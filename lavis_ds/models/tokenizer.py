@@ -6,13 +6,14 @@ returns a ``Qwen2Tokenizer`` with the same special tokens and roles as the
 Qwen chat models (eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos/unk).
 ``train_family_tokenizer``: the same BPE with another family's special tokens and roles
 (``FAMILIES``: Qwen3, Llama 3, Gemma, Phi-3) and a chat template of that family.
-``train_bert_tokenizer``: a lower-casing WordPiece with BERT's pipeline and special tokens plus ``[DEC]`` as its
-bos, saved as a ``BertTokenizerFast`` folder: the shape of InstructBLIP's Q-Former tokenizer (bert-base-uncased
-+ ``[DEC]``) at a demo's size.
+``train_bert_tokenizer``: a lower-casing WordPiece vocabulary (whole words and characters) with BERT's pipeline
+and special tokens plus ``[DEC]`` as its bos, saved as a ``BertTokenizerFast`` folder: the shape of InstructBLIP's
+Q-Former tokenizer (bert-base-uncased + ``[DEC]``) at a demo's size.
 """
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -135,18 +136,17 @@ BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def train_bert_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 512) -> Path:
-    """Train a lower-casing WordPiece on ``texts`` and save it as a BERT tokenizer folder with ``[DEC]`` added as
-    its bos token, as LAVIS and ``InstructBlipProcessor`` make the Q-Former's (``[CLS] text [SEP]``)."""
+    """Build a lower-casing WordPiece vocabulary from ``texts`` and save it as a BERT tokenizer folder with ``[DEC]``
+    added as its bos token, as LAVIS and ``InstructBlipProcessor`` make the Q-Former's (``[CLS] text [SEP]``).
+    The same texts and ``vocab_size`` give byte-identical files (``_wordpiece_vocab``)."""
     from tokenizers import processors
     from transformers import BertTokenizerFast
 
-    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
-    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    wordpiece.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS,
-                                        show_progress=False)
-    wordpiece.train_from_iterator(texts, trainer)
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    words = [word for text in texts for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text))]
+    wordpiece = Tokenizer(models.WordPiece(_wordpiece_vocab(words, vocab_size), unk_token="[UNK]"))
+    wordpiece.normalizer, wordpiece.pre_tokenizer, wordpiece.decoder = normalizer, pre_tokenizer, decoders.WordPiece()
     cls_id, sep_id = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
     wordpiece.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id),
@@ -155,6 +155,24 @@ def train_bert_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab
                                   pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True)
     tokenizer.add_special_tokens({"bos_token": "[DEC]"})
     return _save(tokenizer, out_dir)
+
+
+def _wordpiece_vocab(words: Sequence[str], vocab_size: int) -> dict[str, int]:
+    """BERT's special tokens, every character of ``words`` alone and as a ``##`` continuation (so each word of the
+    corpus splits without ``[UNK]``), then whole words, most frequent first, up to ``vocab_size`` tokens.
+    Every order is sorted: tokenizers' ``WordPieceTrainer`` numbers the ``##`` characters in its hash maps' order,
+    which differs per process, and so does its choice among merges of equal count (another vocabulary each run)."""
+    counts = Counter(words)
+    characters = sorted({char for word in counts for char in word})
+    continuations = sorted({f"##{char}" for word in counts for char in word[1:]})
+    tokens = [*BERT_SPECIAL_TOKENS, *characters, *continuations]
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size must be at least {len(tokens)} (special tokens and the texts' characters), "
+                         f"got {vocab_size}")
+    known = set(tokens)
+    tokens += [word for word, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+               if word not in known][:vocab_size - len(tokens)]
+    return {token: index for index, token in enumerate(tokens)}
 
 
 def _train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
