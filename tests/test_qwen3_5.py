@@ -19,8 +19,8 @@ from lavis_ds.common.registry import processors, registry
 from lavis_ds.models.image_tokens import GRID_KEY
 from lavis_ds.models.linear_attention import Qwen3_5TextForCausalLM
 from lavis_ds.models.parts import PartError
-from test_qwen3_vl import (ANSWER, PIXELS, QUESTION, assert_same_gradients, packed_and_padded, picture, user_yaml,
-                           video_inputs_of)
+from test_qwen3_vl import (ANSWER, PIXELS, QUESTION, assert_same_gradients, assert_same_ids_and_logits,
+                           packed_and_padded, picture, user_yaml, video_inputs_of)
 from test_qwen3_vl import published_folder as qwen3_vl_folder
 
 CASES = {"wide image": [(90, 200)], "tall image": [(200, 90)], "two images": [(70, 100), (150, 60)],
@@ -90,17 +90,6 @@ def test_the_folder_loads_into_qwen3_5s_parts(pair):
     _, _, ours, _ = pair
     assert isinstance(ours.llm_model, Qwen3_5TextForCausalLM) and ours.connector.deepstack_taps == 0
     assert ours.vision_tower.tap_layers == () and ours.positions.rows == 3
-
-
-def assert_same_ids_and_logits(theirs, ours, inputs: dict, sample: dict) -> None:
-    """lavis_ds's prompt ids equal the processor's, and its logits transformers' (fp32, 1e-5)."""
-    prepared = ours.prepare_batch(sample)
-    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        expected = theirs(**inputs).logits
-        embeds, layout, _ = ours._inputs(prepared, None)
-        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -175,17 +175,11 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
         2, VIDEO_BUDGET["shortest_edge"], VIDEO_BUDGET["longest_edge"])
     text = processor.tokenizer.decode(inputs["input_ids"][0])
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
-    prepared = ours.prepare_batch(sample)
-    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
+    assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
     weightless = type(ours).prompt_from_config(user_yaml("qwen3_vl", folder))
     shown = token_batch(weightless, sample, ours.pad_id, tokens_for_image=ours.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        expected = theirs(**inputs).logits
-        embeds, layout, _ = ours._inputs(prepared, None)
-        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
 
 
 def test_a_video_generates_transformers_tokens(pair):
@@ -218,13 +212,7 @@ def test_the_tower_and_its_mergers_equal_transformers_vision_model(pair):
 def test_logits_equal_transformers(case, pair):
     theirs, processor, ours, _ = pair
     inputs, sample = inputs_of(processor, CASES[case], ANSWER)
-    prepared = ours.prepare_batch(sample)
-    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        expected = theirs(**inputs).logits
-        embeds, layout, _ = ours._inputs(prepared, None)
-        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    layout = assert_same_ids_and_logits(theirs, ours, inputs, sample)
     assert ("deepstack_visual_embeds" in layout) == bool(CASES[case])
 
 
@@ -282,6 +270,19 @@ def packed_and_padded(arch: str, tiny_tokenizer_dir, tmp_path) -> tuple[dict, tu
     packed, loss_b, grads_b = loss_and_grads(model, batch, row)
     assert packed["input_ids"].shape[0] < 4 and len({tuple(g) for g in fields[GRID_KEY].tolist()}) == 4
     return packed, (loss_a, grads_a), (loss_b, grads_b)
+
+
+def assert_same_ids_and_logits(theirs, ours, inputs: dict, sample: dict) -> dict:
+    """lavis_ds's prompt ids equal the processor's, and its logits transformers' (fp32, 1e-5); the LLM's inputs
+    besides the embeddings (positions, DeepStack features) that lavis_ds laid out, for further checks."""
+    prepared = ours.prepare_batch(sample)
+    assert prepared["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        expected = theirs(**inputs).logits
+        embeds, layout, _ = ours._inputs(prepared, None)
+        logits = ours.llm_model(inputs_embeds=embeds, **layout).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    return layout
 
 
 def assert_same_gradients(grads_a: dict, grads_b: dict) -> None:
