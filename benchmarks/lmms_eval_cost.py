@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import REPO, build_trainer, stepping_as_the_loop  # noqa: E402  (beside this file)
+from step_time import REPO, add_trainer_args, build_trainer, stepping_as_the_loop  # noqa: E402  (beside this file)
 
 from lavis_ds.common import comm, dist  # noqa: E402
 
@@ -34,10 +34,7 @@ DEMO_TASKS = REPO / "projects" / "demo" / "lmms_eval"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cfg-path", default=str(REPO / "projects/demo/tiny_zero2.yaml"), help="run YAML")
-    parser.add_argument("--runner", default="runner_deepspeed", choices=("runner_deepspeed", "runner_fsdp"))
-    parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (DeepSpeed)")
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="engine precision")
+    add_trainer_args(parser)
     parser.add_argument("--tasks", default="demo_shapes_caption", help="lmms-eval tasks, comma-separated")
     parser.add_argument("--include-path", default=str(DEMO_TASKS), help="folder of task YAMLs")
     parser.add_argument("--requests", type=int, default=16,

@@ -62,12 +62,17 @@ from lavis_ds.common import comm, dist  # noqa: E402
 LOOPS = ("trainer", "raw", "control")  # the order within each round of blocks (control: with --control only)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_trainer_args(parser: argparse.ArgumentParser) -> None:
+    """The flags ``build_trainer`` reads: the run YAML, the engine, its ZeRO stage and precision."""
     parser.add_argument("--cfg-path", default=str(REPO / "projects/demo/tiny_zero2.yaml"), help="run YAML")
     parser.add_argument("--runner", default="runner_deepspeed", choices=("runner_deepspeed", "runner_fsdp"))
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (DeepSpeed)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="engine precision")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trainer_args(parser)
     parser.add_argument("--steps", type=int, default=200, help="timed optimizer steps per loop")
     parser.add_argument("--block", type=int, default=10, help="optimizer steps per block")
     parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps per loop, first")
