@@ -13,7 +13,6 @@ tokenizer, chat template's vision tokens); the folder also fixes the connector's
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch import nn
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.hf.family import part_name
-from lavis_ds.models.hf.qwen_vl import QwenVLFamily, processor_settings
+from lavis_ds.models.hf.qwen_vl import QwenVLFamily, processor_settings, saved_processor
 from lavis_ds.models.parts import PartError
 
 
@@ -96,13 +95,8 @@ reg.hf_families.register("qwen3_vl")(Qwen3VLFamily())
 
 def video_sampling(folder: Path) -> dict[str, Any]:
     """The tower's ``video_fps`` / ``video_min_pixels`` / ``video_max_pixels`` from the folder's video processor,
-    where it has one: video_preprocessor_config.json (the Hub's folders) or the ``video_processor`` of
-    processor_config.json (transformers 5's save_pretrained)."""
-    saved: dict[str, Any] = {}
-    if (folder / "video_preprocessor_config.json").is_file():
-        saved = json.loads((folder / "video_preprocessor_config.json").read_text())
-    elif (folder / "processor_config.json").is_file():
-        saved = json.loads((folder / "processor_config.json").read_text()).get("video_processor") or {}
+    where it has one (``saved_processor``)."""
+    saved = saved_processor(folder, "video_preprocessor_config.json", "video_processor")
     size = saved.get("size") or {}
     found = {"video_fps": saved.get("fps"), "video_min_pixels": size.get("shortest_edge"),
              "video_max_pixels": size.get("longest_edge")}

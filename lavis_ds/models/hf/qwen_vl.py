@@ -219,14 +219,19 @@ def vision_keys(vision_config: Any, valid: list[str]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in valid and k not in ("model_type", "dtype")}
 
 
+def saved_processor(folder: Path, own_file: str, key: str) -> dict[str, Any]:
+    """The settings of one of the folder's processors: its own file (``own_file``, as the Hub's folders have them)
+    or the ``key`` entry of processor_config.json (transformers 5's save_pretrained); empty where it has neither."""
+    if (folder / own_file).is_file():
+        return json.loads((folder / own_file).read_text())
+    if (folder / "processor_config.json").is_file():
+        return json.loads((folder / "processor_config.json").read_text()).get(key) or {}
+    return {}
+
+
 def pixel_bounds(folder: Path) -> dict[str, int]:
-    """``min_pixels`` / ``max_pixels`` of the folder's image processor, where it has one: preprocessor_config.json
-    (the Hub's folders) or the ``image_processor`` of processor_config.json (transformers 5's save_pretrained)."""
-    saved: dict[str, Any] = {}
-    if (folder / "preprocessor_config.json").is_file():
-        saved = json.loads((folder / "preprocessor_config.json").read_text())
-    elif (folder / "processor_config.json").is_file():
-        saved = json.loads((folder / "processor_config.json").read_text()).get("image_processor") or {}
+    """``min_pixels`` / ``max_pixels`` of the folder's image processor, where it has one (``saved_processor``)."""
+    saved = saved_processor(folder, "preprocessor_config.json", "image_processor")
     size = saved.get("size") or {}
     bounds = {"min_pixels": saved.get("min_pixels", size.get("shortest_edge")),
               "max_pixels": saved.get("max_pixels", size.get("longest_edge"))}
