@@ -25,6 +25,7 @@ from torch import nn
 
 from lavis_ds.common import safe_files
 from lavis_ds.common.errors import CheckpointError  # noqa: F401  (raised here; importers name it pretrained.CheckpointError)
+from lavis_ds.common.renamed_keys import renamed
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +115,15 @@ def load_blip2(model: nn.Module, path: str | Path, vit_loaded: bool) -> None:
     if fmt == HF_BLIP2:
         _check_hf_architecture(Path(path).expanduser(), model)
     renames = HF_RENAMES if fmt == HF_BLIP2 else LAVIS_QFORMER_RENAMES
-    to_parts = tuple((re.escape(old), new) for old, new in getattr(model, "RENAMED_KEYS", ()))
+    to_parts = getattr(model, "RENAMED_KEYS", ())
 
     def ours(key: str) -> str:
-        return _rename_key(_rename_key(key, renames), to_parts)
+        return renamed(_rename_key(key, renames), to_parts)
 
     file_key = {ours(k): k for k in state}  # our name -> the file's, for error messages
     state = _split_qkv_bias({ours(k): v for k, v in state.items()})
     own = model.state_dict().keys()
-    bridge, vit_prefix = tuple(_rename_key(p, to_parts) for p in BRIDGE_PREFIXES), _rename_key(VIT_PREFIX, to_parts)
+    bridge, vit_prefix = tuple(renamed(p, to_parts) for p in BRIDGE_PREFIXES), renamed(VIT_PREFIX, to_parts)
     expected = [k for k in own if k.startswith(bridge)]
     has_vit = any(k.startswith(vit_prefix) for k in state)
     if has_vit:
