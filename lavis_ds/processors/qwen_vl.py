@@ -31,7 +31,7 @@ from PIL import Image
 from lavis_ds.common import registry as reg
 from lavis_ds.processors.base import BaseProcessor
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
-from lavis_ds.processors.qwen_vl_video import QwenVisionInputError, frames_at_rate, video_smart_resize
+from lavis_ds.processors.qwen_vl_video import QwenVisionInputError, fit_area, frames_at_rate, video_smart_resize
 
 # The batch fields of Qwen-VL visuals beside their flat patches (``image``): one (t, h, w) row per image or video, and
 # the seconds of video per temporal patch (None for a still image; Qwen2.5-VL's absolute-time positions).
@@ -80,16 +80,7 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MI
         raise QwenVisionInputError(
             f"image of {width}x{height} px (width x height) has an aspect ratio of {ratio:.1f}, over the "
             f"{MAX_ASPECT_RATIO} Qwen-VL's smart_resize takes: crop or pad it to at most {MAX_ASPECT_RATIO}:1")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return fit_area(height, width, factor, min_pixels, max_pixels)
 
 
 def check_pixel_range(min_pixels: int, max_pixels: int, factor: int = 28, where: str = "") -> None:

@@ -59,13 +59,22 @@ def video_smart_resize(frames: int, height: int, width: int, temporal_patch_size
     if ratio > 200:
         raise QwenVisionInputError(f"video frames of {width}x{height} px (width x height) have an aspect ratio of "
                                   f"{ratio:.1f}, over the 200 Qwen-VL takes: crop or pad them to at most 200:1")
+    whole_frames = round(frames / temporal_patch_size) * temporal_patch_size
+    return fit_area(height, width, factor, min_pixels, max_pixels, frames, whole_frames)
+
+
+def fit_area(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1,
+             whole_frames: int = 1) -> tuple[int, int]:
+    """Multiples of ``factor`` nearest ``height`` x ``width``, the aspect ratio kept, scaled so that ``whole_frames``
+    frames of that size hold ``min_pixels`` .. ``max_pixels`` (the scale computed from the ``frames`` themselves):
+    the fit of transformers' ``smart_resize``, for an image (one frame; ``processors.qwen_vl.smart_resize``) and a
+    video (its frames together, rounded to whole temporal patches)."""
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(frames / temporal_patch_size) * temporal_patch_size
-    if t_bar * h_bar * w_bar > max_pixels:
+    if whole_frames * h_bar * w_bar > max_pixels:
         beta = math.sqrt(frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
+    elif whole_frames * h_bar * w_bar < min_pixels:
         beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
