@@ -81,7 +81,7 @@ def build(tokens: int, device: torch.device):
     cfg["llm_config"] = {**cfg["llm_config"], "vocab_size": QWEN_VOCAB, "max_position_embeddings": tokens + 64}
     torch.manual_seed(0)
     model = Blip2Qwen.from_config(cfg).to(device).train()
-    assert model.llm_transformers_config.vocab_size == QWEN_VOCAB
+    assert model.llm.config.vocab_size == QWEN_VOCAB
     return model
 
 
@@ -91,7 +91,7 @@ def words(n: int, offset: int) -> str:
 
 def batch_of(model, batch: int, tokens: int, device: torch.device) -> dict:
     """``batch`` samples of about ``tokens`` tokens, a quarter of them answer (word counts fitted to the tokenizer)."""
-    count = lambda text: len(model.llm_tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count = lambda text: len(model.llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     per_word = count(words(400, 0)) / 400
     question, answer = int(tokens * 0.75 / per_word) - 30, int(tokens * 0.25 / per_word)
     samples = {"image": torch.randn(batch, 3, model.image_size, model.image_size, device=device),

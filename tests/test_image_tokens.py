@@ -36,7 +36,7 @@ def _batch() -> dict:
 def _short(model: Blip2Qwen, batch: dict) -> int:
     """A max_txt_len that keeps samples 0 and 1 whole and falls before sample 2's image."""
     lengths = model.prepare_batch(dict(batch))["attention_mask"].sum(1).tolist()
-    first_image = model.prepare_batch(dict(batch))["input_ids"][2].tolist().index(model.prompt.image_token_id)
+    first_image = model.prepare_batch(dict(batch))["input_ids"][2].tolist().index(model.llm.prompt.image_token_id)
     assert max(lengths[:2]) < first_image
     return first_image
 
@@ -45,10 +45,10 @@ def test_the_prompt_reserves_what_the_models_count_says_and_the_batch_keeps_it(m
     batch = model.prepare_batch(_batch())
     assert image_sizes(_batch()) == [(64, 64), (64, 64)]
     assert batch["image_tokens"] == model.image_token_counts(_batch()) == [model.tokens_per_image] * 2
-    placeholders = (batch["input_ids"] == model.prompt.image_token_id).sum(1).tolist()
+    placeholders = (batch["input_ids"] == model.llm.prompt.image_token_id).sum(1).tolist()
     assert placeholders == [model.tokens_per_image, 0, model.tokens_per_image]
     features = model.image_features(batch)
-    hidden = model.llm_transformers_config.hidden_size
+    hidden = model.llm.config.hidden_size
     assert features.shape == (2 * model.tokens_per_image, hidden)  # flat, image by image
 
 
@@ -72,7 +72,7 @@ def test_an_image_path_that_disagrees_with_the_count_names_the_sample(model):
 
 def test_a_cut_into_an_image_is_refused_naming_the_sample(model):
     batch = _batch()
-    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, batch))
+    model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=_short(model, batch))
     try:
         with pytest.raises(ImageSpanCut, match=r"sample 2 of the micro-batch \(dataset index 9\): max_txt_len=\d+ "
                                                r"would cut the image placeholders .*run.sft.on_image_cut: drop"):
@@ -80,7 +80,7 @@ def test_a_cut_into_an_image_is_refused_naming_the_sample(model):
         with pytest.raises(ImageSpanCut, match="sample 2 of the micro-batch"):
             model(_batch())  # a direct forward refuses too: only the training objective may drop
     finally:
-        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+        model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=512)
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -88,7 +88,7 @@ def test_a_cut_sample_is_dropped_with_its_images_and_counted(model, caplog, pack
     batch = _batch()
     keep = {"image": batch["image"][:1], "num_images": [1, 0], "instruction": batch["instruction"][:2],
             "output": batch["output"][:2], "index": batch["index"][:2]}
-    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, batch))
+    model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=_short(model, batch))
     before = getattr(model, "image_cut_drops", 0)
     pack_to = 512 if pack else None
     try:
@@ -111,7 +111,7 @@ def test_a_cut_sample_is_dropped_with_its_images_and_counted(model, caplog, pack
             out = model(blank)
         assert int(out["num_tokens"]) == 0 and float(out["loss"]) == 0.0
     finally:
-        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+        model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=512)
 
 
 def test_token_counting_for_a_budget_takes_a_cut_samples_whole_length(model):
@@ -120,12 +120,12 @@ def test_token_counting_for_a_budget_takes_a_cut_samples_whole_length(model):
     texts = [{"instruction": t, "output": o, "num_images": n} for t, o, n in
              zip(_batch()["instruction"], _batch()["output"], _batch()["num_images"])]
     whole = counted_by(model.prepare_batch)(texts)
-    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, _batch()))
+    model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=_short(model, _batch()))
     try:
-        assert whole[2] > model.prompt.max_len >= max(whole[:2])  # only the third is cut
+        assert whole[2] > model.llm.prompt.max_len >= max(whole[:2])  # only the third is cut
         assert counted_by(model.prepare_batch)(texts) == whole
     finally:
-        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+        model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=512)
 
 
 def test_images_move_by_their_rows_whether_pixels_or_flat_patches():
@@ -165,7 +165,7 @@ def test_a_bad_on_image_cut_is_named_with_what_is_valid(section, problem):
 
 def test_a_prompt_without_a_fixed_count_places_each_images_own(model):
     """A prompt of a model whose count depends on the image reserves what each call gives, per image in order."""
-    prompt = dataclasses.replace(model.prompt, num_image_tokens=None)
+    prompt = dataclasses.replace(model.llm.prompt, num_image_tokens=None)
     ids = prompt.generation_prompt(["<ImageHere> a <ImageHere> b"], (), 2, image_tokens=[3, 5])
     runs = "".join("x" if t == prompt.image_token_id else " " for t in ids).split()
     assert runs == ["xxx", "xxxxx"]

@@ -54,8 +54,8 @@ def test_each_family_trains_generates_and_shards_by_its_own_decoder_layers(token
     assert math.isfinite(out["loss"].item()) and model.connector.llm_proj.weight.grad.abs().sum() > 0
     llm_blocks = model.repeated_blocks()[-2:]
     assert [type(b).__name__ for b in llm_blocks] == [LAYER_CLASSES[name]] * 2
-    eot = model.llm_tokenizer.convert_tokens_to_ids(FAMILIES[name].end_of_turn)
-    assert model.end_of_turn_id == eot
+    eot = model.llm.tokenizer.convert_tokens_to_ids(FAMILIES[name].end_of_turn)
+    assert model.llm.end_of_turn_id == eot
     model.eval()
     answers = model.generate({**samples(), "output": [[], ["A dog runs on the grass."]]}, max_new_tokens=4)
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)

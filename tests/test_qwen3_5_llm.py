@@ -83,7 +83,7 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
             hook.remove()
     # Qwen3.5's template, thinking off: each answer follows an empty think block, as generation would see it
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>" in \
-        model.llm_tokenizer.decode(padded["input_ids"][0])
+        model.llm.tokenizer.decode(padded["input_ids"][0])
     assert padded["input_ids"].shape[0] == 4  # four padded rows
     assert packed["input_ids"].shape[0] == 1 and len(packed["row_spans"][0]) == 4  # four samples in one row
     for counted in (padded_calls, calls):

@@ -70,7 +70,7 @@ def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
     features = model.encode_images(batch["image"], batch)
     ids = batch["input_ids"]
     embeds = model.llm_model.get_input_embeddings()(ids).clone()
-    embeds[ids == model.prompt.image_token_id] = features.reshape(-1, features.shape[-1])
+    embeds[ids == model.llm.prompt.image_token_id] = features.reshape(-1, features.shape[-1])
     logits = model.llm_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
     targets = batch["labels"][:, 1:]
     where = targets != IGNORE_INDEX

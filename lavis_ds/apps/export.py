@@ -104,7 +104,7 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Pat
         raise ExportError(f"--merge-lora: {type(model).__name__} has no merge_lora(); export without it")
     llm = model.merge_lora()
     llm.save_pretrained(out / MERGED_LLM_DIR)
-    model.llm_tokenizer.save_pretrained(out / MERGED_LLM_DIR)  # with the tokens the model added: HF-ready
+    model.llm.tokenizer.save_pretrained(out / MERGED_LLM_DIR)  # with the tokens the model added: HF-ready
     # The model rebuilt from this export loads the merged LLM instead of building the random one: the connector
     # (the model names it) goes into the file even when it was frozen, so that it never depends on how the LLM
     # gets built.

@@ -57,17 +57,14 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
                                     "{'attention_mask', ...}"),),
     # export --merge-lora: the LLM as a plain Hugging Face model, its tokenizer, and what goes beside it
     "merge": (Need("merge_lora", "merge_lora() -> transformers.PreTrainedModel"),
-              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
+              Need("llm", "llm (a models.chat_llm.ChatLLM: llm.tokenizer, the transformers tokenizer it saves)"),
               Need("LLM_PREFIX", "LLM_PREFIX = the state_dict prefix of the LLM merge_lora returns"),
               Need("CONNECTOR_PREFIXES", "CONNECTOR_PREFIXES = prefixes of parameters written even when frozen"),
               Need("merged_llm_settings", "merged_llm_settings(folder) -> the model: keys that load the merged LLM")),
     # chat, the web page, batch inference and the Hugging Face processor export: the prompt and the LLM's limits
-    "chat": (Need("prompt", "prompt (a models.prompt.ChatPrompt: generation_prompt, image_token_id, ...)"),
-             Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
-             Need("llm_transformers_config", "llm_transformers_config (the LLM's transformers config: "
-                                             "max_position_embeddings, ...)"),
-             Need("stop_token_ids", "stop_token_ids() -> list[int]"),
-             Need("pad_id", "pad_id (the tokenizer's pad token id)"),
+    "chat": (Need("llm", "llm (a models.chat_llm.ChatLLM: llm.prompt, a models.prompt.ChatPrompt with "
+                         "generation_prompt, image_token_id, ...; llm.tokenizer; llm.config, the LLM's transformers "
+                         "config with max_position_embeddings, ...; llm.stop_token_ids() -> list[int]; llm.pad_id)"),
              Need("image_size_of", "image_size_of(section) -> the image side its tower takes")),
     # show_sample: the prompt a model: section builds, without weights
     "show_sample": (Need("prompt_from_config", "prompt_from_config(section) -> models.prompt.ChatPrompt"),),
@@ -77,7 +74,7 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
 def missing(cls: type, uses: Iterable[str]) -> list[Need]:
     """The contract's needs of ``uses`` (keys of CONTRACT) that model class ``cls`` does not provide."""
     lacking = []
-    # An attribute the constructor sets is declared by a class annotation (``prompt: ChatPrompt``).
+    # An attribute the constructor sets is declared by a class annotation (``llm: ChatLLM``).
     declared = {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
     for use in uses:
         for need in CONTRACT[use]:
@@ -107,6 +104,9 @@ class BaseModel(nn.Module):
 
     # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
     IMAGE_PROCESSORS: dict[str, str] = {}
+    # Submodules kept in eval whatever ``train()`` is called with (``freeze_module``): an instance's own set once one
+    # is frozen, so two models in one process never share it.
+    _eval_only: frozenset[str] = frozenset()
 
     # What the config loader asks the class about a merged `model:` section, before anything is built.
     @classmethod
@@ -228,12 +228,11 @@ class BaseModel(nn.Module):
         module = self.get_submodule(name)
         module.requires_grad_(False)
         module.eval()
-        # An instance attribute, not a class one: two models in one process never share it.
-        self._eval_only = getattr(self, "_eval_only", frozenset()) | {name}
+        self._eval_only = self._eval_only | {name}
 
     def train(self, mode: bool = True) -> "BaseModel":
         """Switch mode like ``nn.Module.train``, except that frozen submodules stay in eval."""
         super().train(mode)
-        for name in sorted(getattr(self, "_eval_only", ())):
+        for name in sorted(self._eval_only):
             self.get_submodule(name).eval()
         return self

@@ -28,15 +28,13 @@ from torch import nn
 
 from lavis_ds.common.registry import Registry, connectors, vision_towers
 from lavis_ds.common.schema import check_section, fields_of
-from lavis_ds.models.parts import PartError, build_part
+from lavis_ds.models.parts import PART_KINDS, PartError, check_layouts, given_part_sections
 from lavis_ds.models.prompt import image_counts
 from lavis_ds.models.published import load_published, settings_from_published
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.vision_llm_batch import packed_image_order
 from lavis_ds.processors.image import ImageProcessing
 
-# The keys of the model section that hold a part's section, and the registry each part's name is looked up in.
-PART_KINDS: dict[str, Registry] = {"vision_tower": vision_towers, "connector": connectors}
 # Keys a part section takes besides its class's constructor arguments (``parts.build_part``).
 PART_EXTRA_KEYS = ("name", "pretrained", "freeze")
 # The fields of an instruction connector's inputs that travel in a prepared batch (one row per image).
@@ -55,32 +53,6 @@ class ComposedVisionLLM(VisionLLM):
     # Whether the architecture takes parts with flat features of images of their own sizes (``FLAT_FEATURES``: the
     # Qwen-VL towers and patch_merger) instead of fixed-size towers and connectors.
     FLAT_FEATURES = False
-
-    def __init__(self, *, vision_tower: dict[str, Any] | None = None, connector: dict[str, Any] | None = None,
-                 **llm_args: Any):
-        """
-        Args:
-            vision_tower: The tower's section: ``name`` (a registered tower: ``clip``, ``siglip``,
-                ``eva_vit_g``, ...) plus its keys, ``pretrained`` (published weights) and ``freeze``
-                (default true). Left out: the architecture's default tower.
-            connector: The connector's section: ``name`` (``mlp2x_gelu``, ``linear``, ``qformer``,
-                ``instruct_qformer``, ...) plus its keys, ``pretrained`` and ``freeze`` (default false). Its
-                widths come from the tower and the LLM.
-            **llm_args: The LLM side's arguments (``VisionLLM``: ``llm_model``, ``tokenizer``, ``get_lora``, ...).
-        """
-        super().__init__(**llm_args)
-        tower_section, connector_section = given_part_sections(type(self), {"vision_tower": vision_tower,
-                                                                            "connector": connector})
-        check_layouts(type(self), tower_section, connector_section)
-        self.vision_tower = build_part(vision_towers, tower_section, "model.vision_tower")
-        llm_width = self.build_llm()
-        self.connector = build_part(connectors, connector_section, "model.connector",
-                                    vision_width=self.vision_tower.num_features, llm_width=llm_width)
-        self.image_size = self.vision_tower.image_size
-        # A flat-feature tower has no count per image: tokens_for_image says it per image size.
-        self.tokens_per_image = None if self.vision_tower.num_tokens is None \
-            else self.connector.tokens_per_image(self.vision_tower.num_tokens)
-        self.finish_build()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | DictConfig) -> "ComposedVisionLLM":
@@ -244,15 +216,6 @@ class ComposedVisionLLM(VisionLLM):
         return self.connector(self.vision_tower(images), inputs)
 
 
-def given_part_sections(arch: type, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``vision_tower`` and ``connector`` sections of ``section``, ``arch``'s defaults where left out."""
-    out = []
-    for key in PART_KINDS:
-        given = section.get(key)
-        out.append(dict(given) if given is not None else dict(arch.DEFAULT_PARTS[key]))
-    return out[0], out[1]
-
-
 def _part_section_problems(kind: Registry, section: Mapping[str, Any], path: str) -> list[str]:
     """The part's name looked up (did-you-mean), its keys and their types checked against its class."""
     if "name" not in section:
@@ -277,20 +240,6 @@ class Geometry(NamedTuple):
     image_size: int | None
     tokens_per_image: int | None
     processing: ImageProcessing | Any
-
-
-def check_layouts(arch: type, tower: Mapping[str, Any], connector: Mapping[str, Any]) -> None:
-    """Raise ``PartError`` where the tower, the connector and the architecture differ in feature layout: fixed-size
-    images ``[N, T, C]``, or flat patches of images of their own sizes (``FLAT_FEATURES``)."""
-    for key, section, kind in (("vision_tower", tower, vision_towers), ("connector", connector, connectors)):
-        name = section.get("name")
-        part = kind.get(name) if name in kind else None
-        if part is not None and part.FLAT_FEATURES != arch.FLAT_FEATURES:
-            own = "flat patch features of images of their own sizes" if part.FLAT_FEATURES else "fixed-size images"
-            takes = "flat patch features" if arch.FLAT_FEATURES else "fixed-size towers and connectors"
-            flat = [n for n in kind if kind.get(n).FLAT_FEATURES == arch.FLAT_FEATURES]
-            raise PartError(f"{key}.name: {name} works on {own}, but this architecture takes {takes}: valid here: "
-                            f"{', '.join(flat)}")
 
 
 @functools.lru_cache(maxsize=64)

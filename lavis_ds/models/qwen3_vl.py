@@ -76,7 +76,7 @@ class Qwen3VL(QwenVL):
         """The build refuses what the config check does (``deepstack_problems``), for a model built without it."""
         problems = self.deepstack_problems(list(getattr(self.vision_tower, "tap_layers", ())),
                                            getattr(self.connector, "deepstack_taps", 0),
-                                           self.llm_transformers_config.num_hidden_layers)
+                                           self.llm.config.num_hidden_layers)
         if problems:
             raise PartError(problems[0])
 
@@ -139,12 +139,12 @@ class Qwen3VL(QwenVL):
                    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The merged tokens spliced in at the placeholders; the DeepStack tokens and the placeholders' positions as
         the text model's ``deepstack_visual_embeds`` and ``visual_pos_masks``."""
-        hidden = self.llm_transformers_config.hidden_size
+        hidden = self.llm.config.hidden_size
         merged, *deepstack = image_embeds.split(hidden, dim=-1)
         embeds = self._embed(input_ids, merged)
         if not deepstack or merged.shape[0] == 0:
             return embeds, {}
-        mask = torch.isin(input_ids, torch.tensor(self.prompt.placeholder_ids, device=input_ids.device))
+        mask = torch.isin(input_ids, torch.tensor(self.llm.prompt.placeholder_ids, device=input_ids.device))
         return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}
 
 

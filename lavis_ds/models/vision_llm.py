@@ -8,22 +8,21 @@ An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only 
   image; ``samples`` is the prepared batch (InstructBLIP reads the instruction from it, a Qwen-VL tower its
   ``image_grid_thw``). Under packing the images arrive in packed order: ``samples["order"]`` lists the sample of each
   packed sample.
-- ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, the classmethods
+- ``tokens_per_image`` and ``image_size`` (instance attributes, from the tower and the connector) and their
+  config-side twins, the classmethods
   ``tokens_per_image_of(section)`` and ``image_size_of(section)``; an image path whose count depends on the image's
   size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders and the splice both follow
   (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
 - ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
 - optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
 
-Its constructor takes its own keyword-only arguments plus ``**llm_args`` (this class's arguments: the config
-validator follows ``**kwargs`` up the MRO, so it sees every key with its type and default) and builds in this order,
-the order its parameters (and the engines' flat optimizer states) take:
-
-    super().__init__(**llm_args)      # the tokenizer and the LLM-side settings
-    ... the parts that do not need the LLM (the tower) ...
-    hidden = self.build_llm()         # self.llm_model, grad checkpointing; returns the LLM width
-    ... the parts that do (the projection to ``hidden``), freezing its own parts ...
-    self.finish_build()               # the prompt, the LLM's freezing, LoRA, trainable token rows
+Its constructor builds the parts from their sections, in one step, in the order their random initialisations
+draw (and their parameters, and the engines' flat optimizer states, are registered): the tower, then the LLM
+(``model.llm``, a ``lavis_ds.models.chat_llm.ChatLLM``, its causal LM registered as ``llm_model``; built with the
+random number generator forked, then frozen, LoRA-wrapped), then the connector (projecting to the LLM's width).
+The connector's initialisation draws before LoRA's, as it always has: a seed gives the same weights.
+An architecture with keys of its own for the parts (``blip2_qwen``) translates them into the two sections and
+passes them on.
 """
 from __future__ import annotations
 
@@ -31,15 +30,17 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.common.schema import fields_of
-from lavis_ds.models.eva_vit import DTYPES
+from lavis_ds.models.chat_llm import ChatLLM, PromptLayout, llm_width
 from lavis_ds.models.flops import FlopModel, Flops, compose
-from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
-                                 num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_families import decoder_layers, llm_config_problems, position_provider, transformers_config
+from lavis_ds.models.llm import prepare_tokenizer
+from lavis_ds.models.llm_families import llm_config_problems
+from lavis_ds.models.parts import build_part, check_layouts, given_part_sections
 from lavis_ds.models.prompt import ChatPrompt
 from lavis_ds.models.vision_llm_forward import VisionLLMForward
 
@@ -79,6 +80,8 @@ class VisionLLM(VisionLLMForward):
     def __init__(
         self,
         *,
+        vision_tower: dict[str, Any] | None = None,
+        connector: dict[str, Any] | None = None,
         llm_model: str | None = None,
         llm_config: dict[str, Any] | None = None,
         llm_precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto",
@@ -99,6 +102,12 @@ class VisionLLM(VisionLLMForward):
     ):
         """
         Args:
+            vision_tower: The tower's section: ``name`` (a registered tower: ``clip``, ``siglip``,
+                ``eva_vit_g``, ...) plus its keys, ``pretrained`` (published weights) and ``freeze``
+                (default true). Left out: the architecture's default tower.
+            connector: The connector's section: ``name`` (``mlp2x_gelu``, ``linear``, ``qformer``,
+                ``instruct_qformer``, ...) plus its keys, ``pretrained`` and ``freeze`` (default false). Its
+                widths come from the tower and the LLM.
             llm_model: Local Hugging Face folder of a causal LM (Qwen2.5, Qwen3, Llama 3.x, ...) to load
                 with ``AutoModelForCausalLM.from_pretrained``. None builds a randomly initialised LLM
                 from ``llm_config`` (tests, demos, meta-device checks).
@@ -108,7 +117,7 @@ class VisionLLM(VisionLLMForward):
             llm_precision: LLM parameter dtype; ``auto`` = the checkpoint's dtype (fp32 for random init).
             tokenizer: Local tokenizer folder; defaults to ``llm_model``. ChatML tokens and ``image_token``
                 it lacks are added (see ``lavis_ds.models.llm``); the tokenizer as used is what
-                ``save_run_files`` writes to the run's output_dir.
+                ``llm.save`` writes to the run's output_dir.
             freeze_llm: Freeze the LLM (required with ``get_lora``: only the adapters train).
             llm_grad_checkpoint: Recompute each LLM decoder layer in backward instead of keeping its
                 activations (most of the memory of a frozen-LLM run, see docs/memory.md), frozen or not.
@@ -137,67 +146,40 @@ class VisionLLM(VisionLLMForward):
         super().__init__()
         if loss_chunks < 0:
             raise ValueError(f"loss_chunks must be >= 0 (0: full logits), got {loss_chunks}")
-        self.llm_args = dict(llm_model=llm_model, llm_config=llm_config, llm_precision=llm_precision,
-                             freeze_llm=freeze_llm, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
-                             lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
-                             max_txt_len=max_txt_len, system_prompt=system_prompt, image_token=image_token,
-                             chat_template_kwargs=chat_template_kwargs or {},
-                             record_system_prompt=record_system_prompt)
-        self.llm_grad_checkpoint = llm_grad_checkpoint
         self.loss_chunks = loss_chunks
-        # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
-        self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token,
-                                                                   self.PROMPT_TOKENS)
-
-    # ----------------------------------------------------------------- building (the subclass calls these)
-    def build_llm(self) -> int:
-        """Build ``self.llm_model`` (placed as the runner building this model asks: whole, partitioned from the
-        start, or empty until process 0 sends its shards; ``lavis_ds.models.llm_placement``); returns its width."""
-        path, llm_config, precision = (self.llm_args[k] for k in ("llm_model", "llm_config", "llm_precision"))
-        if path is not None and llm_config:
-            logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
-        architecture = None if path is not None else transformers_config(llm_config or {},
-                                                                         vocab_size=num_token_ids(self.llm_tokenizer))
-        self.llm_model = build_llm(path, architecture, None if precision == "auto" else DTYPES[precision],
-                                   self.llm_tokenizer)
-        if self.llm_grad_checkpoint:
-            # Non-reentrant: gradients reach the image path through the LLM's inputs even when every
-            # LLM weight is frozen, and dropout replays the same mask in the recomputation.
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.llm_model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-                self.llm_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                self.llm_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return self.llm_model.config.hidden_size
-
-    def finish_build(self) -> None:
-        """The prompt, then the LLM's freezing, LoRA and trainable token rows (after the image path: LoRA's
-        initialisation draws random numbers, and the image path's must come first)."""
-        args = self.llm_args
-        self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
-                                 self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
-                                 record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN,
-                                 video_token=self.VIDEO_TOKEN, video_frame_groups=self.VIDEO_FRAME_GROUPS)
-        self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
-        self.positions = position_provider(self.llm_transformers_config)  # 1-D, or M-RoPE for a Qwen-VL text model
-        self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
-        if args["get_lora"] and not args["freeze_llm"]:
-            raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
-        if args["freeze_llm"] and not args["get_lora"]:
-            self.freeze_module("llm_model")
-        # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
-        if args["get_lora"]:
-            targets = args["lora_target_modules"]
-            targets = lora_target_names(self.llm_model) if targets is None else targets
-            self.llm_model = add_lora(self.llm_model, args["lora_r"], args["lora_alpha"], args["lora_dropout"],
-                                      targets)
-        new_chatml = [t for t in self._added_tokens if t in CHATML_TOKENS]
-        if args["freeze_llm"] and new_chatml:
-            # A frozen LLM never saw these tokens: without trained rows the chat format means nothing.
-            logger.warning("the tokenizer lacked %s: their embedding and output rows train (only those rows)",
-                           ", ".join(new_chatml))
-            train_token_rows(base_llm(self.llm_model), self.llm_tokenizer.convert_tokens_to_ids(new_chatml))
-        if self.llm_grad_checkpoint:
+        tower_section, connector_section = given_part_sections(type(self), {"vision_tower": vision_tower,
+                                                                            "connector": connector})
+        check_layouts(type(self), tower_section, connector_section)
+        tower = build_part(vision_towers, tower_section, "model.vision_tower")
+        # A random-init LLM (tests, demos) is initialised from where it always was: right after the tower.
+        llm_random_state = torch.random.get_rng_state()
+        width = llm_width(llm_model, llm_config)
+        part = build_part(connectors, connector_section, "model.connector", vision_width=tower.num_features,
+                          llm_width=width)
+        self.image_size = tower.image_size
+        # A flat-feature tower has no count per image: tokens_for_image says it per image size.
+        self.tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
+        layout = PromptLayout(self.IMAGE_SPAN, self.PROMPT_TOKENS, self.VIDEO_TOKEN, self.VIDEO_FRAME_GROUPS)
+        self.llm = ChatLLM(
+            tokens_per_image=self.tokens_per_image, layout=layout, random_state=llm_random_state,
+            llm_model=llm_model, llm_config=llm_config,
+            llm_precision=llm_precision, tokenizer=tokenizer, freeze_llm=freeze_llm,
+            llm_grad_checkpoint=llm_grad_checkpoint, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, max_txt_len=max_txt_len,
+            system_prompt=system_prompt, record_system_prompt=record_system_prompt, image_token=image_token,
+            chat_template_kwargs=chat_template_kwargs)
+        if self.llm.config.hidden_size != width:
+            raise RuntimeError(f"lavis_ds: the LLM built from {llm_model or 'model.llm_config'} is "
+                               f"{self.llm.config.hidden_size} wide, its config read {width}: the connector would "
+                               "project to the wrong width")
+        # Registered in this order (tower, LLM, connector): the order of the parameters that checkpoints and the
+        # engines' flat optimizer states hold.
+        self.vision_tower = tower
+        self.llm_model = self.llm.model
+        self.connector = part
+        if self.llm.eval_only:  # frozen by the LLM part already (its trainable token rows keep their gradient)
+            self._eval_only = self._eval_only | {"llm_model"}
+        if llm_grad_checkpoint:
             self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
 
     # ----------------------------------------------------------------- what the config asks of the class
@@ -249,12 +231,6 @@ class VisionLLM(VisionLLMForward):
                           video_token=cls.VIDEO_TOKEN, video_frame_groups=cls.VIDEO_FRAME_GROUPS)
 
     # ----------------------------------------------------------------- the LLM as a whole
-    @property
-    def llm_transformers_config(self) -> Any:
-        """The built LLM's transformers config (``hidden_size``, ``vocab_size``, ``max_position_embeddings``, ...);
-        ``llm_config`` is the ``model:`` section's key it may have been built from."""
-        return base_llm(self.llm_model).config
-
     def vision_blocks(self) -> list[nn.Module]:
         """The image path's transformer blocks (the tower's, a Q-Former's layers). Subclasses say."""
         return []
@@ -262,16 +238,13 @@ class VisionLLM(VisionLLMForward):
     def repeated_blocks(self) -> list[nn.Module]:
         """The image path's blocks, then the LLM's decoder layers: the units a sharding engine gathers one at a
         time. What is left (embeddings, norms, heads, queries, projection) belongs to the model as a whole."""
-        return [*self.vision_blocks(), *decoder_layers(base_llm(self.llm_model))]
+        return [*self.vision_blocks(), *self.llm.blocks()]
 
     def train(self, mode: bool = True) -> "VisionLLM":
         super().train(mode)
-        if self.llm_grad_checkpoint and hasattr(self, "llm_model"):
-            # Transformers checkpoints a decoder layer only while that layer is in training mode, and a
-            # frozen LLM stays in eval. The layers' own flag follows the model; their submodules (the
-            # attention's dropout) keep eval, so a frozen LLM still adds no noise.
-            for layer in decoder_layers(base_llm(self.llm_model)):
-                layer.training = mode
+        llm = self.__dict__.get("llm")  # None while the constructor runs
+        if llm is not None:
+            llm.set_training(mode)
         return self
 
     def flop_model(self) -> FlopModel | None:
@@ -305,7 +278,7 @@ class VisionLLM(VisionLLMForward):
         ``self.llm_model`` (this model keeps working, with the same outputs) and is returned. Call it on a model
         outside the training engine whose trained weights are loaded (partitioned parameters are refused).
         """
-        self.llm_model = merge_llm(self.llm_model)
+        self.llm_model = self.llm.merge_lora()
         return self.llm_model
 
     @staticmethod
@@ -316,5 +289,5 @@ class VisionLLM(VisionLLMForward):
                 "get_lora": False, "freeze_llm": True}
 
     def save_run_files(self, output_dir: str | Path) -> None:
-        """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included, for export and inference."""
-        self.llm_tokenizer.save_pretrained(Path(output_dir) / "tokenizer")
+        """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included (``llm.save``)."""
+        self.llm.save(output_dir)

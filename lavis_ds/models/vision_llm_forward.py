@@ -12,13 +12,14 @@ from typing import Any, Literal
 import torch
 
 from lavis_ds.models.base import BaseModel
+from lavis_ds.models.chat_llm import ChatLLM
 from lavis_ds.models.image_tokens import (Size, batch_images, check_feature_rows, flat_features, image_sizes,
                                            per_sample, select_images)
 from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
-from lavis_ds.models.positions import PositionProvider, Visual
-from lavis_ds.models.prompt import IGNORE_INDEX, ChatPrompt, ImageSpanCut, image_counts, pad_batch, pad_positions
+from lavis_ds.models.positions import Visual
+from lavis_ds.models.prompt import IGNORE_INDEX, ImageSpanCut, image_counts, pad_batch, pad_positions
 from lavis_ds.models.vision_llm_batch import (blank_sample, keep_samples, lay_out, log_drop, packed_image_order,
                                               sample_of_positions, training_examples)
 
@@ -35,27 +36,16 @@ class VisionLLMForward(BaseModel):
     # tokens): a batch whose samples share images (a preference pair's two sides) keeps one row per distinct image.
     PER_IMAGE_FIELDS: tuple[str, ...] = ()
     # Set by VisionLLM's constructor (and the model contract's "chat" and "merge" needs, models.base.CONTRACT).
-    tokens_per_image: int
+    tokens_per_image: int | None
     image_size: int
-    llm_tokenizer: Any  # a transformers tokenizer, the prompt's tokens added
-    prompt: ChatPrompt
-    pad_id: int
-    end_of_turn_id: int
-    llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA)
+    llm: ChatLLM  # the LLM part: tokenizer, prompt, positions, pad and end-of-turn ids, the LLM's config
+    llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA): llm.model, registered here
     loss_chunks: int
-    llm_transformers_config: Any  # the built LLM's transformers config (a VisionLLM property)
-    positions: PositionProvider  # how the LLM's family numbers its tokens (llm_families.position_provider)
     image_cut_drops: int = 0  # samples prepare_batch dropped in this process (on_image_cut: drop), for the log
 
     def _head_at_supervised_positions(self) -> bool:
         """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
         return bool(self.loss_chunks) and head_loss_supported(base_llm(self.llm_model))
-
-    def stop_token_ids(self) -> list[int]:
-        """Where generation stops: a turn ends with the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...);
-        a base model's tokenizer may name another eos (<|endoftext|>): stop at either."""
-        eos = self.llm_tokenizer.eos_token_id
-        return list(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
 
     # ----------------------------------------------------------------- the batch
     def batch_fields(self, samples: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +78,7 @@ class VisionLLMForward(BaseModel):
         examples, samples = self._examples(samples, on_image_cut)
         extra = {**self.batch_fields(samples), "image_tokens": self.image_token_counts(samples)}
         rope = self._rope_positions([ids for ids, _ in examples], samples)
-        return {**samples, **extra, **lay_out(examples, self.pad_id, pack_to, rope)}
+        return {**samples, **extra, **lay_out(examples, self.llm.pad_id, pack_to, rope)}
 
     def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
         """Each image as the LLM's position provider sees it (flat image order): its token count and, for an image
@@ -104,18 +94,18 @@ class VisionLLMForward(BaseModel):
     def _rope_positions(self, sequences: list[list[int]], samples: dict[str, Any]) -> list[torch.Tensor] | None:
         """Each sample's ``[rows, L]`` position ids from the LLM family's provider, when it takes more than one row
         (M-RoPE); None for 1-D families, whose positions are ``0..L-1`` (packing's ``position_ids``)."""
-        if self.positions.rows == 1:
+        if self.llm.positions.rows == 1:
             return None
         visuals = self.positioned_visuals(samples)
-        placeholders = self.prompt.placeholder_ids
-        return [self.positions.positions(ids, placeholders, mine) for ids, mine in zip(sequences, visuals, strict=True)]
+        placeholders, provider = self.llm.prompt.placeholder_ids, self.llm.positions
+        return [provider.positions(ids, placeholders, mine) for ids, mine in zip(sequences, visuals, strict=True)]
 
     def _examples(self, samples: dict[str, Any], on_image_cut: str
                   ) -> tuple[list[tuple[list[int], list[int]]], dict[str, Any]]:
         """Each sample's ``(input_ids, labels)`` and the batch they belong to: ``samples``, or without the samples
         truncation would cut into an image (``on_image_cut: drop``; a batch left empty keeps one blank sample)."""
         counts = per_sample(self.image_token_counts(samples), image_counts(samples))
-        examples = training_examples(self.prompt, samples, counts)
+        examples = training_examples(self.llm.prompt, samples, counts)
         kept = [i for i, example in enumerate(examples) if not isinstance(example, ImageSpanCut)]
         if len(kept) == len(examples):
             return examples, samples
@@ -125,7 +115,7 @@ class VisionLLMForward(BaseModel):
             self.image_cut_drops += 1
             log_drop(cut.where, cut, self.image_cut_drops)
         if not kept:  # every rank runs a forward (ZeRO-3 / FSDP collectives): one token, nothing supervised
-            return [([self.pad_id], [IGNORE_INDEX])], blank_sample(samples)
+            return [([self.llm.pad_id], [IGNORE_INDEX])], blank_sample(samples)
         return [examples[i] for i in kept], keep_samples(samples, kept)
 
     def supervised_tokens(self, samples: dict[str, Any]) -> int:
@@ -157,7 +147,7 @@ class VisionLLMForward(BaseModel):
                                  f"{type(self).__name__}.encode_images").to(dtype)
         device = self._device() if image is None else image.device
         if not dummy:
-            return torch.zeros((0, self.llm_transformers_config.hidden_size), device=device, dtype=dtype)
+            return torch.zeros((0, self.llm.config.hidden_size), device=device, dtype=dtype)
         blank = {**view, **self.blank_images(device)}
         features = self.encode_images(blank["image"], blank)
         return (features.flatten(0, 1) if features.dim() == 3 else features).to(dtype)
@@ -285,11 +275,12 @@ class VisionLLMForward(BaseModel):
         systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
         counts = per_sample(self.image_token_counts(samples), num_images)
-        videos = per_sample(self.prompt.video_marks(samples), num_images)
-        prompts = [self.prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
+        videos = per_sample(self.llm.prompt.video_marks(samples), num_images)
+        prompt = self.llm.prompt
+        prompts = [prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
                    for ins, out, mine, system, video in zip(samples["instruction"], answers, counts, systems, videos,
                                                             strict=True)]
-        input_ids, attention_mask = pad_batch(prompts, self.pad_id, side="left")
+        input_ids, attention_mask = pad_batch(prompts, self.llm.pad_id, side="left")
         device = self._device() if image is None else image.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
 
@@ -299,8 +290,8 @@ class VisionLLMForward(BaseModel):
         inputs_embeds, more = self.llm_inputs(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
         # The placeholders are never words: generating one would feed its meaningless row back in.
         options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
-                       eos_token_id=self.stop_token_ids(), pad_token_id=self.pad_id, synced_gpus=synced_gpus,
-                       suppress_tokens=self.prompt.placeholder_ids)
+                       eos_token_id=self.llm.stop_token_ids(), pad_token_id=self.llm.pad_id, synced_gpus=synced_gpus,
+                       suppress_tokens=self.llm.prompt.placeholder_ids)
         options.update(more)
         options.update(generate_kwargs)
         rope = self._rope_positions(prompts, samples)
@@ -310,7 +301,7 @@ class VisionLLMForward(BaseModel):
             options["position_ids"] = pad_positions(rope, input_ids.shape[1], side="left").to(device)
         # With only inputs_embeds, generate returns just the new tokens.
         new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
-        return [text.strip() for text in self.llm_tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+        return [text.strip() for text in self.llm.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
     def llm_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -321,7 +312,7 @@ class VisionLLMForward(BaseModel):
     def _embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
         """Token embeddings with each placeholder run replaced by its image's features."""
         embeds = self.llm_model.get_input_embeddings()(input_ids)
-        image_id, *video_id = self.prompt.placeholder_ids  # an image's run, or a video's (its own token)
+        image_id, *video_id = self.llm.prompt.placeholder_ids  # an image's run, or a video's (its own token)
         is_image = input_ids == image_id
         for token in video_id:
             is_image = is_image | (input_ids == token)

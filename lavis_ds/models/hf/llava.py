@@ -49,9 +49,9 @@ def llava_config(model: nn.Module, dtype: torch.dtype):
 
     tower, connector, llm = model.vision_tower, model.connector, base_llm(model.llm_model)
     # generate reads its stop and pad ids from the generation config built from text_config too.
-    text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
+    text = llm.config.to_dict() | {"eos_token_id": model.llm.stop_token_ids(), "pad_token_id": model.llm.pad_id}
     config = LlavaConfig(vision_config=tower.model.config.to_dict(), text_config=text,
-                         image_token_index=model.prompt.image_token_id, image_seq_length=tower.num_tokens,
+                         image_token_index=model.llm.prompt.image_token_id, image_seq_length=tower.num_tokens,
                          projector_hidden_act=projector_act_name(connector),
                          vision_feature_select_strategy=tower.strategy, vision_feature_layer=tower.layers,
                          multimodal_projector_bias=connector.linear_1.bias is not None,
@@ -164,7 +164,7 @@ class LlavaFamily(HfFamily):
         tower = model.vision_tower
         return LlavaProcessor(image_processor, tokenizer, patch_size=tower.model.config.patch_size,
                               vision_feature_select_strategy=tower.strategy, chat_template=template,
-                              image_token=model.prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
+                              image_token=model.llm.prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
 
     def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
         """The connector, the tower's class and size, its feature selection, the image tokens per image."""
