@@ -45,18 +45,24 @@ def _is_self(node: ast.AST) -> bool:
 
 
 class ClassSource:
-    """One class statement: the names its body and its constructor declare, and what each other method sets."""
+    """One class statement: the names its body and its constructor declare, whether that constructor runs its
+    bases' (``chains_up``), and what each other method sets."""
 
     def __init__(self, node: ast.ClassDef):
         methods = [item for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        constructor = next((method for method in methods if method.name == CONSTRUCTOR), None)
         # A class-level value declares a name; a bare annotation (``prompt: ChatPrompt``) only types one that
         # something else sets (a dataclass's generated constructor: ``late_attributes``).
-        self.declared = {target.id for item in node.body if isinstance(item, ast.Assign) for target in item.targets
-                         if isinstance(target, ast.Name)}
-        self.declared |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)
-                          and item.value is not None and isinstance(item.target, ast.Name)}
-        self.declared |= {name for method in methods if method.name == CONSTRUCTOR
-                          for name in self_attributes(method)}
+        self.class_level = {target.id for item in node.body if isinstance(item, ast.Assign)
+                            for target in item.targets if isinstance(target, ast.Name)}
+        self.class_level |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)
+                             and item.value is not None and isinstance(item.target, ast.Name)}
+        self.constructed = self_attributes(constructor) if constructor is not None else set()
+        self.declared = self.class_level | self.constructed
+        # No constructor of its own, or one that calls another's (``super().__init__(...)``, ``Base.__init__``).
+        self.chains_up = constructor is None or any(
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == CONSTRUCTOR
+            for node in ast.walk(constructor))
         self.set_by = {method.name: self_attributes(method) for method in methods if method.name != CONSTRUCTOR}
 
 
@@ -87,16 +93,19 @@ def source_of(cls: type) -> ClassSource | None:
 def late_attributes(cls: type, package: str = "lavis_ds") -> dict[str, str]:
     """``{attribute: the method that sets it}`` for what a method of ``cls``'s own statement sets on ``self`` that
     neither a constructor nor a class body of its classes declares. Its bases are followed: those of ``package``
-    through their source (constructor and class-level values; annotations only where a generated constructor sets
+    through their source (class-level values, and constructors that run: up to one that calls no other's; annotations only where a generated constructor sets
     them, a dataclass's or a NamedTuple's), any class's class attributes and descriptors, and a library class's
     annotations (``nn.Module.training``: torch's constructor sets them) through the class itself."""
     own = source_of(cls)
     if own is None:
         return {}
-    declared = set()
+    declared, constructors_run = set(), True
     for base in cls.__mro__:
         source = source_of(base) if base.__module__.split(".")[0] == package else None
-        declared |= set(vars(base)) | (source.declared if source is not None else set())
+        declared |= set(vars(base))
+        if source is not None:
+            declared |= source.class_level | (source.constructed if constructors_run else set())
+            constructors_run = constructors_run and source.chains_up  # past a constructor that skips its bases'
         if source is None or dataclasses.is_dataclass(base) or hasattr(base, "_fields"):
             declared |= set(vars(base).get("__annotations__", {}))
     late: dict[str, str] = {}

@@ -103,6 +103,14 @@ class Child(Base):
             self.closure = 1
 
 
+class Orphan(Base):
+    def __init__(self):
+        self.own = 1
+
+    def reset(self):
+        self.in_base = 0
+
+
 @dataclasses.dataclass
 class Record:
     field: int
@@ -119,13 +127,15 @@ class Module(nn.Module):
 
 def test_the_checks_follow_bases_and_see_every_way_to_set_an_attribute(tmp_path, monkeypatch):
     """Tuple and starred targets, augmented assignment, ``with ... as``, ``setattr``, closures; a base's constructor
-    declares, a bare annotation does not (a dataclass's field does, and torch's own ``training``)."""
+    declares where the class's own runs it, a bare annotation does not (a dataclass's field does, and torch's own
+    ``training``)."""
     (tmp_path / "shape_sample.py").write_text(SAMPLE)
     monkeypatch.syspath_prepend(str(tmp_path))
     sample = package_classes("shape_sample")
-    assert set(sample) == {f"shape_sample.{name}" for name in ("Base", "Child", "Record", "Module")}
+    assert set(sample) == {f"shape_sample.{name}" for name in ("Base", "Child", "Orphan", "Record", "Module")}
     assert late_attributes(sample["shape_sample.Child"], "shape_sample") == {
         attr: "method" for attr in ("hinted", "a", "b", "c", "handle", "dynamic", "closure")}
     late = {name.split(".")[1]: late_attributes(cls, "shape_sample") for name, cls in sample.items()}
     assert late["Base"] == {"started": "start"} and late["Record"] == late["Module"] == {}
+    assert late["Orphan"] == {"in_base": "reset"}  # its constructor never runs Base's
     assert public_members(sample["shape_sample.Child"], "shape_sample") == {"LIMIT", "hinted", "start", "method"}
