@@ -36,7 +36,6 @@ NOT_YET = {
 NOT_YET_LATE = {
     "lavis_ds.models.vision_llm.VisionLLM": {"llm_model", "prompt", "pad_id", "end_of_turn_id", "positions"},
     "lavis_ds.models.base.BaseModel": {"_eval_only"},
-    "lavis_ds.models.parts.Part": {"_eval_only"},
 }
 
 
