@@ -186,8 +186,8 @@ def test_the_converted_model_is_lavis_ds_s_bit_for_bit_when_the_norm_eps_agree(t
     input_ids, attention_mask = pad_batch([tiny_model.llm.prompt.generation_prompt(CAPTION)] * 2, 0, side="left")
     with torch.no_grad():
         assert torch.equal(hf.vision_model(images).last_hidden_state, ln_vision(vit(images)))
-        assert torch.equal(hf.get_image_features(images).pooler_output, tiny_model.encode_images(images, {}))
-        embeds = tiny_model._embed(input_ids, tiny_model.encode_images(images, {}))
+        assert torch.equal(hf.get_image_features(images).pooler_output, tiny_model.image_path.encode(images, {}))
+        embeds = tiny_model.image_path.embed(input_ids, tiny_model.image_path.encode(images, {}))
         ours = tiny_model.llm_model(inputs_embeds=embeds, attention_mask=attention_mask).logits
         theirs = hf(pixel_values=images, input_ids=input_ids, attention_mask=attention_mask).logits
     assert torch.equal(theirs, ours)

@@ -221,8 +221,8 @@ def test_each_images_features_go_where_its_marker_stands(model):
     is_image = ids == model.llm.prompt.image_token_id
     assert is_image.sum(1).tolist() == [0, 2 * n_query, n_query]
     with torch.no_grad():
-        features = model.encode_images(batch["image"], {})
-        embeds = model._embed(ids, features)
+        features = model.image_path.encode(batch["image"], {})
+        embeds = model.image_path.embed(ids, features)
     torch.testing.assert_close(embeds[1][is_image[1]], features[:2].flatten(0, 1))
     torch.testing.assert_close(embeds[2][is_image[2]], features[2])
     # Sample 2's image belongs to its second turn: its placeholders come after the first answer.

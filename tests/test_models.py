@@ -182,8 +182,8 @@ def test_image_placeholders_are_replaced_by_projected_queries(tiny_model_config)
 
     input_ids = torch.tensor([ids[0], ids[0]])
     with torch.no_grad():
-        image_embeds = model.encode_images(batch["image"], {})
-        embeds = model._embed(input_ids, image_embeds)
+        image_embeds = model.image_path.encode(batch["image"], {})
+        embeds = model.image_path.embed(input_ids, image_embeds)
         token_embeds = model.llm_model.get_input_embeddings()(input_ids)
     is_image = input_ids == model.llm.prompt.image_token_id
     assert image_embeds.shape == (2, n_query, model.llm_model.config.hidden_size)
@@ -295,7 +295,7 @@ def test_forward_loss_is_the_mean_over_answer_tokens(tiny_model_config):
     input_ids, attention_mask = pad_batch([e[0] for e in examples], model.llm.pad_id, "right")
     labels, _ = pad_batch([e[1] for e in examples], IGNORE_INDEX, "right")
     with torch.no_grad():
-        embeds = model._embed(input_ids, model.encode_images(batch["image"], {}))
+        embeds = model.image_path.embed(input_ids, model.image_path.encode(batch["image"], {}))
         hf = model.llm_model(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels).loss
     torch.testing.assert_close(out["loss"].detach(), hf, rtol=1e-5, atol=1e-5)
     # Right padding must not leak into the loss: the batch sums to its samples' sums.

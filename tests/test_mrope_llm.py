@@ -9,6 +9,8 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from archs import loss_and_grads
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import llm_config_problems
+from lavis_ds.models.image_layout import ImageLayout
+from lavis_ds.models.image_path import ImagePath
 from lavis_ds.models.positions import TextPositions, Visual
 from lavis_ds.models.qwen_vl_text import Qwen2VLTextForCausalLM
 
@@ -20,12 +22,22 @@ QUESTIONS = ["What is in the image?", "What colour is the ball, and how large is
 ANSWERS = ["A cat.", "It is red and small.", "Three.", "A dog runs on the grass next to a red ball."]
 
 
-class GridQueries(Blip2Qwen):
-    """The Q-Former's 8 queries laid out as a 2 x 4 grid of LLM tokens: an image path that says its grid (as a
-    Qwen-VL tower does) through the documented hook, so that images take M-RoPE's grid positions."""
+class GridQueryLayout(ImageLayout):
+    """The Q-Former's 8 queries laid out as a 2 x 4 grid of LLM tokens (as a Qwen-VL tower's are on its grid)."""
 
-    def image_visuals(self, samples):
-        return [Visual(n, (1, 2, n // 2)) for n in self.image_token_counts(samples)]
+    def visuals(self, samples):
+        return [Visual(n, (1, 2, n // 2)) for n in self.counts(samples)]
+
+
+class GridQueryPath(ImagePath):
+    LAYOUT = GridQueryLayout
+
+
+class GridQueries(Blip2Qwen):
+    """An image path that says its grid through the documented hook (its ``IMAGE_PATH``'s layout), so that images
+    take M-RoPE's grid positions."""
+
+    IMAGE_PATH = GridQueryPath
 
 
 @pytest.fixture(scope="module")

@@ -88,8 +88,8 @@ def check_logits_and_generation(model, reference, extra_inputs, generation: bool
     input_ids, attention_mask = prompts(model, 2)
     samples = {"image": pixels, "instruction": INSTRUCTIONS}
     with torch.no_grad():
-        features = model.image_embeds(pixels, dummy=False, samples=samples)
-        logits = model.llm_model(inputs_embeds=model._embed(input_ids, features), attention_mask=attention_mask).logits
+        features = model.image_path.features(pixels, dummy=False, samples=samples)
+        logits = model.llm_model(inputs_embeds=model.image_path.embed(input_ids, features), attention_mask=attention_mask).logits
         theirs = reference(pixel_values=pixels, input_ids=input_ids, attention_mask=attention_mask,
                            **extra_inputs(model, samples)).logits
     real = attention_mask.bool()
@@ -110,7 +110,7 @@ def check_logits_and_generation(model, reference, extra_inputs, generation: bool
 
 def test_llava_folder_gives_transformers_logits_and_answers(llava_folder):
     model = ours(Llava, llava_folder)
-    assert model.llm.prompt.image_token == "<image>" and model.tokens_per_image == 16
+    assert model.llm.prompt.image_token == "<image>" and model.images.tokens_per_image == 16
     reference = LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
     check_logits_and_generation(model, reference, lambda model, samples: {})
 
@@ -143,7 +143,7 @@ def test_instructblip_folder_gives_transformers_logits_and_answers(instructblip_
     model = ours(InstructBlip, instructblip_folder)
     assert model.connector.tokenizer.name_or_path.endswith("qformer_tokenizer")
     reference = InstructBlipForConditionalGeneration.from_pretrained(instructblip_folder).eval()
-    check_logits_and_generation(model, reference, lambda model, samples: model.batch_fields(samples))
+    check_logits_and_generation(model, reference, lambda model, samples: model.image_path.host_inputs(samples))
 
 
 def test_lavis_instructblip_pth_loads_the_folders_parts(instructblip_folder, tmp_path):
@@ -308,5 +308,5 @@ def test_the_documented_yaml_loads_a_published_folder_through_the_config_check(
     else:
         assert model.llm.prompt.end_of_turn_id == model.llm.tokenizer.convert_tokens_to_ids("<|eot_id|>")
         reference = InstructBlipForConditionalGeneration.from_pretrained(folder).eval()
-        check_logits_and_generation(model, reference, lambda model, samples: model.batch_fields(samples),
+        check_logits_and_generation(model, reference, lambda model, samples: model.image_path.host_inputs(samples),
                                     generation=preset == "frozen")

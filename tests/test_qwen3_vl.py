@@ -178,7 +178,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
     assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
     weightless = type(ours).prompt_from_config(user_yaml("qwen3_vl", folder))
-    shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.tokens_for_image)
+    shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.images.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
 
 
@@ -200,7 +200,7 @@ def test_the_tower_and_its_mergers_equal_transformers_vision_model(pair):
     grid = inputs["image_grid_thw"]
     with torch.no_grad():
         expected = theirs.model.visual(inputs["pixel_values"], grid_thw=grid)
-        features = ours.encode_images(sample["image"], sample)
+        features = ours.image_path.encode(sample["image"], sample)
     hidden = ours.llm.config.hidden_size
     merged, *deepstack = features.split(hidden, dim=-1)
     assert len(deepstack) == len(expected.deepstack_features) == 2

@@ -67,7 +67,7 @@ def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
     """loss = CE(LLM(token embeddings with encode_images' features at the placeholders)), composed by hand."""
     model = build(tiny_tokenizer_dir, loss_chunks=0).eval()  # no dropout: two passes see the same numbers
     batch = model.prepare_batch(samples())
-    features = model.encode_images(batch["image"], batch)
+    features = model.image_path.encode(batch["image"], batch)
     ids = batch["input_ids"]
     embeds = model.llm_model.get_input_embeddings()(ids).clone()
     embeds[ids == model.llm.prompt.image_token_id] = features.reshape(-1, features.shape[-1])
@@ -118,7 +118,7 @@ def test_chunked_head_loss_and_gradients_equal_the_full_logits_path(tokenizers, 
 def _manual_answer_logps(model: Blip2Qwen, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample of a padded batch: the log_softmax of the full logits at each supervised target, summed."""
     features = model.image_features(batch)
-    embeds = model._embed(batch["input_ids"], features)
+    embeds = model.image_path.embed(batch["input_ids"], features)
     logits = model.llm_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits[:, :-1]
     targets = batch["labels"][:, 1:]
     where = targets != IGNORE_INDEX

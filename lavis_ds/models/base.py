@@ -104,8 +104,8 @@ class BaseModel(nn.Module):
 
     # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
     IMAGE_PROCESSORS: dict[str, str] = {}
-    # Submodules kept in eval whatever ``train()`` is called with (``freeze_module``): an instance's own set once one
-    # is frozen, so two models in one process never share it.
+    # Submodules a subclass froze and keeps in eval whatever ``train()`` is called with (LAVIS's ``disabled_train``:
+    # dropout in a frozen part would only add noise); a subclass's constructor sets its instance's own set.
     _eval_only: frozenset[str] = frozenset()
 
     # What the config loader asks the class about a merged `model:` section, before anything is built.
@@ -216,19 +216,6 @@ class BaseModel(nn.Module):
         """What a training sample costs in FLOPs (a ``lavis_ds.models.flops.FlopModel``), for the logged MFU, or
         None (default): the model does not say."""
         return None
-
-    def freeze_module(self, name: str) -> None:
-        """Freeze submodule ``name`` (dotted path) and keep it in eval mode from now on.
-
-        LAVIS does the same (``disabled_train``): dropout and drop-path of a frozen
-        tower would only add noise to the features the trainable parts learn from.
-        """
-        if not name:
-            raise ValueError("freeze_module needs a submodule name; to freeze everything use requires_grad_(False)")
-        module = self.get_submodule(name)
-        module.requires_grad_(False)
-        module.eval()
-        self._eval_only = self._eval_only | {name}
 
     def train(self, mode: bool = True) -> "BaseModel":
         """Switch mode like ``nn.Module.train``, except that frozen submodules stay in eval."""

@@ -7,7 +7,7 @@ The model holds its parts as fields, each built from one config section named af
 
 (see ``lavis_ds.models.parts``). The image path is ``connector(vision_tower(images), connector inputs)``;
 an instruction-aware connector (InstructBLIP's Q-Former) gets its inputs from ``connector.prepare``, which
-``prepare_batch`` runs on the host (``batch_fields``). Registered architectures (``llava``, ``instructblip``)
+``prepare_batch`` runs on the host (``HostBatch.connector_fields``). Registered architectures (``llava``, ``instructblip``)
 are subclasses that only name their default parts, presets and published-checkpoint formats; any tower
 with any connector trains by YAML (``arch: llava`` with ``vision_tower: {name: siglip}`` and
 ``connector: {name: qformer}``).
@@ -24,21 +24,16 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from lavis_ds.common.registry import Registry, connectors, vision_towers
 from lavis_ds.common.schema import check_section, fields_of
 from lavis_ds.models.parts import PART_KINDS, PartError, check_layouts, given_part_sections
-from lavis_ds.models.prompt import image_counts
 from lavis_ds.models.published import load_published, settings_from_published
 from lavis_ds.models.vision_llm import VisionLLM
-from lavis_ds.models.vision_llm_batch import packed_image_order
 from lavis_ds.processors.image import ImageProcessing
 
 # Keys a part section takes besides its class's constructor arguments (``parts.build_part``).
 PART_EXTRA_KEYS = ("name", "pretrained", "freeze")
-# The fields of an instruction connector's inputs that travel in a prepared batch (one row per image).
-CONNECTOR_INPUT_KEYS = ("qformer_input_ids", "qformer_attention_mask")
 
 
 class ComposedVisionLLM(VisionLLM):
@@ -49,7 +44,6 @@ class ComposedVisionLLM(VisionLLM):
     # A dataset that names no image processor gets the tower's own processing (filled in by the config loader).
     IMAGE_PROCESSORS = {"train": "tower_image_train", "eval": "tower_image_eval"}
     CONNECTOR_PREFIXES = ("connector.",)
-    PER_IMAGE_FIELDS = CONNECTOR_INPUT_KEYS
     # Whether the architecture takes parts with flat features of images of their own sizes (``FLAT_FEATURES``: the
     # Qwen-VL towers and patch_merger) instead of fixed-size towers and connectors.
     FLAT_FEATURES = False
@@ -184,36 +178,6 @@ class ComposedVisionLLM(VisionLLM):
                 if isinstance(part.get(file_key), str) and part[file_key]:
                     files[f"{key}.{file_key}"] = part[file_key]
         return files
-
-    # ----------------------------------------------------------------- the image path
-    def vision_blocks(self) -> list[nn.Module]:
-        """The tower's blocks, then the connector's (a Q-Former's layers)."""
-        return [*self.vision_tower.blocks(), *self.connector.blocks()]
-
-    def batch_fields(self, samples: dict[str, Any]) -> dict[str, Any]:
-        """An instruction connector's inputs, tokenized on the host: one row per image in sample order, or one
-        empty instruction for the blank stand-in image of a batch without images."""
-        if not self.connector.NEEDS_INSTRUCTION:
-            return {}
-        if sum(image_counts(samples)):
-            return self.connector.prepare(samples)
-        blank = self.blank_images(torch.device("cpu"))  # what image_embeds feeds the tower
-        return self.connector.prepare({"instruction": [""], "num_images": [1], **blank})
-
-    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
-        """``connector(vision_tower(images), inputs)``; the connector's inputs follow the images into packed order."""
-        inputs = None
-        if self.connector.NEEDS_INSTRUCTION:
-            inputs = {k: samples[k] for k in CONNECTOR_INPUT_KEYS if k in samples} or self.batch_fields(samples)
-            rows = inputs["qformer_input_ids"].shape[0]
-            if rows != images.shape[0]:
-                raise ValueError(f"{rows} instruction rows for {images.shape[0]} images: prepare_batch makes one per "
-                                 "image (the blank stand-in image of an image-free batch has one too)")
-            if "position_ids" in samples and rows == sum(image_counts(samples)) and rows > 1:
-                order = packed_image_order(samples)
-                inputs = {k: v[order.to(v.device)] for k, v in inputs.items()}
-            inputs = {k: v.to(images.device) for k, v in inputs.items()}
-        return self.connector(self.vision_tower(images), inputs)
 
 
 def _part_section_problems(kind: Registry, section: Mapping[str, Any], path: str) -> list[str]:

@@ -1,26 +1,22 @@
 """The architecture-neutral half of a vision-LLM: the chat LLM, its prompt, LoRA, export, and (from its base,
 ``lavis_ds.models.vision_llm_forward``) the batch, the splice, loss and generate.
 
-An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only its image path:
-
-- ``encode_images(images, samples)``: ``[N, tokens_per_image, llm_hidden]`` for ``images [N, 3, H, W]``, or the
-  flat ``[sum of counts, llm_hidden]`` (each image's rows a block, in image order) when the count depends on the
-  image; ``samples`` is the prepared batch (InstructBLIP reads the instruction from it, a Qwen-VL tower its
-  ``image_grid_thw``). Under packing the images arrive in packed order: ``samples["order"]`` lists the sample of each
-  packed sample.
-- ``tokens_per_image`` and ``image_size`` (instance attributes, from the tower and the connector) and their
-  config-side twins, the classmethods
-  ``tokens_per_image_of(section)`` and ``image_size_of(section)``; an image path whose count depends on the image's
-  size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders and the splice both follow
-  (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
-- ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
-- optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
+An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and names its parts' defaults and presets; where its
+image path differs from a fixed-size tower's, it names its ``IMAGE_PATH`` (``lavis_ds.models.image_path``), the class
+of the part ``model.image_path``: ``encode(images, samples)`` (``[N, tokens_per_image, llm_hidden]`` for
+``images [N, 3, H, W]``, or the flat ``[sum of counts, llm_hidden]`` when the count depends on the image; under
+packing the images arrive in packed order), the splice into the LLM's embeddings, ``blocks()`` for a sharding
+engine, the FLOPs; and by its ``LAYOUT`` the part ``model.images`` (``lavis_ds.models.image_layout``:
+``tokens_per_image``, ``image_size``, the one count the prompt's placeholders and the splice both follow, the
+visuals M-RoPE numbers, the blank image). ``model.batch`` (``vision_llm_batch.HostBatch``) is ``prepare_batch``'s
+host side.
 
 Its constructor builds the parts from their sections, in one step, in the order their random initialisations
 draw (and their parameters, and the engines' flat optimizer states, are registered): the tower, then the LLM
 (``model.llm``, a ``lavis_ds.models.chat_llm.ChatLLM``, its causal LM registered as ``llm_model``; built with the
-random number generator forked, then frozen, LoRA-wrapped), then the connector (projecting to the LLM's width).
-The connector's initialisation draws before LoRA's, as it always has: a seed gives the same weights.
+random number generator forked from where it stood after the tower, then frozen, LoRA-wrapped), then the connector
+(projecting to the LLM's width). The connector is built before the LLM part, so its initialisation draws before
+LoRA's, as it always has: a seed gives the same weights. The modules register as tower, LLM, connector.
 An architecture with keys of its own for the parts (``blip2_qwen``) translates them into the two sections and
 passes them on.
 """
@@ -28,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 from torch import nn
@@ -37,11 +33,13 @@ from transformers import PreTrainedModel
 from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.common.schema import fields_of
 from lavis_ds.models.chat_llm import ChatLLM, PromptLayout, llm_width
-from lavis_ds.models.flops import FlopModel, Flops, compose
+from lavis_ds.models.image_path import ImagePath
+from lavis_ds.models.flops import FlopModel
 from lavis_ds.models.llm import prepare_tokenizer
 from lavis_ds.models.llm_families import llm_config_problems
 from lavis_ds.models.parts import build_part, check_layouts, given_part_sections
 from lavis_ds.models.prompt import ChatPrompt
+from lavis_ds.models.vision_llm_batch import HostBatch
 from lavis_ds.models.vision_llm_forward import VisionLLMForward
 
 logger = logging.getLogger(__name__)
@@ -73,6 +71,9 @@ class VisionLLM(VisionLLMForward):
     # Frames per temporal patch where the family's processor writes a video frame group by frame group, each after
     # its time (Qwen3-VL: models.frame_groups); None: a video is one run of placeholders.
     VIDEO_FRAME_GROUPS: int | None = None
+    # The architecture's image path (tower -> connector -> splice) and, by its LAYOUT, how its images become LLM
+    # tokens on the host: both made from the tower and the connector.
+    IMAGE_PATH: type[ImagePath] = ImagePath
     # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
@@ -156,12 +157,12 @@ class VisionLLM(VisionLLMForward):
         width = llm_width(llm_model, llm_config)
         part = build_part(connectors, connector_section, "model.connector", vision_width=tower.num_features,
                           llm_width=width)
-        self.image_size = tower.image_size
-        # A flat-feature tower has no count per image: tokens_for_image says it per image size.
-        self.tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
+        # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
+        tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
+        self.images = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
         layout = PromptLayout(self.IMAGE_SPAN, self.PROMPT_TOKENS, self.VIDEO_TOKEN, self.VIDEO_FRAME_GROUPS)
         self.llm = ChatLLM(
-            tokens_per_image=self.tokens_per_image, layout=layout, random_state=llm_random_state,
+            tokens_per_image=tokens_per_image, layout=layout, random_state=llm_random_state,
             llm_model=llm_model, llm_config=llm_config,
             llm_precision=llm_precision, tokenizer=tokenizer, freeze_llm=freeze_llm,
             llm_grad_checkpoint=llm_grad_checkpoint, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -177,6 +178,8 @@ class VisionLLM(VisionLLMForward):
         self.vision_tower = tower
         self.llm_model = self.llm.model
         self.connector = part
+        self.image_path = self.IMAGE_PATH(tower, part, self.images, self.llm)
+        self.batch = HostBatch(self.llm, self.images, self.image_path.host_inputs)
         if self.llm.eval_only:  # frozen by the LLM part already (its trainable token rows keep their gradient)
             self._eval_only = self._eval_only | {"llm_model"}
         if llm_grad_checkpoint:
@@ -231,14 +234,10 @@ class VisionLLM(VisionLLMForward):
                           video_token=cls.VIDEO_TOKEN, video_frame_groups=cls.VIDEO_FRAME_GROUPS)
 
     # ----------------------------------------------------------------- the LLM as a whole
-    def vision_blocks(self) -> list[nn.Module]:
-        """The image path's transformer blocks (the tower's, a Q-Former's layers). Subclasses say."""
-        return []
-
     def repeated_blocks(self) -> list[nn.Module]:
         """The image path's blocks, then the LLM's decoder layers: the units a sharding engine gathers one at a
         time. What is left (embeddings, norms, heads, queries, projection) belongs to the model as a whole."""
-        return [*self.vision_blocks(), *self.llm.blocks()]
+        return [*self.image_path.blocks(), *self.llm.blocks()]
 
     def train(self, mode: bool = True) -> "VisionLLM":
         super().train(mode)
@@ -249,25 +248,9 @@ class VisionLLM(VisionLLMForward):
 
     def flop_model(self) -> FlopModel | None:
         """Training FLOPs per sample by part (tower, connector, LLM), for the parameters that train now
-        (``lavis_ds.models.flops``); None if a part does not say (a user's part without ``flops``: no MFU logged).
-        Reads only layer sizes and ``requires_grad``: works on partitioned weights (ZeRO-3, FSDP) and on the meta
-        device."""
-        image_path = self.image_path_flops()
-        if image_path is None:
-            return None
-        tower, connector, image_grad = image_path
-        return compose(tower, connector, image_grad, self.llm_model, not self._head_at_supervised_positions())
-
-    def image_path_flops(self) -> tuple[Flops, Callable[[int], Flops], bool] | None:
-        """The image path's FLOPs per image: the tower's, the connector's given its instruction tokens per image,
-        and whether the connector's output needs a gradient; None if a part does not say. Default:
-        ``self.vision_tower`` and ``self.connector`` report their own (``VisionTower.flops``, ``Connector.flops``)."""
-        tower = self.vision_tower.flops()
-        tokens = self.vision_tower.num_tokens
-        connector = None if tower is None else self.connector.flops(tokens, tower[1])
-        if connector is None:
-            return None
-        return tower[0], lambda text_tokens: self.connector.flops(tokens, tower[1], text_tokens)[0], connector[1]
+        (``ImagePath.flop_model``); None if a part does not say. Reads only layer sizes and ``requires_grad``: works
+        on partitioned weights (ZeRO-3, FSDP) and on the meta device."""
+        return self.image_path.flop_model(self.llm_model, not self._head_at_supervised_positions())
 
     def merge_lora(self) -> PreTrainedModel:
         """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it

@@ -181,9 +181,9 @@ class LlavaFamily(HfFamily):
         if (layer, strategy) != (tower.layers, tower.strategy):
             differ.append(f"vision_feature_layer/select_strategy: folder {layer}/{strategy}, model "
                           f"{tower.layers}/{tower.strategy}")
-        if not differ and config.image_seq_length != model.tokens_per_image:
+        if not differ and config.image_seq_length != model.images.tokens_per_image:
             differ.append(f"image tokens per image: folder image_seq_length {config.image_seq_length}, model "
-                          f"{model.tokens_per_image}")
+                          f"{model.images.tokens_per_image}")
         return differ
 
     def tower_state(self, state: State) -> dict[str, torch.Tensor]:
