@@ -297,7 +297,7 @@ class Blip2Family(HfFamily):
     exportable = "eva_vit_g + qformer (blip2_qwen)"
 
     def __init__(self):
-        super().__init__(BlipWeights, Blip2Processors)
+        super().__init__(BlipWeights, Blip2Processors, FolderReading)  # its folders load into no composed model
 
 
 class InstructBlipFamily(HfFamily):

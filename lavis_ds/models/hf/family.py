@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from lavis_ds.common.registry import Registry, connectors, hf_families, models, vision_towers
 from lavis_ds.models.parts import PartError
-
-if TYPE_CHECKING:  # the parts' interfaces import this module's helpers
-    from lavis_ds.models.hf.family_parts import FolderReading, ProcessorExport, WeightsExport
 
 State = Mapping[str, torch.Tensor]
 # What the one call's image processor does otherwise, for families whose processors lavis_ds builds on the PIL backend.
@@ -58,15 +55,13 @@ class HfFamily:
     # Connector name -> why no class of this family holds it (a pair that looks close; refusal messages).
     why_not: Mapping[str, str] = {}
 
-    def __init__(self, weights: type[WeightsExport], processors: type[ProcessorExport],
-                 folders: type[FolderReading] | None = None):
-        """Build the parts from their classes, each handed this record (``folders`` None: the default reading, for
-        a class whose folders no composed model reads whole; a tower still asks it for the folder's tower config)."""
-        from lavis_ds.models.hf.family_parts import FolderReading
-
+    def __init__(self, weights: type, processors: type, folders: type):
+        """Build the parts from their classes (``family_parts``'s ``WeightsExport``, ``ProcessorExport`` and
+        ``FolderReading`` or subclasses), each handed this record. The parts' module imports this one, not the
+        other way round."""
         self.weights = weights(self)
         self.processors = processors(self)
-        self.folders = (folders or FolderReading)(self)
+        self.folders = folders(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.hf_class})"

@@ -11,17 +11,14 @@ class's names for messages, its pairs). A family module subclasses the parts who
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from lavis_ds.common.registry import connectors
-from lavis_ds.models.hf.family import State, part_name
+from lavis_ds.models.hf.family import HfFamily, State, part_name
 from lavis_ds.models.parts import PartError
-
-if TYPE_CHECKING:
-    from lavis_ds.models.hf.family import HfFamily
 
 
 class FamilyPart:
