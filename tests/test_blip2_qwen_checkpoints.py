@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from checkpoint_logits import llm_logits
 from lavis_ds.apps.export_io import find_checkpoint, load_exported, read_checkpoint
 from lavis_ds.build import build_model
 from lavis_ds.models.export_folder import load_trained_weights
@@ -25,6 +26,11 @@ _spec = importlib.util.spec_from_file_location("blip2_qwen_before_make", FIXTURE
 make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)  # its fixed input and logits, the ones the recording used
 FLAT_PREFIXES = ("visual_encoder.", "ln_vision.", "qformer.", "query_tokens", "llm_proj.", "llm_model.")
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    """The logits the fixture recorded: over the last positions of ``make.fixed_input``."""
+    return llm_logits(model, make.fixed_input(model), make.LAST_POSITIONS)
 
 
 def rebuilt(engine: str) -> torch.nn.Module:
@@ -41,7 +47,7 @@ def rebuilt(engine: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
 def test_run_checkpoint_gives_the_recorded_logits(engine):
-    torch.testing.assert_close(make.logits_of(rebuilt(engine)), RECORDED[engine], rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits_of(rebuilt(engine)), RECORDED[engine], rtol=0, atol=1e-6)
 
 
 def test_hf_export_of_the_run_checkpoint_computes_its_logits():
@@ -55,11 +61,11 @@ def test_hf_export_of_the_run_checkpoint_computes_its_logits():
     with torch.no_grad():
         logits = to_hf_model(model, torch.float32)(pixel_values=batch["image"], input_ids=batch["input_ids"],
                                                    attention_mask=batch["attention_mask"]).logits
-    torch.testing.assert_close(logits[:, -make.LAST_POSITIONS:], make.logits_of(model), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits[:, -make.LAST_POSITIONS:], logits_of(model), rtol=0, atol=1e-6)
 
 
 def test_export_gives_the_recorded_logits():
-    torch.testing.assert_close(make.logits_of(load_exported(FIXTURE / "export")), RECORDED["export"], rtol=0,
+    torch.testing.assert_close(logits_of(load_exported(FIXTURE / "export")), RECORDED["export"], rtol=0,
                                atol=1e-6)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import lavis_ds  # noqa: F401  (fills the registries)
+from class_shape import ClassSource
 from conftest import user_module_imported
 from lavis_ds.common import registry as reg
 from lavis_ds.runners.engine import Engine, EngineCheckpoints, EngineConfig, EngineSetup
@@ -20,37 +21,16 @@ SOURCES = [*sorted((REPO / "lavis_ds" / "runners").rglob("*.py")), REPO / "tests
            REPO / "tests" / "ddp_engine.py", REPO / "tests" / "control_engine.py"]
 
 
-def _self_attributes(function: ast.FunctionDef) -> set[str]:
-    """The attributes ``function`` assigns on ``self`` (``self.x = ...``, ``self.x, self.y = ...``, ``as self.x``)."""
-    found = set()
-    for node in ast.walk(function):
-        targets = []
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            targets = [node.optional_vars]
-        for target in targets:
-            for leaf in ast.walk(target):
-                if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
-                    found.add(leaf.attr)
-    return found
-
-
 def _classes() -> dict[str, tuple[list[str], set[str], dict[str, set[str]]]]:
     """Every class of the loop's and the engines' sources: (its bases' names, what its __init__ and class body declare,
     what each other method assigns on self)."""
     classes = {}
     for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            methods = [item for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            declared = {target.id for item in node.body if isinstance(item, (ast.Assign, ast.AnnAssign))
-                        for target in (item.targets if isinstance(item, ast.Assign) else [item.target])
-                        if isinstance(target, ast.Name)}
-            declared |= {name for m in methods if m.name == "__init__" for name in _self_attributes(m)}
-            others = {m.name: _self_attributes(m) for m in methods if m.name != "__init__"}
-            classes[node.name] = ([b.id if isinstance(b, ast.Name) else b.attr for b in node.bases], declared, others)
+            if isinstance(node, ast.ClassDef):
+                source = ClassSource(node)
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases]
+                classes[node.name] = (bases, source.declared, source.set_by)
     return classes
 
 

@@ -66,16 +66,20 @@ class Part(nn.Module):
     dropout and drop-path in a frozen part would only add noise to the features the trainable parts learn from.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._eval_only: frozenset[str] = frozenset()  # names of the frozen submodules, kept in eval
+
     def freeze_submodule(self, name: str = "") -> None:
         """Freeze submodule ``name`` (dotted; ``""`` is the whole part) and keep it in eval mode from now on."""
         module = self.get_submodule(name)
         module.requires_grad_(False)
         nn.Module.train(module, False)
-        self._eval_only = getattr(self, "_eval_only", frozenset()) | {name}
+        self._eval_only = self._eval_only | {name}
 
     def train(self, mode: bool = True) -> "Part":
         super().train(mode)
-        for name in sorted(getattr(self, "_eval_only", ())):
+        for name in sorted(self._eval_only):
             nn.Module.train(self.get_submodule(name), False)  # not .eval(): for name "" that would recurse here
         return self
 
