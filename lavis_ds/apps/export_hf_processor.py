@@ -46,7 +46,8 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
     ``image_run``: what an image item writes instead, for a family whose prompt spans images otherwise (Qwen-VL's
     ``<|vision_start|><|image_pad|><|vision_end|>``, ``ProcessorExport.template_image_run``).
     ``video_run``: what a ``{"type": "video"}`` item writes, for a family whose processor takes videos (Qwen-VL's
-    ``<|vision_start|><|video_pad|><|vision_end|>``, ``ProcessorExport.template_video_run``); None: a video item writes nothing.
+    ``<|vision_start|><|video_pad|><|vision_end|>``, ``ProcessorExport.template_video_run``); None: a video item
+    writes nothing.
     """
     image_run = json.dumps(image_run if image_run is not None else "<Img>" + image_token * num_query_tokens
                            + "</Img> ", ensure_ascii=False)

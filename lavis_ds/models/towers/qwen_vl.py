@@ -71,9 +71,9 @@ class QwenVLTower(VisionTower):
             min_pixels: Least area an image is resized to (the tower's processing; Qwen's default 56*56).
             max_pixels: Most area an image is resized to (Qwen's default 28*28*1280: at most 1280 LLM tokens).
             use_grad_checkpoint: Recompute each block's activations in backward (a trained tower on large images).
-            video_fps: Frames a video is sampled at per second (default: the family's, ``SPEC.video_sampling``: Qwen3-VL's
-                2; none for Qwen2-VL's, whose videos take the dataset's ``max_frames``). A published folder's video
-                processor gives its own.
+            video_fps: Frames a video is sampled at per second (default: the family's, ``SPEC.video_sampling``:
+                Qwen3-VL's 2; none for Qwen2-VL's, whose videos take the dataset's ``max_frames``). A published
+                folder's video processor gives its own.
             video_min_pixels: Least area of a video's frames together (default: the family's; none: each frame
                 bounded as an image).
             video_max_pixels: Most area of a video's frames together (default: the family's).
