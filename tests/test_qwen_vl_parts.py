@@ -174,12 +174,12 @@ def test_published_presets_are_the_published_towers(name, preset):
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
     tower_class = vision_towers.get(name)
-    arguments = {k: v for k, v in tower_class.PRESETS[preset].items() if k != "hub_id"}
+    arguments = {k: v for k, v in tower_class.SPEC.presets[preset].items() if k != "hub_id"}
     model_class = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
                    "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel}[name]
     with torch.device("meta"):
         tower = tower_class(preset=preset)
-        reference = model_class(tower_class.CONFIG_CLASS(**arguments))
+        reference = model_class(tower_class.SPEC.config_class(**arguments))
     theirs = {k: tuple(v.shape) for k, v in reference.state_dict().items() if not k.startswith("merger.")}
     assert {k: tuple(v.shape) for k, v in tower.state_dict().items()} == theirs
     assert len(tower.blocks()) == 32 and tower.num_features == 1280
