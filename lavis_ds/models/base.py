@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common.suggest import did_you_mean
-from lavis_ds.models.settings.base import ModelSettings
+from lavis_ds.models.settings.base import ModelSettings, bound_to
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class BaseModel(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
-        cls.SETTINGS = cls.SETTINGS.bound_to(cls)
+        cls.SETTINGS = bound_to(cls.SETTINGS, cls)
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:

@@ -41,11 +41,6 @@ class ModelSettings:
         """``section``: one merged ``model:`` section (a plain mapping: what ``from_config`` would build from)."""
         self.section = dict(section)
 
-    @classmethod
-    def bound_to(cls, arch: type) -> type["ModelSettings"]:
-        """This settings class reading its schema from ``arch``'s constructor (a subclass named after both)."""
-        return type(f"{cls.__name__}[{arch.__name__}]", (cls,), {"ARCH": arch, "__module__": cls.__module__})
-
     def arguments(self) -> dict[str, Any]:
         """The constructor's arguments the section gives, defaults filled in (no weights read)."""
         return constructor_arguments(self.ARCH, self.section)
@@ -83,6 +78,11 @@ class ModelSettings:
         """The preset's ``model:`` section as the user's ``section`` is merged over it. Default: all of it (a model
         whose sections depend on a name, such as a part's, drops the preset's keys of another part)."""
         return defaults
+
+
+def bound_to(settings: type[ModelSettings], arch: type) -> type[ModelSettings]:
+    """``settings`` reading its schema from ``arch``'s constructor (a subclass named after both)."""
+    return type(f"{settings.__name__}[{arch.__name__}]", (settings,), {"ARCH": arch, "__module__": settings.__module__})
 
 
 def constructor_arguments(arch: type | None, section: Mapping[str, Any]) -> dict[str, Any]:
