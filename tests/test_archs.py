@@ -96,7 +96,7 @@ def test_a_mix_no_preset_has_trains(tiny_tokenizer_dir, tiny_bert_tokenizer_dir)
                                                   "intermediate_size": 64}})
     model = registry.get_model_class("llava").from_config(section)
     assert model.tokens_per_image == 4 and model.image_size == 56
-    assert registry.get_model_class("llava").tokens_per_image_of(section) == 4
+    assert registry.get_model_class("llava").SETTINGS(section).tokens_per_image() == 4
     out = model(batch(model))
     out["loss"].backward()
     assert math.isfinite(out["loss"].item())

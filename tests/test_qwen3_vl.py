@@ -177,7 +177,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
-    weightless = type(ours).prompt_from_config(user_yaml("qwen3_vl", folder))
+    weightless = type(ours).SETTINGS(user_yaml("qwen3_vl", folder)).prompt()
     shown = token_batch(weightless, sample, ours.pad_id, tokens_for_image=ours.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
 

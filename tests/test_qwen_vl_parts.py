@@ -240,10 +240,10 @@ def test_patches_and_grid_that_disagree():
 
 def test_llava_refuses_the_flat_parts_with_the_ones_it_takes():
     llava = models.get("llava")
-    problems = llava.config_problems({"arch": "llava", "model_type": "tiny", "vision_tower": {"name": "qwen2_vl"}})
+    problems = llava.SETTINGS({"arch": "llava", "model_type": "tiny", "vision_tower": {"name": "qwen2_vl"}}).problems()
     assert ("model.vision_tower.name: qwen2_vl works on flat patch features of images of their own sizes, but this "
             "architecture takes fixed-size towers and connectors: valid here: clip, eva_vit_g, siglip") in problems
-    problems = llava.config_problems({"arch": "llava", "model_type": "tiny", "connector": {"name": "patch_merger"}})
+    problems = llava.SETTINGS({"arch": "llava", "model_type": "tiny", "connector": {"name": "patch_merger"}}).problems()
     assert any(p.startswith("model.connector.name: patch_merger works on flat patch features") for p in problems)
 
 
