@@ -21,15 +21,7 @@ NOT_YET = {
     "lavis_ds.models.qwen3_vl.Qwen3VL": 77, "lavis_ds.models.qwen3_5.Qwen35": 77,
     "lavis_ds.models.qwen_vl.QwenVL": 74, "lavis_ds.models.qwen_vl.Qwen2VL": 74, "lavis_ds.models.qwen_vl.Qwen25VL": 74,
     "lavis_ds.models.llava.Llava": 71, "lavis_ds.models.instructblip.InstructBlip": 71,
-    "lavis_ds.models.composed.ComposedVisionLLM": 71, "lavis_ds.models.blip2_qwen.Blip2Qwen": 71,
-    "lavis_ds.models.vision_llm.VisionLLM": 66, "lavis_ds.models.vision_llm_forward.VisionLLMForward": 50,
-    "lavis_ds.models.hf.qwen3_vl.Qwen3VLFamily": 40, "lavis_ds.models.hf.qwen3_5.Qwen35Family": 40,
-    "lavis_ds.models.hf.qwen_vl.QwenVLFamily": 39, "lavis_ds.models.hf.qwen_vl.Qwen2VLFamily": 39,
-    "lavis_ds.models.hf.qwen_vl.Qwen25VLFamily": 39,
-    "lavis_ds.models.towers.qwen_vl.QwenVLTower": 33, "lavis_ds.models.towers.qwen_vl.Qwen2VLTower": 33,
-    "lavis_ds.models.towers.qwen_vl.Qwen25VLTower": 33, "lavis_ds.models.towers.qwen3_vl.Qwen3VLTower": 33,
-    "lavis_ds.models.hf.blip.InstructBlipFamily": 32, "lavis_ds.models.hf.blip.Blip2Family": 32,
-    "lavis_ds.models.hf.llava.LlavaFamily": 31, "lavis_ds.models.hf.family.HfFamily": 31,
+    "lavis_ds.models.blip2_qwen.Blip2Qwen": 71, "lavis_ds.models.vision_llm.VisionLLM": 66,
 }
 # The same for the attributes a method of a model or runner class sets first: each must still be set late (none are).
 NOT_YET_LATE: dict[str, set[str]] = {}

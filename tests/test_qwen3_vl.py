@@ -177,7 +177,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
-    weightless = type(ours).prompt_from_config(user_yaml("qwen3_vl", folder))
+    weightless = type(ours).SETTINGS(user_yaml("qwen3_vl", folder)).prompt()
     shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.images.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
 
@@ -189,8 +189,7 @@ def test_a_video_generates_transformers_tokens(pair):
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
         new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
-                              suppress_tokens=ours.llm.prompt.placeholder_ids,
-                              **steps)[0, inputs["input_ids"].shape[1]:]
+                              suppress_tokens=ours.llm.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 
@@ -226,8 +225,7 @@ def test_generated_tokens_equal_transformers(case, beams, pair):
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
         new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
-                              suppress_tokens=[ours.llm.prompt.image_token_id],
-                              **steps)[0, inputs["input_ids"].shape[1]:]
+                              suppress_tokens=[ours.llm.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 

@@ -9,17 +9,17 @@ family record: ``lavis_ds.models.hf.blip``).
 from __future__ import annotations
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.vision_llm import VisionLLM
+from lavis_ds.models.settings.composed import InstructBlipSettings
 
 
 @reg.models.register("instructblip")
-class InstructBlip(ComposedVisionLLM):
+class InstructBlip(VisionLLM):
     """EVA-ViT-g and InstructBLIP's Q-Former (instruction beside the queries) into any chat LLM."""
 
     PRETRAINED_MODEL_CONFIG_DICT = {
         "vicuna7b": "models/instructblip/vicuna7b.yaml",
         "tiny": "models/instructblip/tiny.yaml",
     }
-    DEFAULT_PARTS = {"vision_tower": {"name": "eva_vit_g"},
-                     "connector": {"name": "instruct_qformer", "num_query_token": 32}}
+    SETTINGS = InstructBlipSettings
 

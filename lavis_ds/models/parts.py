@@ -20,17 +20,13 @@ import torch
 from torch import nn
 
 from lavis_ds.common.errors import InputError
-from lavis_ds.common.registry import Registry, connectors, vision_towers
+from lavis_ds.common.registry import Registry
 from lavis_ds.common.schema import did_you_mean, fields_of
 
 
 class PartError(InputError, ValueError):
     """A tower or connector that cannot be built as configured: an unknown name or key, a folder of another
     model type, an image size the tower cannot take, a missing tokenizer folder."""
-
-
-# The keys of the model section that hold a part's section, and the registry each part's name is looked up in.
-PART_KINDS: dict[str, Registry] = {"vision_tower": vision_towers, "connector": connectors}
 
 
 def build_part(kind: Registry, section: Mapping[str, Any], path: str, **given: Any) -> nn.Module:
@@ -121,25 +117,3 @@ def load_exactly(module: nn.Module, state: Mapping[str, torch.Tensor], path: str
         raise PartError(f"{path}: {what}: the weights differ in shape: {shapes[:3]}")
     module.load_state_dict(state, strict=True)
 
-
-def given_part_sections(arch: type, section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``vision_tower`` and ``connector`` sections of ``section``, ``arch``'s defaults where left out."""
-    out = []
-    for key in PART_KINDS:
-        given = section.get(key)
-        out.append(dict(given) if given is not None else dict(arch.DEFAULT_PARTS[key]))
-    return out[0], out[1]
-
-
-def check_layouts(arch: type, tower: Mapping[str, Any], connector: Mapping[str, Any]) -> None:
-    """Raise ``PartError`` where the tower, the connector and the architecture differ in feature layout: fixed-size
-    images ``[N, T, C]``, or flat patches of images of their own sizes (``FLAT_FEATURES``)."""
-    for key, section, kind in (("vision_tower", tower, vision_towers), ("connector", connector, connectors)):
-        name = section.get("name")
-        part = kind.get(name) if name in kind else None
-        if part is not None and part.FLAT_FEATURES != arch.FLAT_FEATURES:
-            own = "flat patch features of images of their own sizes" if part.FLAT_FEATURES else "fixed-size images"
-            takes = "flat patch features" if arch.FLAT_FEATURES else "fixed-size towers and connectors"
-            flat = [n for n in kind if kind.get(n).FLAT_FEATURES == arch.FLAT_FEATURES]
-            raise PartError(f"{key}.name: {name} works on {own}, but this architecture takes {takes}: valid here: "
-                            f"{', '.join(flat)}")

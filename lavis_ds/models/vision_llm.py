@@ -1,24 +1,32 @@
-"""The architecture-neutral half of a vision-LLM: the chat LLM, its prompt, LoRA, export, and (from its base,
-``lavis_ds.models.vision_llm_forward``) the batch, the splice, loss and generate.
+"""A vision-LLM: a vision tower and a connector whose image tokens are spliced into a chat LLM at the image
+placeholders, each a part the model holds, built from its config section::
 
-An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and names its parts' defaults and presets; where its
-image path differs from a fixed-size tower's, it names its ``IMAGE_PATH`` (``lavis_ds.models.image_path``), the class
-of the part ``model.image_path``: ``encode(images, samples)`` (``[N, tokens_per_image, llm_hidden]`` for
-``images [N, 3, H, W]``, or the flat ``[sum of counts, llm_hidden]`` when the count depends on the image; under
-packing the images arrive in packed order), the splice into the LLM's embeddings, ``blocks()`` for a sharding
-engine, the FLOPs; and by its ``LAYOUT`` the part ``model.images`` (``lavis_ds.models.image_layout``:
-``tokens_per_image``, ``image_size``, the one count the prompt's placeholders and the splice both follow, the
-visuals M-RoPE numbers, the blank image). ``model.batch`` (``vision_llm_batch.HostBatch``) is ``prepare_batch``'s
-host side.
+    vision_tower: {name: clip, preset: vit_l_14_336, vision_feature_layer: -2}
+    connector: {name: mlp2x_gelu}
 
-Its constructor builds the parts from their sections, in one step, in the order their random initialisations
-draw (and their parameters, and the engines' flat optimizer states, are registered): the tower, then the LLM
-(``model.llm``, a ``lavis_ds.models.chat_llm.ChatLLM``, its causal LM registered as ``llm_model``; built with the
-random number generator forked from where it stood after the tower, then frozen, LoRA-wrapped), then the connector
-(projecting to the LLM's width). The connector is built before the LLM part, so its initialisation draws before
-LoRA's, as it always has: a seed gives the same weights. The modules register as tower, LLM, connector.
-An architecture with keys of its own for the parts (``blip2_qwen``) translates them into the two sections and
-passes them on.
+(``lavis_ds.models.parts``), and the LLM's keys. The model holds:
+
+- ``vision_tower``, ``llm_model`` and ``connector``, its registered modules (the state_dict's ``vision_tower.*``,
+  ``llm_model.*`` and ``connector.*``);
+- ``llm``, the LLM part (``lavis_ds.models.chat_llm.ChatLLM``): the causal LM as built (frozen, LoRA-wrapped) and
+  its tokenizer, chat prompt, position numbering, pad and end-of-turn ids;
+- ``image_path`` (``lavis_ds.models.image_path.ImagePath``, or the class the architecture names in
+  ``IMAGE_PATH``): ``connector(vision_tower(images), inputs)``, a batch's features and their splice into the LLM's
+  embeddings, the blocks a sharding engine gathers, the FLOPs;
+- ``images`` (``lavis_ds.models.image_layout``, the image path's ``LAYOUT``): each image's token count (the one
+  count the prompt's placeholders and the splice both follow), the visuals M-RoPE numbers, the blank image;
+- ``batch`` (``lavis_ds.models.vision_llm_batch.HostBatch``): what ``prepare_batch`` does on the host.
+
+It computes the loss, the answers' log-probabilities and generation itself. A registered architecture (``llava``,
+``instructblip``, ``blip2_qwen``, the Qwen-VL family) is a subclass naming its settings (``SETTINGS``: default
+parts, presets, prompt tokens; ``lavis_ds.models.settings``), presets and image path; any tower with any connector
+trains by YAML (``arch: llava`` with ``vision_tower: {name: siglip}`` and ``connector: {name: qformer}``).
+
+Its constructor builds the parts in one step, in the order their random initialisations draw: the tower, the
+connector (projecting to the LLM's width, read from its config), then the LLM part, its causal LM built with the
+random number generator forked from where it stood after the tower, then frozen and LoRA-wrapped (LoRA's draws
+after the connector's, as they always were: a seed gives the same weights). The modules register as tower, LLM,
+connector: the order of the parameters that checkpoints and the engines' flat optimizer states hold.
 """
 from __future__ import annotations
 
@@ -27,54 +35,56 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import PreTrainedModel
 
 from lavis_ds.common.registry import connectors, vision_towers
-from lavis_ds.common.schema import fields_of
+from lavis_ds.models.base import BaseModel
 from lavis_ds.models.chat_llm import ChatLLM, PromptLayout, llm_width
-from lavis_ds.models.image_path import ImagePath
 from lavis_ds.models.flops import FlopModel
-from lavis_ds.models.llm import prepare_tokenizer
-from lavis_ds.models.llm_families import llm_config_problems
-from lavis_ds.models.parts import build_part, check_layouts, given_part_sections
-from lavis_ds.models.prompt import ChatPrompt
-from lavis_ds.models.vision_llm_batch import HostBatch
-from lavis_ds.models.vision_llm_forward import VisionLLMForward
+from lavis_ds.models.image_layout import ImageLayout
+from lavis_ds.models.image_path import ImagePath
+from lavis_ds.models.image_tokens import batch_images, check_feature_rows, per_sample, select_images
+from lavis_ds.models.linear_attention import boundary_kwargs
+from lavis_ds.models.llm import base_llm
+from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
+from lavis_ds.models.parts import build_part
+from lavis_ds.models.prompt import IGNORE_INDEX, image_counts, pad_batch, pad_positions
+from lavis_ds.models.published import load_published
+from lavis_ds.models.settings.composed import ComposedSettings, check_layouts, given_part_sections
+from lavis_ds.models.vision_llm_batch import HostBatch, packed_image_order, sample_of_positions
 
 logger = logging.getLogger(__name__)
 
 
-class VisionLLM(VisionLLMForward):
-    """Image features spliced into a chat LLM at the image placeholder tokens; subclasses give the image path.
+# Over 400 lines: the class is the one core every architecture shares (its constructor's keyword list, which is the
+# model section's schema, and the loss, log-probabilities and generation); what is not the core is a part it holds.
+class VisionLLM(BaseModel):
+    """``vision_tower`` -> ``connector`` -> image tokens spliced into ``llm_model``; subclasses name their settings."""
 
-    This class builds the model and answers the config's questions; what it computes on a batch (the splice, the
-    loss, generation) is its base's (``lavis_ds.models.vision_llm_forward``)."""
-
-    # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
-    FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
+    # What a `model:` section means without building (lavis_ds.models.settings), the prompt's layout included.
+    SETTINGS = ComposedSettings
+    PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+    # prepare_batch(samples, on_image_cut="drop") leaves out the samples truncation would cut into an image
+    # (the SFT objective's run.sft.on_image_cut)
+    CUTS_IMAGE_SAMPLES = True
     # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a
     # Hugging Face folder and the rest beside it).
     LLM_PREFIX = "llm_model."
     # Parameters built from the LLM's width (the connector): export writes them even when frozen, so that a model
-    # rebuilt on the merged LLM never depends on how the LLM was built. Subclasses name theirs.
-    CONNECTOR_PREFIXES: tuple[str, ...] = ()
-    # The tokens the family's chat template writes around each image's placeholders (Qwen-VL's vision start and end;
-    # added to a tokenizer that lacks them), or None: the placeholders stand inside the data's <Img>...</Img>.
-    IMAGE_SPAN: tuple[str, str] | None = None
-    # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
-    # added to a tokenizer that lacks them.
-    PROMPT_TOKENS: tuple[str, ...] = ()
-    # The placeholder token of a video (a visual with its own time spacing, image_tokens.video_flags) where the
-    # family's processor writes one of its own (Qwen-VL's <|video_pad|>); None: a video's placeholders are images'.
-    VIDEO_TOKEN: str | None = None
-    # Frames per temporal patch where the family's processor writes a video frame group by frame group, each after
-    # its time (Qwen3-VL: models.frame_groups); None: a video is one run of placeholders.
-    VIDEO_FRAME_GROUPS: int | None = None
+    # rebuilt on the merged LLM never depends on how the LLM was built.
+    CONNECTOR_PREFIXES = ("connector.",)
     # The architecture's image path (tower -> connector -> splice) and, by its LAYOUT, how its images become LLM
     # tokens on the host: both made from the tower and the connector.
     IMAGE_PATH: type[ImagePath] = ImagePath
-    # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
+    # Set by the constructor (the model contract's "chat" and "merge" needs read the declarations, models.base).
+    llm: ChatLLM  # the LLM part: tokenizer, prompt, positions, pad and end-of-turn ids, the LLM's config
+    images: ImageLayout  # each image's token count and grid, the blank image (image_layout)
+    image_path: ImagePath  # tower -> connector, the batch's features and their splice (image_path)
+    batch: HostBatch  # the host side of prepare_batch (vision_llm_batch)
+    llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA): llm.model, registered here
+    loss_chunks: int
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
     # the signature), so it stays in one place.
@@ -148,9 +158,9 @@ class VisionLLM(VisionLLMForward):
         if loss_chunks < 0:
             raise ValueError(f"loss_chunks must be >= 0 (0: full logits), got {loss_chunks}")
         self.loss_chunks = loss_chunks
-        tower_section, connector_section = given_part_sections(type(self), {"vision_tower": vision_tower,
-                                                                            "connector": connector})
-        check_layouts(type(self), tower_section, connector_section)
+        tower_section, connector_section = given_part_sections(self.SETTINGS.DEFAULT_PARTS,
+                                                               {"vision_tower": vision_tower, "connector": connector})
+        check_layouts(self.SETTINGS.FLAT_FEATURES, tower_section, connector_section)
         tower = build_part(vision_towers, tower_section, "model.vision_tower")
         # A random-init LLM (tests, demos) is initialised from where it always was: right after the tower.
         llm_random_state = torch.random.get_rng_state()
@@ -160,7 +170,9 @@ class VisionLLM(VisionLLMForward):
         # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
         tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
         self.images = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
-        layout = PromptLayout(self.IMAGE_SPAN, self.PROMPT_TOKENS, self.VIDEO_TOKEN, self.VIDEO_FRAME_GROUPS)
+        settings = self.SETTINGS  # the prompt's layout is the architecture's
+        layout = PromptLayout(settings.IMAGE_SPAN, settings.PROMPT_TOKENS, settings.VIDEO_TOKEN,
+                              settings.VIDEO_FRAME_GROUPS)
         self.llm = ChatLLM(
             tokens_per_image=tokens_per_image, layout=layout, random_state=llm_random_state,
             llm_model=llm_model, llm_config=llm_config,
@@ -185,53 +197,182 @@ class VisionLLM(VisionLLMForward):
         if llm_grad_checkpoint:
             self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
 
-    # ----------------------------------------------------------------- what the config asks of the class
     @classmethod
-    def settings_of(cls, section: Mapping[str, Any]) -> dict[str, Any]:
-        """The constructor's arguments a ``model:`` section gives, defaults filled in (no weights read)."""
-        args = {name: default for name, (_, default) in fields_of(cls).items()}
-        args.update((key, value) for key, value in section.items() if key in args)
-        return args
+    def from_config(cls, cfg: Mapping[str, Any] | DictConfig) -> "VisionLLM":
+        """Build from a ``model:`` section; a published folder in ``pretrained`` (with ``load_pretrained``) first
+        gives the settings that come with its weights (``models.published.settings_from_published``)."""
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        return super().from_config(cls.SETTINGS(cfg).with_published())
 
-    @classmethod
-    def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
-        """Image placeholders per image in the prompt that ``section`` builds. Subclasses say."""
-        raise NotImplementedError(f"{cls.__name__} does not say how many tokens an image takes")
+    def load_from_pretrained(self, path: str) -> None:
+        """A ``LlavaForConditionalGeneration`` or ``InstructBlipForConditionalGeneration`` folder (every part),
+        LAVIS's InstructBLIP ``.pth`` or LLaVA's stage-1 ``mm_projector.bin`` (the parts it holds); each part
+        checked against the configured one (``lavis_ds.models.published``)."""
+        load_published(self, path)
 
-    @classmethod
-    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
-        """The image side the vision tower of ``section`` takes: ``image_size`` (subclasses whose tower fixes it
-        say otherwise)."""
-        return cls.settings_of(section).get("image_size")
+    @property
+    def image_size(self) -> int | None:
+        """The side of the square images the tower takes (None: each image keeps its own size)."""
+        return self.images.image_size
 
-    @classmethod
-    def text_length_of(cls, section: Mapping[str, Any]) -> int:
-        """The longest training sequence in tokens (the model truncates there): ``max_txt_len``."""
-        return cls.settings_of(section)["max_txt_len"]
+    def _head_at_supervised_positions(self) -> bool:
+        """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
+        return bool(self.loss_chunks) and head_loss_supported(base_llm(self.llm_model))
 
-    @classmethod
-    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
-        """What the constructor would refuse, found before anything is built (same rules as the build)."""
-        problems = []
-        if section.get("get_lora") and not section.get("freeze_llm", True):
-            problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
-        if not section.get("tokenizer") and not section.get("llm_model"):
-            problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
-        if not section.get("llm_model"):
-            problems += llm_config_problems(section.get("llm_config"))
-        return problems
+    # ----------------------------------------------------------------- the batch
+    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,
+                      on_image_cut: Literal["drop", "refuse"] = "refuse") -> dict[str, Any]:
+        """The samples rendered, tokenized and laid out on the host (``HostBatch.prepare``, the part ``batch``)."""
+        return self.batch.prepare(samples, pack_to, on_image_cut)
 
-    @classmethod
-    def prompt_from_config(cls, section: Mapping[str, Any]) -> ChatPrompt:
-        """The prompt a ``model:`` section builds, from its tokenizer alone, without any weights
-        (``lavis_ds.show_sample``); the same tokens as the model's own ``prompt``."""
-        args = cls.settings_of(section)
-        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
-                                         cls.PROMPT_TOKENS)
-        return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
-                          args["max_txt_len"], args["chat_template_kwargs"] or {},
-                          record_system_prompt=args["record_system_prompt"], image_span=cls.IMAGE_SPAN,
-                          video_token=cls.VIDEO_TOKEN, video_frame_groups=cls.VIDEO_FRAME_GROUPS)
+    def supervised_tokens(self, samples: dict[str, Any]) -> int:
+        """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
+        return int((samples["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    # ----------------------------------------------------------------- forward
+    def image_features(self, samples: dict[str, Any]) -> torch.Tensor:
+        """The flat image features of a prepared batch (packed order under packing; a blank image's when it has
+        none), to pass to ``answer_logps`` for several batches that share the images (a preference pair)."""
+        image = samples.get("image")
+        if image is not None and "position_ids" in samples and batch_images(samples):
+            # The image fields in packed order; the per-sample fields stay in sample order (an instruction
+            # connector reorders its own rows, ImagePath.encode).
+            samples = {**samples, **select_images(samples, packed_image_order(samples).tolist())}
+            image = samples["image"]
+        return self.image_path.features(image, dummy=True, samples=samples)
+
+    def _inputs(self, samples: dict[str, Any], image_features: torch.Tensor | None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """``(inputs_embeds, layout, labels)`` of a prepared batch on the model's device."""
+        image = samples.get("image")
+        device = self._device() if image is None else image.device
+        input_ids, labels = samples["input_ids"].to(device), samples["labels"].to(device)
+        rope = samples.get("rope_position_ids")  # a family's rows beyond 1-D (M-RoPE's three)
+        if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
+            positions = samples["position_ids"]
+            # the plain positions in front: the row the text model reads packed sample boundaries from
+            layout = {"position_ids": (positions if rope is None else torch.cat([positions[None], rope])).to(device),
+                      # what a recurrent layer needs beside the positions (Qwen3.5's Gated-DeltaNet); refused if none
+                      **boundary_kwargs(base_llm(self.llm_model), samples.get("row_spans"), device)}
+        else:
+            layout = {"attention_mask": samples["attention_mask"].to(device)}
+            if rope is not None:
+                layout["position_ids"] = rope.to(device)
+        features = self.image_features(samples) if image_features is None else image_features
+        has_images = batch_images(samples) > 0
+        if has_images:  # the placeholders prepare_batch reserved, against the rows given (host integers: no sync)
+            counts = samples.get("image_tokens") or self.images.counts(samples)
+            # Named per sample where the counts are the samples' (a preference pair's sides share the pair's images).
+            nums = [int(n) for n in samples.get("num_images") or ()]
+            check_feature_rows(features.shape[0], counts, nums if sum(nums) == len(counts) else [len(counts)],
+                               "the image features given")
+        inputs_embeds, more = self.image_path.splice(input_ids, features if has_images else features[:0])
+        layout.update(more)
+        if not has_images:
+            # The dummy image's features times zero: in the graph, out of the numbers (see ImagePath.features).
+            inputs_embeds = inputs_embeds + features.sum() * 0
+        return inputs_embeds, layout, labels
+
+    def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Mean cross-entropy over the supervised tokens of the micro-batch.
+
+        Returns:
+            ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (the summed token losses, also
+            differentiable: the runner divides it by the supervised tokens of the whole step under
+            ``run.loss_reduction: tokens``) and ``num_tokens`` (supervised tokens).
+
+            A batch an objective prepared for itself (``samples["objective"]``, e.g. preference pairs) is scored by
+            that objective instead (``lavis_ds.objectives``: its loss and metric sums). It runs here, inside the
+            root module's forward, so that FSDP2 and ZeRO-3 have gathered the root's own parameters for it.
+        """
+        objective = samples.get("objective")
+        if objective is not None:
+            return objective(self, samples).as_dict()
+        samples = self.prepare_batch(samples)
+        inputs_embeds, layout, labels = self._inputs(samples, None)
+        if self._head_at_supervised_positions():
+            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks,
+                                        samples.get("supervised_positions"))[0].sum()
+        else:
+            token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels,
+                                            samples.get("supervised_positions"))
+        num_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        # A batch whose answers were all truncated away gives loss 0 (and zero gradients), not NaN.
+        loss = token_losses / num_tokens.clamp(min=1)
+        return {"loss": loss, "loss_sum": token_losses, "num_tokens": num_tokens}
+
+    def answer_logps(self, samples: dict[str, Any], image_features: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: the summed log-probability (fp32) of its supervised tokens, and how many there are.
+
+        Args:
+            samples: A batch, prepared (``prepare_batch``, padded or packed) or not.
+            image_features: ``image_features(samples)`` computed already (a preference pair's chosen and rejected
+                answers share their images: one vision pass for both); None computes them.
+
+        Returns:
+            ``(logp_sum [B], num_tokens [B])`` in sample order (the order of ``samples["instruction"]``).
+        """
+        samples = self.prepare_batch(samples)
+        inputs_embeds, layout, labels = self._inputs(samples, image_features)
+        logps, positions = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks,
+                                       samples.get("supervised_positions"))
+        owner, num_samples = sample_of_positions(samples, positions, labels)
+        logp_sum = torch.zeros(num_samples, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
+        counts = torch.zeros(num_samples, dtype=torch.long, device=logps.device).index_add(
+            0, owner, torch.ones_like(owner))
+        return logp_sum, counts
+
+    @torch.no_grad()
+    def generate(self, samples: dict[str, Any], num_beams: int = 1, max_new_tokens: int = 30,
+                 synced_gpus: bool = False, **generate_kwargs: Any) -> list[str]:
+        """Answer the last instruction of each sample (greedy or beam search).
+
+        ``samples``: ``image`` (every sample's images in order, ``[N, 3, H, W]``; may be
+        empty or left out for text-only samples), ``instruction`` (turns per sample),
+        optionally ``output`` (the answers of the earlier turns) and ``num_images`` (images
+        per sample, default 1 each; each image has its ``<ImageHere>`` marker in the
+        sample's turns, one image may go unmarked) and ``system`` (each sample's own system turn, None: the
+        model's ``system_prompt``). ``synced_gpus`` must be true under
+        ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
+        Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
+        """
+        image = samples.get("image")
+        answers = samples.get("output") or [()] * len(samples["instruction"])
+        systems = samples.get("system") or [None] * len(samples["instruction"])
+        num_images = image_counts(samples)
+        counts = per_sample(self.images.counts(samples), num_images)
+        videos = per_sample(self.llm.prompt.video_marks(samples), num_images)
+        prompt = self.llm.prompt
+        prompts = [prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
+                   for ins, out, mine, system, video in zip(samples["instruction"], answers, counts, systems, videos,
+                                                            strict=True)]
+        input_ids, attention_mask = pad_batch(prompts, self.llm.pad_id, side="left")
+        device = self._device() if image is None else image.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+
+        # Parameters of this root module (query tokens, ...): an engine that shards them gathers them for generate
+        # (which is not forward) itself. Sharded ranks run the towers even without an image (ImagePath.features).
+        image_embeds = self.image_path.features(image, dummy=synced_gpus, samples=samples)
+        inputs_embeds, more = self.image_path.splice(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
+        # The placeholders are never words: generating one would feed its meaningless row back in.
+        options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
+                       eos_token_id=self.llm.stop_token_ids(), pad_token_id=self.llm.pad_id, synced_gpus=synced_gpus,
+                       suppress_tokens=self.llm.prompt.placeholder_ids)
+        options.update(more)
+        options.update(generate_kwargs)
+        rope = self.batch.rope_positions(prompts, samples)
+        if rope is not None:
+            # The prompt's M-RoPE ids; generate continues each row at its last id + 1, which is a new token's plain
+            # position plus its sample's rope delta (what transformers' Qwen2-VL keeps as rope_deltas).
+            options["position_ids"] = pad_positions(rope, input_ids.shape[1], side="left").to(device)
+        # With only inputs_embeds, generate returns just the new tokens.
+        new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
+        return [text.strip() for text in self.llm.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def _device(self) -> torch.device:
+        return self.llm_model.get_input_embeddings().weight.device
 
     # ----------------------------------------------------------------- the LLM as a whole
     def repeated_blocks(self) -> list[nn.Module]:
@@ -263,13 +404,6 @@ class VisionLLM(VisionLLMForward):
         """
         self.llm_model = self.llm.merge_lora()
         return self.llm_model
-
-    @staticmethod
-    def merged_llm_settings(folder: str) -> dict[str, Any]:
-        """The ``model:`` keys that make this model load the merged LLM saved in ``folder`` (``merge_lora``,
-        ``save_pretrained`` with the tokenizer) instead of building its own."""
-        return {"llm_model": folder, "tokenizer": folder, "llm_config": None, "llm_precision": "auto",
-                "get_lora": False, "freeze_llm": True}
 
     def save_run_files(self, output_dir: str | Path) -> None:
         """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included (``llm.save``)."""

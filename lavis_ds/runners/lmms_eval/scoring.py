@@ -1,7 +1,7 @@
 """The log-likelihood of a continuation, for lmms-eval's multiple-choice tasks: computed inside the model's forward.
 
 A batch that carries ``objective`` is scored by it inside the root module's forward
-(``VisionLLMForward.forward``), where ZeRO-3 and FSDP2 have gathered the root's own parameters; the trainer's engine
+(``VisionLLM.forward``), where ZeRO-3 and FSDP2 have gathered the root's own parameters; the trainer's engine
 runs that forward (``engine.forward``) on every rank. :class:`ContinuationScorer` is such an objective: it returns,
 per sample, the summed log-probability of the answer's tokens (the continuation; the end-of-turn token the chat
 template closes the answer with is not part of it), their number, and whether greedy decoding picks every one of them.
