@@ -5,7 +5,7 @@
 
 The model is the real tiny BLIP2-Qwen preset (everything trains, fp32) with the LLM's vocabulary set to Qwen's
 151,936 rows, a ChatML tokenizer trained here; 2 samples of about 2,048 tokens each, one image and an instruction
-of about three quarters of the tokens, an answer of about a quarter. Each path is `model.loss_chunks` (0: the
+of about three quarters of the tokens, an answer of about a quarter. Each path is `model.llm.loss_chunks` (0: the
 full logits, the model's own forward; N: the head called N times, on 1/N of the supervised positions each). The
 paths alternate, `--repeats` times each, on the same built model and the same prepared batch; gradients are
 dropped between steps.
@@ -138,7 +138,7 @@ def main() -> None:
     step(model, batch, device)  # warm-up: first-use allocations of the kernels
     for _ in range(args.repeats):
         for chunk in args.chunks:
-            model.loss_chunks = chunk
+            model.llm.loss_chunks = chunk
             results[chunk].append(step(model, batch, device))
     measure = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (psutil, 1 ms)"
     print(f"logits memory: tiny BLIP2-Qwen, vocabulary {QWEN_VOCAB:,}, fp32, {device.type}; batch {shape[0]} x "

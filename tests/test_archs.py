@@ -95,7 +95,7 @@ def test_a_mix_no_preset_has_trains(tiny_tokenizer_dir, tiny_bert_tokenizer_dir)
                                       "qformer": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                                                   "intermediate_size": 64}})
     model = registry.get_model_class("llava").from_config(section)
-    assert model.images.tokens_per_image == 4 and model.image_size == 56
+    assert model.image_path.layout.tokens_per_image == 4 and model.image_size == 56
     assert registry.get_model_class("llava").SETTINGS(section).tokens_per_image() == 4
     out = model(batch(model))
     out["loss"].backward()
@@ -207,7 +207,7 @@ def test_users_connector_under_imports_trains_in_a_tiny_llava(tmp_path, tiny_tok
     cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"imports": ["user_connector"], **cfg}))
     model = build_model(load_config(path, check_files=False).model)
-    assert type(model.connector).__name__ == "AvgPoolMlp" and model.images.tokens_per_image == 4  # 16 patches pooled 2x2
+    assert type(model.connector).__name__ == "AvgPoolMlp" and model.image_path.layout.tokens_per_image == 4  # 16 patches pooled 2x2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     samples = batch(model)
     losses = []

@@ -229,7 +229,7 @@ def test_merge_lora_gives_a_plain_qwen2_with_the_same_outputs(folders, tmp_path,
     generated_before = model.generate(batch, max_new_tokens=6)
 
     merged = model.merge_lora()
-    assert type(merged) is Qwen2ForCausalLM and model.llm_model is merged
+    assert type(merged) is Qwen2ForCausalLM and model.llm_model is merged and model.llm.model is merged
     assert not any("lora_" in n or n.endswith(".rows") for n, _ in merged.named_parameters())
     # fp32: merging only reorders the sums (W + s*B@A)x vs Wx + s*B(Ax).
     with torch.no_grad():

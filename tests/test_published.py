@@ -110,7 +110,7 @@ def check_logits_and_generation(model, reference, extra_inputs, generation: bool
 
 def test_llava_folder_gives_transformers_logits_and_answers(llava_folder):
     model = ours(Llava, llava_folder)
-    assert model.llm.prompt.image_token == "<image>" and model.images.tokens_per_image == 16
+    assert model.llm.prompt.image_token == "<image>" and model.image_path.layout.tokens_per_image == 16
     reference = LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
     check_logits_and_generation(model, reference, lambda model, samples: {})
 

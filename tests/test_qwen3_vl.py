@@ -178,7 +178,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
     assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
     weightless = type(ours).SETTINGS(user_yaml("qwen3_vl", folder)).prompt()
-    shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.images.tokens_for_image)
+    shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.image_path.layout.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
 
 

@@ -168,7 +168,7 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
     ours = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
     sample = {"instruction": [["<ImageHere><ImageHere>What is it?"]], "num_images": [2], **ours.sample_fields(pictures)}
     torch.testing.assert_close(inputs["pixel_values"], sample["image"], atol=0, rtol=0)
-    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 2, model.images.counts(sample)) == \
+    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 2, model.image_path.layout.counts(sample)) == \
         inputs["input_ids"][0].tolist()
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
@@ -186,7 +186,7 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
                        do_sample_frames=False)
     sample = {"instruction": [["<ImageHere>What happens?"]], "num_images": [1],
               **ours.sample_fields(frames, video=True, fps=2.0)}
-    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 1, model.images.counts(sample),
+    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 1, model.image_path.layout.counts(sample),
                                           videos=[True]) == inputs["input_ids"][0].tolist()
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
     assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]

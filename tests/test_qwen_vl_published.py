@@ -120,7 +120,7 @@ def test_greedy_tokens_equal_transformers(kind, case, pair):
     theirs, processor, ours, _ = pair(kind)
     inputs, sample = inputs_of(processor, CASES[case], None, ours)
     ids = ours.llm.prompt.generation_prompt(sample["instruction"][0], (), sample["num_images"][0],
-                                        ours.images.counts(sample), videos=video_flags(sample))
+                                        ours.image_path.layout.counts(sample), videos=video_flags(sample))
     same_ids(torch.tensor(ids), inputs["input_ids"][0], processor)
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     answer = ours.generate(sample, **steps)

@@ -81,7 +81,7 @@ def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
 
 
 def _loss_and_grads(model: Blip2Qwen, batch: dict, chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.loss_chunks = chunk
+    model.llm.loss_chunks = chunk
     model.zero_grad()
     out = model(batch)
     out["loss"].backward()
@@ -164,7 +164,7 @@ def test_a_family_the_head_path_cannot_reproduce_uses_the_full_logits(tiny_token
     model = Blip2Qwen.from_config(cfg).eval()
     assert not head_loss_supported(base_llm(model.llm_model))
     loss = model(samples())["loss"]
-    model.loss_chunks = 0
+    model.llm.loss_chunks = 0
     assert torch.equal(loss, model(samples())["loss"])
 
 

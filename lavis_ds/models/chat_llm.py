@@ -25,6 +25,7 @@ from lavis_ds.models.eva_vit import DTYPES
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.llm_families import decoder_layers, position_provider, transformers_config
+from lavis_ds.models.lm_loss import head_loss_supported
 from lavis_ds.models.prompt import ChatPrompt
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,15 @@ class ChatLLM:
                  lora_alpha: int = 16, lora_dropout: float = 0.05, lora_target_modules: list[str] | None = None,
                  max_txt_len: int = 512, system_prompt: str | None = "You are a helpful assistant.",
                  record_system_prompt: Literal["use", "ignore", "fold"] = "use", image_token: str = "<|image_pad|>",
-                 chat_template_kwargs: dict[str, Any] | None = None):
+                 chat_template_kwargs: dict[str, Any] | None = None, loss_chunks: int = 8):
         """
         Args:
             tokens_per_image: Image placeholders per image (None: each image's count follows its size).
             layout: The architecture's prompt tokens besides the image token.
             random_state: The random number generator's state a random-init LLM is initialised from
                 (``torch.random.get_rng_state()``); None: the current one. The generator itself is left as it is.
-            The rest: the ``model:`` section's LLM keys (``lavis_ds.models.vision_llm.VisionLLM``).
+            The rest: the ``model:`` section's LLM keys (``lavis_ds.models.vision_llm.VisionLLM``); ``loss_chunks``
+                (>= 0, checked there) the LM-head calls a micro-batch's supervised positions are split into.
         """
         if get_lora and not freeze_llm:
             raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
@@ -74,6 +76,7 @@ class ChatLLM:
         self.tokenizer, added = prepare_tokenizer(tokenizer or llm_model, image_token, layout.prompt_tokens)
         model = _causal_lm(llm_model, llm_config, llm_precision, self.tokenizer, random_state)
         self.grad_checkpoint = llm_grad_checkpoint
+        self.loss_chunks = loss_chunks
         if llm_grad_checkpoint:
             _checkpoint_layers(model)
         self.config = model.config  # the LLM's transformers config (hidden_size, vocab_size, max_position_embeddings)
@@ -106,6 +109,12 @@ class ChatLLM:
         a base model's tokenizer may name another eos (<|endoftext|>): stop at either."""
         eos = self.tokenizer.eos_token_id
         return list(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
+
+    def head_at_supervised_positions(self) -> bool:
+        """Whether the loss applies the LM head at the supervised positions only, in ``loss_chunks`` calls
+        (``lavis_ds.models.lm_loss``); else the LLM's own full ``[B, T, vocab]`` logits (``loss_chunks: 0``, or a
+        family the chunked path cannot reproduce)."""
+        return bool(self.loss_chunks) and head_loss_supported(base_llm(self.model))
 
     def blocks(self) -> list[nn.Module]:
         """The decoder layers: the units a sharding engine gathers one at a time."""

@@ -13,7 +13,7 @@ placeholders, each a part the model holds, built from its config section::
 - ``image_path`` (``lavis_ds.models.image_path.ImagePath``, or the class the architecture names in
   ``IMAGE_PATH``): ``connector(vision_tower(images), inputs)``, a batch's features and their splice into the LLM's
   embeddings, the blocks a sharding engine gathers, the FLOPs;
-- ``images`` (``lavis_ds.models.image_layout``, the image path's ``LAYOUT``): each image's token count (the one
+- ``image_path.layout`` (``lavis_ds.models.image_layout``, the image path's ``LAYOUT``): each image's token count (the one
   count the prompt's placeholders and the splice both follow), the visuals M-RoPE numbers, the blank image;
 - ``batch`` (``lavis_ds.models.vision_llm_batch.HostBatch``): what ``prepare_batch`` does on the host.
 
@@ -43,12 +43,11 @@ from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.models.base import BaseModel
 from lavis_ds.models.chat_llm import ChatLLM, PromptLayout, llm_width
 from lavis_ds.models.flops import FlopModel
-from lavis_ds.models.image_layout import ImageLayout
 from lavis_ds.models.image_path import ImagePath
 from lavis_ds.models.image_tokens import batch_images, check_feature_rows, per_sample, select_images
 from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
-from lavis_ds.models.lm_loss import full_logits_loss, head_loss_supported, token_logps
+from lavis_ds.models.lm_loss import full_logits_loss, token_logps
 from lavis_ds.models.parts import build_part
 from lavis_ds.models.prompt import IGNORE_INDEX, image_counts, pad_batch, pad_positions
 from lavis_ds.models.published import load_published
@@ -80,11 +79,8 @@ class VisionLLM(BaseModel):
     IMAGE_PATH: type[ImagePath] = ImagePath
     # Set by the constructor (the model contract's "chat" and "merge" needs read the declarations, models.base).
     llm: ChatLLM  # the LLM part: tokenizer, prompt, positions, pad and end-of-turn ids, the LLM's config
-    images: ImageLayout  # each image's token count and grid, the blank image (image_layout)
     image_path: ImagePath  # tower -> connector, the batch's features and their splice (image_path)
     batch: HostBatch  # the host side of prepare_batch (vision_llm_batch)
-    llm_model: Any  # the transformers causal LM (peft-wrapped with LoRA): llm.model, registered here
-    loss_chunks: int
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
     # the signature), so it stays in one place.
@@ -157,7 +153,6 @@ class VisionLLM(BaseModel):
         super().__init__()
         if loss_chunks < 0:
             raise ValueError(f"loss_chunks must be >= 0 (0: full logits), got {loss_chunks}")
-        self.loss_chunks = loss_chunks
         tower_section, connector_section = given_part_sections(self.SETTINGS.DEFAULT_PARTS,
                                                                {"vision_tower": vision_tower, "connector": connector})
         check_layouts(self.SETTINGS.FLAT_FEATURES, tower_section, connector_section)
@@ -169,7 +164,7 @@ class VisionLLM(BaseModel):
                           llm_width=width)
         # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
         tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
-        self.images = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
+        image_layout = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
         settings = self.SETTINGS  # the prompt's layout is the architecture's
         layout = PromptLayout(settings.IMAGE_SPAN, settings.PROMPT_TOKENS, settings.VIDEO_TOKEN,
                               settings.VIDEO_FRAME_GROUPS)
@@ -180,7 +175,7 @@ class VisionLLM(BaseModel):
             llm_grad_checkpoint=llm_grad_checkpoint, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
             lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, max_txt_len=max_txt_len,
             system_prompt=system_prompt, record_system_prompt=record_system_prompt, image_token=image_token,
-            chat_template_kwargs=chat_template_kwargs)
+            chat_template_kwargs=chat_template_kwargs, loss_chunks=loss_chunks)
         if self.llm.config.hidden_size != width:
             raise RuntimeError(f"lavis_ds: the LLM built from {llm_model or 'model.llm_config'} is "
                                f"{self.llm.config.hidden_size} wide, its config read {width}: the connector would "
@@ -190,8 +185,8 @@ class VisionLLM(BaseModel):
         self.vision_tower = tower
         self.llm_model = self.llm.model
         self.connector = part
-        self.image_path = self.IMAGE_PATH(tower, part, self.images, self.llm)
-        self.batch = HostBatch(self.llm, self.images, self.image_path.host_inputs)
+        self.image_path = self.IMAGE_PATH(tower, part, image_layout, self.llm)
+        self.batch = HostBatch(self.llm, image_layout, self.image_path.host_inputs)
         if self.llm.eval_only:  # frozen by the LLM part already (its trainable token rows keep their gradient)
             self._eval_only = self._eval_only | {"llm_model"}
         if llm_grad_checkpoint:
@@ -214,11 +209,7 @@ class VisionLLM(BaseModel):
     @property
     def image_size(self) -> int | None:
         """The side of the square images the tower takes (None: each image keeps its own size)."""
-        return self.images.image_size
-
-    def _head_at_supervised_positions(self) -> bool:
-        """Whether the loss applies the LM head at the supervised positions only (``lavis_ds.models.lm_loss``)."""
-        return bool(self.loss_chunks) and head_loss_supported(base_llm(self.llm_model))
+        return self.image_path.layout.image_size
 
     # ----------------------------------------------------------------- the batch
     def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,
@@ -262,7 +253,7 @@ class VisionLLM(BaseModel):
         features = self.image_features(samples) if image_features is None else image_features
         has_images = batch_images(samples) > 0
         if has_images:  # the placeholders prepare_batch reserved, against the rows given (host integers: no sync)
-            counts = samples.get("image_tokens") or self.images.counts(samples)
+            counts = samples.get("image_tokens") or self.image_path.layout.counts(samples)
             # Named per sample where the counts are the samples' (a preference pair's sides share the pair's images).
             nums = [int(n) for n in samples.get("num_images") or ()]
             check_feature_rows(features.shape[0], counts, nums if sum(nums) == len(counts) else [len(counts)],
@@ -291,8 +282,8 @@ class VisionLLM(BaseModel):
             return objective(self, samples).as_dict()
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, None)
-        if self._head_at_supervised_positions():
-            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks,
+        if self.llm.head_at_supervised_positions():
+            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.llm.loss_chunks,
                                         samples.get("supervised_positions"))[0].sum()
         else:
             token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels,
@@ -316,7 +307,7 @@ class VisionLLM(BaseModel):
         """
         samples = self.prepare_batch(samples)
         inputs_embeds, layout, labels = self._inputs(samples, image_features)
-        logps, positions = token_logps(self.llm_model, inputs_embeds, layout, labels, self.loss_chunks,
+        logps, positions = token_logps(self.llm_model, inputs_embeds, layout, labels, self.llm.loss_chunks,
                                        samples.get("supervised_positions"))
         owner, num_samples = sample_of_positions(samples, positions, labels)
         logp_sum = torch.zeros(num_samples, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
@@ -342,7 +333,7 @@ class VisionLLM(BaseModel):
         answers = samples.get("output") or [()] * len(samples["instruction"])
         systems = samples.get("system") or [None] * len(samples["instruction"])
         num_images = image_counts(samples)
-        counts = per_sample(self.images.counts(samples), num_images)
+        counts = per_sample(self.image_path.layout.counts(samples), num_images)
         videos = per_sample(self.llm.prompt.video_marks(samples), num_images)
         prompt = self.llm.prompt
         prompts = [prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
@@ -391,7 +382,7 @@ class VisionLLM(BaseModel):
         """Training FLOPs per sample by part (tower, connector, LLM), for the parameters that train now
         (``ImagePath.flop_model``); None if a part does not say. Reads only layer sizes and ``requires_grad``: works
         on partitioned weights (ZeRO-3, FSDP) and on the meta device."""
-        return self.image_path.flop_model(self.llm_model, not self._head_at_supervised_positions())
+        return self.image_path.flop_model(self.llm_model, not self.llm.head_at_supervised_positions())
 
     def merge_lora(self) -> PreTrainedModel:
         """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it

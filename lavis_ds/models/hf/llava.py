@@ -179,9 +179,9 @@ class LlavaFolders(FolderReading):
         if (layer, strategy) != (tower.layers, tower.strategy):
             differ.append(f"vision_feature_layer/select_strategy: folder {layer}/{strategy}, model "
                           f"{tower.layers}/{tower.strategy}")
-        if not differ and config.image_seq_length != model.images.tokens_per_image:
+        if not differ and config.image_seq_length != model.image_path.layout.tokens_per_image:
             differ.append(f"image tokens per image: folder image_seq_length {config.image_seq_length}, model "
-                          f"{model.images.tokens_per_image}")
+                          f"{model.image_path.layout.tokens_per_image}")
         return differ
 
     def tower_state(self, state: State) -> dict[str, torch.Tensor]:
