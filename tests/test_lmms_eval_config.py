@@ -57,8 +57,10 @@ def test_a_benchmark_score_as_best_metric_is_accepted(tmp_path, demo_storage):
     ({"lmms_eval": {"every": 2}}, "run.lmms_eval.tasks: required key is missing"),
     ({"lmms_eval": {"tasks": ["pope"], "include_path": "/nonexistent/tasks"}},
      "run.lmms_eval.include_path: folder '/nonexistent/tasks' does not exist (it holds task YAMLs)"),
+    ({"lmms_eval": {"tasks": ["pope"], "on_error": "ignore"}},
+     "run.lmms_eval.on_error: expected 'stop' | 'continue', got 'ignore'"),
 ], ids=["best-metric-not-a-score", "best-metric-without-lmms-eval", "unknown-task", "every-zero", "every-word",
-        "unknown-key", "no-task", "tasks-missing", "include-path-missing"])
+        "unknown-key", "no-task", "tasks-missing", "include-path-missing", "on-error-word"])
 def test_a_bad_lmms_eval_setting_is_one_line(tmp_path, demo_storage, run, problem):
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, demo_storage, **run)

@@ -31,6 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import demo_storage_fixture
 from harness import REPO
 from lavis_ds.runners.hooks.lmms_eval_checks import scores_of
+from harness.forked import STILL_RUNNING
 from run_utils import kill, metrics, run_forked, run_train, start, tiny_config, write_yaml
 
 TASKS = ["demo_shapes_caption", "demo_shapes_colour"]
@@ -189,3 +190,55 @@ def test_the_cost_benchmark_times_an_evaluation_against_a_step(tmp_path, demo_st
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     written = json.loads(figures.read_text())
     assert written["documents"] == 2 and written["step_s"] > 0 and written["eval_s"] > 0 and 0 < written["share"] < 1
+
+
+# ----------------------------------------------------------------------------- an evaluation that fails on rank 0
+SCORED_ONCE = """include: {include}/demo_shapes_caption.yaml
+task: demo_shapes_scored_later
+dataset_kwargs:
+  data_files:
+    test: {include}/demo_shapes_test.json
+metric_list:
+  - metric: exact_match
+    aggregation: !function scoring.mean_after_one_failure
+    higher_is_better: true
+"""
+SCORING = """from pathlib import Path
+
+FAILED = Path(__file__).with_name("failed_once")
+
+
+def mean_after_one_failure(items):
+    \"\"\"lmms-eval's aggregation of the task, on rank 0 alone: it fails the first time, then averages.\"\"\"
+    if not FAILED.exists():
+        FAILED.write_text("")
+        raise ZeroDivisionError("the task's scorer failed")
+    return sum(items) / len(items)
+"""
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_an_evaluation_failing_on_rank_0_stops_every_rank_or_every_rank_trains_on(tmp_path, demo_storage, on_error):
+    """The task's scoring (lmms-eval's aggregation, on rank 0 only) fails at step 1 while rank 1 waits at lmms-eval's
+    closing barrier. `stop`: both ranks end there, one `lavis_ds:` line naming the task and the step, no rank left
+    running (forked.Job kills one still running after its peer failed, and says so). `continue`: the line says so,
+    step 1 has no record, and both ranks train on to step 2, whose evaluation scores."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "scored_later.yaml").write_text(SCORED_ONCE.format(include=INCLUDE))
+    (tasks / "scoring.py").write_text(SCORING)
+    out = tmp_path / "out"
+    cfg = tiny_config(out, demo_storage, lmms_eval={"tasks": ["demo_shapes_scored_later"], "every": 1, "limit": LIMIT,
+                                                    "include_path": str(tasks), "on_error": on_error})
+    proc = run_train(write_yaml(tmp_path / "run.yaml", cfg), check=False, timeout=180)  # a hang fails, 10x its time
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:") and "MFU" not in line]
+    then = ("the run stops here; set run.lmms_eval.on_error: continue to train on when an evaluation fails"
+            if on_error == "stop" else
+            "training continues without this evaluation's scores (run.lmms_eval.on_error: continue)")
+    assert lines == ["lavis_ds: run.lmms_eval: evaluating task demo_shapes_scored_later at optimizer step 1 failed on "
+                     f"rank 0: ZeroDivisionError: the task's scorer failed; {then}"], proc.stderr[-4000:]
+    assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == (1 if on_error == "stop" else 0), proc.stderr[-4000:]
+    if on_error == "continue":
+        assert [m["step"] for m in metrics(out) if "split" not in m] == [1, LAST]
+        assert [r["step"] for r in _rows(out)] == [LAST]
