@@ -14,7 +14,6 @@ No lmms-eval import here: a failure is read from its traceback.
 from __future__ import annotations
 
 import torch
-import torch.distributed as torch_dist
 
 from lavis_ds.common import comm, dist
 from lavis_ds.common.errors import LavisDsError, message_of, report
@@ -67,13 +66,13 @@ def task_of(error: BaseException) -> str | None:
 def meet_closing_barrier(error: BaseException) -> None:
     """Rank 0 failed while lmms-eval scored on it alone: the other ranks wait at lmms-eval's closing barrier on the
     run's process group; join it (the call lmms-eval makes there) so that they reach the agreement."""
-    if dist.rank() != 0 or dist.world_size() < 2 or not torch_dist.is_initialized():
+    if dist.rank() != 0 or dist.world_size() < 2:
         return
     traceback, inside_evaluate = error.__traceback__, False
     while traceback is not None:
         code = traceback.tb_frame.f_code
         if inside_evaluate and code.co_name in RANK0_SCORING:
-            torch_dist.barrier()
+            comm.default_group_barrier()
             return
         inside_evaluate = (code.co_name == "evaluate"
                            and traceback.tb_frame.f_globals.get("__name__") == "lmms_eval.evaluator")
