@@ -155,9 +155,9 @@ def _tiny_max_txt_len(export: Path, folder: Path) -> Path:
     ("unknown task", r"unknown lmms-eval task 'demo_shapes_captoin' \(closest: demo_shapes_caption"),
     ("dataset not on disk", r"task demo_shapes_elsewhere \(.*demo_shapes_elsewhere\.yaml\): dataset file "
                             r"copies/demo_shapes_test\.json is not on disk"),
-    ("hub dataset offline", r"task demo_shapes_hub \(.*hub\.yaml\): dataset lavis-ds-tests/no-such-dataset \(dataset_path, "
-                            r"a Hugging Face hub dataset\) is not in the datasets cache .*, and HF_DATASETS_OFFLINE=1 "
-                            r"forbids downloading it"),
+    ("hub dataset offline", r"task demo_shapes_hub \(.*hub\.yaml\): dataset lavis-ds-tests/no-such-dataset "
+                            r"\(dataset_path, a Hugging Face hub dataset\) is not in the datasets cache .*, and "
+                            r"HF_DATASETS_OFFLINE=1 forbids downloading it"),
     ("lmms-eval missing", r"lmms-eval is not installed here .*install it with: pip install -e \"\.\[eval\]\""),
     ("answer cut by max_txt_len", r"task demo_shapes_colour \(test doc 0\): the model's max_txt_len=51 cuts the "
                                   r"continuation, so its log-likelihood cannot be computed"),

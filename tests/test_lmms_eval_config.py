@@ -107,11 +107,11 @@ def test_an_offline_hub_dataset_that_is_not_cached_is_refused_before_training(tm
         return
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, demo_storage, lmms_eval=settings)
-    assert info.value.problems == [
-        f"run.lmms_eval.tasks: task hub_vqa ({folder / 'hub_vqa.yaml'}): dataset lavis-ds-tests/ShapesVQA (dataset_path, "
-        f"a Hugging Face hub dataset) is not in the datasets cache {cache}, and {offline}=1 forbids downloading it: "
-        "load the task once where there is a network (into the same cache), or point the task at a local copy "
-        "(docs/evaluation.md)"]
+    assert info.value.problems == [(
+        f"run.lmms_eval.tasks: task hub_vqa ({folder / 'hub_vqa.yaml'}): dataset lavis-ds-tests/ShapesVQA "
+        f"(dataset_path, a Hugging Face hub dataset) is not in the datasets cache {cache}, and {offline}=1 forbids "
+        "downloading it: load the task once where there is a network (into the same cache), or point the task at a "
+        "local copy (docs/evaluation.md)")]
 
 
 LOCAL_TASK = """task: local_vqa

@@ -16,7 +16,9 @@ task scored by log-likelihoods).
 Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
 evaluating 2 documents per task twice, two in-process `lavis-ds eval` runs on a checkpoint, and the cost benchmark
 (benchmarks/lmms_eval_cost.py) for one step and 2 documents in one process: 30-50 s on the shared 2-core machine
-once the suite's process server is up (starting it adds some 15 s to whichever run is first).
+once the suite's process server is up (starting it adds some 15 s to whichever run is first). A task whose scoring
+fails on rank 0 at step 1: a 2-process run that stops there (`on_error: stop`) and one that trains on to step 2
+(`continue`), about 4 s each.
 """
 from __future__ import annotations
 
@@ -235,8 +237,8 @@ def test_an_evaluation_failing_on_rank_0_stops_every_rank_or_every_rank_trains_o
     then = ("the run stops here; set run.lmms_eval.on_error: continue to train on when an evaluation fails"
             if on_error == "stop" else
             "training continues without this evaluation's scores (run.lmms_eval.on_error: continue)")
-    assert lines == ["lavis_ds: run.lmms_eval: evaluating task demo_shapes_scored_later at optimizer step 1 failed on "
-                     f"rank 0: ZeroDivisionError: the task's scorer failed; {then}"], proc.stderr[-4000:]
+    assert lines == [("lavis_ds: run.lmms_eval: evaluating task demo_shapes_scored_later at optimizer step 1 failed "
+                      f"on rank 0: ZeroDivisionError: the task's scorer failed; {then}")], proc.stderr[-4000:]
     assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == (1 if on_error == "stop" else 0), proc.stderr[-4000:]
     if on_error == "continue":
