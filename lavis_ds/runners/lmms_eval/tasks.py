@@ -1,4 +1,5 @@
-"""lmms-eval's tasks, checked before a model is loaded: every name known, every local dataset on disk.
+"""lmms-eval's tasks, checked before a model is loaded: every name known, every local dataset on disk, and offline
+every hub dataset in the datasets cache.
 
 An lmms-eval task names its dataset by ``dataset_path``: a Hugging Face hub id (downloaded into the datasets cache
 on first use), a local folder, or one of ``datasets``' file builders (``json``, ``parquet``, ``csv``, ...) with
@@ -130,7 +131,10 @@ def _offline_hub_problem(repo_id: str, kwargs: dict[str, Any]) -> str | None:
     variable = offline_variable()
     if variable is None:
         return None
-    from datasets.load import CachedDatasetModuleFactory
+    try:
+        from datasets.load import CachedDatasetModuleFactory
+    except ImportError:  # a datasets release without it: the load itself says what is missing
+        return None
     from lmms_eval.api.task import _resolve_hf_datasets_cache_dir
 
     cache = kwargs.get("cache_dir") if not kwargs.get("video") else None
