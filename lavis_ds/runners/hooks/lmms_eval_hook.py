@@ -102,7 +102,7 @@ class LmmsEval(Hook):
 
         model = live_model(trainer, self.batch_size)
         with _kept_random_states(), eval_mode(trainer.engine.module):
-            return simple_evaluate(
+            results = simple_evaluate(
                 model=model, tasks=list(self.tasks), limit=self.limit, num_fewshot=self.num_fewshot,
                 batch_size=self.batch_size, task_manager=task_index(self.include_path, tuple(self.tasks)),
                 log_samples=True,  # the per-document answers, for the predictions files
@@ -112,6 +112,9 @@ class LmmsEval(Hook):
                 bootstrap_iters=0,  # no stderr resampling in the loop: the scores are the same, minutes faster
                 # lmms-eval's collectives on the run's process group; "accelerate" would build one of its own
                 distributed_executor_backend="torchrun")
+        if model.failure is not None:  # a request this rank could not answer, held while the others needed it
+            raise model.failure
+        return results
 
     def _write_predictions(self, trainer, results: dict) -> None:
         """predictions/lmms_eval_<task>_step<N>.jsonl: each document's id, target, answer and scores (rank 0)."""
@@ -129,13 +132,14 @@ class LmmsEval(Hook):
 def live_model(trainer, batch_size: int):
     """lmms-eval's model over the trainer's live model (``LavisDsLmms``): its forwards and generation go through the
     engine (which gathers what ZeRO-3 and FSDP2 shard), with the run's eval processors and `run.generate` under each
-    task's own generation settings."""
+    task's own generation settings; a request one rank cannot answer is held until lmms-eval is done
+    (``hold_failures``), so that rank still joins the others' forwards and gathers."""
     from lavis_ds.image_config import eval_processors_of
     from lavis_ds.runners.lmms_eval.model import LavisDsLmms
 
     image_processor, text_processor = eval_processors_of(trainer.cfg)
     return LavisDsLmms(trainer.engine.module, image_processor, text_processor, engine=trainer.engine,
-                       batch_size=batch_size, generation=dict(trainer.run.generate))
+                       batch_size=batch_size, generation=dict(trainer.run.generate), hold_failures=True)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,11 @@ group. A rank that raises out of it alone leaves the others waiting in a collect
 of minutes by default), and the error it printed is lost among their timeout tracebacks. So the ``lmms_eval`` hook
 catches a failure on the rank it happens on and the ranks agree on it at once, in one collective
 (:func:`agree_on_evaluation`); a rank 0 that failed while scoring first meets the barrier the others wait at
-(:func:`meet_closing_barrier`). A failure inside the requests' own phase, on one rank while the others are in a
-forward or a gather, is not recovered here: that rank raises, as any rank failing inside a collective does.
+(:func:`meet_closing_barrier`), and a rank that cannot prepare one of its requests holds that failure until
+lmms-eval is done (``LavisDsLmms``'s ``hold_failures``), joining the others' forwards and gathers meanwhile. A
+failure inside a forward on one rank (a sharded forward is itself a collective), or inside lmms-eval's
+per-document scoring on one rank before its gathers, is not recovered: that rank raises, as any rank failing
+inside a collective does.
 
 No lmms-eval import here: a failure is read from its traceback.
 """
@@ -43,7 +46,7 @@ def evaluation_failure(error: Exception, tasks: list[str], step: int, train_on: 
     """``error`` as the one line every rank's agreement reports: the task the traceback names (else the
     evaluation's tasks), the optimizer step, the rank, the cause, and whether the run stops."""
     task = task_of(error)
-    what = f"task {task}" if task else f"tasks {', '.join(tasks)}"
+    what = f"task {task}" if task else f"task{'s' if len(tasks) > 1 else ''} {', '.join(tasks)}"
     cause = message_of(error) if isinstance(error, LavisDsError) else f"{type(error).__name__}: {message_of(error)}"
     return EvaluationFailed(f"run.lmms_eval: evaluating {what} at optimizer step {step} failed on rank {dist.rank()}: "
                             f"{cause}; {TRAIN_ON if train_on else STOP}", getattr(error, "exit_code", 1))
