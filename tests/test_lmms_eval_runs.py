@@ -16,9 +16,9 @@ task scored by log-likelihoods).
 Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
 evaluating 2 documents per task twice, two in-process `lavis-ds eval` runs on a checkpoint, and the cost benchmark
 (benchmarks/lmms_eval_cost.py) for one step and 2 documents in one process: 30-50 s on the shared 2-core machine
-once the suite's process server is up (starting it adds some 15 s to whichever run is first). A task whose scoring
-fails on rank 0 at step 1: a 2-process run that stops there (`on_error: stop`) and one that trains on to step 2
-(`continue`), about 4 s each.
+once the suite's process server is up (starting it adds some 15 s to whichever run is first). An evaluation that
+fails on one rank at step 1 (a task's scoring on rank 0, a document's image on rank 1): three 2-process runs of one
+or two steps, stopped there (`on_error: stop`) or training on (`continue`), 5-7 s each.
 """
 from __future__ import annotations
 
