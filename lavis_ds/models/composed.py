@@ -30,6 +30,7 @@ from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.models.parts import build_part
 from lavis_ds.models.prompt import image_counts
 from lavis_ds.models.published import load_published
+from lavis_ds.models.settings.base import model_settings
 from lavis_ds.models.settings.composed import ComposedSettings, check_layouts, given_part_sections
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.vision_llm_batch import packed_image_order
@@ -77,7 +78,7 @@ class ComposedVisionLLM(VisionLLM):
         gives the settings that come with its weights (``models.published.settings_from_published``)."""
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-        return super().from_config(cls.SETTINGS(cfg).with_published())
+        return super().from_config(model_settings(cls, cfg).with_published())
 
     def load_from_pretrained(self, path: str) -> None:
         """A ``LlavaForConditionalGeneration`` or ``InstructBlipForConditionalGeneration`` folder (every part),
