@@ -114,16 +114,20 @@ def test_what_llava_cannot_express_is_refused(tiny_tokenizer_dir):
 # ----------------------------------------------------------------------------- the families, as registered
 @pytest.mark.parametrize("name", list(hf_families))
 def test_every_registered_family_names_a_transformers_class_and_registered_parts(name):
-    """Tests follow the registry: every family's class and config model_type are transformers', its pairs are
-    registered parts, and the refusal message lists what it exports."""
+    """Tests follow the registry: every family's class and config model_type are transformers', it holds its
+    three parts, its pairs are registered parts, and the refusal message lists what it exports."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from lavis_ds.apps.export_hf_checks import exportable
     from lavis_ds.common.registry import connectors, vision_towers
+    from lavis_ds.models.hf.family_parts import FolderReading, ProcessorExport, WeightsExport
 
     family = hf_families.get(name)
     assert hasattr(transformers, family.hf_class) and family.model_type in CONFIG_MAPPING_NAMES
+    # it holds one part per job, each of this record
+    parts = {WeightsExport: family.weights, ProcessorExport: family.processors, FolderReading: family.folders}
+    assert all(isinstance(part, interface) and part.family is family for interface, part in parts.items())
     assert family.pairs and all(tower in vision_towers and connector in connectors for tower, connector in family.pairs)
     assert family.exports() in exportable()
     with pytest.raises(KeyError, match=rf"Hugging Face family name '{name}' is already registered by "

@@ -135,7 +135,7 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
     image_cfg = image_cfg or default_image_cfg(model)
     family = check_expressible(model, image_cfg)
     dtype = export_dtype(model, trained_dtype)
-    hf_model = family.to_hf_model(model, dtype)
+    hf_model = family.weights.to_hf_model(model, dtype)
     hf_model.generation_config = generation_config(model, max_new_tokens)
     hf_model.save_pretrained(out)
     save_processor(model, image_cfg, out, family)
@@ -146,7 +146,7 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
 
 def to_hf_model(model: nn.Module, dtype: torch.dtype):
     """The transformers model ``model`` exports to (checked first), in ``dtype``; nothing written."""
-    return check_expressible(model).to_hf_model(model, dtype)
+    return check_expressible(model).weights.to_hf_model(model, dtype)
 
 
 def export_dtype(model: nn.Module, trained_dtype: str) -> torch.dtype:
@@ -166,7 +166,7 @@ def export_dtype(model: nn.Module, trained_dtype: str) -> torch.dtype:
 def export_notes(model: nn.Module, dtype: torch.dtype, family: HfFamily, hf_class: type) -> list[str]:
     """Where the exported model (an ``hf_class`` of ``family``) computes differently from lavis_ds though every
     weight is the same."""
-    notes = family.export_notes(model, dtype)
+    notes = family.weights.export_notes(model, dtype)
     if dtype != torch.float32:
         # transformers applies _keep_in_fp32_modules (BLIP-2: query_tokens, qformer) to fp16 loads only.
         kept = getattr(hf_class, "_keep_in_fp32_modules", None) if dtype == torch.float16 else None

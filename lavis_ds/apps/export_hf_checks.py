@@ -47,7 +47,8 @@ def hf_family(model: nn.Module) -> HfFamily:
 def check_expressible(model: nn.Module, image_cfg: dict[str, Any] | None = None) -> HfFamily:
     """The family of ``model`` (:func:`hf_family`); one ExportError listing everything its class cannot hold."""
     family = hf_family(model)
-    problems = (family.export_problems(model) + _image_processor_problems(image_cfg, family.square_images_only)
+    problems = (family.weights.export_problems(model)
+                + _image_processor_problems(image_cfg, family.processors.square_images_only)
                 + _prompt_problems(model))
     if problems:
         raise ExportError(f"cannot export as transformers' {family.hf_class}, which cannot express:\n  - "

@@ -5,18 +5,18 @@ docs/export-hf.md feeds the model the same token ids and pixels:
 
 - the chat template writes the ChatML prompt of ``lavis_ds.models.prompt`` (system turn, an image as
   ``<Img>`` + its image tokens + ``</Img> `` in front of the text, the assistant header), as many image tokens
-  per image as the family's processor leaves to the template (``HfFamily.template_image_tokens``): BLIP-2 and
+  per image as the family's processor leaves to the template (``ProcessorExport.template_image_tokens``): BLIP-2 and
   InstructBLIP one per query; LLaVA one per image, which ``LlavaProcessor`` expands into the tower's tokens;
 - the tokenizer is the one the model used (tokens it added included), padding on the left as
   lavis_ds's batched generation does, with ``image_token`` set so that the processor adds none of its own;
-- the image processor does the eval processing, as the family builds it (``HfFamily.image_processor``): BLIP's
+- the image processor does the eval processing, as the family builds it (``ProcessorExport.image_processor``): BLIP's
   square resize (BLIP-2, InstructBLIP), CLIP's shortest-edge resize and centre crop, SigLIP's square resize,
   LLaVA-1.5's pad-to-square (``LlavaImageProcessor`` with ``do_pad``), each with the tower's size, mean and std;
-- the processor is the family's (``HfFamily.processor``); InstructBLIP's carries ``qformer_tokenizer/``, the
+- the processor is the family's (``ProcessorExport.processor``); InstructBLIP's carries ``qformer_tokenizer/``, the
   connector's BERT tokenizer, truncating on the left at its ``max_instruction_len`` as lavis_ds does and reading
   the image's user turn out of a whole prompt (``models.hf.blip_instruction``), so that
   ``processor(images=..., text=...)`` prepares lavis_ds's ids; the family finishes the saved folder
-  (``HfFamily.finish_processor_folder``);
+  (``ProcessorExport.finish_processor_folder``);
 - the generation config stops and suppresses what ``VisionLLM.generate`` stops at and suppresses.
 """
 from __future__ import annotations
@@ -44,9 +44,10 @@ def chat_template(system_prompt: str, image_token: str, num_query_tokens: int, r
     ``system_prompt`` is used, as lavis_ds always does.
     Strings go in as JSON literals, which Jinja reads back unchanged (quotes, newlines, non-ASCII).
     ``image_run``: what an image item writes instead, for a family whose prompt spans images otherwise (Qwen-VL's
-    ``<|vision_start|><|image_pad|><|vision_end|>``, ``HfFamily.template_image_run``).
+    ``<|vision_start|><|image_pad|><|vision_end|>``, ``ProcessorExport.template_image_run``).
     ``video_run``: what a ``{"type": "video"}`` item writes, for a family whose processor takes videos (Qwen-VL's
-    ``<|vision_start|><|video_pad|><|vision_end|>``, ``HfFamily.template_video_run``); None: a video item writes nothing.
+    ``<|vision_start|><|video_pad|><|vision_end|>``, ``ProcessorExport.template_video_run``); None: a video item
+    writes nothing.
     """
     image_run = json.dumps(image_run if image_run is not None else "<Img>" + image_token * num_query_tokens
                            + "</Img> ", ensure_ascii=False)
@@ -112,8 +113,8 @@ def default_image_cfg(model: nn.Module) -> dict[str, Any]:
 def image_processor(processing, family: HfFamily | str):
     """The transformers image processor (PIL backend) of ``family`` (a registered family or its name) doing what
     ``processing`` (an ``ImageProcessing``) does: ``BlipImageProcessor``'s square resize, or LLaVA's CLIP / SigLIP /
-    ``LlavaImageProcessor`` (``HfFamily.image_processor``)."""
-    return _family(family).image_processor(processing)
+    ``LlavaImageProcessor`` (``ProcessorExport.image_processor``)."""
+    return _family(family).processors.image_processor(processing)
 
 
 def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path,
@@ -130,19 +131,20 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
         raise ValueError(f"{type(model).__name__}: no transformers class holds it (check_expressible says why)")
     prompt = model.prompt
     processing = image_processing_of(image_cfg or default_image_cfg(model))
-    images = family.image_processor(processing)
-    template = family.export_chat_template(model) or chat_template(
-        prompt.system_prompt, prompt.image_token, family.template_image_tokens(model), prompt.record_system_prompt,
-        family.template_image_run(model), family.template_video_run(model))
+    export = family.processors
+    images = export.image_processor(processing)
+    template = export.export_chat_template(model) or chat_template(
+        prompt.system_prompt, prompt.image_token, export.template_image_tokens(model), prompt.record_system_prompt,
+        export.template_image_run(model), export.template_video_run(model))
     model.llm_tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every
     # prompt ends where its answer starts) and the template for tokenizer.apply_chat_template too.
     tokenizer = AutoTokenizer.from_pretrained(out, image_token=prompt.image_token, padding_side="left",
                                               chat_template=template)
-    family.processor(model, images, tokenizer, template).save_pretrained(out)
-    family.finish_processor_folder(model, out)
-    family.check_exported_processor(model, out, processing)
+    export.processor(model, images, tokenizer, template).save_pretrained(out)
+    export.finish_processor_folder(model, out)
+    export.check_exported_processor(model, out, processing)
 
 
 def _family(family: HfFamily | str) -> HfFamily:

@@ -4,7 +4,7 @@ lavis_ds's own generation.
 lmms-eval's ``huggingface`` model, vLLM's processing and model cards load a folder with ``AutoProcessor`` and
 ``AutoModelForImageTextToText``, render the prompt with a chat template, call ``processor(images=..., text=...)`` and
 ``model.generate(**inputs)``. The README shows those lines for the folder's class and lists, from the family
-(``HfFamily.one_call_notes``) and the export (``export_hf.export_notes``), every way they compute otherwise than
+(``ProcessorExport.one_call_notes``) and the export (``export_hf.export_notes``), every way they compute otherwise than
 lavis_ds does on the checkpoint; what it does not list gives lavis_ds's token ids (tests/test_export_hf_arch.py).
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ README = "README.md"
 
 def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path) -> None:
     """Write ``out/README.md`` for ``model`` exported as ``family``'s class with the export's ``notes``."""
-    render = ("processor.apply_chat_template" if family.processor_keeps_chat_template
+    render = ("processor.apply_chat_template" if family.processors.processor_keeps_chat_template
               else "processor.tokenizer.apply_chat_template")
-    differences = family.one_call_notes(model) + notes
+    differences = family.processors.one_call_notes(model) + notes
     lines = [
         f"# {family.hf_class}, exported by lavis_ds",
         "",

@@ -57,7 +57,7 @@ def settings_from_published(section: dict[str, Any]) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         section["image_token"] = AutoTokenizer.from_pretrained(folder).convert_ids_to_tokens(image_token_id)
-    return family.published_settings(section, folder, config)
+    return family.folders.published_settings(section, folder, config)
 
 
 def load_published(model: nn.Module, path: str) -> None:
@@ -97,7 +97,7 @@ def check_fit(model: nn.Module, folder: Path, family: HfFamily) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    differ = family.fit_problems(model, config)
+    differ = family.folders.fit_problems(model, config)
     differ += differences("LLM", config.text_config, base_llm(model.llm_model).config,
                           ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads"))
     image_token_id = getattr(config, "image_token_id", None)
@@ -113,8 +113,9 @@ def load_llm(model: nn.Module, folder: Path, family: HfFamily) -> None:
     """The folder's language model into ``model.llm_model`` (under LoRA, into its base weights; with trainable token
     rows, into the embedding and head they sit on, the rows then taken from the loaded matrices); embedding rows the
     model's tokenizer added past the folder's vocabulary become the mean of the folder's rows."""
-    state = family.llm_state(read_safetensors(folder, lambda key: key.startswith(family.llm_prefixes),
-                                              "model.pretrained"))
+    folders = family.folders
+    state = folders.llm_state(read_safetensors(folder, lambda key: key.startswith(folders.llm_prefixes),
+                                               "model.pretrained"))
     llm = base_llm(model.llm_model)
     own = _plain_names(llm)
     tied = llm.config.tie_word_embeddings and "lm_head.weight" not in state

@@ -10,7 +10,7 @@ transformers' ``Qwen3VLVideoProcessor`` differs from Qwen2-VL's video processor 
   its frames (frames rounded to whole temporal patches) lies within ``min_pixels`` .. ``max_pixels``, so a longer
   video has smaller frames. Qwen2-VL bounds each frame alone.
 
-``QwenVLProcessing`` takes both as its ``video_*`` settings; Qwen3-VL's tower sets them (``VIDEO_SAMPLING``).
+``QwenVLProcessing`` takes both as its ``video_*`` settings; Qwen3-VL's tower sets them (``SPEC.video_sampling``).
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from lavis_ds.models.hf.blip_checks import activation_name, norm_problems, vit_p
 from lavis_ds.models.hf.blip_instruction import instruction_tokenizer, undeclare_image_token
 from lavis_ds.models.hf.family import (TORCHVISION_BACKEND_NOTE, HfFamily, differences, image_processor_settings,
                                       llm_problems, part_name)
+from lavis_ds.models.hf.family_parts import FolderReading, ProcessorExport, WeightsExport
 from lavis_ds.models.llm_placement import empty_weights
 from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
 
@@ -156,21 +157,17 @@ def ln_vision_note(parts: BlipParts) -> list[str]:
             "its token's feature variance"]
 
 
-# ----------------------------------------------------------------------------- the families
-class Blip2Family(HfFamily):
-    """``Blip2ForConditionalGeneration`` + ``Blip2Processor``: an ``eva_vit_g`` + ``qformer`` (``blip2_qwen``)."""
-
-    hf_class, model_type = "Blip2ForConditionalGeneration", "blip-2"
-    pairs = (("eva_vit_g", "qformer"),)
-    exportable = "eva_vit_g + qformer (blip2_qwen)"
-    square_images_only = True  # BlipImageProcessor: a square resize, no crop, no padding
-    processor_keeps_chat_template = False  # Blip2Processor's __init__ drops it; the tokenizer keeps it
+# ----------------------------------------------------------------------------- the families' parts
+class BlipWeights(WeightsExport):
+    """The class's model and config (``Blip2ForConditionalGeneration`` / ``Blip2Config``, InstructBLIP's alike)."""
 
     def classes(self) -> tuple[type, type]:
         """The transformers model and config classes."""
-        from transformers import Blip2Config, Blip2ForConditionalGeneration
+        import transformers
 
-        return Blip2ForConditionalGeneration, Blip2Config
+        hf_class = self.family.hf_class
+        return (getattr(transformers, hf_class),
+                getattr(transformers, hf_class.replace("ForConditionalGeneration", "Config")))
 
     def export_problems(self, model: nn.Module) -> list[str]:
         """The EVA layout, LayerNorms, the LLM class, the projection's bias."""
@@ -186,6 +183,11 @@ class Blip2Family(HfFamily):
 
     def export_notes(self, model: nn.Module, dtype: torch.dtype) -> list[str]:
         return ln_vision_note(BlipParts.of(model))
+
+
+class Blip2Processors(ProcessorExport):
+    square_images_only = True  # BlipImageProcessor: a square resize, no crop, no padding
+    processor_keeps_chat_template = False  # Blip2Processor's __init__ drops it; the tokenizer keeps it
 
     def one_call_notes(self, model: nn.Module) -> list[str]:
         return ["`processor.apply_chat_template` fails (\"this processor does not have a chat template\"): the "
@@ -212,20 +214,8 @@ class Blip2Family(HfFamily):
         return Blip2Processor(image_processor, tokenizer, num_query_tokens=None, chat_template=template)
 
 
-class InstructBlipFamily(Blip2Family):
-    """``InstructBlipForConditionalGeneration`` + ``InstructBlipProcessor`` (the Q-Former's BERT tokenizer under
-    ``qformer_tokenizer/``): an ``eva_vit_g`` + ``instruct_qformer``. Its published folders load into a composed
-    model (tower, Q-Former with queries, projection, LLM) and bring the Q-Former tokenizer and ``ln_vision`` eps."""
-
-    hf_class, model_type = "InstructBlipForConditionalGeneration", "instructblip"
-    pairs = (("eva_vit_g", "instruct_qformer"),)
-    exportable = "eva_vit_g + instruct_qformer"
-    reads_published = True
-
-    def classes(self) -> tuple[type, type]:
-        from transformers import InstructBlipConfig, InstructBlipForConditionalGeneration
-
-        return InstructBlipForConditionalGeneration, InstructBlipConfig
+class InstructBlipProcessors(Blip2Processors):
+    """``InstructBlipProcessor`` with the Q-Former's BERT tokenizer (``qformer_tokenizer/``)."""
 
     def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
         from transformers import AutoTokenizer, InstructBlipProcessor
@@ -262,6 +252,13 @@ class InstructBlipFamily(Blip2Family):
     def finish_processor_folder(self, model: nn.Module, folder: Path) -> None:
         undeclare_image_token(folder)  # the processor's call reads a declared one as an AddedToken (blip_instruction)
 
+
+class InstructBlipFolders(FolderReading):
+    """A published folder loads into a composed model (tower, Q-Former with queries, projection, LLM) and brings the
+    Q-Former tokenizer and ``ln_vision`` eps."""
+
+    reads_published = True
+
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
         """The folder's ``qformer_tokenizer/`` (unless the section names one) and its ``post_layernorm`` eps as the
         connector's ``ln_vision_eps``; for a Q-Former connector only (another one: ``fit_problems`` says)."""
@@ -289,6 +286,31 @@ class InstructBlipFamily(Blip2Family):
             differ += differences("Q-Former", config.qformer_config, connector.qformer.config,
                                   ("hidden_size", "num_hidden_layers", "vocab_size"))
         return differ
+
+
+# ----------------------------------------------------------------------------- the families
+class Blip2Family(HfFamily):
+    """``Blip2ForConditionalGeneration`` + ``Blip2Processor``: an ``eva_vit_g`` + ``qformer`` (``blip2_qwen``)."""
+
+    hf_class, model_type = "Blip2ForConditionalGeneration", "blip-2"
+    pairs = (("eva_vit_g", "qformer"),)
+    exportable = "eva_vit_g + qformer (blip2_qwen)"
+
+    def __init__(self):
+        super().__init__(BlipWeights, Blip2Processors, FolderReading)  # its folders load into no composed model
+
+
+class InstructBlipFamily(HfFamily):
+    """``InstructBlipForConditionalGeneration`` + ``InstructBlipProcessor`` (the Q-Former's BERT tokenizer under
+    ``qformer_tokenizer/``): an ``eva_vit_g`` + ``instruct_qformer``. Its published folders load into a composed
+    model."""
+
+    hf_class, model_type = "InstructBlipForConditionalGeneration", "instructblip"
+    pairs = (("eva_vit_g", "instruct_qformer"),)
+    exportable = "eva_vit_g + instruct_qformer"
+
+    def __init__(self):
+        super().__init__(BlipWeights, InstructBlipProcessors, InstructBlipFolders)
 
 
 reg.hf_families.register("blip2")(Blip2Family())

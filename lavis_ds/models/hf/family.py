@@ -3,17 +3,21 @@
 transformers maps a config class to its model class in one table and keeps each family's key renames beside the
 family (``_checkpoint_conversion_mapping``); lavis_ds does the same. Each family is an :class:`HfFamily` instance
 registered in ``registry.hf_families`` by the module that defines it (``lavis_ds.models.hf.blip``,
-``lavis_ds.models.hf.llava``). It says:
+``lavis_ds.models.hf.llava``, ...). The record names its class (``hf_class``, the folder's ``config.json``
+``model_type``, the lavis_ds models it holds: ``pairs``, ``holds``) and holds one part per job, each built in its
+``__init__`` (interfaces in ``lavis_ds.models.hf.family_parts``):
 
-- export: which lavis_ds models its class holds (``holds``), what of such a model the class cannot express
-  (``export_problems``), the transformers model holding the model's weights (``to_hf_model``), its image processor
-  and processor (``image_processor``, ``processor``, ``finish_processor_folder``), and what the export computes
-  differently (``export_notes``) and what the ecosystem's one call on it does otherwise (``one_call_notes``);
-- published loading: the folder's ``config.json`` ``model_type``, the settings a folder brings
-  (``published_settings``), what of the configured model must match the folder (``fit_problems``) and where the
-  parts' weights sit in it (``tower_state``, ``llm_state``).
+- ``weights`` (:class:`~lavis_ds.models.hf.family_parts.WeightsExport`): what of a model the class cannot express
+  (``export_problems``), the transformers model holding the model's weights (``to_hf_model``) and what the export
+  computes differently (``export_notes``);
+- ``processors`` (:class:`~lavis_ds.models.hf.family_parts.ProcessorExport`): its image processor and processor, the
+  chat template's image text, what it changes in and checks of the written folder, and what the ecosystem's one call
+  on it does otherwise (``one_call_notes``);
+- ``folders`` (:class:`~lavis_ds.models.hf.family_parts.FolderReading`): published loading: the settings a folder
+  brings (``published_settings``), what of the configured model must match the folder (``fit_problems``) and where
+  the parts' weights sit in it (``tower_state``, ``llm_state``).
 
-The shared code (``lavis_ds.apps.export_hf*``, ``lavis_ds.models.published``, the towers) asks the family and
+The shared code (``lavis_ds.apps.export_hf*``, ``lavis_ds.models.published``, the towers) asks the family's parts and
 never compares names, so a new family is one module that registers one record (docs/export-hf.md, "Adding a
 family").
 """
@@ -26,7 +30,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lavis_ds.common.registry import Registry, connectors, hf_families, vision_towers
+from lavis_ds.common.registry import Registry, connectors, hf_families, models, vision_towers
 from lavis_ds.models.parts import PartError
 
 State = Mapping[str, torch.Tensor]
@@ -38,129 +42,40 @@ TORCHVISION_BACKEND_NOTE = (
 
 
 class HfFamily:
-    """One transformers vision-LLM class; subclasses fill in the data and the methods their class needs."""
+    """One transformers vision-LLM class: subclasses fill in the data and name their parts' classes."""
 
     hf_class: str = ""  # the transformers class, e.g. "LlavaForConditionalGeneration"
     model_type: str = ""  # its config.json model_type, e.g. "llava"
     # (vision tower, connector) registry names of the composed models the class holds.
     pairs: tuple[tuple[str, str], ...] = ()
+    # The architecture whose models the class holds; None: any with one of the pairs. Qwen3.5's class holds the same
+    # parts as Qwen3-VL's, so the pair of parts alone does not say which class a model exports to.
+    arch: str | None = None
     exportable: str = ""  # what the class holds, in words, for refusal messages
     # Connector name -> why no class of this family holds it (a pair that looks close; refusal messages).
     why_not: Mapping[str, str] = {}
-    # Whether a composed model's ``pretrained:`` reads a folder of this class (tower, connector and LLM).
-    reads_published: bool = False
-    # Whether the class's processor keeps the chat template it is saved with (``processor.apply_chat_template``);
-    # Blip2Processor and InstructBlipProcessor drop it (the tokenizer keeps it).
-    processor_keeps_chat_template: bool = True
-    # Whether the class's image processor reproduces a square resize only (no crop, no padding).
-    square_images_only: bool = False
-    # The keys of the folder's safetensors that hold the vision tower and the LLM (``tower_state``, ``llm_state``
-    # rename them).
-    tower_prefixes: tuple[str, ...] = ()
-    llm_prefixes: tuple[str, ...] = ("language_model.", "model.language_model.", "lm_head.")
+
+    def __init__(self, weights: type, processors: type, folders: type):
+        """Build the parts from their classes (``family_parts``'s ``WeightsExport``, ``ProcessorExport`` and
+        ``FolderReading`` or subclasses), each handed this record. The parts' module imports this one, not the
+        other way round."""
+        self.weights = weights(self)
+        self.processors = processors(self)
+        self.folders = folders(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.hf_class})"
 
-    # ----------------------------------------------------------------- export
     def holds(self, model: nn.Module) -> bool:
-        """Whether ``model`` is one of the (tower, connector) pairs the class holds."""
+        """Whether ``model`` is one of the (tower, connector) pairs the class holds (of its architecture, if set)."""
         if not hasattr(model, "vision_tower"):
             return False
-        return (part_name(model.vision_tower, vision_towers), part_name(model.connector, connectors)) in self.pairs
+        pair = (part_name(model.vision_tower, vision_towers), part_name(model.connector, connectors))
+        return pair in self.pairs and (self.arch is None or part_name(model, models) == self.arch)
 
     def exports(self) -> str:
         """What the class holds, for messages."""
         return f"{self.hf_class}: {self.exportable}"
-
-    def export_problems(self, model: nn.Module) -> list[str]:  # pragma: no cover - interface
-        """Everything of ``model`` (merged, weights loaded) the class cannot express, each one line."""
-        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
-
-    def to_hf_model(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:  # pragma: no cover - interface
-        """The transformers model holding ``model``'s weights in ``dtype``, every key accounted for."""
-        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
-
-    def export_notes(self, model: nn.Module, dtype: torch.dtype) -> list[str]:
-        """Where the exported model computes differently though every weight is the same (beyond the dtype)."""
-        return []
-
-    def one_call_notes(self, model: nn.Module) -> list[str]:
-        """Where ``processor(images=..., text=...)`` + ``model.generate(**inputs)`` on the export (what lmms-eval,
-        vLLM and model cards call) prepare or generate otherwise than lavis_ds on the checkpoint; the export's
-        README.md lists them."""
-        return []
-
-    def fp16_note(self) -> str:
-        """What transformers keeps in fp32 when the class is loaded in fp16 (``_keep_in_fp32_modules``), if any."""
-        return ""
-
-    def image_processor(self, processing) -> Any:  # pragma: no cover - interface
-        """The transformers image processor (PIL backend) doing what ``processing`` (an ``ImageProcessing``) does."""
-        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
-
-    def template_image_tokens(self, model: nn.Module) -> int:
-        """Image tokens the chat template writes per image (the processor expands them where its class does)."""
-        return model.prompt.num_image_tokens
-
-    def export_chat_template(self, model: nn.Module) -> str | None:
-        """The chat template the export's processor and tokenizer carry; None: lavis_ds's ChatML template of the
-        model's prompt (``apps.export_hf_processor.chat_template``)."""
-        return None
-
-    def template_image_run(self, model: nn.Module) -> str | None:
-        """What the chat template writes for an image item; None: lavis_ds's ``<Img>`` + image tokens + ``</Img> ``."""
-        return None
-
-    def template_video_run(self, model: nn.Module) -> str | None:
-        """What the chat template writes for a video item (a family whose processor takes videos); None: nothing."""
-        return None
-
-    def processor(self, model: nn.Module, image_processor: Any, tokenizer: Any,
-                  template: str) -> Any:  # pragma: no cover - interface
-        """The class's processor of ``model`` around its image processor, tokenizer and chat template."""
-        raise NotImplementedError(f"{type(self).__name__} must define it: every registered family exports")
-
-    def finish_processor_folder(self, model: nn.Module, folder: Path) -> None:
-        """Change what the class's processor needs changed in the saved ``folder`` (nothing by default)."""
-
-    def check_exported_processor(self, model: nn.Module, out: Path, processing: Any) -> None:
-        """Refuse (ExportError) a processor written to ``out`` that prompts otherwise than training does with
-        ``processing``, where the class's processor computes counts of its own. Default: nothing to check."""
-
-    # ----------------------------------------------------------------- published folders
-    def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
-        """``section`` with what a folder of this class fixes beyond the LLM, tokenizer and image token (which
-        ``models.published`` reads for every family)."""
-        return section
-
-    def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
-        """What of the configured ``model``'s image path differs from the folder's (``config``), each one line."""
-        return []
-
-    def connector_problems(self, model: nn.Module) -> list[str]:
-        """The model's connector against the ones the class holds."""
-        wanted = sorted({connector for _, connector in self.pairs})
-        name = part_name(model.connector, connectors)
-        if name in wanted:
-            return []
-        return [f"connector: the folder's is {' or '.join(wanted)}, the model's {name}"]
-
-    def tower_config(self, folder: Path) -> Any:
-        """The transformers config of the folder's vision tower."""
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(folder).vision_config
-
-    def tower_state(self, state: State) -> dict[str, torch.Tensor]:
-        """The folder's vision tower keyed as a transformers vision model (CLIP, SigLIP) without ``vision_model.``."""
-        raise PartError(f"a {self.hf_class} folder's vision tower is not a transformers vision model")
-
-    def llm_state(self, state: State) -> dict[str, torch.Tensor]:
-        """The folder's language model keyed as its ``AutoModelForCausalLM`` (``model.*``, ``lm_head.*``)."""
-        from lavis_ds.models import hf_keys
-
-        return hf_keys.llava_llm(state)
 
 
 # ----------------------------------------------------------------- lookups
@@ -191,7 +106,7 @@ def published_family(folder: str | Path) -> HfFamily | None:
         return None
     model_type = folder_model_type(folder)
     family = family_of_model_type(model_type)
-    if family is None or not family.reads_published:
+    if family is None or not family.folders.reads_published:
         what = f"a {model_type!r}" if model_type else "not a"
         raise PartError(f"model.pretrained: {folder} is {what} transformers folder"
                         f"{'' if model_type else ' (no config.json)'}; it takes {accepted_formats()}")
@@ -200,7 +115,7 @@ def published_family(folder: str | Path) -> HfFamily | None:
 
 def accepted_formats() -> str:
     """What ``model.pretrained`` of a composed model takes, for messages."""
-    folders = " or ".join(f.hf_class for f in all_families() if f.reads_published)
+    folders = " or ".join(f.hf_class for f in all_families() if f.folders.reads_published)
     return f"a {folders} folder (save_pretrained), LAVIS's InstructBLIP .pth, or LLaVA's stage-1 mm_projector.bin"
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from lavis_ds.common import registry as reg
 from lavis_ds.models.hf.family import (TORCHVISION_BACKEND_NOTE, HfFamily, State, differences, image_processor_settings,
                                       llm_problems, part_name)
+from lavis_ds.models.hf.family_parts import FolderReading, ProcessorExport, WeightsExport
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.llm_placement import empty_weights
 
@@ -118,23 +119,15 @@ def llava_problems(model: nn.Module) -> list[str]:
     return problems + llm_problems(model.llm_model, "LlavaConfig's text_config")
 
 
-class LlavaFamily(HfFamily):
-    """``LlavaForConditionalGeneration`` + ``LlavaProcessor``: a ``clip`` or ``siglip`` tower + ``mlp2x_gelu``."""
-
-    hf_class, model_type = "LlavaForConditionalGeneration", "llava"
-    pairs = (("clip", "mlp2x_gelu"), ("siglip", "mlp2x_gelu"))
-    exportable = "a clip or siglip tower + mlp2x_gelu"
-    why_not = {"linear": "LlavaConfig's projector is always linear_1 -> projector_hidden_act -> linear_2, two layers: "
-                         "a single linear connector has no place in it"}
-    reads_published = True
-    tower_prefixes = ("vision_tower.", "model.vision_tower.")
-
+class LlavaWeights(WeightsExport):
     def export_problems(self, model: nn.Module) -> list[str]:
         return llava_problems(model)
 
     def to_hf_model(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
         return to_hf_model(model, dtype)
 
+
+class LlavaProcessors(ProcessorExport):
     def image_processor(self, processing):
         """LLaVA-1.5's pad-to-square is ``LlavaImageProcessor``'s ``do_pad`` (the mean colour ``int(x * 255)``, the
         image centred, as LLaVA's ``expand2square``); otherwise CLIP's processor (``shortest_edge`` resize + centre
@@ -166,6 +159,11 @@ class LlavaFamily(HfFamily):
                               vision_feature_select_strategy=tower.strategy, chat_template=template,
                               image_token=model.prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
 
+
+class LlavaFolders(FolderReading):
+    reads_published = True
+    tower_prefixes = ("vision_tower.", "model.vision_tower.")
+
     def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
         """The connector, the tower's class and size, its feature selection, the image tokens per image."""
         tower, vision = model.vision_tower, config.vision_config
@@ -190,6 +188,19 @@ class LlavaFamily(HfFamily):
         from lavis_ds.models import hf_keys
 
         return hf_keys.llava_tower(state)
+
+
+class LlavaFamily(HfFamily):
+    """``LlavaForConditionalGeneration`` + ``LlavaProcessor``: a ``clip`` or ``siglip`` tower + ``mlp2x_gelu``."""
+
+    hf_class, model_type = "LlavaForConditionalGeneration", "llava"
+    pairs = (("clip", "mlp2x_gelu"), ("siglip", "mlp2x_gelu"))
+    exportable = "a clip or siglip tower + mlp2x_gelu"
+    why_not = {"linear": "LlavaConfig's projector is always linear_1 -> projector_hidden_act -> linear_2, two layers: "
+                         "a single linear connector has no place in it"}
+
+    def __init__(self):
+        super().__init__(LlavaWeights, LlavaProcessors, LlavaFolders)
 
 
 reg.hf_families.register("llava")(LlavaFamily())

@@ -20,13 +20,33 @@ from typing import Any
 from torch import nn
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.hf.qwen3_vl import Qwen3VLFamily
+from lavis_ds.models.hf.qwen3_vl import Qwen3VLFamily, Qwen3VLFolders, Qwen3VLProcessors, Qwen3VLWeights
 
 
-class Qwen35Family(Qwen3VLFamily):
-    hf_class, model_type, tower, arch = "Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_vl", "qwen3_5"
-    exportable = "a qwen3_vl tower without DeepStack + qwen3_vl_merger + the qwen3_5_text model"
+class Qwen35Weights(Qwen3VLWeights):
+    def hf_vision_config(self, model: nn.Module) -> dict[str, Any]:
+        """The tower's config cut to ``Qwen3_5VisionConfig``'s keys: no DeepStack, and its own rotary settings (the
+        axial 2-D rotary of theta 10,000 that the qwen3_vl tower computes; it refuses Qwen3-VL's "default" type)."""
+        from transformers import Qwen3_5VisionConfig
 
+        keys = set(Qwen3_5VisionConfig.__annotations__) - {"model_type", "rope_parameters"}
+        return {k: v for k, v in model.vision_tower.config.to_dict().items() if k in keys}
+
+
+class Qwen35Processors(Qwen3VLProcessors):
+    def export_chat_template(self, model: nn.Module) -> str | None:
+        """The published chat template the model's prompt is rendered by (lavis_ds's ChatML template writes no think
+        block), with the model's template variables (``enable_thinking: false``) and system prompt as its defaults:
+        the one call without arguments prompts as lavis_ds does, and a caller may still pass its own."""
+        from lavis_ds.models.chat_template import template_text
+
+        published = template_text(model.llm_tokenizer)
+        if published is None:
+            return None
+        return template_defaults(model.prompt.template_variables, model.prompt.system_prompt) + published
+
+
+class Qwen35Folders(Qwen3VLFolders):
     def connector_settings(self, config: Any) -> dict[str, Any]:
         """No DeepStack merger."""
         return {"deepstack_taps": 0}
@@ -41,25 +61,13 @@ class Qwen35Family(Qwen3VLFamily):
         section["vision_tower"]["vision_config"].setdefault("deepstack_visual_indexes", [])
         return section
 
-    def hf_vision_config(self, model: nn.Module) -> dict[str, Any]:
-        """The tower's config cut to ``Qwen3_5VisionConfig``'s keys: no DeepStack, and its own rotary settings (the
-        axial 2-D rotary of theta 10,000 that the qwen3_vl tower computes; it refuses Qwen3-VL's "default" type)."""
-        from transformers import Qwen3_5VisionConfig
 
-        keys = set(Qwen3_5VisionConfig.__annotations__) - {"model_type", "rope_parameters"}
-        return {k: v for k, v in model.vision_tower.config.to_dict().items() if k in keys}
+class Qwen35Family(Qwen3VLFamily):
+    hf_class, model_type, tower, arch = "Qwen3_5ForConditionalGeneration", "qwen3_5", "qwen3_vl", "qwen3_5"
+    exportable = "a qwen3_vl tower without DeepStack + qwen3_vl_merger + the qwen3_5_text model"
 
-
-    def export_chat_template(self, model: nn.Module) -> str | None:
-        """The published chat template the model's prompt is rendered by (lavis_ds's ChatML template writes no think
-        block), with the model's template variables (``enable_thinking: false``) and system prompt as its defaults:
-        the one call without arguments prompts as lavis_ds does, and a caller may still pass its own."""
-        from lavis_ds.models.chat_template import template_text
-
-        published = template_text(model.llm_tokenizer)
-        if published is None:
-            return None
-        return template_defaults(model.prompt.template_variables, model.prompt.system_prompt) + published
+    def __init__(self):
+        super().__init__(Qwen35Weights, Qwen35Processors, Qwen35Folders)
 
 
 def template_defaults(variables: dict[str, Any], system_prompt: str | None) -> str:

@@ -21,55 +21,19 @@ from torch import nn
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.hf.family import part_name
-from lavis_ds.models.hf.qwen_vl import QwenVLFamily, processor_settings, saved_processor
+from lavis_ds.models.hf.qwen_vl import (QwenVLFamily, QwenVLFolders, QwenVLProcessors, QwenVLWeights,
+                                       processor_settings, saved_processor)
 from lavis_ds.models.parts import PartError
 
 
-class Qwen3VLFamily(QwenVLFamily):
-    hf_class, model_type, tower = "Qwen3VLForConditionalGeneration", "qwen3_vl", "qwen3_vl"
-    # The architecture whose models the class holds: Qwen3.5's class holds the same parts (``hf.qwen3_5``), so the
-    # pair of parts alone does not say which class a model exports to, nor which architecture reads a folder.
-    arch = "qwen3_vl"
-    out_width_key = "out_hidden_size"
-    pairs = (("qwen3_vl", "qwen3_vl_merger"),)
-    exportable = "a qwen3_vl tower + qwen3_vl_merger + the qwen3_vl_text model"
-
-    def holds(self, model: nn.Module) -> bool:
-        """The architecture's models of the family's pair of parts."""
-        return super().holds(model) and part_name(model, reg.models) == self.arch
-
-    def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
-        """As Qwen2-VL's, with the folder's video sampling (rate and pixel budget) where the section sets none; the
-        configured architecture must be the folder's."""
-        settings = super().published_settings(section, folder, config)
-        tower = settings["vision_tower"]
-        tower.update({k: v for k, v in video_sampling(folder).items() if tower.get(k) is None})
-        arch = section.get("arch")
-        if arch is not None and arch != self.arch:
-            raise PartError(f"model.pretrained: {folder} is a {self.hf_class} folder (config.json model_type "
-                            f"{self.model_type!r}), but model.arch is {arch!r}; load it with model.arch: {self.arch} "
-                            f"({self.exportable})")
-        return settings
-
-    def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
-        name = part_name(model, reg.models)
-        if name != self.arch:
-            return [f"architecture: the folder's is {self.arch}, the model's {name}"]
-        return super().fit_problems(model, config)
-
+class Qwen3VLWeights(QwenVLWeights):
     def merger_state(self, connector: nn.Module) -> dict[str, torch.Tensor]:
         """The connector's keys are the class's own under ``model.visual`` (``merger.*``,
         ``deepstack_merger_list.*``)."""
         return dict(connector.state_dict())
 
-    def connector_settings(self, config: Any) -> dict[str, Any]:
-        """One DeepStack merger per tapped tower block."""
-        return {"deepstack_taps": len(config.vision_config.deepstack_visual_indexes)}
 
-    def merger_problems(self, model: nn.Module, config: Any) -> list[str]:
-        ours, theirs = model.connector.deepstack_taps, len(config.vision_config.deepstack_visual_indexes)
-        return [] if ours == theirs else [f"qwen3_vl_merger deepstack_taps: folder {theirs}, model {ours}"]
-
+class Qwen3VLProcessors(QwenVLProcessors):
     def processor(self, model: nn.Module, image_processor, tokenizer, template: str):
         """``Qwen3VLProcessor`` around the image processor, the tokenizer and template, and Qwen3-VL's video
         processor with the tower's patch sizes, normalisation and video sampling (its rate, frame bounds and pixel
@@ -88,6 +52,50 @@ class Qwen3VLFamily(QwenVLFamily):
                                       cap_pixels_per_frame=False)
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                 video_processor=video)
+
+
+class Qwen3VLFolders(QwenVLFolders):
+    def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
+        """As Qwen2-VL's, with the folder's video sampling (rate and pixel budget) where the section sets none; the
+        configured architecture must be the folder's."""
+        settings = super().published_settings(section, folder, config)
+        tower = settings["vision_tower"]
+        tower.update({k: v for k, v in video_sampling(folder).items() if tower.get(k) is None})
+        arch, family = section.get("arch"), self.family
+        if arch is not None and arch != family.arch:
+            raise PartError(f"model.pretrained: {folder} is a {family.hf_class} folder (config.json model_type "
+                            f"{family.model_type!r}), but model.arch is {arch!r}; load it with model.arch: "
+                            f"{family.arch} ({family.exportable})")
+        return settings
+
+    def fit_problems(self, model: nn.Module, config: Any) -> list[str]:
+        name = part_name(model, reg.models)
+        if name != self.family.arch:
+            return [f"architecture: the folder's is {self.family.arch}, the model's {name}"]
+        return super().fit_problems(model, config)
+
+    def connector_settings(self, config: Any) -> dict[str, Any]:
+        """One DeepStack merger per tapped tower block."""
+        return {"deepstack_taps": len(config.vision_config.deepstack_visual_indexes)}
+
+    def merger_problems(self, model: nn.Module, config: Any) -> list[str]:
+        ours, theirs = model.connector.deepstack_taps, len(config.vision_config.deepstack_visual_indexes)
+        return [] if ours == theirs else [f"qwen3_vl_merger deepstack_taps: folder {theirs}, model {ours}"]
+
+
+class Qwen3VLFamily(QwenVLFamily):
+    hf_class, model_type, tower = "Qwen3VLForConditionalGeneration", "qwen3_vl", "qwen3_vl"
+    # Qwen3.5's class holds the same parts (``hf.qwen3_5``): the architecture says which class a model exports to,
+    # and which architecture reads a folder.
+    arch = "qwen3_vl"
+    out_width_key = "out_hidden_size"
+    pairs = (("qwen3_vl", "qwen3_vl_merger"),)
+    exportable = "a qwen3_vl tower + qwen3_vl_merger + the qwen3_vl_text model"
+
+    def __init__(self, weights: type[Qwen3VLWeights] = Qwen3VLWeights,
+                 processors: type[Qwen3VLProcessors] = Qwen3VLProcessors,
+                 folders: type[Qwen3VLFolders] = Qwen3VLFolders):
+        super().__init__(weights, processors, folders)
 
 
 reg.hf_families.register("qwen3_vl")(Qwen3VLFamily())

@@ -23,6 +23,7 @@ from torch import nn
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.hf.family import HfFamily, State, differences, part_name
+from lavis_ds.models.hf.family_parts import FolderReading, ProcessorExport, WeightsExport
 from lavis_ds.models.parts import PartError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -31,38 +32,29 @@ VIDEO_TOKEN = "<|video_pad|>"
 TEXT_PREFIXES = ("model.language_model.", "model.embed_tokens.", "model.layers.", "model.norm.", "lm_head.")
 
 
-class QwenVLFamily(HfFamily):
-    """A ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` folder; the subclasses below
-    are data only."""
+class QwenVLWeights(WeightsExport):
+    """The class holding the tower and merger as ``model.visual``, the text model and its head."""
 
-    tower: str = ""  # the registry name of the tower (and the architecture) its folders need
-    norm: str = ""  # the patch_merger's norm
-    out_width_key = "hidden_size"  # the vision config's key of the merger's output width (the LLM's)
-    reads_published = True
-    tower_prefixes = ("visual.", "model.visual.")
-    llm_prefixes = TEXT_PREFIXES
-
-
-    # ----------------------------------------------------------------- export
     def export_problems(self, model: nn.Module) -> list[str]:
         """The class builds the text model of its own kind, with ``lm_head(hidden states)`` on top, and its
         processor needs the vision tokens as single tokens of the tokenizer."""
         from lavis_ds.models.llm import base_llm
 
+        hf_class = self.family.hf_class
         llm = base_llm(model.llm_model)
         problems = []
-        wanted = f"{self.model_type}_text"
+        wanted = f"{self.family.model_type}_text"
         if getattr(llm.config, "model_type", None) != wanted:
             problems.append(f"llm_model: {type(llm).__name__} (model_type {getattr(llm.config, 'model_type', None)!r})"
-                            f"; {self.hf_class} holds the {wanted} text model (llm_config: {{model_type: {wanted}}})")
+                            f"; {hf_class} holds the {wanted} text model (llm_config: {{model_type: {wanted}}})")
         head = llm.get_output_embeddings()
         if type(head) is not nn.Linear or head.bias is not None:
-            problems.append(f"llm_model's output layer: {head!r}; {self.hf_class}'s lm_head is a Linear without bias")
+            problems.append(f"llm_model's output layer: {head!r}; {hf_class}'s lm_head is a Linear without bias")
         tokenizer = model.llm_tokenizer
         missing = [t for t in (*VISION_TOKENS, VIDEO_TOKEN) if tokenizer.convert_tokens_to_ids(t) in
                    (None, tokenizer.unk_token_id)]
         if missing:
-            problems.append(f"the tokenizer lacks {', '.join(missing)}, which {self.hf_class}'s processor writes")
+            problems.append(f"the tokenizer lacks {', '.join(missing)}, which {hf_class}'s processor writes")
         return problems
 
     def to_hf_model(self, model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -74,7 +66,7 @@ class QwenVLFamily(HfFamily):
 
         llm = base_llm(model.llm_model)
         with empty_weights():  # parameters on the meta device: every one is assigned below
-            hf_model = getattr(transformers, self.hf_class)(self.hf_config(model, dtype))
+            hf_model = getattr(transformers, self.family.hf_class)(self.hf_config(model, dtype))
         visual = {**model.vision_tower.state_dict(), **self.merger_state(model.connector)}
         pairs = [(hf_model.model.visual, visual), (hf_model.model.language_model, llm.model.state_dict()),
                  (hf_model.lm_head, llm.lm_head.state_dict())]
@@ -85,7 +77,7 @@ class QwenVLFamily(HfFamily):
             hf_model.tie_weights()
         left = [name for name, p in hf_model.named_parameters() if p.is_meta]
         if left:  # the parts above and transformers' class disagree: a bug here, not the user's
-            raise RuntimeError(f"{self.hf_class} parameters left unassigned: {left[:8]}")
+            raise RuntimeError(f"{self.family.hf_class} parameters left unassigned: {left[:8]}")
         return hf_model.eval()
 
     def hf_config(self, model: nn.Module, dtype: torch.dtype):
@@ -97,12 +89,12 @@ class QwenVLFamily(HfFamily):
 
         llm, tokenizer = base_llm(model.llm_model), model.llm_tokenizer
         vision = self.hf_vision_config(model)
-        vision[self.out_width_key] = llm.config.hidden_size
+        vision[self.family.out_width_key] = llm.config.hidden_size
         text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
         ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
             ("image_token_id", model.prompt.image_token), ("video_token_id", VIDEO_TOKEN),
             ("vision_start_token_id", VISION_TOKENS[0]), ("vision_end_token_id", VISION_TOKENS[2]))}
-        config_class = getattr(transformers, self.hf_class.replace("ForConditionalGeneration", "Config"))
+        config_class = getattr(transformers, self.family.hf_class.replace("ForConditionalGeneration", "Config"))
         config = config_class(vision_config=vision, text_config=text,
                               tie_word_embeddings=bool(getattr(llm.config, "tie_word_embeddings", False)), **ids)
         config.dtype = dtype
@@ -113,6 +105,15 @@ class QwenVLFamily(HfFamily):
     def hf_vision_config(self, model: nn.Module) -> dict[str, Any]:
         """The class's vision config as a dict: the tower's own config."""
         return model.vision_tower.config.to_dict()
+
+    def merger_state(self, connector: nn.Module) -> dict[str, torch.Tensor]:
+        """The connector's weights as the class's ``model.visual`` names them (``merger.*``; Qwen3-VL's differ)."""
+        return {f"merger.{k}": v for k, v in connector.state_dict().items()}
+
+
+class QwenVLProcessors(ProcessorExport):
+    """The class's processor: Qwen2-VL's image and video processors with the tower's processing, the vision span
+    written by the chat template and expanded by the processor."""
 
     def image_processor(self, processing):
         """``Qwen2VLImageProcessor`` (torchvision backend, as ``lavis_ds.processors.qwen_vl`` reproduces it) with the
@@ -135,7 +136,7 @@ class QwenVLFamily(HfFamily):
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
         processing = model.vision_tower.processing
-        processor_class = getattr(transformers, self.hf_class.replace("ForConditionalGeneration", "Processor"))
+        processor_class = getattr(transformers, self.family.hf_class.replace("ForConditionalGeneration", "Processor"))
         return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                video_processor=Qwen2VLVideoProcessor(**processor_settings(processing)))
 
@@ -148,16 +149,25 @@ class QwenVLFamily(HfFamily):
 
         check_placeholder_sweep(AutoProcessor.from_pretrained(out), processing, str(out))
 
-    # ----------------------------------------------------------------- published folders
+
+class QwenVLFolders(FolderReading):
+    """A published folder into the family's architecture: its vision config, pixel bounds, tied head, the merger's
+    settings; the text model's keys in both layouts."""
+
+    reads_published = True
+    tower_prefixes = ("visual.", "model.visual.")
+    llm_prefixes = TEXT_PREFIXES
+
     def published_settings(self, section: dict[str, Any], folder: Path, config: Any) -> dict[str, Any]:
         """The tower's architecture and pixel bounds, the text model's tied head; the architecture's tower and the
         chat template's vision tokens checked."""
+        family = self.family
         tower = dict(section.get("vision_tower") or {})
-        if tower.get("name") != self.tower:
-            raise PartError(f"model.pretrained: {folder} is a {self.hf_class} folder (config.json model_type "
-                            f"{self.model_type!r}), but the model's vision tower is {tower.get('name')!r}; load it "
-                            f"with model.arch: {self.tower} ({self.exportable})")
-        own = vision_keys(config.vision_config, reg.vision_towers.get(self.tower).config_keys())
+        if tower.get("name") != family.tower:
+            raise PartError(f"model.pretrained: {folder} is a {family.hf_class} folder (config.json model_type "
+                            f"{family.model_type!r}), but the model's vision tower is {tower.get('name')!r}; load it "
+                            f"with model.arch: {family.tower} ({family.exportable})")
+        own = vision_keys(config.vision_config, reg.vision_towers.get(family.tower).SPEC.config_keys())
         tower["vision_config"] = {**own, **(tower.get("vision_config") or {})}
         # The folder's processor bounds where the section sets none (a smaller max_pixels saves memory: the user's).
         tower.update({k: v for k, v in pixel_bounds(folder).items() if tower.get(k) is None})
@@ -173,37 +183,40 @@ class QwenVLFamily(HfFamily):
         """The tower kind and architecture, the merger's norm and widths."""
         tower = model.vision_tower
         name = part_name(tower, reg.vision_towers)
-        if name != self.tower:
-            return [f"vision tower: the folder's is {self.tower}, the model's {name}"]
+        if name != self.family.tower:
+            return [f"vision tower: the folder's is {self.family.tower}, the model's {name}"]
         differ = self.connector_problems(model)
         ours = tower.config.to_dict()
-        keys = tuple(k for k in vision_keys(config.vision_config, type(tower).config_keys()) if k in ours)
+        keys = tuple(k for k in vision_keys(config.vision_config, type(tower).SPEC.config_keys()) if k in ours)
         differ += differences("vision tower", config.vision_config, ours, keys)
         return differ + self.merger_problems(model, config)
 
-    # ----------------------------------------------------------------- the merger (Qwen3-VL's differs)
-    def merger_state(self, connector: nn.Module) -> dict[str, torch.Tensor]:
-        """The connector's weights as the class's ``model.visual`` names them (``merger.*``)."""
-        return {f"merger.{k}": v for k, v in connector.state_dict().items()}
-
     def connector_settings(self, config: Any) -> dict[str, Any]:
-        """What a folder fixes of the connector's section: the patch_merger's norm."""
-        return {"norm": self.norm}
+        """What a folder fixes of the connector's section: the patch_merger's norm (Qwen3-VL's merger differs)."""
+        return {"norm": self.family.norm}
 
     def merger_problems(self, model: nn.Module, config: Any) -> list[str]:
         """The patch_merger's norm against the folder's."""
-        norm = type(model.connector.ln_q).__name__.lower()
-        return [] if norm == self.norm else [f"patch_merger norm: folder {self.norm}, model {norm}"]
-
-    def tower_config(self, folder: Path) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(folder).vision_config
+        norm, wanted = type(model.connector.ln_q).__name__.lower(), self.family.norm
+        return [] if norm == wanted else [f"patch_merger norm: folder {wanted}, model {norm}"]
 
     def llm_state(self, state: State) -> dict[str, torch.Tensor]:
         """The text model's keys as ``qwen_vl_text``'s causal LM names them (``model.*``, ``lm_head.*``)."""
         return {("model." + key.removeprefix("model.language_model.") if key.startswith("model.language_model.")
                  else key): value for key, value in state.items()}
+
+
+class QwenVLFamily(HfFamily):
+    """A ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` folder; the subclasses below
+    are data only."""
+
+    tower: str = ""  # the registry name of the tower (and the architecture) its folders need
+    norm: str = ""  # the patch_merger's norm
+    out_width_key = "hidden_size"  # the vision config's key of the merger's output width (the LLM's)
+
+    def __init__(self, weights: type[QwenVLWeights] = QwenVLWeights,
+                 processors: type[QwenVLProcessors] = QwenVLProcessors, folders: type[QwenVLFolders] = QwenVLFolders):
+        super().__init__(weights, processors, folders)
 
 
 def processor_settings(processing) -> dict[str, Any]:

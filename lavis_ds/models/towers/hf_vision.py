@@ -156,7 +156,7 @@ class HfVisionTower(VisionTower):
                             f"{cls.MODEL_CLASS.__name__} (or full model) folder such as {cls._hub_example()}")
         family = family_of_model_type(folder_model_type(folder))
         if family is not None:  # a vision-LLM folder (LlavaForConditionalGeneration, ...): its tower's config
-            config = family.tower_config(Path(folder).expanduser())
+            config = family.folders.tower_config(Path(folder).expanduser())
             model_type = config.model_type
         else:
             config, model_type = None, folder_model_type(folder)
@@ -181,9 +181,9 @@ class HfVisionTower(VisionTower):
         if family is not None:  # a vision-LLM folder: the tower's keys as its family lays them out
             from lavis_ds.models import hf_keys
 
-            state = read_safetensors(folder, lambda key: key.startswith(family.tower_prefixes),
+            state = read_safetensors(folder, lambda key: key.startswith(family.folders.tower_prefixes),
                                      "vision_tower.pretrained")
-            ours = hf_keys.hf_vision_keys(family.tower_state(state), self.model)
+            ours = hf_keys.hf_vision_keys(family.folders.tower_state(state), self.model)
             own = self.model.state_dict().keys()
             missing, unexpected = sorted(own - ours.keys()), sorted(ours.keys() - own)
             if missing or unexpected:

@@ -19,8 +19,9 @@ from transformers import Qwen3VLVisionConfig
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.parts import PartError
-from lavis_ds.models.towers.qwen_vl import Layout, QwenVLTower
+from lavis_ds.models.towers.qwen_vl import QwenVLTower
 from lavis_ds.models.towers.qwen_vl_layers import GridRows, LinearFcMlp, grid_rows
+from lavis_ds.models.towers.qwen_vl_spec import Layout, QwenVLSpec
 from lavis_ds.processors.qwen_vl_video import QWEN3_VL_FPS, QWEN3_VL_VIDEO_MAX_PIXELS, QWEN3_VL_VIDEO_MIN_PIXELS
 
 # The towers of the published sizes (config.json vision_config); out_hidden_size is the LLM's width.
@@ -28,6 +29,19 @@ _SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, 
               deepstack_visual_indexes=[5, 11, 17])
 _LARGE = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, num_position_embeddings=2304,
               deepstack_visual_indexes=[8, 16, 24])
+QWEN3_VL_PRESETS = {
+    "2b": dict(hub_id="Qwen/Qwen3-VL-2B-Instruct", **_SMALL, out_hidden_size=2048),
+    "4b": dict(hub_id="Qwen/Qwen3-VL-4B-Instruct", **_SMALL, out_hidden_size=2560),
+    "8b": dict(hub_id="Qwen/Qwen3-VL-8B-Instruct", **_LARGE, out_hidden_size=4096),
+    "tiny": dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, num_position_embeddings=16,
+                 deepstack_visual_indexes=[0, 1], out_hidden_size=48),
+}
+
+
+def qwen3_vl_layout(config: Qwen3VLVisionConfig) -> Layout:
+    return Layout(config.hidden_size, config.depth, config.num_heads, config.intermediate_size,
+                  config.hidden_act, config.patch_size, config.temporal_patch_size, config.spatial_merge_size,
+                  config.in_channels, config.rope_parameters["rope_theta"])
 
 
 @reg.vision_towers.register("qwen3_vl")
@@ -35,19 +49,12 @@ class Qwen3VLTower(QwenVLTower):
     """Qwen3-VL's ViT: a learned position table on top of 2-D rotary, full attention within each frame, DeepStack
     taps."""
 
-    CONFIG_CLASS, MODEL_TYPE, NORM = Qwen3VLVisionConfig, "qwen3_vl", nn.LayerNorm
-    PATCH_BIAS = True
-    IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
-    # Qwen3-VL's video processor: 2 frames a second, and one pixel budget for all of a video's frames
-    VIDEO_SAMPLING = dict(video_fps=QWEN3_VL_FPS, video_min_pixels=QWEN3_VL_VIDEO_MIN_PIXELS,
-                          video_max_pixels=QWEN3_VL_VIDEO_MAX_PIXELS)
-    PRESETS = {
-        "2b": dict(hub_id="Qwen/Qwen3-VL-2B-Instruct", **_SMALL, out_hidden_size=2048),
-        "4b": dict(hub_id="Qwen/Qwen3-VL-4B-Instruct", **_SMALL, out_hidden_size=2560),
-        "8b": dict(hub_id="Qwen/Qwen3-VL-8B-Instruct", **_LARGE, out_hidden_size=4096),
-        "tiny": dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, num_position_embeddings=16,
-                     deepstack_visual_indexes=[0, 1], out_hidden_size=48),
-    }
+    SPEC = QwenVLSpec(Qwen3VLVisionConfig, "qwen3_vl", QWEN3_VL_PRESETS, qwen3_vl_layout,
+                      lambda layout: LinearFcMlp(layout.width, layout.mlp_hidden, layout.act), nn.LayerNorm,
+                      patch_bias=True, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                      # Qwen3-VL's video processor: 2 frames a second, and one pixel budget for all of a video's frames
+                      video_sampling=dict(video_fps=QWEN3_VL_FPS, video_min_pixels=QWEN3_VL_VIDEO_MIN_PIXELS,
+                                          video_max_pixels=QWEN3_VL_VIDEO_MAX_PIXELS))
 
     def __init__(self, *, preset: Literal["2b", "4b", "8b", "tiny"] = "2b", **kwargs: Any):
         super().__init__(preset=preset, **kwargs)
@@ -61,16 +68,6 @@ class Qwen3VLTower(QwenVLTower):
             raise PartError(f"vision_tower.vision_config.num_position_embeddings: "
                             f"{self.config.num_position_embeddings}; valid: a square (2304 = 48 x 48)")
         self.pos_embed = nn.Embedding(self.config.num_position_embeddings, self.layout.width)
-
-    @staticmethod
-    def layout_of(config: Qwen3VLVisionConfig) -> Layout:
-        return Layout(config.hidden_size, config.depth, config.num_heads, config.intermediate_size,
-                      config.hidden_act, config.patch_size, config.temporal_patch_size, config.spatial_merge_size,
-                      config.in_channels, config.rope_parameters["rope_theta"])
-
-    @staticmethod
-    def mlp(layout: Layout) -> nn.Module:
-        return LinearFcMlp(layout.width, layout.mlp_hidden, layout.act)
 
     def embed(self, pixel_values: torch.Tensor, grid_thw: GridRows) -> torch.Tensor:
         """The patch embedding plus each patch's learned position, resampled to its image's grid."""

@@ -19,8 +19,6 @@ Qwen3-VL's tower (``towers.qwen3_vl``) is a subclass: it adds learned positions 
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping
 
@@ -30,14 +28,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
 
 from lavis_ds.common import registry as reg
-from lavis_ds.common.suggest import did_you_mean
 from lavis_ds.models.flops import Flops, Tally, patch_embedding, trains
 from lavis_ds.models.parts import PartError, load_exactly, read_safetensors
 from lavis_ds.models.towers.base import VisionTower
 from lavis_ds.models.towers.qwen_vl_layers import (GeluMlp, GridRows, LinearFcMlp, PatchEmbed, RMSNorm, Spans,
                                                    SwiGluMlp, VisionBlock, VisionRotary, frame_spans, grid_rows,
                                                    patch_positions, window_order)
-from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD
+from lavis_ds.models.towers.qwen_vl_spec import Layout, QwenVLSpec
 from lavis_ds.processors.qwen_vl import MAX_PIXELS, MIN_PIXELS, QwenVisionInputError, QwenVLProcessing, tokens_for_grid
 
 # The published folders' weight prefixes of the tower: transformers 4.x / the Hub (visual.*), transformers 5
@@ -45,22 +42,6 @@ from lavis_ds.processors.qwen_vl import MAX_PIXELS, MIN_PIXELS, QwenVisionInputE
 VISUAL_PREFIXES = ("visual.", "model.visual.")
 # The mergers under them, which the connectors read (Qwen3-VL's DeepStack mergers too).
 MERGER_KEYS = (".merger.", ".deepstack_merger_list.")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The sizes a tower is built from, read from its transformers vision config."""
-
-    width: int
-    depth: int
-    heads: int
-    mlp_hidden: int
-    act: str
-    patch_size: int
-    temporal_patch_size: int
-    merge_size: int
-    in_channels: int
-    theta: float
 
 
 class BlockList(nn.ModuleList):
@@ -72,105 +53,55 @@ class BlockList(nn.ModuleList):
 
 
 class QwenVLTower(VisionTower):
-    """What the two Qwen-VL towers share; subclasses name their config class, presets and block kind (data only)."""
+    """What the Qwen-VL towers share; subclasses name their kind (``SPEC``: config class, presets, block kind)."""
 
     FLAT_FEATURES = True
-    CONFIG_CLASS: ClassVar[type]
-    MODEL_TYPE: ClassVar[str]  # config.json model_type of the published folders this tower reads
-    PRESETS: ClassVar[dict[str, dict[str, Any]]]
+    SPEC: ClassVar[QwenVLSpec]
+    # The blocks whose outputs the tower also gives (``forward_taps``): Qwen3-VL's DeepStack layers.
+    tap_layers: tuple[int, ...] = ()
 
     def __init__(self, *, preset: str, vision_config: dict[str, Any] | None = None, min_pixels: int = MIN_PIXELS,
                  max_pixels: int = MAX_PIXELS, use_grad_checkpoint: bool = False, video_fps: float | None = None,
                  video_min_pixels: int | None = None, video_max_pixels: int | None = None):
         """
         Args:
-            preset: Architecture by name (``PRESETS``: the published sizes' towers, ``tiny`` for tests);
+            preset: Architecture by name (``SPEC.presets``: the published sizes' towers, ``tiny`` for tests);
                 ``vision_config`` overrides its keys. A published folder (``pretrained``) gives its own.
             vision_config: Keys of the transformers vision config (``depth``, ``num_heads``, ...).
             min_pixels: Least area an image is resized to (the tower's processing; Qwen's default 56*56).
             max_pixels: Most area an image is resized to (Qwen's default 28*28*1280: at most 1280 LLM tokens).
             use_grad_checkpoint: Recompute each block's activations in backward (a trained tower on large images).
-            video_fps: Frames a video is sampled at per second (default: the family's, ``VIDEO_SAMPLING``: Qwen3-VL's
-                2; none for Qwen2-VL's, whose videos take the dataset's ``max_frames``). A published folder's video
-                processor gives its own.
+            video_fps: Frames a video is sampled at per second (default: the family's, ``SPEC.video_sampling``:
+                Qwen3-VL's 2; none for Qwen2-VL's, whose videos take the dataset's ``max_frames``). A published
+                folder's video processor gives its own.
             video_min_pixels: Least area of a video's frames together (default: the family's; none: each frame
                 bounded as an image).
             video_max_pixels: Most area of a video's frames together (default: the family's).
         """
         super().__init__()
-        if preset not in self.PRESETS:
-            raise PartError(f"vision_tower.preset: {preset!r} is not a {self.tower_name()} preset; presets: "
-                            f"{', '.join(self.PRESETS)}")
-        arguments = {k: v for k, v in self.PRESETS[preset].items() if k != "hub_id"}
-        config = self._config(arguments, vision_config or {})
-        layout = self.layout_of(config)
+        spec = self.SPEC
+        config = spec.config(preset, vision_config or {}, self.tower_name())
+        layout = spec.layout_of(config)
         if layout.width % layout.heads or (layout.width // layout.heads) % 4:
             raise PartError(f"vision_tower.vision_config: width {layout.width} over {layout.heads} heads; valid: "
                             "a head size that is a multiple of 4 (2-D rotary turns a quarter with each axis)")
         self.config, self.layout = config, layout
         self.patch_embed = PatchEmbed(layout.patch_size, layout.temporal_patch_size, layout.in_channels, layout.width,
-                                      bias=self.PATCH_BIAS)
+                                      bias=spec.patch_bias)
         self.rotary_pos_emb = VisionRotary(layout.width // layout.heads, layout.theta)
-        self.blocks = BlockList(VisionBlock(layout.width, layout.heads, self.NORM, self.mlp(layout))
+        self.blocks = BlockList(VisionBlock(layout.width, layout.heads, spec.norm, spec.mlp(layout))
                                 for _ in range(layout.depth))
         self.num_features = layout.width
         self.use_grad_checkpoint = use_grad_checkpoint
         self.image_size = None  # images keep (nearly) their own size: see processing
         self.num_tokens = None  # per image: tokens_for_grid
         try:
-            self.processing = QwenVLProcessing(min_pixels, max_pixels, mean=self.IMAGE_MEAN, std=self.IMAGE_STD,
+            self.processing = QwenVLProcessing(min_pixels, max_pixels, mean=spec.image_mean, std=spec.image_std,
                                                patch_size=layout.patch_size, merge_size=layout.merge_size,
                                                temporal_patch_size=layout.temporal_patch_size,
-                                               **self.video_sampling(video_fps, video_min_pixels, video_max_pixels))
+                                               **spec.video_settings(video_fps, video_min_pixels, video_max_pixels))
         except QwenVisionInputError as e:
             raise PartError(f"vision_tower: {e}") from None
-
-    @classmethod
-    def video_sampling(cls, fps: float | None, min_pixels: int | None, max_pixels: int | None) -> dict[str, Any]:
-        """The processing's ``video_*`` settings: those given, else the family's (``VIDEO_SAMPLING``)."""
-        given = {"video_fps": fps, "video_min_pixels": min_pixels, "video_max_pixels": max_pixels}
-        return {**cls.VIDEO_SAMPLING, **{key: value for key, value in given.items() if value is not None}}
-
-    @classmethod
-    def config_keys(cls) -> list[str]:
-        """The vision config's own keys (``depth``, ``num_heads``, ...), not those every transformers config has."""
-        return sorted(cls.CONFIG_CLASS.__annotations__)
-
-    @classmethod
-    def _config(cls, preset: dict[str, Any], overrides: dict[str, Any]) -> Any:
-        """The transformers vision config of a preset and the section's ``vision_config`` keys, each key checked (a
-        transformers config keeps an unknown key as an attribute without a word)."""
-        from huggingface_hub.errors import StrictDataclassError
-
-        valid = cls.config_keys()
-        unknown = [key for key in overrides if key not in valid]
-        if unknown:
-            hints = "; ".join(f"{key}: {did_you_mean(key, valid, '')}".rstrip("; ") for key in unknown)
-            raise PartError(f"vision_tower.vision_config: unknown key(s) {hints}; valid keys of "
-                            f"{cls.CONFIG_CLASS.__name__}: {', '.join(valid)}")
-        try:
-            return cls.CONFIG_CLASS(**{**preset, **overrides})
-        except (StrictDataclassError, TypeError, ValueError) as e:  # a mistyped value
-            raise PartError(f"vision_tower.vision_config: {e}".replace("\n", " ")) from None
-
-    # ----------------------------------------------------------------- what subclasses say
-    NORM: ClassVar[type[nn.Module]]
-    PATCH_BIAS: ClassVar[bool] = False  # whether the Conv3d patch embedding has a bias (Qwen3-VL's has)
-    IMAGE_MEAN: ClassVar[tuple[float, float, float]] = CLIP_MEAN  # what the published image processor normalises by
-    IMAGE_STD: ClassVar[tuple[float, float, float]] = CLIP_STD
-    # How the family's published video processor samples and sizes a video (``QwenVLProcessing``'s ``video_*``
-    # settings); none: the dataset's max_frames frames, each bounded as an image (Qwen2-VL's video processor).
-    VIDEO_SAMPLING: ClassVar[dict[str, Any]] = {}
-    # The blocks whose outputs the tower also gives (``forward_taps``): Qwen3-VL's DeepStack layers.
-    tap_layers: tuple[int, ...] = ()
-
-    @staticmethod
-    def layout_of(config: Any) -> Layout:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    @staticmethod
-    def mlp(layout: Layout) -> nn.Module:  # pragma: no cover - interface
-        raise NotImplementedError
 
     def attention_plan(self, grid_thw: GridRows) -> tuple[torch.Tensor | None, list[list[int]]]:
         """The merge-window order the blocks run in (None: the processor's; on the host) and each block's span
@@ -285,23 +216,8 @@ class QwenVLTower(VisionTower):
     # ----------------------------------------------------------------- published folders
     @classmethod
     def from_folder(cls, folder: str, section: Mapping[str, Any], path: str) -> "QwenVLTower":
-        """The tower of a published folder: its config.json's ``vision_config`` (model_type ``MODEL_TYPE``)."""
-        config_file = Path(folder).expanduser() / "config.json"
-        if not config_file.is_file():
-            raise PartError(f"{path}.pretrained: {folder} has no config.json; expected a transformers "
-                            f"{cls.MODEL_TYPE} folder such as {cls._hub_example()}")
-        config = json.loads(config_file.read_text())
-        model_type = config.get("model_type")
-        if model_type != cls.MODEL_TYPE:
-            other = next((name for name in reg.vision_towers
-                          if getattr(reg.vision_towers.get(name), "MODEL_TYPE", None) == model_type), None)
-            hint = f"; for this folder use vision tower {other!r}" if other else ""
-            raise PartError(f"{path}.pretrained: {config_file} has model_type {model_type!r}, but the "
-                            f"{cls.tower_name()} tower reads model_type {cls.MODEL_TYPE!r} (a folder such as "
-                            f"{cls._hub_example()}){hint}")
-        vision = config.get("vision_config") or {}
-        own = {k: v for k, v in vision.items() if k in cls.config_keys()}
-        return cls(**{**section, "vision_config": own, "preset": section.get("preset", next(iter(cls.PRESETS)))})
+        """The tower of a published folder: its config.json's ``vision_config`` (model_type ``SPEC.model_type``)."""
+        return cls(**cls.SPEC.folder_section(folder, section, path, cls.tower_name()))
 
     def load_pretrained(self, path: str) -> None:
         """The ``visual.*`` / ``model.visual.*`` weights of a published folder (the merger left to the connector),
@@ -311,43 +227,52 @@ class QwenVLTower(VisionTower):
                                  and not any(merger in key for merger in MERGER_KEYS), "vision_tower.pretrained")
         ours = {key.split("visual.", 1)[1]: value for key, value in state.items()}
         if not ours:
-            model_class = self.CONFIG_CLASS.__name__.replace("VisionConfig", "ForConditionalGeneration")
+            model_class = self.SPEC.config_class.__name__.replace("VisionConfig", "ForConditionalGeneration")
             raise PartError(f"vision_tower.pretrained: {folder} holds no visual.* or model.visual.* weights; expected "
                             f"a {model_class} folder")
         load_exactly(self, ours, "vision_tower.pretrained",
                      f"{folder}'s vision tower does not fit the {self.tower_name()} tower")
 
-    @classmethod
-    def _hub_example(cls) -> str:
-        return next(p["hub_id"] for p in cls.PRESETS.values() if "hub_id" in p)
+
+def qwen2_vl_layout(config: Qwen2VLVisionConfig) -> Layout:
+    return Layout(config.embed_dim, config.depth, config.num_heads, int(config.embed_dim * config.mlp_ratio),
+                  config.hidden_act, config.patch_size, config.temporal_patch_size, config.spatial_merge_size,
+                  config.in_channels, config.rope_parameters["rope_theta"])
+
+
+def qwen2_5_vl_layout(config: Qwen2_5_VLVisionConfig) -> Layout:
+    return Layout(config.hidden_size, config.depth, config.num_heads, config.intermediate_size, config.hidden_act,
+                  config.patch_size, config.temporal_patch_size, config.spatial_merge_size, config.in_channels,
+                  config.rope_parameters["rope_theta"])
+
+
+# The towers of Qwen2-VL-2B and -7B are the same ViT; only the merger's output width (hidden_size) differs.
+QWEN2_VL_PRESETS = {
+    "2b": dict(hub_id="Qwen/Qwen2-VL-2B-Instruct", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16,
+               hidden_size=1536),
+    "7b": dict(hub_id="Qwen/Qwen2-VL-7B-Instruct", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16,
+               hidden_size=3584),
+    "tiny": dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=4, hidden_size=48),
+}
+_QWEN2_5_VL_PUBLISHED = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+                             fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+QWEN2_5_VL_PRESETS = {
+    "3b": dict(hub_id="Qwen/Qwen2.5-VL-3B-Instruct", **_QWEN2_5_VL_PUBLISHED, out_hidden_size=2048),
+    "7b": dict(hub_id="Qwen/Qwen2.5-VL-7B-Instruct", **_QWEN2_5_VL_PUBLISHED, out_hidden_size=3584),
+    "tiny": dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, window_size=112,
+                 fullatt_block_indexes=[1, 3], out_hidden_size=48),
+}
 
 
 @reg.vision_towers.register("qwen2_vl")
 class Qwen2VLTower(QwenVLTower):
     """Qwen2-VL's ViT: LayerNorm, GELU MLP, full attention within each frame."""
 
-    CONFIG_CLASS, MODEL_TYPE, NORM = Qwen2VLVisionConfig, "qwen2_vl", nn.LayerNorm
-    # The towers of Qwen2-VL-2B and -7B are the same ViT; only the merger's output width (hidden_size) differs.
-    PRESETS = {
-        "2b": dict(hub_id="Qwen/Qwen2-VL-2B-Instruct", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16,
-                   hidden_size=1536),
-        "7b": dict(hub_id="Qwen/Qwen2-VL-7B-Instruct", depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16,
-                   hidden_size=3584),
-        "tiny": dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=4, hidden_size=48),
-    }
+    SPEC = QwenVLSpec(Qwen2VLVisionConfig, "qwen2_vl", QWEN2_VL_PRESETS, qwen2_vl_layout,
+                      lambda layout: GeluMlp(layout.width, layout.mlp_hidden, layout.act), nn.LayerNorm)
 
     def __init__(self, *, preset: Literal["2b", "7b", "tiny"] = "2b", **kwargs: Any):
         super().__init__(preset=preset, **kwargs)
-
-    @staticmethod
-    def layout_of(config: Qwen2VLVisionConfig) -> Layout:
-        return Layout(config.embed_dim, config.depth, config.num_heads, int(config.embed_dim * config.mlp_ratio),
-                      config.hidden_act, config.patch_size, config.temporal_patch_size, config.spatial_merge_size,
-                      config.in_channels, config.rope_parameters["rope_theta"])
-
-    @staticmethod
-    def mlp(layout: Layout) -> nn.Module:
-        return GeluMlp(layout.width, layout.mlp_hidden, layout.act)
 
 
 @reg.vision_towers.register("qwen2_5_vl")
@@ -355,15 +280,8 @@ class Qwen25VLTower(QwenVLTower):
     """Qwen2.5-VL's ViT: RMSNorm, SwiGLU MLP, attention within 112 px windows except in ``fullatt_block_indexes``
     (within each frame there)."""
 
-    CONFIG_CLASS, MODEL_TYPE, NORM = Qwen2_5_VLVisionConfig, "qwen2_5_vl", RMSNorm
-    _PUBLISHED = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
-                      fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
-    PRESETS = {
-        "3b": dict(hub_id="Qwen/Qwen2.5-VL-3B-Instruct", **_PUBLISHED, out_hidden_size=2048),
-        "7b": dict(hub_id="Qwen/Qwen2.5-VL-7B-Instruct", **_PUBLISHED, out_hidden_size=3584),
-        "tiny": dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, window_size=112,
-                     fullatt_block_indexes=[1, 3], out_hidden_size=48),
-    }
+    SPEC = QwenVLSpec(Qwen2_5_VLVisionConfig, "qwen2_5_vl", QWEN2_5_VL_PRESETS, qwen2_5_vl_layout,
+                      lambda layout: SwiGluMlp(layout.width, layout.mlp_hidden, layout.act), RMSNorm)
 
     def __init__(self, *, preset: Literal["3b", "7b", "tiny"] = "3b", **kwargs: Any):
         super().__init__(preset=preset, **kwargs)
@@ -376,16 +294,6 @@ class Qwen25VLTower(QwenVLTower):
         if bad:
             raise PartError(f"vision_tower.vision_config.fullatt_block_indexes: {bad} outside the "
                             f"{self.layout.depth} blocks (0..{self.layout.depth - 1})")
-
-    @staticmethod
-    def layout_of(config: Qwen2_5_VLVisionConfig) -> Layout:
-        return Layout(config.hidden_size, config.depth, config.num_heads, config.intermediate_size, config.hidden_act,
-                      config.patch_size, config.temporal_patch_size, config.spatial_merge_size, config.in_channels,
-                      config.rope_parameters["rope_theta"])
-
-    @staticmethod
-    def mlp(layout: Layout) -> nn.Module:
-        return SwiGluMlp(layout.width, layout.mlp_hidden, layout.act)
 
     def attention_plan(self, grid_thw: GridRows) -> tuple[torch.Tensor | None, list[list[int]]]:
         merged_px = self.layout.patch_size * self.layout.merge_size
