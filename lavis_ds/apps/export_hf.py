@@ -138,9 +138,9 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
     hf_model = family.weights.to_hf_model(model, dtype)
     hf_model.generation_config = generation_config(model, max_new_tokens)
     hf_model.save_pretrained(out)
-    save_processor(model, image_cfg, out, family)
-    notes = export_notes(model, dtype, family, type(hf_model))
-    write_readme(model, family, notes, out)
+    variables = save_processor(model, image_cfg, out, family)
+    notes = export_notes(model, dtype, family, type(hf_model)) + variables.notes
+    write_readme(model, family, notes, out, variables.carried)
     return notes
 
 
