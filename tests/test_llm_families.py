@@ -192,6 +192,28 @@ def test_the_exported_tokenizer_defaults_to_the_run_s_template_variables(tokeniz
     assert untouched != expected  # without the variables the published template prompts otherwise
 
 
+def test_the_merged_llm_folder_s_tokenizer_prompts_as_training_did(tokenizers, tmp_path):
+    """export.py --merge-lora's llm/ (``_merge_llm``) for a Qwen3 run with enable_thinking: false: its tokenizer's
+    default render is the trained prompt format, and the config it returns still passes the variable."""
+    from transformers import AutoTokenizer
+
+    from lavis_ds.apps.export import MERGED_LLM_DIR, _merge_llm
+
+    model = tiny("qwen3", tokenizers["qwen3"])
+    cfg = {**Blip2Qwen.default_config("tiny"), "arch": "blip2_qwen", "tokenizer": str(tokenizers["qwen3"]),
+           **FAMILIES["qwen3"].model}
+    cfg["llm_config"] = {**cfg["llm_config"], "model_type": "qwen3", "head_dim": 16}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    _, merged_cfg, notes = _merge_llm(weights, cfg, 0, tmp_path, tmp_path)
+    assert notes == [] and merged_cfg["chat_template_kwargs"] == {"enable_thinking": False}
+    chat = [{"role": "system", "content": model.prompt.system_prompt}, {"role": "user", "content": QUESTIONS[0]}]
+    text = AutoTokenizer.from_pretrained(tmp_path / MERGED_LLM_DIR).apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert model.llm_tokenizer(text, add_special_tokens=False).input_ids == model.prompt.generation_prompt(
+        QUESTIONS[0], num_images=0)
+
+
 # ----------------------------------------------------------------- train.py on 2 processes
 NUM_TRAIN = 8  # micro-batch 2 x 2 processes: 2 optimizer steps
 FROZEN_LORA = dict(freeze_vit=True, freeze_qformer=True, freeze_queries=True, freeze_llm=True, get_lora=True,
