@@ -10,7 +10,8 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from families import TEMPLATES
-from lavis_ds.models.template_defaults import NoJinjaLiteral, carried_variables, jinja_literal, with_defaults
+from lavis_ds.models.template_defaults import (NoJinjaLiteral, carried_variables, jinja_literal, settable,
+                                              with_defaults)
 
 QWEN3 = (TEMPLATES / "qwen3-0.6b.jinja").read_text()
 LLAMA32 = (TEMPLATES / "llama-3.2-3b-instruct.jinja").read_text()
@@ -64,3 +65,10 @@ def test_a_variable_the_template_reads_but_cannot_default_to_is_named(variables,
     assert carried.carried == {}
     assert len(carried.notes) == 1 and f"model.chat_template_kwargs.{name}" in carried.notes[0]
     assert why in carried.notes[0] and "pass" in carried.notes[0]
+
+
+def test_a_prelude_for_any_template_sets_only_what_jinja_can_assign():
+    variables = {"enable_thinking": False, "my-flag": True, "tools": [], "ratio": float("nan")}
+    prelude = settable(variables).prelude()
+    assert settable(variables).carried == {"enable_thinking": False}
+    assert render(prelude + QWEN3) == render(QWEN3, enable_thinking=False)

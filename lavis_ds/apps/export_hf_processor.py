@@ -6,7 +6,9 @@ docs/export-hf.md feeds the model the same token ids and pixels:
 - the chat template writes the ChatML prompt of ``lavis_ds.models.prompt`` (system turn, an image as
   ``<Img>`` + its image tokens + ``</Img> `` in front of the text, the assistant header), as many image tokens
   per image as the family's processor leaves to the template (``ProcessorExport.template_image_tokens``): BLIP-2 and
-  InstructBLIP one per query; LLaVA one per image, which ``LlavaProcessor`` expands into the tower's tokens;
+  InstructBLIP one per query; LLaVA one per image, which ``LlavaProcessor`` expands into the tower's tokens; where
+  the run's ``chat_template_kwargs`` shaped the prompt (Qwen3's ``enable_thinking: false``), the LLM's own template
+  renders it, behind a prelude that writes the messages as training did and defaults to those variables;
 - the tokenizer is the one the model used (tokens it added included), padding on the left as
   lavis_ds's batched generation does, with ``image_token`` set so that the processor adds none of its own;
 - the image processor does the eval processing, as the family builds it (``ProcessorExport.image_processor``): BLIP's

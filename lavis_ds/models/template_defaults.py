@@ -101,6 +101,13 @@ def carried_variables(template: str, variables: Mapping[str, Any],
     return CarriedVariables(carried, notes)
 
 
+def settable(variables: Mapping[str, Any]) -> CarriedVariables:
+    """The ``variables`` a prelude can set whatever template follows it (``carried_variables`` for one template)."""
+    passed = set(PASSED_BY_TRANSFORMERS)
+    return CarriedVariables({name: value for name, value in variables.items()
+                             if _why_not_carried(name, value, passed) is None})
+
+
 def _why_not_carried(name: str, value: Any, passed: set[str]) -> str | None:
     if name in passed:
         return "transformers passes that variable to every render itself"
