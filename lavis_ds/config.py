@@ -37,6 +37,7 @@ from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_default
 from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
 from lavis_ds.models.linear_attention import model_packing_problems
+from lavis_ds.models.settings.base import model_settings, settings_class
 from lavis_ds.image_config import fill_tower_processing, image_problems, with_model_processors
 from lavis_ds import run_checks
 from lavis_ds.metrics.selection import metric_problems
@@ -232,8 +233,8 @@ def _merge_defaults(user: DictConfig, errors: list[str]) -> DictConfig | None:
                     "runner": DEFAULT_ENGINE}
     return OmegaConf.create({
         **({"imports": user.imports} if "imports" in user else {}),
-        "model": OmegaConf.merge(cls.preset_under(model_defaults, model) if cls is not None else model_defaults,
-                                 model),
+        "model": OmegaConf.merge(settings_class(cls).preset_under(model_defaults, model) if cls is not None
+                                 else model_defaults, model),
         "datasets": datasets,
         "run": OmegaConf.merge(run_defaults, user.run),
     })
@@ -268,13 +269,13 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
 
     model = plain["model"]
     cls = model_class(model.get("arch"))
-    if cls is not None:
+    settings = model_settings(cls, model) if cls is not None else None
+    if settings is not None:
         check_section(model, fields_of(cls), "model", errors, extra_keys=COMMON_MODEL_KEYS)
-        for key, target in getattr(cls, "NESTED_SCHEMAS", {}).items():
+        for key, target in settings.NESTED_SCHEMAS.items():
             if isinstance(model.get(key), dict):  # overrides of a preset: nothing in them is required
                 check_section(model[key], fields_of(target), f"model.{key}", errors, require=False)
-        if hasattr(cls, "config_problems"):
-            errors.extend(cls.config_problems(model))
+        errors.extend(settings.problems())
     else:  # nothing close: only the keys every model takes can be checked
         check_section({k: v for k, v in model.items() if k in COMMON_MODEL_KEYS}, {}, "model", errors,
                       extra_keys=COMMON_MODEL_KEYS)
@@ -313,7 +314,7 @@ def validate(cfg: DictConfig, errors: list[str], world_size: int = 1) -> dict:
     errors.extend(lmms_eval_problems(run))
     if cls is not None and close is not None:
         errors.extend(contract_problems(cls, model.get("arch"), run, reg.engines.get(close)))
-    errors.extend(run_checks.packing_problems(run, model, cls))
+    errors.extend(run_checks.packing_problems(run, settings.text_length() if settings is not None else None))
     errors.extend(model_packing_problems(run, model))
     errors.extend(hook_problems(run.get("hooks")))
     resume = run.get("resume")
@@ -353,8 +354,8 @@ def _trains(section: dict, train_splits: list) -> bool:
 
 def _missing_model_files(model: DictConfig, cls: type | None) -> list[str]:
     """Local files and folders the model reads (weights, tokenizer) must exist before any rank starts loading: the
-    ones the model class names (``files_of``)."""
-    files = cls.files_of(OmegaConf.to_container(model, resolve=True)) if cls is not None else {}
+    ones the model's settings name (``files()``)."""
+    files = model_settings(cls, OmegaConf.to_container(model, resolve=True)).files() if cls is not None else {}
     return [f"model.{key}: {path!r} does not exist" for key, path in files.items()
             if not Path(os.path.expanduser(path)).exists()]
 

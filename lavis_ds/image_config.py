@@ -1,7 +1,7 @@
 """The image side of a run config: which image processors the datasets get, what the tower fills into them, and
 whether the images they make are the ones the vision tower takes.
 
-A model class says how its tower's images are prepared (``image_processing_of``: size, mean/std, resize,
+A model's settings say how its tower's images are prepared (``image_processing()``: size, mean/std, resize,
 padding) and which processors a dataset that names none gets (``IMAGE_PROCESSORS``: ``tower_image_train`` and
 ``tower_image_eval`` for ``llava`` and ``instructblip``; ``blip2_qwen`` keeps its builders' LAVIS defaults). The
 keys a ``tower_image_*`` section leaves out are filled from the tower when the config is loaded, so the run's
@@ -26,6 +26,7 @@ from lavis_ds.common import dist
 from lavis_ds.common import registry as reg
 from lavis_ds.common.schema import fields_of
 from lavis_ds.datasets.builders import build_processor
+from lavis_ds.models.settings.base import model_settings, settings_class
 from lavis_ds.processors.image import ImageProcessing, awaits_tower
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def with_model_processors(defaults: DictConfig, model_cls: type | None) -> DictC
     """A builder's default section with the model's own image processors (``IMAGE_PROCESSORS``) in place of the
     builder's: a dataset section that names no processor then gets the model's; one that names another replaces
     it (``builders.merge_section_defaults``)."""
-    processors = getattr(model_cls, "IMAGE_PROCESSORS", None) or {}
+    processors = settings_class(model_cls).IMAGE_PROCESSORS if model_cls is not None else {}
     if not processors:
         return defaults
     defaults = defaults.copy()
@@ -53,7 +54,7 @@ def fill_tower_processing(cfg: DictConfig, model_cls: type | None) -> None:
     sections = [proc for _, _, proc in _image_processors(cfg.datasets) if _from_tower(proc)]
     if not sections or model_cls is None:
         return
-    processing = model_cls.image_processing_of(OmegaConf.to_container(cfg.model, resolve=True))
+    processing = model_settings(model_cls, OmegaConf.to_container(cfg.model, resolve=True)).image_processing()
     if processing is None:
         return
     for proc in sections:
@@ -68,7 +69,7 @@ def model_eval_processor(model_cls: type | None, processing: ImageProcessing | N
     """The eval image processor section of a model whose run names none (generation and export from a config
     without datasets): the model's own (its tower's processing, filled in) if it names one, else
     ``blip2_image_eval`` at ``image_size``."""
-    name = (getattr(model_cls, "IMAGE_PROCESSORS", None) or {}).get("eval")
+    name = (settings_class(model_cls).IMAGE_PROCESSORS if model_cls is not None else {}).get("eval")
     if name and processing is not None:
         section = {"name": name}
         if _from_tower(section):
@@ -88,9 +89,10 @@ def image_problems(datasets: dict, training: dict[str, dict], model: dict, model
         return problems  # no preset gave the tower
     problems += _model_size_problems(datasets, model, model_cls)
     # A tower folder not there (reported by the file check, or on another machine) is what would have said.
-    if not model_errors and all(Path(p).expanduser().exists() for p in model_cls.files_of(model).values()):
+    settings = model_settings(model_cls, model)
+    if not model_errors and all(Path(p).expanduser().exists() for p in settings.files().values()):
         problems += _unfilled_problems(datasets, model)
-    processing = model_cls.image_processing_of(model)
+    processing = settings.image_processing()
     if processing is not None:
         problems += _kind_problems(datasets, model, processing)
         problems += _mismatch_problems(datasets, model, processing)
@@ -114,8 +116,8 @@ def _training_size_problems(training: dict[str, dict]) -> list[str]:
 
 def _model_size_problems(datasets: dict, model: dict, model_cls: type) -> list[str]:
     """Every image processor must make the size the vision tower is built for (its position embedding): the size
-    the model class reads from its section (``image_size_of``)."""
-    expected = model_cls.image_size_of(model)
+    the model's settings read from its section (``image_size()``)."""
+    expected = model_settings(model_cls, model).image_size()
     if not isinstance(expected, int):
         return []
     problems = []
@@ -268,5 +270,6 @@ def eval_processors_of(cfg: DictConfig) -> tuple[Any, Any | None]:
 
     model_cls = reg.models.get(cfg.model.arch)  # the model says what its tower takes
     section = OmegaConf.to_container(cfg.model, resolve=True)
-    processing, size = model_cls.image_processing_of(section), model_cls.image_size_of(section)
+    settings = model_settings(model_cls, section)
+    processing, size = settings.image_processing(), settings.image_size()
     return build_processor(model_eval_processor(model_cls, processing, size)), None

@@ -118,12 +118,12 @@ def token_budget_problems(run: dict, spelled: dict[str, str], errors: list[str])
     return {"batch_unit": "tokens", "global_batch_size": given // rows}
 
 
-def packing_problems(run: dict, model: dict, cls: type | None = None) -> list[str]:
+def packing_problems(run: dict, longest: int | None) -> list[str]:
     """run.packing and a token budget need a row length that holds the longest sample the model makes
-    (its class's ``text_length_of``: model.max_txt_len)."""
+    (``longest``: its settings' ``text_length()``, model.max_txt_len; None: the model does not say)."""
     if not run.get("packing") and batch_unit(run) != "tokens":
         return []
-    rows, longest = run.get("max_seq_len"), (cls.text_length_of(model) if cls is not None else None)
+    rows = run.get("max_seq_len")
     if rows is None and run.get("packing"):
         return ["run.packing: set run.max_seq_len, the tokens of a packed row (at least model.max_txt_len"
                 + (f", {longest})" if isinstance(longest, int) else ")")]

@@ -141,12 +141,14 @@ def prompt_of(cfg) -> ChatPrompt:
     from omegaconf import OmegaConf
 
     from lavis_ds.common import registry as reg
+    from lavis_ds.models.settings.base import model_settings
 
     cls = reg.models.get(cfg.model.arch)
-    if not hasattr(cls, "prompt_from_config"):
-        raise ValueError(f"model.arch {cfg.model.arch!r} ({cls.__name__}) has no prompt_from_config(section), "
+    settings = model_settings(cls, OmegaConf.to_container(cfg.model, resolve=True))
+    if not hasattr(settings, "prompt"):
+        raise ValueError(f"model.arch {cfg.model.arch!r} ({cls.__name__}) has no SETTINGS(arch, section).prompt(), "
                          "so show_sample cannot render its prompts")
-    return cls.prompt_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    return settings.prompt()
 
 
 def dataset_of(cfg, split: str, name: str | None, parsed_files) -> tuple[str, Any]:

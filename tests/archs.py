@@ -18,7 +18,7 @@ ARCHITECTURES = sorted(name for name in models
                        if issubclass(registry.get_model_class(name), VisionLLM))
 # Architectures whose images keep their own sizes (Qwen-VL: flat patches and a grid per image). They take a square
 # [N, 3, S, S] pixel tensor too (each a still image, S a multiple of a merged token's side), which these tests make.
-FLAT_ARCHITECTURES = [name for name in ARCHITECTURES if getattr(registry.get_model_class(name), "FLAT_FEATURES", False)]
+FLAT_ARCHITECTURES = [name for name in ARCHITECTURES if registry.get_model_class(name).SETTINGS.FLAT_FEATURES]
 
 
 def image_side(model: VisionLLM) -> int:

@@ -49,7 +49,7 @@ FLAT_IMAGE_SIDES = [(2, 2), (2, 4), (6, 4)]
 def _batch(model) -> dict:
     """``mixed_batch``; for a Qwen-VL architecture with its images at three sizes, as flat patches and grid rows."""
     batch = mixed_batch(model)
-    if getattr(model, "FLAT_FEATURES", False):
+    if getattr(model.SETTINGS, "FLAT_FEATURES", False):
         px = model.vision_tower.processing.factor
         visuals = [model.vision_tower.processing.still_patches(torch.randn(3, h * px, w * px))
                    for h, w in FLAT_IMAGE_SIDES]

@@ -16,6 +16,7 @@ from torch import nn
 from families import FAMILIES, model_folder, tokenizer_dir
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import decoder_layers, llm_config_problems
+from lavis_ds.models.settings.base import model_settings
 from run_utils import comparable, export_matches_logged_val_loss, run_train, tiny_config, train_steps, write_yaml
 
 IN_PROCESS = ["qwen3", "llama3.2", "gemma2"]
@@ -79,12 +80,12 @@ def test_lora_targets_the_linear_layers_the_family_has_and_merges_into_its_class
 
 def test_unknown_or_non_causal_model_type_is_a_config_problem_with_a_suggestion():
     assert llm_config_problems({"model_type": "llama"}) == [] and llm_config_problems(None) == []
-    [unknown] = Blip2Qwen.config_problems({"tokenizer": "t", "llm_config": {"model_type": "lama"}})
+    [unknown] = model_settings(Blip2Qwen, {"tokenizer": "t", "llm_config": {"model_type": "lama"}}).problems()
     assert "model.llm_config.model_type: unknown model_type 'lama'" in unknown and "'llama'" in unknown
     [not_causal] = llm_config_problems({"model_type": "vit"})
     assert "is not a causal language model" in not_causal
     # A folder decides the architecture itself: llm_config is not checked then.
-    assert Blip2Qwen.config_problems({"llm_model": "folder", "llm_config": {"model_type": "lama"}}) == []
+    assert model_settings(Blip2Qwen, {"llm_model": "folder", "llm_config": {"model_type": "lama"}}).problems() == []
 
 
 def test_decoder_layers_without_a_layers_list_come_from_no_split_modules():

@@ -21,6 +21,7 @@ from conftest import TINY_CORPUS
 from lavis_ds.common.errors import InputError, LavisDsError
 from lavis_ds.common.registry import builders, registry
 from lavis_ds.models.frame_groups import frame_group_marks
+from lavis_ds.models.settings.base import model_settings
 from lavis_ds.processors.qwen_vl import FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY, QwenVLImageProcessor, tokens_for_grid
 from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
 
@@ -72,13 +73,14 @@ def video_dataset(root, processor: dict, **build_info):
 def tower_processor(arch: str) -> dict:
     """The ``qwen_vl_image`` section a run of ``arch``'s tiny preset gets (the keys filled from its tower)."""
     cls = registry.get_model_class(arch)
-    return {"name": "qwen_vl_image", **cls.image_processing_of(cls.default_config("tiny")).processor_keys()}
+    processing = model_settings(cls, cls.default_config("tiny")).image_processing()
+    return {"name": "qwen_vl_image", **processing.processor_keys()}
 
 
 @pytest.fixture(scope="module")
 def qwen3_vl_processor() -> dict:
     """The ``qwen_vl_image`` section a Qwen3-VL run's datasets get: the keys the config loader fills from the tiny
-    preset's tower (``image_processing_of``): 2 frames a second and the published folders' budget."""
+    preset's tower (its settings' ``image_processing()``): 2 frames a second and the published folders' budget."""
     processor = tower_processor("qwen3_vl")
     assert (processor["video_fps"], processor["video_min_pixels"], processor["video_max_pixels"]) == (
         2, PUBLISHED_BUDGET["shortest_edge"], PUBLISHED_BUDGET["longest_edge"])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, ensure_demo_shapes
 from run_utils import run_train, train_steps, write_yaml
 
@@ -15,12 +17,24 @@ from torch import nn
 
 from lavis_ds.common.registry import registry
 from lavis_ds.models.base import BaseModel
+from lavis_ds.models.settings.base import ModelSettings
+
+
+class ColourRegressorSettings(ModelSettings):
+    """The model's own rule across its keys, checked when the config loads."""
+
+    def problems(self):
+        args = self.arguments()
+        if args["scale"] <= 0 and args["hidden"] < 4:
+            return [f"model.scale: {args['scale']} needs model.hidden >= 4 (got {args['hidden']}) to learn a sign"]
+        return []
 
 
 @registry.register_model("user_colour_regressor")
 class ColourRegressor(BaseModel):
     # An absolute path: presets may live beside the user's module.
     PRETRAINED_MODEL_CONFIG_DICT = {"default": str(Path(__file__).with_name("colour_regressor.yaml"))}
+    SETTINGS = ColourRegressorSettings
 
     def __init__(self, *, hidden: int = 8, scale: float = 2.0):
         super().__init__()
@@ -105,3 +119,7 @@ def test_what_a_user_model_lacks_for_the_run_is_named_at_load_time(tmp_path, mon
                for p in problems)
     assert len(problems) == 2
     load_config(cfg, ["run.test_splits=[]", "run.runner=runner_deepspeed"])  # what it has is enough for this run
+
+    # Its own rule across keys (its SETTINGS class) is checked with the rest.
+    with pytest.raises(ConfigError, match=r"model\.scale: -1(\.0)? needs model\.hidden >= 4 \(got 2\)"):
+        load_config(cfg, ["run.test_splits=[]", "run.runner=runner_deepspeed", "model.scale=-1", "model.hidden=2"])

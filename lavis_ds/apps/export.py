@@ -125,7 +125,7 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path,
     kept = {name: t for name, t in weights.items() if not name.startswith(model.LLM_PREFIX)}
     kept |= {name: p.detach().float() for name, p in model.named_parameters()
              if name.startswith(model.CONNECTOR_PREFIXES) and name not in kept}
-    merged_cfg = model_cfg | model.merged_llm_settings(MERGED_LLM_DIR)
+    merged_cfg = model_cfg | type(model).SETTINGS.merged_llm_settings(MERGED_LLM_DIR)
     return kept, merged_cfg, notes
 
 

@@ -8,6 +8,7 @@ float, bool, str, ``X | None``, ``list[X]``, ``dict[str, Any]``,
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common.suggest import did_you_mean
+from lavis_ds.models.settings.base import ModelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,8 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
               Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
               Need("LLM_PREFIX", "LLM_PREFIX = the state_dict prefix of the LLM merge_lora returns"),
               Need("CONNECTOR_PREFIXES", "CONNECTOR_PREFIXES = prefixes of parameters written even when frozen"),
-              Need("merged_llm_settings", "merged_llm_settings(folder) -> the model: keys that load the merged LLM")),
+              Need("SETTINGS.merged_llm_settings",
+                   "SETTINGS.merged_llm_settings(folder) -> the model: keys that load the merged LLM")),
     # chat, the web page, batch inference and the Hugging Face processor export: the prompt and the LLM's limits
     "chat": (Need("prompt", "prompt (a models.prompt.ChatPrompt: generation_prompt, image_token_id, ...)"),
              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
@@ -68,20 +71,22 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
                                              "max_position_embeddings, ...)"),
              Need("stop_token_ids", "stop_token_ids() -> list[int]"),
              Need("pad_id", "pad_id (the tokenizer's pad token id)"),
-             Need("image_size_of", "image_size_of(section) -> the image side its tower takes")),
+             Need("SETTINGS.image_size", "SETTINGS(arch, section).image_size() -> the image side its tower takes")),
     # show_sample: the prompt a model: section builds, without weights
-    "show_sample": (Need("prompt_from_config", "prompt_from_config(section) -> models.prompt.ChatPrompt"),),
+    "show_sample": (Need("SETTINGS.prompt", "SETTINGS(arch, section).prompt() -> models.prompt.ChatPrompt"),),
 }
 
 
 def missing(cls: type, uses: Iterable[str]) -> list[Need]:
-    """The contract's needs of ``uses`` (keys of CONTRACT) that model class ``cls`` does not provide."""
+    """The contract's needs of ``uses`` (keys of CONTRACT) that model class ``cls`` does not provide (a dotted name:
+    an attribute of an attribute, such as the settings class's ``SETTINGS.prompt``)."""
     lacking = []
     # An attribute the constructor sets is declared by a class annotation (``prompt: ChatPrompt``).
     declared = {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
     for use in uses:
         for need in CONTRACT[use]:
-            own = getattr(cls, need.name, None) or (need.name in declared)
+            own = functools.reduce(lambda owner, name: getattr(owner, name, None), need.name.split("."), cls)
+            own = own or (need.name in declared)
             if not own or (need.name == "forward" and own is nn.Module.forward):
                 lacking.append(need)
     return lacking
@@ -95,49 +100,19 @@ class BaseModel(nn.Module):
     """
 
     PRETRAINED_MODEL_CONFIG_DICT: dict[str, str] = {}
-    # model key holding a dict -> the class (or callable) whose keyword arguments its keys are
-    NESTED_SCHEMAS: dict[str, Any] = {}
-    # model_types of other frameworks this model cannot load -> (the preset to use instead, why)
-    REPLACED_MODEL_TYPES: dict[str, tuple[str, str]] = {}
-    # keys of the `model:` section naming local files or folders the model reads (checked before any rank loads)
-    FILE_KEYS: tuple[str, ...] = ()
     # (old prefix, new prefix) of parameter names the architecture's checkpoints and exports may hold from when its
     # parameters were named otherwise: read under the new names (``export_folder.load_trained_weights``)
     RENAMED_KEYS: tuple[tuple[str, str], ...] = ()
-
-    # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
-    IMAGE_PROCESSORS: dict[str, str] = {}
-
-    # What the config loader asks the class about a merged `model:` section, before anything is built.
-    @classmethod
-    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
-        """The image side the model's vision tower takes (the image processors must make it); None: no say."""
-        return None
-
-    @classmethod
-    def image_processing_of(cls, section: Mapping[str, Any]) -> Any:
-        """The ``processors.image.ImageProcessing`` the model's vision tower was trained with (size, mean/std,
-        resize, padding: what ``tower_image_*`` processors are filled with); None: no say."""
-        return None
-
-    @classmethod
-    def text_length_of(cls, section: Mapping[str, Any]) -> int | None:
-        """The longest token sequence the model makes of a sample (it truncates there); None: no say."""
-        return None
-
-    @classmethod
-    def files_of(cls, section: Mapping[str, Any]) -> dict[str, str]:
-        """Key -> local path of each file or folder ``section`` makes the model read: ``FILE_KEYS``, and
-        ``pretrained`` when ``load_pretrained`` is true."""
-        keys = list(cls.FILE_KEYS) + (["pretrained"] if section.get("load_pretrained") else [])
-        return {key: section[key] for key in keys if section.get(key)}
+    # The class that reads a `model:` section of this model without building it (``lavis_ds.models.settings``):
+    # ``model_settings(cls, section)`` makes one from the class, whose constructor's keywords are the section's schema.
+    SETTINGS: type[ModelSettings] = ModelSettings
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:
         """Path of the preset YAML for ``model_type``; unknown types raise ``KeyError`` naming the valid ones."""
         presets = cls.PRETRAINED_MODEL_CONFIG_DICT
-        if model_type in cls.REPLACED_MODEL_TYPES:
-            instead, why = cls.REPLACED_MODEL_TYPES[model_type]
+        if model_type in cls.SETTINGS.REPLACED_MODEL_TYPES:
+            instead, why = cls.SETTINGS.REPLACED_MODEL_TYPES[model_type]
             others = ", ".join(p for p in presets if p != instead)
             raise KeyError(f"model_type {model_type!r} is not supported: {why}. Use the {cls.__name__} preset "
                            f"{instead!r} (or {others}) with model.llm_model naming the matching Hugging Face folder.")
@@ -149,18 +124,6 @@ class BaseModel(nn.Module):
                 f"Valid model_types: {', '.join(presets) or '(none)'}."
             )
         return CONFIG_ROOT / presets[model_type]
-
-    @classmethod
-    def preset_under(cls, defaults: DictConfig, section: DictConfig) -> DictConfig:
-        """The preset's ``model:`` section as the user's ``section`` is merged over it. Default: all of it (a model
-        whose sections depend on a name, such as a part's, drops the preset's keys of another part)."""
-        return defaults
-
-    @classmethod
-    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
-        """Problems of a merged ``model:`` section that involve several keys (the validator checks each key's
-        type and range from the signature). Each names its key path. Default: none."""
-        return []
 
     @classmethod
     def default_config(cls, model_type: str) -> dict[str, Any]:

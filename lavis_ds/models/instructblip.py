@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.settings.composed import InstructBlipSettings
 
 
 @reg.models.register("instructblip")
@@ -20,6 +21,5 @@ class InstructBlip(ComposedVisionLLM):
         "vicuna7b": "models/instructblip/vicuna7b.yaml",
         "tiny": "models/instructblip/tiny.yaml",
     }
-    DEFAULT_PARTS = {"vision_tower": {"name": "eva_vit_g"},
-                     "connector": {"name": "instruct_qformer", "num_query_token": 32}}
+    SETTINGS = InstructBlipSettings
 

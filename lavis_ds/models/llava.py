@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.settings.composed import ComposedSettings
 
 
 @reg.models.register("llava")
@@ -21,5 +22,5 @@ class Llava(ComposedVisionLLM):
         "siglip_qwen2.5_7b": "models/llava/siglip_qwen2.5_7b.yaml",
         "tiny": "models/llava/tiny.yaml",
     }
-    DEFAULT_PARTS = {"vision_tower": {"name": "clip"}, "connector": {"name": "mlp2x_gelu"}}
+    SETTINGS = ComposedSettings  # CLIP and mlp2x_gelu where the section names no part
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.qwen3_vl import Qwen3VL
+from lavis_ds.models.settings.qwen3_vl import Qwen35Settings
 
 
 @reg.models.register("qwen3_5")
@@ -29,15 +30,4 @@ class Qwen35(Qwen3VL):
         "9b": "models/qwen3_5/9b.yaml",
         "tiny": "models/qwen3_5/tiny.yaml",
     }
-
-    @classmethod
-    def deepstack_problems(cls, taps: list[int], mergers: int, llm_layers: int | None) -> list[str]:
-        """Qwen3.5 has no DeepStack: a tapped tower block or a DeepStack merger is refused, naming the setting."""
-        problems = []
-        if taps:
-            problems.append(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps}; Qwen3.5 has no "
-                            "DeepStack (transformers' Qwen3_5VisionModel taps no block); valid: [] (or use "
-                            "model.arch: qwen3_vl for DeepStack)")
-        if mergers:
-            problems.append(f"model.connector.deepstack_taps: {mergers}; Qwen3.5 has no DeepStack mergers; valid: 0")
-        return problems
+    SETTINGS = Qwen35Settings

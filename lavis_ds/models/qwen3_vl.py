@@ -25,22 +25,18 @@ from the video's start (``2 / second_per_grid_t`` frames a second). The tower's 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
 from lavis_ds.common import registry as reg
-from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.common.errors import LavisDsError
 from lavis_ds.models.image_tokens import SECONDS_KEY, image_sizes, per_sample, video_flags
-from lavis_ds.models.llm_families import transformers_config
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.positions import Visual
 from lavis_ds.models.prompt import image_counts
-from lavis_ds.models.published import settings_from_published
 from lavis_ds.models.qwen_vl import QwenVL
+from lavis_ds.models.settings.qwen3_vl import Qwen3VLSettings
 
 
 @reg.models.register("qwen3_vl")
@@ -54,10 +50,7 @@ class Qwen3VL(QwenVL):
         "8b": "models/qwen3_vl/8b.yaml",
         "tiny": "models/qwen3_vl/tiny.yaml",
     }
-    DEFAULT_PARTS = {"vision_tower": {"name": "qwen3_vl"}, "connector": {"name": "qwen3_vl_merger"}}
-    # Qwen3-VL's processor writes a video frame group by frame group (models.frame_groups), two frames a group: the
-    # prompt (also built without weights, by show_sample) times its groups by this temporal patch size.
-    VIDEO_FRAME_GROUPS = 2
+    SETTINGS = Qwen3VLSettings
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -66,45 +59,18 @@ class Qwen3VL(QwenVL):
 
     def check_temporal_patch(self) -> None:
         """The tower's temporal patch is the frame group the prompt times videos by."""
-        frames = self.vision_tower.layout.temporal_patch_size
-        if frames != self.VIDEO_FRAME_GROUPS:
+        frames, groups = self.vision_tower.layout.temporal_patch_size, self.SETTINGS.VIDEO_FRAME_GROUPS
+        if frames != groups:
             raise PartError(f"model.vision_tower.vision_config.temporal_patch_size: {frames}; Qwen3-VL's prompt "
-                            f"times each video frame group as {self.VIDEO_FRAME_GROUPS} frames; valid: "
-                            f"{self.VIDEO_FRAME_GROUPS}")
+                            f"times each video frame group as {groups} frames; valid: {groups}")
 
     def check_deepstack(self) -> None:
         """The build refuses what the config check does (``deepstack_problems``), for a model built without it."""
-        problems = self.deepstack_problems(list(getattr(self.vision_tower, "tap_layers", ())),
-                                           getattr(self.connector, "deepstack_taps", 0),
-                                           self.llm_transformers_config.num_hidden_layers)
+        problems = self.SETTINGS.deepstack_problems(list(getattr(self.vision_tower, "tap_layers", ())),
+                                                    getattr(self.connector, "deepstack_taps", 0),
+                                                    self.llm_transformers_config.num_hidden_layers)
         if problems:
             raise PartError(problems[0])
-
-    @classmethod
-    def deepstack_problems(cls, taps: list[int], mergers: int, llm_layers: int | None) -> list[str]:
-        """One DeepStack merger per tapped tower block, and no more taps than the LLM has layers to add them after
-        (tap i's tokens are added after decoder layer i). ``llm_layers`` None: unknown (reported elsewhere)."""
-        problems = []
-        if len(taps) != mergers:
-            problems.append(f"model.connector.deepstack_taps: {mergers} DeepStack mergers, but the tower taps "
-                            f"{len(taps)} blocks (vision_tower.vision_config.deepstack_visual_indexes {taps}); valid: "
-                            f"{len(taps)}")
-        if llm_layers is not None and len(taps) > llm_layers:
-            problems.append(f"model.vision_tower.vision_config.deepstack_visual_indexes: {taps} feed the LLM after "
-                            f"its first {len(taps)} decoder layers, but it has {llm_layers}; valid: at most "
-                            f"{llm_layers} taps, added after decoder layers 0..{llm_layers - 1}")
-        return problems
-
-    @classmethod
-    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
-        """The parts' and the LLM's problems, then DeepStack's (``deepstack_problems``) from the tower and connector
-        built on the meta device and the LLM's config: what the build would refuse, before anything is built."""
-        problems = super().config_problems(section)
-        if problems:
-            return problems  # DeepStack's counts are read from parts that build
-        if section.get("load_pretrained") and section.get("pretrained"):
-            section = settings_from_published(cls._with_parts(section))  # as the build sees it (checked above)
-        return cls.deepstack_problems(*_deepstack_of(*cls.part_sections(section)), _llm_layers(section))
 
     def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
         """``[sum of tokens, (1 + taps) * llm_hidden]``: each image's merged tokens, then its DeepStack tokens."""
@@ -146,29 +112,3 @@ class Qwen3VL(QwenVL):
             return embeds, {}
         mask = torch.isin(input_ids, torch.tensor(self.prompt.placeholder_ids, device=input_ids.device))
         return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}
-
-
-def _deepstack_of(tower: dict[str, Any], connector: dict[str, Any]) -> tuple[list[int], int]:
-    """The tower's tapped blocks and the connector's DeepStack mergers, their structure built on the meta device
-    (a tower folder's config.json read) as the build makes them: its presets and defaults filled in."""
-    tower, connector = dict(tower), dict(connector)
-    tower_cls, connector_cls = vision_towers.get(tower.pop("name")), connectors.get(connector.pop("name"))
-    folder = tower.pop("pretrained", None)
-    for key in ("freeze", "pretrained"):
-        tower.pop(key, None)
-        connector.pop(key, None)
-    with torch.device("meta"):
-        built = tower_cls.from_folder(folder, tower, "model.vision_tower") if folder else tower_cls(**tower)
-        merger = connector_cls(vision_width=built.num_features, llm_width=8, **connector)
-    return list(getattr(built, "tap_layers", ())), getattr(merger, "deepstack_taps", 0)
-
-
-def _llm_layers(section: Mapping[str, Any]) -> int | None:
-    """The LLM's decoder layers: its folder's config.json (a vision-language folder's text config), else
-    ``llm_config`` with transformers' defaults; None where neither reads (the LLM's own checks say why)."""
-    try:
-        folder = section.get("llm_model")
-        config = AutoConfig.from_pretrained(folder) if folder else transformers_config(section.get("llm_config") or {})
-    except (OSError, ValueError, TypeError):
-        return None
-    return config.get_text_config(decoder=True).num_hidden_layers

@@ -27,22 +27,16 @@ from lavis_ds.models.composed import ComposedVisionLLM
 from lavis_ds.models.flops import ZERO, FlopModel, Flops
 from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY, Size, image_sizes
 from lavis_ds.models.positions import Visual
+from lavis_ds.models.settings.qwen_vl import Qwen2VLSettings, Qwen25VLSettings, QwenVLSettings
 from lavis_ds.models.towers.qwen_vl_layers import GridRows, grid_rows
 from lavis_ds.processors.qwen_vl import tokens_for_grid
 
-VISION_SPAN = ("<|vision_start|>", "<|vision_end|>")  # Qwen2-VL's chat template around each image's placeholders
-VIDEO_TOKEN = "<|video_pad|>"
 
 
 class QwenVL(ComposedVisionLLM):
     """What Qwen2-VL and Qwen2.5-VL share; the subclasses name their parts, presets and video time spacing."""
 
-    FLAT_FEATURES = True
-    IMAGE_SPAN = VISION_SPAN
-    PROMPT_TOKENS = (*VISION_SPAN, VIDEO_TOKEN)  # the published tokenizer's; a transformers processor needs all
-    VIDEO_TOKEN = VIDEO_TOKEN  # a video's placeholders, as Qwen2-VL's processor and chat template write them
-    # Qwen-VL trains without augmentation: training and evaluation images are processed alike.
-    IMAGE_PROCESSORS = {"train": "qwen_vl_image", "eval": "qwen_vl_image"}
+    SETTINGS = QwenVLSettings
 
     # ----------------------------------------------------------------- the batch
     def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,
@@ -144,7 +138,7 @@ class Qwen2VL(QwenVL):
         "7b": "models/qwen2_vl/7b.yaml",
         "tiny": "models/qwen2_vl/tiny.yaml",
     }
-    DEFAULT_PARTS = {"vision_tower": {"name": "qwen2_vl"}, "connector": {"name": "patch_merger", "norm": "layernorm"}}
+    SETTINGS = Qwen2VLSettings
 
 
 @reg.models.register("qwen2_5_vl")
@@ -157,7 +151,7 @@ class Qwen25VL(QwenVL):
         "7b": "models/qwen2_5_vl/7b.yaml",
         "tiny": "models/qwen2_5_vl/tiny.yaml",
     }
-    DEFAULT_PARTS = {"vision_tower": {"name": "qwen2_5_vl"}, "connector": {"name": "patch_merger", "norm": "rmsnorm"}}
+    SETTINGS = Qwen25VLSettings
 
     def time_interval(self, second_per_grid_t: float | None) -> float:
         """``tokens_per_second * second_per_grid_t`` for a video (transformers' get_rope_index); 1 for an image."""

@@ -8,10 +8,10 @@ An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only 
   image; ``samples`` is the prepared batch (InstructBLIP reads the instruction from it, a Qwen-VL tower its
   ``image_grid_thw``). Under packing the images arrive in packed order: ``samples["order"]`` lists the sample of each
   packed sample.
-- ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, the classmethods
-  ``tokens_per_image_of(section)`` and ``image_size_of(section)``; an image path whose count depends on the image's
-  size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders and the splice both follow
-  (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
+- ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, its settings class's
+  ``tokens_per_image()`` and ``image_size()`` (``SETTINGS``: ``lavis_ds.models.settings``); an image path whose
+  count depends on the image's size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders
+  and the splice both follow (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
 - ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
 - optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
 
@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal
 
 from torch import nn
 from transformers import PreTrainedModel
 
-from lavis_ds.common.schema import fields_of
 from lavis_ds.models.eva_vit import DTYPES
 from lavis_ds.models.flops import FlopModel, Flops, compose
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
                                  num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_families import decoder_layers, llm_config_problems, position_provider, transformers_config
+from lavis_ds.models.llm_families import decoder_layers, position_provider, transformers_config
 from lavis_ds.models.prompt import ChatPrompt
+from lavis_ds.models.settings.vision_llm import VisionLLMSettings
 from lavis_ds.models.vision_llm_forward import VisionLLMForward
 
 logger = logging.getLogger(__name__)
@@ -49,29 +49,17 @@ logger = logging.getLogger(__name__)
 class VisionLLM(VisionLLMForward):
     """Image features spliced into a chat LLM at the image placeholder tokens; subclasses give the image path.
 
-    This class builds the model and answers the config's questions; what it computes on a batch (the splice, the
-    loss, generation) is its base's (``lavis_ds.models.vision_llm_forward``)."""
+    This class builds the model (``SETTINGS`` answers the config's questions); what it computes on a batch (the
+    splice, the loss, generation) is its base's (``lavis_ds.models.vision_llm_forward``)."""
 
-    # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
-    FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
+    # What a `model:` section means without building (lavis_ds.models.settings), the prompt's layout included.
+    SETTINGS = VisionLLMSettings
     # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a
     # Hugging Face folder and the rest beside it).
     LLM_PREFIX = "llm_model."
     # Parameters built from the LLM's width (the connector): export writes them even when frozen, so that a model
     # rebuilt on the merged LLM never depends on how the LLM was built. Subclasses name theirs.
     CONNECTOR_PREFIXES: tuple[str, ...] = ()
-    # The tokens the family's chat template writes around each image's placeholders (Qwen-VL's vision start and end;
-    # added to a tokenizer that lacks them), or None: the placeholders stand inside the data's <Img>...</Img>.
-    IMAGE_SPAN: tuple[str, str] | None = None
-    # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
-    # added to a tokenizer that lacks them.
-    PROMPT_TOKENS: tuple[str, ...] = ()
-    # The placeholder token of a video (a visual with its own time spacing, image_tokens.video_flags) where the
-    # family's processor writes one of its own (Qwen-VL's <|video_pad|>); None: a video's placeholders are images'.
-    VIDEO_TOKEN: str | None = None
-    # Frames per temporal patch where the family's processor writes a video frame group by frame group, each after
-    # its time (Qwen3-VL: models.frame_groups); None: a video is one run of placeholders.
-    VIDEO_FRAME_GROUPS: int | None = None
     # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
@@ -147,7 +135,7 @@ class VisionLLM(VisionLLMForward):
         self.loss_chunks = loss_chunks
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
         self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token,
-                                                                   self.PROMPT_TOKENS)
+                                                                   self.SETTINGS.PROMPT_TOKENS)
 
     # ----------------------------------------------------------------- building (the subclass calls these)
     def build_llm(self) -> int:
@@ -176,8 +164,9 @@ class VisionLLM(VisionLLMForward):
         args = self.llm_args
         self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
                                  self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
-                                 record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN,
-                                 video_token=self.VIDEO_TOKEN, video_frame_groups=self.VIDEO_FRAME_GROUPS)
+                                 record_system_prompt=args["record_system_prompt"], image_span=self.SETTINGS.IMAGE_SPAN,
+                                 video_token=self.SETTINGS.VIDEO_TOKEN,
+                                 video_frame_groups=self.SETTINGS.VIDEO_FRAME_GROUPS)
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.positions = position_provider(self.llm_transformers_config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
@@ -199,54 +188,6 @@ class VisionLLM(VisionLLMForward):
             train_token_rows(base_llm(self.llm_model), self.llm_tokenizer.convert_tokens_to_ids(new_chatml))
         if self.llm_grad_checkpoint:
             self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
-
-    # ----------------------------------------------------------------- what the config asks of the class
-    @classmethod
-    def settings_of(cls, section: Mapping[str, Any]) -> dict[str, Any]:
-        """The constructor's arguments a ``model:`` section gives, defaults filled in (no weights read)."""
-        args = {name: default for name, (_, default) in fields_of(cls).items()}
-        args.update((key, value) for key, value in section.items() if key in args)
-        return args
-
-    @classmethod
-    def tokens_per_image_of(cls, section: Mapping[str, Any]) -> int:
-        """Image placeholders per image in the prompt that ``section`` builds. Subclasses say."""
-        raise NotImplementedError(f"{cls.__name__} does not say how many tokens an image takes")
-
-    @classmethod
-    def image_size_of(cls, section: Mapping[str, Any]) -> int | None:
-        """The image side the vision tower of ``section`` takes: ``image_size`` (subclasses whose tower fixes it
-        say otherwise)."""
-        return cls.settings_of(section).get("image_size")
-
-    @classmethod
-    def text_length_of(cls, section: Mapping[str, Any]) -> int:
-        """The longest training sequence in tokens (the model truncates there): ``max_txt_len``."""
-        return cls.settings_of(section)["max_txt_len"]
-
-    @classmethod
-    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
-        """What the constructor would refuse, found before anything is built (same rules as the build)."""
-        problems = []
-        if section.get("get_lora") and not section.get("freeze_llm", True):
-            problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
-        if not section.get("tokenizer") and not section.get("llm_model"):
-            problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
-        if not section.get("llm_model"):
-            problems += llm_config_problems(section.get("llm_config"))
-        return problems
-
-    @classmethod
-    def prompt_from_config(cls, section: Mapping[str, Any]) -> ChatPrompt:
-        """The prompt a ``model:`` section builds, from its tokenizer alone, without any weights
-        (``lavis_ds.show_sample``); the same tokens as the model's own ``prompt``."""
-        args = cls.settings_of(section)
-        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
-                                         cls.PROMPT_TOKENS)
-        return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], cls.tokens_per_image_of(section),
-                          args["max_txt_len"], args["chat_template_kwargs"] or {},
-                          record_system_prompt=args["record_system_prompt"], image_span=cls.IMAGE_SPAN,
-                          video_token=cls.VIDEO_TOKEN, video_frame_groups=cls.VIDEO_FRAME_GROUPS)
 
     # ----------------------------------------------------------------- the LLM as a whole
     @property
@@ -307,13 +248,6 @@ class VisionLLM(VisionLLMForward):
         """
         self.llm_model = merge_llm(self.llm_model)
         return self.llm_model
-
-    @staticmethod
-    def merged_llm_settings(folder: str) -> dict[str, Any]:
-        """The ``model:`` keys that make this model load the merged LLM saved in ``folder`` (``merge_lora``,
-        ``save_pretrained`` with the tokenizer) instead of building its own."""
-        return {"llm_model": folder, "tokenizer": folder, "llm_config": None, "llm_precision": "auto",
-                "get_lora": False, "freeze_llm": True}
 
     def save_run_files(self, output_dir: str | Path) -> None:
         """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included, for export and inference."""

@@ -94,7 +94,7 @@ def store_key(cfg: Any, model: torch.nn.Module) -> str:
 
     model_section = OmegaConf.to_container(cfg.model, resolve=True)
     files = {}
-    for key in getattr(type(model), "FILE_KEYS", ()):
+    for key in getattr(getattr(type(model), "SETTINGS", None), "FILE_KEYS", ()):
         path = model_section.get(key)
         if isinstance(path, str) and os.path.exists(os.path.expanduser(path)):
             stat = os.stat(os.path.expanduser(path))

@@ -1,0 +1,71 @@
+"""The config side of every vision-LLM (``models.vision_llm.VisionLLM``): its chat LLM's keys, the prompt they build
+and the layout of the image placeholders in it."""
+from __future__ import annotations
+
+from typing import Any
+
+from lavis_ds.models.llm import prepare_tokenizer
+from lavis_ds.models.llm_families import llm_config_problems
+from lavis_ds.models.prompt import ChatPrompt
+from lavis_ds.models.settings.base import ModelSettings
+
+
+class VisionLLMSettings(ModelSettings):
+    """A vision-LLM's ``model:`` section: the LLM, its tokenizer, LoRA, the prompt; the image path says its own
+    tokens per image (subclasses)."""
+
+    # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
+    FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
+    # The tokens the family's chat template writes around each image's placeholders (Qwen-VL's vision start and end;
+    # added to a tokenizer that lacks them), or None: the placeholders stand inside the data's <Img>...</Img>.
+    IMAGE_SPAN: tuple[str, str] | None = None
+    # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
+    # added to a tokenizer that lacks them.
+    PROMPT_TOKENS: tuple[str, ...] = ()
+    # The placeholder token of a video (a visual with its own time spacing, image_tokens.video_flags) where the
+    # family's processor writes one of its own (Qwen-VL's <|video_pad|>); None: a video's placeholders are images'.
+    VIDEO_TOKEN: str | None = None
+    # Frames per temporal patch where the family's processor writes a video frame group by frame group, each after
+    # its time (Qwen3-VL: models.frame_groups); None: a video is one run of placeholders.
+    VIDEO_FRAME_GROUPS: int | None = None
+
+    def tokens_per_image(self) -> int | None:
+        """Image placeholders per image in the prompt the section builds. Subclasses say."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how many tokens an image takes")
+
+    def image_size(self) -> int | None:
+        """The image side the vision tower takes: ``image_size`` (subclasses whose tower fixes it say otherwise)."""
+        return self.arguments().get("image_size")
+
+    def text_length(self) -> int:
+        """The longest training sequence in tokens (the model truncates there): ``max_txt_len``."""
+        return self.arguments()["max_txt_len"]
+
+    def problems(self) -> list[str]:
+        """What the constructor would refuse of the LLM side, found before anything is built."""
+        section, problems = self.section, []
+        if section.get("get_lora") and not section.get("freeze_llm", True):
+            problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
+        if not section.get("tokenizer") and not section.get("llm_model"):
+            problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
+        if not section.get("llm_model"):
+            problems += llm_config_problems(section.get("llm_config"))
+        return problems
+
+    def prompt(self) -> ChatPrompt:
+        """The prompt the section builds, from its tokenizer alone, without any weights (``lavis_ds.show_sample``);
+        the same tokens as the built model's own ``prompt``."""
+        args = self.arguments()
+        tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
+                                         self.PROMPT_TOKENS)
+        return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], self.tokens_per_image(),
+                          args["max_txt_len"], args["chat_template_kwargs"] or {},
+                          record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN,
+                          video_token=self.VIDEO_TOKEN, video_frame_groups=self.VIDEO_FRAME_GROUPS)
+
+    @classmethod
+    def merged_llm_settings(cls, folder: str) -> dict[str, Any]:
+        """The ``model:`` keys that make the model load the merged LLM saved in ``folder`` (``merge_lora``,
+        ``save_pretrained`` with the tokenizer) instead of building its own."""
+        return {"llm_model": folder, "tokenizer": folder, "llm_config": None, "llm_precision": "auto",
+                "get_lora": False, "freeze_llm": True}
