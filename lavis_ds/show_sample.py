@@ -146,7 +146,7 @@ def prompt_of(cfg) -> ChatPrompt:
     cls = reg.models.get(cfg.model.arch)
     settings = model_settings(cls, OmegaConf.to_container(cfg.model, resolve=True))
     if not hasattr(settings, "prompt"):
-        raise ValueError(f"model.arch {cfg.model.arch!r} ({cls.__name__}) has no SETTINGS(section).prompt(), "
+        raise ValueError(f"model.arch {cfg.model.arch!r} ({cls.__name__}) has no SETTINGS(arch, section).prompt(), "
                          "so show_sample cannot render its prompts")
     return settings.prompt()
 

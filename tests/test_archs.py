@@ -12,6 +12,7 @@ import lavis_ds  # noqa: F401  (fills the registries)
 from archs import image_side
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.registry import connectors, models, registry
+from lavis_ds.models.settings.base import model_settings
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.vision_llm_batch import packed_image_order
 
@@ -96,7 +97,7 @@ def test_a_mix_no_preset_has_trains(tiny_tokenizer_dir, tiny_bert_tokenizer_dir)
                                                   "intermediate_size": 64}})
     model = registry.get_model_class("llava").from_config(section)
     assert model.image_path.layout.tokens_per_image == 4 and model.image_size == 56
-    assert registry.get_model_class("llava").SETTINGS(section).tokens_per_image() == 4
+    assert model_settings(registry.get_model_class("llava"), section).tokens_per_image() == 4
     out = model(batch(model))
     out["loss"].backward()
     assert math.isfinite(out["loss"].item())

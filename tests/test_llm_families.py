@@ -16,6 +16,7 @@ from torch import nn
 from families import FAMILIES, model_folder, tokenizer_dir
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import decoder_layers, llm_config_problems
+from lavis_ds.models.settings.base import model_settings
 from run_utils import comparable, export_matches_logged_val_loss, run_train, tiny_config, train_steps, write_yaml
 
 IN_PROCESS = ["qwen3", "llama3.2", "gemma2"]
@@ -32,7 +33,7 @@ def samples() -> dict:
 def tiny(name: str, tokenizer, **overrides) -> Blip2Qwen:
     """The `tiny` preset with a random-init LLM of family ``name`` (llm_config.model_type) and its tokenizer."""
     cfg = Blip2Qwen.default_config("tiny")
-    cfg.update(tokenizer=str(tokenizer), **FAMILIES[name].model, **overrides)
+    cfg.update(tokenizer=str(tokenizer), **{**FAMILIES[name].model, **overrides})
     cfg["llm_config"] = {**cfg["llm_config"], "model_type": FAMILIES[name].model_type, "head_dim": 16}
     torch.manual_seed(0)
     return Blip2Qwen.from_config(cfg)
@@ -79,12 +80,12 @@ def test_lora_targets_the_linear_layers_the_family_has_and_merges_into_its_class
 
 def test_unknown_or_non_causal_model_type_is_a_config_problem_with_a_suggestion():
     assert llm_config_problems({"model_type": "llama"}) == [] and llm_config_problems(None) == []
-    [unknown] = Blip2Qwen.SETTINGS({"tokenizer": "t", "llm_config": {"model_type": "lama"}}).problems()
+    [unknown] = model_settings(Blip2Qwen, {"tokenizer": "t", "llm_config": {"model_type": "lama"}}).problems()
     assert "model.llm_config.model_type: unknown model_type 'lama'" in unknown and "'llama'" in unknown
     [not_causal] = llm_config_problems({"model_type": "vit"})
     assert "is not a causal language model" in not_causal
     # A folder decides the architecture itself: llm_config is not checked then.
-    assert Blip2Qwen.SETTINGS({"llm_model": "folder", "llm_config": {"model_type": "lama"}}).problems() == []
+    assert model_settings(Blip2Qwen, {"llm_model": "folder", "llm_config": {"model_type": "lama"}}).problems() == []
 
 
 def test_decoder_layers_without_a_layers_list_come_from_no_split_modules():
@@ -103,6 +104,115 @@ def test_decoder_layers_without_a_layers_list_come_from_no_split_modules():
     stack._no_split_modules = []
     with pytest.raises(ValueError, match="cannot find the decoder layers of Stack"):
         decoder_layers(stack)
+
+
+# ----------------------------------------------------------------- exports prompt as training did
+QUESTIONS, ANSWERS = ["What is in the image?", "What color is it?"], ["A cat."]
+
+
+def _chat(system: str | None) -> list[dict]:
+    """A transformers user's conversation: the image with the first question, an answer, a second question."""
+    chat = [{"role": "system", "content": system}] if system else []
+    return chat + [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]},
+                   {"role": "assistant", "content": ANSWERS[0]}, {"role": "user", "content": QUESTIONS[1]}]
+
+
+@pytest.mark.parametrize("record_system", ["use", "fold"])
+def test_the_hf_export_prompts_with_the_run_s_template_variables_by_default(tokenizers, tmp_path, record_system):
+    """A Qwen3 LLM trained with enable_thinking: false: AutoProcessor's tokenizer renders the empty think block
+    training wrote, with no argument, and processor(images=, text=) gives ChatPrompt's ids; enable_thinking=True
+    still renders the thinking prompt, as ChatPrompt would have."""
+    import dataclasses
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from lavis_ds.apps.export_hf_processor import save_processor
+
+    model = tiny("qwen3", tokenizers["qwen3"], record_system_prompt=record_system)
+    carried = save_processor(model, {"name": "blip2_image_eval", "image_size": 64}, tmp_path)
+    assert carried.carried == {"enable_thinking": False} and carried.notes == []
+    processor = AutoProcessor.from_pretrained(tmp_path, backend="pil")
+    image = Image.new("RGB", (80, 60), (200, 30, 30))
+    thinking = dataclasses.replace(model.llm.prompt, template_variables={"enable_thinking": True})
+    instructions = [f"<Img><ImageHere></Img> {QUESTIONS[0]}", QUESTIONS[1]]
+    for system in (None, "You are a terse captioner."):
+        texts = []
+        for prompt, variables in ((model.llm.prompt, {}), (thinking, {"enable_thinking": True})):
+            texts.append(processor.tokenizer.apply_chat_template(_chat(system), add_generation_prompt=True,
+                                                                 tokenize=False, **variables))
+            ids = processor(images=[image], text=texts[-1:]).input_ids[0]
+            assert list(ids) == prompt.generation_prompt(instructions, ANSWERS, system=system)
+        assert texts[0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # as trained: thinking off
+        assert texts[1].endswith("<|im_start|>assistant\n")
+
+
+def test_the_hf_export_names_a_template_variable_it_cannot_default_to(tokenizers, tmp_path):
+    """A run that put a tool list in every prompt: transformers passes `tools` itself, so the template cannot default
+    to it; the export's notes and README say so, and passing it renders the trained prompt."""
+    from transformers import AutoTokenizer
+
+    from lavis_ds.apps.export_hf import write_hf_folder
+
+    tools = [{"type": "function", "function": {"name": "count_shapes", "parameters": {}}}]
+    model = tiny("qwen3", tokenizers["qwen3"], chat_template_kwargs={"enable_thinking": False, "tools": tools})
+    model.merge_lora()
+    notes = write_hf_folder(model.eval(), tmp_path)
+    named = [note for note in notes if "model.chat_template_kwargs.tools" in note]
+    assert len(named) == 1 and "transformers passes that variable" in named[0]
+    readme = (tmp_path / "README.md").read_text()
+    assert named[0] in readme and "`enable_thinking=False`" in readme
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    text = tokenizer.apply_chat_template(_chat(None), add_generation_prompt=True, tokenize=False, tools=tools)
+    assert tokenizer(text, add_special_tokens=False).input_ids == model.llm.prompt.generation_prompt(
+        [f"<Img><ImageHere></Img> {QUESTIONS[0]}", QUESTIONS[1]], ANSWERS)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3.2"])
+def test_the_exported_tokenizer_defaults_to_the_run_s_template_variables(tokenizers, tmp_path, name):
+    """export.py's tokenizer/ and llm/ (``save_tokenizer_with_defaults``): tokenizer.apply_chat_template without
+    arguments renders ChatPrompt's text-only prompt (Qwen3 without thinking, Llama 3.2 with the trained date, not
+    today's); the tokenizer handed in keeps its template."""
+    from transformers import AutoTokenizer
+
+    from lavis_ds.models.prompt import ChatPrompt
+    from lavis_ds.models.template_defaults import save_tokenizer_with_defaults
+
+    variables = FAMILIES[name].model["chat_template_kwargs"]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers[name])
+    published = tokenizer.chat_template
+    assert save_tokenizer_with_defaults(tokenizer, variables, tmp_path) == []
+    assert tokenizer.chat_template == published
+    saved = AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": ANSWERS[0]}, {"role": "user", "content": QUESTIONS[1]}]
+    prompt = ChatPrompt(tokenizer, "Be brief.", "<|image_pad|>", 0, 512, variables)
+    expected = prompt.generation_prompt(QUESTIONS, ANSWERS, num_images=0)
+    assert saved.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == expected
+    untouched = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert untouched != expected  # without the variables the published template prompts otherwise
+
+
+def test_the_merged_llm_folder_s_tokenizer_prompts_as_training_did(tokenizers, tmp_path):
+    """export.py --merge-lora's llm/ (``_merge_llm``) for a Qwen3 run with enable_thinking: false: its tokenizer's
+    default render is the trained prompt format, and the config it returns still passes the variable."""
+    from transformers import AutoTokenizer
+
+    from lavis_ds.apps.export import MERGED_LLM_DIR, _merge_llm
+
+    model = tiny("qwen3", tokenizers["qwen3"])
+    cfg = {**Blip2Qwen.default_config("tiny"), "arch": "blip2_qwen", "tokenizer": str(tokenizers["qwen3"]),
+           **FAMILIES["qwen3"].model}
+    cfg["llm_config"] = {**cfg["llm_config"], "model_type": "qwen3", "head_dim": 16}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    _, merged_cfg, notes = _merge_llm(weights, cfg, 0, tmp_path, tmp_path)
+    assert notes == [] and merged_cfg["chat_template_kwargs"] == {"enable_thinking": False}
+    chat = [{"role": "system", "content": model.llm.prompt.system_prompt}, {"role": "user", "content": QUESTIONS[0]}]
+    text = AutoTokenizer.from_pretrained(tmp_path / MERGED_LLM_DIR).apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert model.llm.tokenizer(text, add_special_tokens=False).input_ids == model.llm.prompt.generation_prompt(
+        QUESTIONS[0], num_images=0)
 
 
 # ----------------------------------------------------------------- train.py on 2 processes

@@ -155,8 +155,9 @@ def _tiny_max_txt_len(export: Path, folder: Path) -> Path:
     ("unknown task", r"unknown lmms-eval task 'demo_shapes_captoin' \(closest: demo_shapes_caption"),
     ("dataset not on disk", r"task demo_shapes_elsewhere \(.*demo_shapes_elsewhere\.yaml\): dataset file "
                             r"copies/demo_shapes_test\.json is not on disk"),
-    ("hub dataset offline", r"dataset lavis-ds-tests/no-such-dataset is not on disk \(datasets cache .*\) and could "
-                            r"not be downloaded \(ConnectionError: Couldn't reach 'lavis-ds-tests/no-such-dataset'"),
+    ("hub dataset offline", r"task demo_shapes_hub \(.*hub\.yaml\): dataset lavis-ds-tests/no-such-dataset "
+                            r"\(dataset_path, a Hugging Face hub dataset\) is not in the datasets cache .*, and "
+                            r"HF_DATASETS_OFFLINE=1 forbids downloading it"),
     ("lmms-eval missing", r"lmms-eval is not installed here .*install it with: pip install -e \"\.\[eval\]\""),
     ("answer cut by max_txt_len", r"task demo_shapes_colour \(test doc 0\): the model's max_txt_len=51 cuts the "
                                   r"continuation, so its log-likelihood cannot be computed"),
@@ -170,7 +171,7 @@ def test_bad_input_is_one_lavis_ds_line_and_exit_code_2(offline, case, message, 
         tasks = "demo_shapes_captoin"
     elif case == "dataset not on disk":
         tasks, more = "demo_shapes_elsewhere", ["--include_path", str(_task_without_its_file(tmp_path))]
-    elif case == "hub dataset offline":  # HF_HUB_OFFLINE (the module's fixture): no download is tried
+    elif case == "hub dataset offline":  # HF_DATASETS_OFFLINE (the module's fixture): refused before lmms-eval runs
         (tmp_path / "hub.yaml").write_text(f"include: {TASKS / 'demo_shapes_caption.yaml'}\ntask: demo_shapes_hub\n"
                                            "dataset_path: lavis-ds-tests/no-such-dataset\ndataset_kwargs: {}\n")
         tasks, more = "demo_shapes_hub", ["--include_path", str(tmp_path)]

@@ -20,6 +20,13 @@ POPE_SCORES = ("lmms_eval/pope/pope_accuracy, lmms_eval/pope/pope_precision, lmm
                "lmms_eval/pope/pope_f1_score, lmms_eval/pope/pope_yes_ratio")
 
 
+@pytest.fixture(autouse=True)
+def online(monkeypatch):
+    """Datasets may be downloaded (pope's and mme's are hub datasets): the offline check is its own test's."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def _load(tmp_path, demo_storage, **run):
     return load_config(write_yaml(tmp_path / "run.yaml", tiny_config(tmp_path / "out", demo_storage, **run)))
 
@@ -50,8 +57,10 @@ def test_a_benchmark_score_as_best_metric_is_accepted(tmp_path, demo_storage):
     ({"lmms_eval": {"every": 2}}, "run.lmms_eval.tasks: required key is missing"),
     ({"lmms_eval": {"tasks": ["pope"], "include_path": "/nonexistent/tasks"}},
      "run.lmms_eval.include_path: folder '/nonexistent/tasks' does not exist (it holds task YAMLs)"),
+    ({"lmms_eval": {"tasks": ["pope"], "on_error": "ignore"}},
+     "run.lmms_eval.on_error: expected 'stop' | 'continue', got 'ignore'"),
 ], ids=["best-metric-not-a-score", "best-metric-without-lmms-eval", "unknown-task", "every-zero", "every-word",
-        "unknown-key", "no-task", "tasks-missing", "include-path-missing"])
+        "unknown-key", "no-task", "tasks-missing", "include-path-missing", "on-error-word"])
 def test_a_bad_lmms_eval_setting_is_one_line(tmp_path, demo_storage, run, problem):
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, demo_storage, **run)
@@ -73,6 +82,36 @@ def test_a_task_whose_local_dataset_is_not_on_disk_is_refused_before_training(tm
     assert info.value.problems == [
         f"run.lmms_eval.tasks: task local_vqa ({folder / 'local_vqa.yaml'}): dataset file vqa.json is not on disk (dataset_kwargs.data_files; a relative path is read beside the task's YAML file): copy the "
         "dataset there or point data_files at it"]
+
+
+@pytest.mark.parametrize("offline, cached", [("HF_DATASETS_OFFLINE", False), ("HF_HUB_OFFLINE", False),
+                                             ("HF_HUB_OFFLINE", True), (None, False)],
+                         ids=["datasets-offline", "hub-offline", "offline-cached", "online"])
+def test_an_offline_hub_dataset_that_is_not_cached_is_refused_before_training(tmp_path, demo_storage, monkeypatch,
+                                                                              offline, cached):
+    """Offline, a hub dataset is read from the datasets cache alone; one missing there would cost lmms-eval's
+    retries (up to a minute) at the first evaluation. Cached (laid out as datasets lays out a hub dataset's copy:
+    <namespace>___<name>/<config>/<version>/<fingerprint>), or online, it is accepted."""
+    if offline:
+        monkeypatch.setenv(offline, "1")
+    cache, folder = tmp_path / "datasets_cache", tmp_path / "tasks"
+    folder.mkdir()
+    if cached:
+        (cache / "lavis-ds-tests___shapes_vqa" / "default" / "0.0.0" / "0123abcd").mkdir(parents=True)
+    (folder / "hub_vqa.yaml").write_text(LOCAL_TASK.replace("local_vqa", "hub_vqa").replace(
+        "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: vqa.json\n",
+        f"dataset_path: lavis-ds-tests/ShapesVQA\ndataset_kwargs:\n  cache_dir: {cache}\n"))
+    settings = {"tasks": ["hub_vqa"], "include_path": str(folder)}
+    if cached or not offline:
+        assert _load(tmp_path, demo_storage, lmms_eval=settings).run.lmms_eval.tasks == ["hub_vqa"]
+        return
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, demo_storage, lmms_eval=settings)
+    assert info.value.problems == [(
+        f"run.lmms_eval.tasks: task hub_vqa ({folder / 'hub_vqa.yaml'}): dataset lavis-ds-tests/ShapesVQA "
+        f"(dataset_path, a Hugging Face hub dataset) is not in the datasets cache {cache}, and {offline}=1 forbids "
+        "downloading it: load the task once where there is a network (into the same cache), or point the task at a "
+        "local copy (docs/evaluation.md)")]
 
 
 LOCAL_TASK = """task: local_vqa

@@ -16,7 +16,9 @@ task scored by log-likelihoods).
 Cost: two 2-process training runs of 2 steps (the ZeRO-3 one killed and rerun from its step-1 checkpoint), each
 evaluating 2 documents per task twice, two in-process `lavis-ds eval` runs on a checkpoint, and the cost benchmark
 (benchmarks/lmms_eval_cost.py) for one step and 2 documents in one process: 30-50 s on the shared 2-core machine
-once the suite's process server is up (starting it adds some 15 s to whichever run is first).
+once the suite's process server is up (starting it adds some 15 s to whichever run is first). An evaluation that
+fails on one rank at step 1 (a task's scoring on rank 0, a document's image on rank 1): three 2-process runs of one
+or two steps, stopped there (`on_error: stop`) or training on (`continue`), 5-7 s each.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import demo_storage_fixture
 from harness import REPO
 from lavis_ds.runners.hooks.lmms_eval_checks import scores_of
+from harness.forked import STILL_RUNNING
 from run_utils import kill, metrics, run_forked, run_train, start, tiny_config, write_yaml
 
 TASKS = ["demo_shapes_caption", "demo_shapes_colour"]
@@ -189,3 +192,74 @@ def test_the_cost_benchmark_times_an_evaluation_against_a_step(tmp_path, demo_st
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     written = json.loads(figures.read_text())
     assert written["documents"] == 2 and written["step_s"] > 0 and written["eval_s"] > 0 and 0 < written["share"] < 1
+
+
+# ----------------------------------------------------------------------------- an evaluation that fails on one rank
+FAILING_TASK = """include: {include}/demo_shapes_caption.yaml
+task: {task}
+dataset_kwargs:
+  data_files:
+    test: {include}/demo_shapes_test.json
+{override}
+"""
+OVERRIDES = {  # the task's own function that fails, and the rank it fails on
+    "scoring": ("metric_list:\n  - metric: exact_match\n    aggregation: !function failing.mean_after_one_failure\n"
+                "    higher_is_better: true", 0),
+    "image": ("doc_to_visual: !function failing.image_but_the_second", 1),
+}
+FAILING = """import os
+from pathlib import Path
+
+from PIL import Image
+
+FAILED = Path(__file__).with_name("failed_once")
+
+
+def mean_after_one_failure(items):
+    \"\"\"lmms-eval's aggregation of the task, on rank 0 alone: it fails the first time, then averages.\"\"\"
+    if not FAILED.exists():
+        FAILED.write_text("")
+        raise ZeroDivisionError("the task's scorer failed")
+    return sum(items) / len(items)
+
+
+def image_but_the_second(doc):
+    \"\"\"The document's image; the second document's (rank 1's: lmms-eval gives document i to rank i mod 2) is
+    missing.\"\"\"
+    if doc["image"] == "test_00001.png":
+        raise FileNotFoundError("images/test_00001.png is missing")
+    with Image.open(Path(os.environ["LAVIS_DS_DEMO_DATA"]) / "images" / doc["image"]) as image:
+        return [image.convert("RGB")]
+"""
+
+
+@pytest.mark.parametrize("case, on_error", [("scoring", "stop"), ("scoring", "continue"), ("image", "stop")])
+def test_an_evaluation_failing_on_one_rank_stops_every_rank_or_every_rank_trains_on(tmp_path, demo_storage, case,
+                                                                                      on_error):
+    """At step 1 the task's scoring (lmms-eval's aggregation, on rank 0 alone) fails while rank 1 waits at
+    lmms-eval's closing barrier, or rank 1 cannot load its document's image while rank 0 goes on to lmms-eval's
+    gathers. `stop`: both ranks end there, one `lavis_ds:` line naming the task, the step and the rank, no rank
+    left running (forked.Job kills one still running after its peer failed, and says so). `continue`: the line says
+    so, step 1 has no record, and both ranks train on to step 2, whose evaluation scores."""
+    tasks, task = tmp_path / "tasks", f"demo_shapes_failing_{case}"
+    tasks.mkdir()
+    override, rank = OVERRIDES[case]
+    (tasks / f"{task}.yaml").write_text(FAILING_TASK.format(include=INCLUDE, task=task, override=override))
+    (tasks / "failing.py").write_text(FAILING)
+    out = tmp_path / "out"
+    cfg = tiny_config(out, demo_storage, lmms_eval={"tasks": [task], "every": 1, "limit": LIMIT,
+                                                    "include_path": str(tasks), "on_error": on_error})
+    proc = run_train(write_yaml(tmp_path / "run.yaml", cfg), check=False, timeout=180)  # a hang fails, 10x its time
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:") and "MFU" not in line]
+    cause = {"scoring": "ZeroDivisionError: the task's scorer failed",
+             "image": f"task {task} (test doc 1): FileNotFoundError: images/test_00001.png is missing"}[case]
+    then = ("the run stops here; set run.lmms_eval.on_error: continue to train on when an evaluation fails"
+            if on_error == "stop" else
+            "training continues without this evaluation's scores (run.lmms_eval.on_error: continue)")
+    assert lines == [(f"lavis_ds: run.lmms_eval: evaluating task {task} at optimizer step 1 failed on rank {rank}: "
+                      f"{cause}; {then}")], proc.stderr[-4000:]
+    assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == (1 if on_error == "stop" else 0), proc.stderr[-4000:]
+    if on_error == "continue":
+        assert [m["step"] for m in metrics(out) if "split" not in m] == [1, LAST]
+        assert [r["step"] for r in _rows(out)] == [LAST]

@@ -127,8 +127,11 @@ def test_from_config_pops_common_keys_and_accepts_dictconfig(tiny_model_config):
 
 
 def test_vit_keys_with_a_top_level_name_are_refused_under_vit(tiny_model_config):
-    """The constructor refuses in the config check's words: one rule (the settings' ``refusals``) for both."""
-    [problem] = Blip2Qwen.SETTINGS({**tiny_model_config, "vit": {"img_size": 32}}).refusals()
+    """The constructor refuses in the config check's words: one rule (``settings.blip2_qwen.refused_keys``) for
+    both."""
+    from lavis_ds.models.settings.blip2_qwen import refused_keys
+
+    [problem] = refused_keys({**tiny_model_config, "vit": {"img_size": 32}})
     with pytest.raises(ValueError, match="vit.img_size -> image_size") as refused:
         build(tiny_model_config, vit={"img_size": 32})
     assert str(refused.value) == problem
@@ -139,6 +142,7 @@ def test_settings_read_the_keywords_of_the_class_they_belong_to():
     named, not an AttributeError."""
     from lavis_ds.common.errors import InputError
     from lavis_ds.models.settings.base import model_settings
+    from lavis_ds.models.settings.blip2_qwen import Blip2QwenSettings
 
     class Wider(Blip2Qwen):
         def __init__(self, *, extra: int = 3, **kwargs: Any):
@@ -147,6 +151,8 @@ def test_settings_read_the_keywords_of_the_class_they_belong_to():
     assert model_settings(Wider, {"image_size": 96}).arguments()["extra"] == 3
     assert model_settings(Wider, {"image_size": 96}).arguments()["image_size"] == 96
     assert "extra" not in model_settings(Blip2Qwen, {}).arguments()
+    # SETTINGS is the plain class the model names: its class-level facts are read without a section
+    assert Wider.SETTINGS is Blip2Qwen.SETTINGS is Blip2QwenSettings and "vit_pretrained" in Wider.SETTINGS.FILE_KEYS
     with pytest.raises(InputError, match=r"model\.arch: torch\.nn\.modules\.linear\.Linear has no SETTINGS"):
         model_settings(nn.Linear, {})
 

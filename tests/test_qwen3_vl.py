@@ -22,6 +22,7 @@ from lavis_ds.config import load_config
 from lavis_ds.common.registry import processors, registry, vision_towers
 from lavis_ds.models.image_tokens import GRID_KEY, SECONDS_KEY
 from lavis_ds.models.parts import PartError
+from lavis_ds.models.settings.base import model_settings
 from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
 from run_utils import tiny_config, write_yaml
 
@@ -177,7 +178,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
     assert "<0.3 seconds><|vision_start|>" in text and "<3.0 seconds>" in text  # the layout under test
     assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
-    weightless = type(ours).SETTINGS(user_yaml("qwen3_vl", folder)).prompt()
+    weightless = model_settings(type(ours), user_yaml("qwen3_vl", folder)).prompt()
     shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.image_path.layout.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
 

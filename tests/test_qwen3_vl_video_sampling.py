@@ -21,6 +21,7 @@ from conftest import TINY_CORPUS
 from lavis_ds.common.errors import InputError, LavisDsError
 from lavis_ds.common.registry import builders, registry
 from lavis_ds.models.frame_groups import frame_group_marks
+from lavis_ds.models.settings.base import model_settings
 from lavis_ds.processors.qwen_vl import FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY, QwenVLImageProcessor, tokens_for_grid
 from qwen_vl_folders import QWEN2_VL_TEMPLATE, qwen_tokenizer
 
@@ -72,7 +73,8 @@ def video_dataset(root, processor: dict, **build_info):
 def tower_processor(arch: str) -> dict:
     """The ``qwen_vl_image`` section a run of ``arch``'s tiny preset gets (the keys filled from its tower)."""
     cls = registry.get_model_class(arch)
-    return {"name": "qwen_vl_image", **cls.SETTINGS(cls.default_config("tiny")).image_processing().processor_keys()}
+    processing = model_settings(cls, cls.default_config("tiny")).image_processing()
+    return {"name": "qwen_vl_image", **processing.processor_keys()}
 
 
 @pytest.fixture(scope="module")

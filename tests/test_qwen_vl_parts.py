@@ -19,6 +19,7 @@ from lavis_ds.common.errors import InputError
 from lavis_ds.common.registry import connectors, models, processors, vision_towers
 from lavis_ds.datasets.builders import build_processor
 from lavis_ds.models.parts import PartError, build_part
+from lavis_ds.models.settings.base import model_settings
 from lavis_ds.processors.qwen_vl import QwenVLProcessing, sample_frames, smart_resize, tokens_for_grid
 
 TEXT = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -240,10 +241,11 @@ def test_patches_and_grid_that_disagree():
 
 def test_llava_refuses_the_flat_parts_with_the_ones_it_takes():
     llava = models.get("llava")
-    problems = llava.SETTINGS({"arch": "llava", "model_type": "tiny", "vision_tower": {"name": "qwen2_vl"}}).problems()
+    section = {"arch": "llava", "model_type": "tiny"}
+    problems = model_settings(llava, {**section, "vision_tower": {"name": "qwen2_vl"}}).problems()
     assert ("model.vision_tower.name: qwen2_vl works on flat patch features of images of their own sizes, but this "
             "architecture takes fixed-size towers and connectors: valid here: clip, eva_vit_g, siglip") in problems
-    problems = llava.SETTINGS({"arch": "llava", "model_type": "tiny", "connector": {"name": "patch_merger"}}).problems()
+    problems = model_settings(llava, {**section, "connector": {"name": "patch_merger"}}).problems()
     assert any(p.startswith("model.connector.name: patch_merger works on flat patch features") for p in problems)
 
 

@@ -10,6 +10,11 @@ or, with ``--merge-lora``, instead of tokenizer/:
                         in) with the tokenizer as the model used it; model.safetensors then holds
                         the trained weights outside the LLM
 
+Either tokenizer's chat template defaults to the run's ``model.chat_template_kwargs`` (those it reads,
+``lavis_ds.models.template_defaults``): ``tokenizer.apply_chat_template`` without them renders the prompts
+the model trained on (Qwen3's empty think block of ``enable_thinking: false``). A variable the template
+cannot default to is named in ``config.yaml``'s ``export.notes`` and printed.
+
 Frozen parameters are left out, as in the checkpoints: :func:`load_exported` rebuilds
 the model from ``config.yaml`` through the registry, which brings them from where
 training had them (random init from ``seed``, or the files named by ``pretrained``,
@@ -38,6 +43,7 @@ from lavis_ds.apps.export_io import (CONFIG_FILE, DTYPES, MERGED_LLM_DIR, TOKENI
                                      load_exported, load_trained_weights, read_checkpoint, read_export_config,
                                      run_tokenizer, write_whole)
 from lavis_ds.common.errors import LavisDsError, report
+from lavis_ds.models.template_defaults import save_tokenizer_with_defaults
 
 
 # ----------------------------------------------------------------------------- export
@@ -63,20 +69,24 @@ def export_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, mer
     cfg = info["config"]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     tokenizer_source = run_tokenizer(model_cfg, tag_dir)
+    # The tokenizer's chat template defaults to the run's template variables, so that a transformers user's
+    # apply_chat_template renders the prompt the model trained on; lavis_ds passes them itself.
+    variables = model_cfg.get("chat_template_kwargs") or {}
 
     def write(tmp: Path) -> None:
         nonlocal weights, model_cfg
         if merge_lora:
-            weights, model_cfg = _merge_llm(weights, model_cfg, int(cfg.run.seed), tmp, tag_dir)
+            weights, model_cfg, notes = _merge_llm(weights, model_cfg, int(cfg.run.seed), tmp, tag_dir)
         else:
             # The tokenizer as it was on disk, not as the model extended it: rebuilding from it adds
             # the same tokens and so makes the same modules (trainable rows for ChatML tokens it lacked).
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp / TOKENIZER_DIR)
+            notes = save_tokenizer_with_defaults(AutoTokenizer.from_pretrained(tokenizer_source), variables,
+                                                 tmp / TOKENIZER_DIR)
             model_cfg["tokenizer"] = TOKENIZER_DIR
         _save_weights(weights, tmp / WEIGHTS_FILE, tag_dir, info)
-        _write_config(tmp / CONFIG_FILE, model_cfg, cfg, tag_dir, info, merge_lora)
+        _write_config(tmp / CONFIG_FILE, model_cfg, cfg, tag_dir, info, merge_lora, notes)
 
     write_whole(out, write)
     return out
@@ -94,8 +104,10 @@ def _check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 
-def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Path) -> tuple[dict, dict]:
-    """Write ``out/llm`` (merged LLM + tokenizer); return the weights and model config that go with it."""
+def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path,
+               source: Path) -> tuple[dict, dict, list[str]]:
+    """Write ``out/llm`` (merged LLM + tokenizer); return the weights and model config that go with it, and the
+    notes on template variables its chat template cannot default to."""
     from lavis_ds.build import build_model
 
     model = build_model(OmegaConf.create(model_cfg), seed)  # as trained: the run's own tokenizer and folders
@@ -104,7 +116,9 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Pat
         raise ExportError(f"--merge-lora: {type(model).__name__} has no merge_lora(); export without it")
     llm = model.merge_lora()
     llm.save_pretrained(out / MERGED_LLM_DIR)
-    model.llm.tokenizer.save_pretrained(out / MERGED_LLM_DIR)  # with the tokens the model added: HF-ready
+    # With the tokens the model added and the run's template variables as its template's defaults: HF-ready.
+    notes = save_tokenizer_with_defaults(model.llm.tokenizer, model_cfg.get("chat_template_kwargs") or {},
+                                         out / MERGED_LLM_DIR)
     # The model rebuilt from this export loads the merged LLM instead of building the random one: the connector
     # (the model names it) goes into the file even when it was frozen, so that it never depends on how the LLM
     # gets built.
@@ -112,7 +126,7 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path, source: Pat
     kept |= {name: p.detach().float() for name, p in model.named_parameters()
              if name.startswith(model.CONNECTOR_PREFIXES) and name not in kept}
     merged_cfg = model_cfg | type(model).SETTINGS.merged_llm_settings(MERGED_LLM_DIR)
-    return kept, merged_cfg
+    return kept, merged_cfg, notes
 
 
 def _save_weights(weights: dict[str, torch.Tensor], path: Path, tag_dir: Path, info: dict) -> None:
@@ -128,7 +142,8 @@ def _save_weights(weights: dict[str, torch.Tensor], path: Path, tag_dir: Path, i
     os.chmod(path, 0o666 & ~umask)
 
 
-def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, info: dict, merged: bool) -> None:
+def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, info: dict, merged: bool,
+                  notes: list[str]) -> None:
     # Eval processors, and where the run's data was (builder and build_info, paths on the training machine):
     # `generate --data` on one of its annotation files finds the images there.
     datasets = {}
@@ -145,7 +160,7 @@ def _write_config(path: Path, model_cfg: dict, cfg: DictConfig, tag_dir: Path, i
         "datasets": datasets,
         "export": {"source": str(tag_dir.resolve()), "global_step": info["global_step"], "epoch": info["epoch"],
                    "runner": info["runner"], "zero_stage": info["zero_stage"], "dtype": info["dtype"],
-                   "merged_llm": merged},
+                   "merged_llm": merged, "notes": notes},
     }
     header = ("# A lavis_ds export. load_exported() rebuilds model: (seeded with `seed`) and loads model.safetensors.\n"
               "# model.tokenizer (and model.llm_model with merged_llm) are relative to this folder; other paths\n"
@@ -182,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     export = read_export_config(out).export
     print(f"exported {export.source} (step {export.global_step}, {_engine(export)}, {export.dtype}) -> {out}")
+    for note in export.get("notes") or []:
+        print(f"note: {note}")
     return 0
 
 

@@ -20,7 +20,8 @@ transformers user writes). The class follows the model (``export_hf_checks.hf_fa
     config.json, generation_config.json, model.safetensors   the model (the LLM's own config as text_config,
         LoRA and trained token rows merged into the LLM, the image token's id as image_token_index)
     tokenizer files, chat_template.jinja                      the tokenizer as the model used it; the chat
-        template writes lavis_ds's ChatML prompt, image placeholders where training put them
+        template writes lavis_ds's ChatML prompt, image placeholders where training put them (the LLM's own
+        template with the run's chat_template_kwargs as defaults, where they shaped the prompt)
     preprocessor_config.json, processor_config.json           the processor, its image processor set to the
         run's eval image processing
     lavis_ds_export.json                                      where it came from; ignored by transformers
@@ -138,9 +139,9 @@ def write_hf_folder(model: nn.Module, out: Path, image_cfg: dict[str, Any] | Non
     hf_model = family.weights.to_hf_model(model, dtype)
     hf_model.generation_config = generation_config(model, max_new_tokens)
     hf_model.save_pretrained(out)
-    save_processor(model, image_cfg, out, family)
-    notes = export_notes(model, dtype, family, type(hf_model))
-    write_readme(model, family, notes, out)
+    variables = save_processor(model, image_cfg, out, family)
+    notes = export_notes(model, dtype, family, type(hf_model)) + variables.notes
+    write_readme(model, family, notes, out, variables.carried)
     return notes
 
 

@@ -10,6 +10,7 @@ lavis_ds does on the checkpoint; what it does not list gives lavis_ds's token id
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -18,8 +19,10 @@ from lavis_ds.models.hf.family import HfFamily
 README = "README.md"
 
 
-def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path) -> None:
-    """Write ``out/README.md`` for ``model`` exported as ``family``'s class with the export's ``notes``."""
+def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path,
+                 template_variables: Mapping[str, Any] | None = None) -> None:
+    """Write ``out/README.md`` for ``model`` exported as ``family``'s class with the export's ``notes``;
+    ``template_variables``: the run's chat-template variables the chat template defaults to."""
     render = ("processor.apply_chat_template" if family.processors.processor_keeps_chat_template
               else "processor.tokenizer.apply_chat_template")
     differences = family.processors.one_call_notes(model) + notes
@@ -48,6 +51,7 @@ def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path
         f"put it, the assistant header); `{model.llm.prompt.image_token}` is the image token. The generation config is",
         "lavis_ds's: greedy, stopping at `<|im_end|>`, the image token suppressed.",
         "",
+        *_variables_paragraph(template_variables or {}),
         "## The one call against lavis_ds's own generation on the checkpoint",
         "",
         "The lines above give lavis_ds's token ids, except where a note below says otherwise:" if differences
@@ -56,3 +60,12 @@ def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path
     ]
     lines += [f"- {note}" for note in differences]
     (out / README).write_text("\n".join(lines) + "\n")
+
+
+def _variables_paragraph(variables: Mapping[str, Any]) -> list[str]:
+    """The lines saying which template variables the chat template defaults to (none: no lines)."""
+    if not variables:
+        return []
+    given = ", ".join(f"`{name}={value!r}`" for name, value in variables.items())
+    return [f"The chat template defaults to the template variables the model was trained with ({given}): the call",
+            "above renders the trained prompt; passing one of them to `apply_chat_template` changes it.", ""]

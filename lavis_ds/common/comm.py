@@ -124,6 +124,13 @@ def barrier() -> None:
         torch_dist.barrier(group=_group())
 
 
+def default_group_barrier() -> None:
+    """A barrier on the default group, where a library's own collectives run (lmms-eval's): for a process that left
+    that library's code early to meet the barrier the library keeps the other processes waiting at."""
+    if active():
+        torch_dist.barrier()
+
+
 def destroy() -> None:
     """End the control group and the default group (a process that started them and goes on without them)."""
     if active():

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lavis_ds.common.suggest import did_you_mean
-from lavis_ds.models.settings.base import ModelSettings, bound_to
+from lavis_ds.models.settings.base import ModelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     "chat": (Need("llm", "llm (a models.chat_llm.ChatLLM: llm.prompt, a models.prompt.ChatPrompt with "
                          "generation_prompt, image_token_id, ...; llm.tokenizer; llm.config, the LLM's transformers "
                          "config with max_position_embeddings, ...; llm.stop_token_ids() -> list[int]; llm.pad_id)"),
-             Need("SETTINGS.image_size", "SETTINGS(section).image_size() -> the image side its tower takes")),
+             Need("SETTINGS.image_size", "SETTINGS(arch, section).image_size() -> the image side its tower takes")),
     # show_sample: the prompt a model: section builds, without weights
-    "show_sample": (Need("SETTINGS.prompt", "SETTINGS(section).prompt() -> models.prompt.ChatPrompt"),),
+    "show_sample": (Need("SETTINGS.prompt", "SETTINGS(arch, section).prompt() -> models.prompt.ChatPrompt"),),
 }
 
 
@@ -100,17 +100,13 @@ class BaseModel(nn.Module):
     # (old prefix, new prefix) of parameter names the architecture's checkpoints and exports may hold from when its
     # parameters were named otherwise: read under the new names (``export_folder.load_trained_weights``)
     RENAMED_KEYS: tuple[tuple[str, str], ...] = ()
-    # What a `model:` section of this class means without building it (``lavis_ds.models.settings``); bound to each
-    # subclass (``__init_subclass__``), whose constructor's keywords are the section's schema.
+    # The class that reads a `model:` section of this model without building it (``lavis_ds.models.settings``):
+    # ``model_settings(cls, section)`` makes one from the class, whose constructor's keywords are the section's schema.
     SETTINGS: type[ModelSettings] = ModelSettings
 
     # Submodules a subclass froze and keeps in eval whatever ``train()`` is called with (LAVIS's ``disabled_train``:
     # dropout in a frozen part would only add noise); a subclass's constructor sets its instance's own set.
     _eval_only: frozenset[str] = frozenset()
-
-    def __init_subclass__(cls, **kwargs: Any):
-        super().__init_subclass__(**kwargs)
-        cls.SETTINGS = bound_to(cls.SETTINGS, cls)
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:

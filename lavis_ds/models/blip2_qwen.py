@@ -20,7 +20,7 @@ from lavis_ds.common import registry as reg
 from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.eva_vit import EvaViT, Precision
 from lavis_ds.models.pretrained import load_blip2
-from lavis_ds.models.settings.blip2_qwen import Blip2QwenSettings
+from lavis_ds.models.settings.blip2_qwen import FLAT_KEYS, Blip2QwenSettings, part_sections_of, refused_keys
 
 # The ViT presets by name; a Literal so that the config validator catches a misspelt `vit_model`.
 VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[valid-type]
@@ -90,13 +90,12 @@ class Blip2Qwen(VisionLLM):
                 ``max_txt_len``, ...).
         """
         arguments = locals()  # outside the comprehension, whose own scope locals() would read
-        flat = {key: arguments[key] for key in self.SETTINGS.FLAT_KEYS}
-        settings = type(self).SETTINGS({**flat, **{k: llm_args[k] for k in ("vision_tower", "connector")
-                                                   if k in llm_args}})
-        refused = settings.refusals()  # what the config check reports, in its words
+        flat = {key: arguments[key] for key in FLAT_KEYS}
+        # what the config check reports, in its words
+        refused = refused_keys({**flat, **{k: llm_args[k] for k in ("vision_tower", "connector") if k in llm_args}})
         if refused:
             raise ValueError("; ".join(refused))
-        tower, connector = settings.part_sections()
+        tower, connector = part_sections_of(flat)
         super().__init__(vision_tower=tower, connector=connector, **llm_args)
         self.vit_pretrained = vit_pretrained
 

@@ -51,6 +51,7 @@ from lavis_ds.models.lm_loss import full_logits_loss, token_logps
 from lavis_ds.models.parts import build_part
 from lavis_ds.models.prompt import IGNORE_INDEX, image_counts, pad_batch, pad_positions
 from lavis_ds.models.published import load_published
+from lavis_ds.models.settings.base import model_settings
 from lavis_ds.models.settings.composed import ComposedSettings, check_layouts, given_part_sections
 from lavis_ds.models.vision_llm_batch import HostBatch, packed_image_order, sample_of_positions
 
@@ -198,7 +199,7 @@ class VisionLLM(BaseModel):
         gives the settings that come with its weights (``models.published.settings_from_published``)."""
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-        return super().from_config(cls.SETTINGS(cfg).with_published())
+        return super().from_config(model_settings(cls, cfg).with_published())
 
     def load_from_pretrained(self, path: str) -> None:
         """A ``LlavaForConditionalGeneration`` or ``InstructBlipForConditionalGeneration`` folder (every part),

@@ -21,6 +21,7 @@ from torch import nn
 
 from lavis_ds.common import registry as reg
 from lavis_ds.models.hf.qwen3_vl import Qwen3VLFamily, Qwen3VLFolders, Qwen3VLProcessors, Qwen3VLWeights
+from lavis_ds.models.template_defaults import settable
 
 
 class Qwen35Weights(Qwen3VLWeights):
@@ -72,9 +73,8 @@ class Qwen35Family(Qwen3VLFamily):
 
 def template_defaults(variables: dict[str, Any], system_prompt: str | None) -> str:
     """Jinja that sets each of ``variables`` where the caller gives none and puts ``system_prompt`` in front of the
-    messages where they start without a system message (values as JSON literals, which Jinja reads unchanged)."""
-    head = "".join(f"{{%- if {name} is not defined -%}}{{%- set {name} = {json.dumps(value)} -%}}{{%- endif -%}}"
-                   for name, value in variables.items())
+    messages where they start without a system message (values as Jinja literals, ``template_defaults.jinja_literal``)."""
+    head = settable(variables).prelude()
     if system_prompt is not None:
         system = json.dumps({"role": "system", "content": system_prompt}, ensure_ascii=False)
         head += ("{%- if not messages or messages[0]['role'] != 'system' -%}"

@@ -6,13 +6,14 @@ constructor's arguments, the section's problems, the files it reads, the image s
 the longest text, the prompt. Class-level facts of an architecture that only the config side reads (nested schemas,
 replaced presets, file keys, default image processors) are attributes of the settings class.
 
-A model's config keys are its constructor's keyword arguments, so a settings class reads the schema from the model
-class it is bound to (``ARCH``): ``BaseModel`` binds the ``SETTINGS`` of each of its subclasses to that subclass
-(``bound_to``), so a user's subclass with keywords of its own has them in its settings too.
+A model's config keys are its constructor's keyword arguments, so a settings object is made from the model class
+as well as the section (``model_settings`` hands it the class it was asked for): it reads the schema from that
+class's constructor, so a user's subclass with keywords of its own has them in its settings too, whichever
+settings class it names.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Self
 
 from omegaconf import DictConfig
 
@@ -26,8 +27,6 @@ class ModelSettings:
     A model with rules of its own across keys subclasses this and names it in its class's ``SETTINGS``
     (docs/extending.md); the defaults say nothing beyond the constructor's signature."""
 
-    # The model class whose constructor's keyword arguments are the section's keys (set by ``bound_to``).
-    ARCH: type | None = None
     # model key holding a dict -> the class (or callable) whose keyword arguments its keys are
     NESTED_SCHEMAS: dict[str, Any] = {}
     # model_types of other frameworks this model cannot load -> (the preset to use instead, why)
@@ -37,13 +36,19 @@ class ModelSettings:
     # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
     IMAGE_PROCESSORS: dict[str, str] = {}
 
-    def __init__(self, section: Mapping[str, Any]):
-        """``section``: one merged ``model:`` section (a plain mapping: what ``from_config`` would build from)."""
+    def __init__(self, arch: type, section: Mapping[str, Any]):
+        """``arch``: the model class whose constructor's keyword arguments are the section's keys; ``section``: one
+        merged ``model:`` section (a plain mapping: what ``from_config`` would build from)."""
+        self.arch = arch
         self.section = dict(section)
 
     def arguments(self) -> dict[str, Any]:
         """The constructor's arguments the section gives, defaults filled in (no weights read)."""
-        return constructor_arguments(self.ARCH, self.section)
+        return constructor_arguments(self.arch, self.section)
+
+    def _for_section(self, section: Mapping[str, Any]) -> Self:
+        """The same model's settings of another section (the section as a published folder completes it)."""
+        return type(self)(self.arch, section)
 
     def problems(self) -> list[str]:
         """Problems of the section that involve several keys (the validator checks each key's type and range from
@@ -80,14 +85,9 @@ class ModelSettings:
         return defaults
 
 
-def bound_to(settings: type[ModelSettings], arch: type) -> type[ModelSettings]:
-    """``settings`` reading its schema from ``arch``'s constructor (a subclass named after both)."""
-    return type(f"{settings.__name__}[{arch.__name__}]", (settings,), {"ARCH": arch, "__module__": settings.__module__})
-
-
-def constructor_arguments(arch: type | None, section: Mapping[str, Any]) -> dict[str, Any]:
+def constructor_arguments(arch: type, section: Mapping[str, Any]) -> dict[str, Any]:
     """``arch``'s constructor arguments ``section`` gives, its defaults where the section leaves one out."""
-    args = {name: default for name, (_, default) in fields_of(arch).items()} if arch is not None else {}
+    args = {name: default for name, (_, default) in fields_of(arch).items()}
     args.update((key, value) for key, value in section.items() if key in args)
     return args
 
@@ -103,5 +103,6 @@ def settings_class(arch_cls: type) -> type[ModelSettings]:
 
 
 def model_settings(arch_cls: type, section: Mapping[str, Any]) -> ModelSettings:
-    """What ``section`` (one merged ``model:`` section) means to model class ``arch_cls``: ``arch_cls.SETTINGS``."""
-    return settings_class(arch_cls)(section)
+    """What ``section`` (one merged ``model:`` section) means to model class ``arch_cls``: its ``SETTINGS`` made
+    from the class and the section (the one way a settings object is made outside the settings classes)."""
+    return settings_class(arch_cls)(arch_cls, section)

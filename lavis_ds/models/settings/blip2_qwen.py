@@ -1,7 +1,8 @@
 """The config side of BLIP2-Qwen (``models.blip2_qwen``): MiniGPT4Qwen's flat keys (``vit_model``, ``image_size``,
 ``vit_precision``, ``freeze_vit``, ``num_query_token``, ``qformer``, ...) read as the ``eva_vit_g`` tower's and the
 ``qformer`` connector's sections (:func:`part_sections_of`, the one place they are translated, for the config check
-and the constructor alike), each part's problem reported under the flat key a user wrote."""
+and the constructor alike), each part's problem reported under the flat key a user wrote; :func:`refused_keys` is
+what both refuse of the keys themselves."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -36,8 +37,6 @@ _QWEN1 = "it is MiniGPT4Qwen's Qwen-1 chat model (tiktoken tokenizer, remote cod
 class Blip2QwenSettings(ComposedSettings):
     """A blip2_qwen ``model:`` section: the flat keys describe the parts, the rest is the LLM's."""
 
-    FLAT_KEYS = FLAT_KEYS  # the keys describing the parts, which the constructor hands to part_sections()
-
     # Nested dict keys and the class whose arguments they are: the config validator checks them too
     # (`llm_config` is not listed: transformers configs take extra keys on purpose).
     NESTED_SCHEMAS = {"qformer": Blip2QFormerConfig, "vit": EvaViT}
@@ -65,24 +64,13 @@ class Blip2QwenSettings(ComposedSettings):
         """As given: a BLIP-2 checkpoint in ``pretrained`` brings weights of the image path only."""
         return dict(self.section)
 
-    def refusals(self) -> list[str]:
-        """What the constructor refuses of the keys themselves: a ``vit:`` key that has its own top-level key, a
-        part section (blip2_qwen's parts are its flat keys)."""
-        section = self.section
-        problems = [f"model.vit.{k}: set it with model.{VIT_KEYS_SET_AT_TOP_LEVEL[k]}, not under vit "
-                    f"(vit.{k} -> {VIT_KEYS_SET_AT_TOP_LEVEL[k]})"
-                    for k in sorted(section.get("vit") or {}) if k in VIT_KEYS_SET_AT_TOP_LEVEL]
-        return problems + [f"model.{k}: blip2_qwen sets its parts with its own keys ({', '.join(FLAT_KEYS)}); for "
-                           "other parts use an architecture that takes part sections (arch: llava)"
-                           for k in PART_KINDS if k in section]
-
     def problems(self) -> list[str]:
-        """The refused keys, and what the parts' sections refuse, each named by its flat key."""
-        section, problems = self.section, self.refusals()
+        """The refused keys (``refused_keys``), and what the parts' sections refuse, each named by its flat key."""
+        section, problems = self.section, refused_keys(self.section)
         unknown = [key for key, target in self.NESTED_SCHEMAS.items()
                    if any(k not in fields_of(target) for k in section.get(key) or {})]
         wrong_types: list[str] = []
-        fields = fields_of(self.ARCH)
+        fields = fields_of(self.arch)
         check_section({k: v for k, v in section.items() if k in FLAT_KEYS}, {k: fields[k] for k in FLAT_KEYS}, "model",
                       wrong_types, require=False)
         if problems or unknown or wrong_types:  # the parts are not built from what the validator reports
@@ -91,6 +79,17 @@ class Blip2QwenSettings(ComposedSettings):
 
     def part_problems(self) -> list[str]:
         return []  # the parts' keys are the flat keys, which the model section's own schema checks
+
+
+def refused_keys(section: Mapping[str, Any]) -> list[str]:
+    """What the constructor refuses (and the config check reports) of the keys themselves: a ``vit:`` key that has
+    its own top-level key, a part section (blip2_qwen's parts are its flat keys)."""
+    problems = [f"model.vit.{k}: set it with model.{VIT_KEYS_SET_AT_TOP_LEVEL[k]}, not under vit "
+                f"(vit.{k} -> {VIT_KEYS_SET_AT_TOP_LEVEL[k]})"
+                for k in sorted(section.get("vit") or {}) if k in VIT_KEYS_SET_AT_TOP_LEVEL]
+    return problems + [f"model.{k}: blip2_qwen sets its parts with its own keys ({', '.join(FLAT_KEYS)}); for "
+                       "other parts use an architecture that takes part sections (arch: llava)"
+                       for k in PART_KINDS if k in section]
 
 
 def part_sections_of(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

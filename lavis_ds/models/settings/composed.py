@@ -57,7 +57,7 @@ class ComposedSettings(VisionLLMSettings):
             section = self.with_published()
         except PartError:
             section = self.section  # problems() reports the folder
-        return constructor_arguments(self.ARCH, section)
+        return constructor_arguments(self.arch, section)
 
     def with_published(self) -> dict[str, Any]:
         """The section, both part sections present, with the settings a published folder in ``pretrained`` fixes
@@ -93,7 +93,7 @@ class ComposedSettings(VisionLLMSettings):
         pretrained = self.section.get("pretrained")
         if self.section.get("load_pretrained") and pretrained and Path(pretrained).expanduser().exists():
             try:  # checked as the build sees it: with what a published folder brings (its tokenizer, LLM, ...)
-                settings = type(self)(self.with_published())
+                settings = self._for_section(self.with_published())
             except PartError as e:
                 problems.append(str(e))
         problems = VisionLLMSettings.problems(settings) + problems
@@ -132,7 +132,7 @@ class ComposedSettings(VisionLLMSettings):
         ``pretrained`` fixes (a Qwen-VL processor's pixel bounds and video sampling), as ``from_config`` builds it,
         so that the datasets' processors are filled with the processing the model is built with."""
         try:
-            settings = type(self)(self.with_published())
+            settings = self._for_section(self.with_published())
         except PartError:
             settings = self  # problems() reports the folder
         try:

@@ -29,7 +29,7 @@ class Qwen3VLSettings(QwenVLSettings):
             return problems  # DeepStack's counts are read from parts that build
         settings = self
         if self.section.get("load_pretrained") and self.section.get("pretrained"):
-            settings = type(self)(self.with_published())  # as the build sees it (checked above)
+            settings = self._for_section(self.with_published())  # as the build sees it (checked above)
         tower, connector = structure_on_meta(*settings.part_sections())
         return self.deepstack_problems(list(getattr(tower, "tap_layers", ())), getattr(connector, "deepstack_taps", 0),
                                        _llm_layers(settings.section))

@@ -36,6 +36,7 @@ class LmmsEvalSettings:
     num_fewshot: Annotated[int | None, NonNegative] = None  # unset: each task's own
     batch_size: Annotated[int, AtLeastOne] = 1  # requests per generate/forward call of the model
     include_path: str | None = None  # a folder of the user's own task YAMLs (local copies of benchmarks)
+    on_error: Literal["stop", "continue"] = "stop"  # an evaluation failing on any rank stops every rank, or is skipped
 
 
 def log_name(task: str, result_key: str) -> str | None:

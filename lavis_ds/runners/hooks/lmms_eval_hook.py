@@ -7,6 +7,9 @@ record per evaluation (split ``lmms_eval``: metrics.jsonl, the trackers, ``run.b
 per-document predictions. A run killed during an evaluation has no checkpoint of that step yet (the loop saves
 after every hook has handled the step), so the rerun trains the step again and evaluates it again; metrics.jsonl
 drops the lines past the resumed step, and the predictions files are replaced whole: one row, one file.
+An evaluation that fails on any rank (a task's scoring on rank 0, say) is agreed on by every rank right after it
+(``lmms_eval.failures``): every rank stops with one line naming the task and the step, or, with `on_error:
+continue`, the evaluation is left without a record and every rank trains on.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.hooks.base import Hook
 from lavis_ds.runners.hooks.evaluation import write_json_lines
 from lavis_ds.runners.hooks.lmms_eval_checks import SPLIT, scores_of, task_index
+from lavis_ds.runners.lmms_eval.failures import agree_on_evaluation, evaluation_failure, meet_closing_barrier
 
 
 EVAL_SEED = 0  # lmms-eval's python, numpy, torch and few-shot seeds, as `lavis-ds eval` sets them by default
@@ -35,11 +39,13 @@ class LmmsEval(Hook):
     and its share of the wall time since the previous one. Does nothing when `run.lmms_eval` is unset."""
 
     def __init__(self, tasks: tuple[str, ...] = (), every: int | str = "epoch", limit: int | float | None = None,
-                 num_fewshot: int | None = None, batch_size: int = 1, include_path: str | None = None) -> None:
+                 num_fewshot: int | None = None, batch_size: int = 1, include_path: str | None = None,
+                 on_error: str = "stop") -> None:
         """The keys of `run.lmms_eval` (``lmms_eval_checks.LmmsEvalSettings``, checked with the config)."""
         self.tasks, self.every, self.limit = list(tasks), every, limit
         self.num_fewshot, self.batch_size = num_fewshot, batch_size
         self.include_path = str(Path(include_path).expanduser()) if include_path else None
+        self.train_on = on_error == "continue"  # an evaluation that fails: no scores, the run goes on
         self.since: float | None = None  # when the wall time the next evaluation's share is of began
 
     def before_train(self, trainer) -> None:
@@ -57,22 +63,34 @@ class LmmsEval(Hook):
         self.benchmark(trainer)
 
     def benchmark(self, trainer) -> None:
-        """Evaluate on the tasks (every rank), log the record and write the predictions (rank 0)."""
+        """Evaluate on the tasks (every rank), then agree that every rank did (a failure anywhere stops every rank, or
+        with `on_error: continue` skips this evaluation's record), then log the record and write the predictions
+        (rank 0)."""
         if not self.tasks:
             return
         started = time.perf_counter()
-        results = self.run_lmms_eval(trainer)  # every rank; the results on rank 0 only
-        seconds = time.perf_counter() - started
-        if trainer.rank == 0:
-            scores, directions = scores_of(results)
-            documents = sum(int(n.get("effective", 0)) for n in results.get("n-samples", {}).values())
-            # the share of the wall time since the previous evaluation (or the start) that this one took
-            share = seconds / max(seconds + started - (self.since or started), 1e-9)
-            trainer.hooks.log({"step": trainer.state.global_step, "epoch": trainer.state.epoch, "split": SPLIT,
-                               **scores, "num_samples": documents, "seconds": seconds, "time_share": share,
-                               "higher_is_better": directions})
+        results, record, failure = None, None, None
+        try:
+            results = self.run_lmms_eval(trainer)  # every rank; the results on rank 0 only
+            if trainer.rank == 0:
+                record = self._record(trainer, results, started)
+        except Exception as e:  # told to every rank below, rather than leaving them waiting for this one
+            meet_closing_barrier(e)
+            failure = evaluation_failure(e, self.tasks, trainer.state.global_step, self.train_on)
+        if not agree_on_evaluation(failure, self.train_on) and trainer.rank == 0:
+            trainer.hooks.log(record)
             self._write_predictions(trainer, results)
         self.since = time.perf_counter()
+
+    def _record(self, trainer, results: dict, started: float) -> dict:
+        """The evaluation's record: its scores, documents, seconds and share of the wall time (rank 0)."""
+        seconds = time.perf_counter() - started
+        scores, directions = scores_of(results)
+        documents = sum(int(n.get("effective", 0)) for n in results.get("n-samples", {}).values())
+        # the share of the wall time since the previous evaluation (or the start) that this one took
+        share = seconds / max(seconds + started - (self.since or started), 1e-9)
+        return {"step": trainer.state.global_step, "epoch": trainer.state.epoch, "split": SPLIT, **scores,
+                "num_samples": documents, "seconds": seconds, "time_share": share, "higher_is_better": directions}
 
     def run_lmms_eval(self, trainer) -> dict | None:
         """lmms-eval's ``simple_evaluate`` on the live model, on every rank; its results on rank 0, else None.
@@ -84,7 +102,7 @@ class LmmsEval(Hook):
 
         model = live_model(trainer, self.batch_size)
         with _kept_random_states(), eval_mode(trainer.engine.module):
-            return simple_evaluate(
+            results = simple_evaluate(
                 model=model, tasks=list(self.tasks), limit=self.limit, num_fewshot=self.num_fewshot,
                 batch_size=self.batch_size, task_manager=task_index(self.include_path, tuple(self.tasks)),
                 log_samples=True,  # the per-document answers, for the predictions files
@@ -94,6 +112,9 @@ class LmmsEval(Hook):
                 bootstrap_iters=0,  # no stderr resampling in the loop: the scores are the same, minutes faster
                 # lmms-eval's collectives on the run's process group; "accelerate" would build one of its own
                 distributed_executor_backend="torchrun")
+        if model.failure is not None:  # a request this rank could not answer, held while the others needed it
+            raise model.failure
+        return results
 
     def _write_predictions(self, trainer, results: dict) -> None:
         """predictions/lmms_eval_<task>_step<N>.jsonl: each document's id, target, answer and scores (rank 0)."""
@@ -111,13 +132,14 @@ class LmmsEval(Hook):
 def live_model(trainer, batch_size: int):
     """lmms-eval's model over the trainer's live model (``LavisDsLmms``): its forwards and generation go through the
     engine (which gathers what ZeRO-3 and FSDP2 shard), with the run's eval processors and `run.generate` under each
-    task's own generation settings."""
+    task's own generation settings; a request one rank cannot answer is held until lmms-eval is done
+    (``hold_failures``), so that rank still joins the others' forwards and gathers."""
     from lavis_ds.image_config import eval_processors_of
     from lavis_ds.runners.lmms_eval.model import LavisDsLmms
 
     image_processor, text_processor = eval_processors_of(trainer.cfg)
     return LavisDsLmms(trainer.engine.module, image_processor, text_processor, engine=trainer.engine,
-                       batch_size=batch_size, generation=dict(trainer.run.generate))
+                       batch_size=batch_size, generation=dict(trainer.run.generate), hold_failures=True)
 
 
 @contextlib.contextmanager

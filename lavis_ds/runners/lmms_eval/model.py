@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -17,7 +18,7 @@ from lmms_eval.api.model import lmms
 from tqdm import tqdm
 
 from lavis_ds.common import comm, dist
-from lavis_ds.common.errors import InputError
+from lavis_ds.common.errors import InputError, LavisDsError, message_of
 from lavis_ds.common.modes import eval_mode
 from lavis_ds.common.precision import as_trained
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES
@@ -53,13 +54,17 @@ class LavisDsLmms(lmms):
         generation: Generation settings under the task's (``max_new_tokens``, ``num_beams``, ...; default
             ``DEFAULT_GENERATION``); a task's ``generation_kwargs`` override them.
         max_frames: Frames sampled from a video request.
+        hold_failures: A request this rank cannot prepare (its document's image missing, say) or score whole is
+            answered blank and its failure kept in ``failure`` instead of raised, so that this rank still joins every
+            round and gather the others run; the caller raises it once lmms-eval is done (the ``lmms_eval`` hook,
+            where the ranks then agree on it). False: raised at once.
     """
 
     is_simple = True
 
     def __init__(self, model: torch.nn.Module, image_processor: Callable, text_processor: Callable | None = None, *,
                  engine: Any = None, batch_size: int = 1, generation: dict[str, Any] | None = None,
-                 max_frames: int = DEFAULT_MAX_FRAMES):
+                 max_frames: int = DEFAULT_MAX_FRAMES, hold_failures: bool = False):
         super().__init__()
         if int(batch_size) < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size!r}")
@@ -69,6 +74,8 @@ class LavisDsLmms(lmms):
         self.generation = {**DEFAULT_GENERATION, **(generation or {})}
         self._rank, self._world_size = dist.rank(), dist.world_size()
         self._joining: tuple[dict, dict] | None = None  # the batch a round without requests of this rank reruns
+        self.hold_failures = hold_failures
+        self.failure: LavisDsError | None = None  # the first failure held (hold_failures), naming the request
 
     # ------------------------------------------------------------------ what lmms-eval reads
     @property
@@ -95,7 +102,7 @@ class LavisDsLmms(lmms):
                 self._generate(*self._joining)
                 continue
             kwargs = generate_kwargs(batch_requests[0].settings, self.generation, batch_requests[0].where)
-            batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
+            batch = self._batch_of(batch_requests, with_settings=True)
             self._joining = (batch, kwargs)
             answers = self._generate(batch, kwargs)
             texts.extend(cut_at(text, stop_strings(request.settings, request.where))
@@ -118,10 +125,11 @@ class LavisDsLmms(lmms):
             if batch_requests is None:
                 self._score(self._joining[0])
                 continue
-            batch = batch_of(batch_requests, self.image_processor, self.text_processor, self.max_frames)
+            batch = self._batch_of(batch_requests, with_settings=False)
             self._joining = (batch, {})
             scores = {key: value.tolist() for key, value in self._score(batch).items()}
-            check_complete(scores["complete"], [r.where for r in batch_requests], self.lavis_model)
+            wheres = [r.where for r in batch_requests]
+            self._held(partial(check_complete, scores["complete"], wheres, self.lavis_model), lambda: None, wheres[0])
             # Each (loss, is_greedy) pair inside a GenerationResult: lmms-eval 0.7.3's evaluator passes a result's
             # text through as it is, but turns any other output that is not a string into its str()
             # (api/instance.py, unwrap_generation_output), which no multiple-choice task can read back.
@@ -138,7 +146,7 @@ class LavisDsLmms(lmms):
         context, second, doc_to_visual, doc_id, task, split = instance.args[:6]
         doc = self.task_dict[task][split][doc_id]
         visuals = doc_to_visual(doc) if callable(doc_to_visual) else []
-        where = f"task {task} ({split} doc {doc_id})"
+        where = _where(instance)
         if with_settings:
             return Request(context, list(visuals or []), settings=dict(second or {}), where=where)
         return Request(context, list(visuals or []), continuation=second, where=where)
@@ -146,7 +154,8 @@ class LavisDsLmms(lmms):
     def _batches(self, requests, make: Callable, with_settings: bool) -> Iterator[list[Request] | None]:
         """This rank's requests in batches of ``batch_size`` (a batch shares its generation settings), then None
         for each round another rank still runs (sharded engines need every rank in every forward)."""
-        made = [make(instance, with_settings) for instance in requests]
+        made = [self._held(lambda instance=instance: make(instance, with_settings),
+                           lambda: _blank(with_settings), _where(instance)) for instance in requests]
         groups = [list(g) for _, g in itertools.groupby(made, key=lambda r: repr(sorted(r.settings.items())))]
         batches = [group[i:i + self.batch_size] for group in groups for i in range(0, len(group), self.batch_size)]
         rounds = len(batches)
@@ -160,11 +169,28 @@ class LavisDsLmms(lmms):
         if rounds > len(batches) and not batches:
             # No request here (a --limit below the number of processes leaves some without documents, and lmms-eval
             # has none to pad with): the rounds run a text-only blank, whose answer nobody reads.
-            self._joining = (batch_of([Request(" ", continuation="" if not with_settings else None)],
-                                      self.image_processor, self.text_processor, self.max_frames),
+            self._joining = (batch_of([_blank(with_settings)], self.image_processor, self.text_processor,
+                                      self.max_frames),
                              generate_kwargs({}, self.generation, "a blank request"))
         for _ in range(rounds - len(batches)):
             yield None
+
+    def _batch_of(self, requests: list[Request], with_settings: bool) -> dict[str, Any]:
+        return self._held(lambda: batch_of(requests, self.image_processor, self.text_processor, self.max_frames),
+                          lambda: batch_of([_blank(with_settings)] * len(requests), self.image_processor,
+                                           self.text_processor, self.max_frames), requests[0].where)
+
+    def _held(self, prepare: Callable[[], Any], blank: Callable[[], Any], where: str) -> Any:
+        """``prepare()``; with ``hold_failures``, ``blank()`` where it fails, its failure kept (the first)."""
+        if not self.hold_failures:
+            return prepare()
+        try:
+            return prepare()
+        except Exception as e:  # raised by the caller after lmms-eval's gathers, which this rank must still join
+            if self.failure is None:
+                self.failure = e if isinstance(e, LavisDsError) else LavisDsError(
+                    f"{where}: {type(e).__name__}: {message_of(e)}")
+            return blank()
 
     def _generate(self, batch: dict[str, Any], kwargs: dict[str, Any]) -> list[str]:
         with self._running():
@@ -187,3 +213,14 @@ class LavisDsLmms(lmms):
     def _running(self) -> contextlib.AbstractContextManager:
         return eval_mode(self.lavis_model)
 
+
+def _blank(with_settings: bool) -> Request:
+    """A text-only request whose answer nobody reads: what a rank runs in a round it has no request of its own for,
+    or in place of a request it could not prepare."""
+    return Request(" ", continuation=None if with_settings else "", where="a blank request")
+
+
+def _where(instance) -> str:
+    """An lmms-eval request's task and document, for messages."""
+    doc_id, task, split = instance.args[3:6]
+    return f"task {task} ({split} doc {doc_id})"

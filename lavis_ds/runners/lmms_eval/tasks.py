@@ -1,4 +1,5 @@
-"""lmms-eval's tasks, checked before a model is loaded: every name known, every local dataset on disk.
+"""lmms-eval's tasks, checked before a model is loaded: every name known, every local dataset on disk, and offline
+every hub dataset in the datasets cache.
 
 An lmms-eval task names its dataset by ``dataset_path``: a Hugging Face hub id (downloaded into the datasets cache
 on first use), a local folder, or one of ``datasets``' file builders (``json``, ``parquet``, ``csv``, ...) with
@@ -8,6 +9,7 @@ is asked for).
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -16,6 +18,8 @@ from lavis_ds.common.errors import InputError
 from lavis_ds.common.suggest import closest
 
 LOCAL_BUILDERS = frozenset({"csv", "json", "parquet", "text", "pandas", "arrow"})  # lmms-eval's utils._LOCAL_BUILDERS
+HUB_PREFIX = "hf://datasets/"  # a dataset_path that names a hub repository explicitly
+TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE"})  # what datasets and huggingface_hub read as an enabled variable
 
 
 def task_manager(include_path: str | list[str] | None = None, names: Iterable[str] = ()):
@@ -73,12 +77,14 @@ def _task_configs(name: str, manager) -> list[tuple[str, dict[str, Any]]]:
 
 
 def dataset_problem(config: dict[str, Any]) -> str | None:
-    """Why a task's dataset is not where its YAML says (None: it is, or it is a hub id the datasets cache may
-    hold: that one is checked when it loads, :func:`hub_dataset_error`)."""
+    """Why a task's dataset is not where its YAML says (None: it is, or it is a hub id that can still be downloaded,
+    or that the datasets cache holds: a failed download is reported when it loads, :func:`hub_dataset_error`)."""
     path = config.get("dataset_path")
     kwargs = config.get("dataset_kwargs") or {}
     if not isinstance(path, str):
         return None
+    if _is_hub_id(path):
+        return _offline_hub_problem(path.removeprefix(HUB_PREFIX), kwargs)
     if path in LOCAL_BUILDERS:
         files = kwargs.get("data_files")
         if files is None:
@@ -93,6 +99,58 @@ def dataset_problem(config: dict[str, Any]) -> str | None:
     if path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():  # a folder, not a hub id
         return f"dataset folder {path} is not on disk (dataset_path)"
     return None
+
+
+def _is_hub_id(path: str) -> bool:
+    """Whether ``datasets.load_dataset`` reads ``path`` as a dataset repository on the hub (``namespace/name`` or
+    ``name``, not a local folder, not one of its file builders; ``datasets.load.dataset_module_factory``)."""
+    if path.startswith(HUB_PREFIX):
+        return path.removeprefix(HUB_PREFIX).count("/") <= 1
+    return (path not in LOCAL_BUILDERS and path.count("/") <= 1 and not path.startswith((".", "/", "~"))
+            and not Path(path).expanduser().exists())
+
+
+def offline_variable() -> str | None:
+    """The variable that keeps ``datasets`` off the network (``HF_DATASETS_OFFLINE``, else ``HF_HUB_OFFLINE`` or
+    ``TRANSFORMERS_OFFLINE``: datasets/config.py's rule), None when it may download. Read from the environment the
+    evaluation runs in, as ``datasets`` reads it when lmms-eval's processes import it."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = os.environ.get(name)
+        if value is not None and (name == "HF_DATASETS_OFFLINE" or value):
+            return name if value.upper() in TRUE_VALUES else None
+    return None
+
+
+def _offline_hub_problem(repo_id: str, kwargs: dict[str, Any]) -> str | None:
+    """Why an offline ``load_dataset`` of hub dataset ``repo_id`` would fail (None: it is cached, or may download).
+
+    Offline, ``datasets`` goes straight to the copy a previous load left in the datasets cache (its
+    ``CachedDatasetModuleFactory``, asked here); without one, lmms-eval retries the load for up to a minute before
+    its error. lmms-eval loads into ``dataset_kwargs.cache_dir`` when the task sets one (and it is not a video
+    task's, where that names the videos' folder), else into its own datasets cache."""
+    variable = offline_variable()
+    if variable is None:
+        return None
+    try:
+        from datasets.load import CachedDatasetModuleFactory
+    except ImportError:  # a datasets release without it: the load itself says what is missing
+        return None
+    from lmms_eval.api.task import _resolve_hf_datasets_cache_dir
+
+    cache = kwargs.get("cache_dir") if not kwargs.get("video") else None
+    cache = os.path.expanduser(str(cache or _resolve_hf_datasets_cache_dir()))
+    quiet = logging.getLogger("datasets.load")  # it tells of the cached copy it found: the load says so again
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        CachedDatasetModuleFactory(repo_id, cache_dir=cache).get_module()
+        return None
+    except FileNotFoundError:
+        return (f"dataset {repo_id} (dataset_path, a Hugging Face hub dataset) is not in the datasets cache {cache}, "
+                f"and {variable}={os.environ[variable]} forbids downloading it: load the task once where there is a "
+                "network (into the same cache), or point the task at a local copy (docs/evaluation.md)")
+    finally:
+        quiet.setLevel(level)
 
 
 def _paths(files: Any) -> list[str]:
