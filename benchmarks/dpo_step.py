@@ -33,7 +33,7 @@ from lavis_ds.objectives.reference import ReferenceScorer  # noqa: E402
 
 
 def pairs_of(model, pairs: int, tokens: int, device: torch.device) -> dict:
-    count = lambda text: len(model.llm_tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count = lambda text: len(model.llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     per_word = count(words(400, 0)) / 400
     question, answer = int(tokens * 0.75 / per_word) - 30, int(tokens * 0.25 / per_word)
     return {"image": torch.randn(pairs, 3, model.image_size, model.image_size, device=device),
@@ -95,7 +95,7 @@ def main() -> None:
         for name, run in paths.items():
             results[name].append(measured(device, run))
     memory = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (psutil, 1 ms)"
-    print(f"dpo step: tiny BLIP2-Qwen, vocabulary {model.llm_transformers_config.vocab_size:,}, fp32, {device.type}, "
+    print(f"dpo step: tiny BLIP2-Qwen, vocabulary {model.llm.config.vocab_size:,}, fp32, {device.type}, "
           f"{torch.get_num_threads()} threads; {args.pairs} pairs x {tuple(sft['input_ids'].shape)[1]} tokens per "
           f"side; memory: {memory}, above the built model; forward + backward")
     base_mem, base_time = max(r[0] for r in results[next(iter(paths))]), statistics.median(

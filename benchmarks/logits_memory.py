@@ -5,7 +5,7 @@
 
 The model is the real tiny BLIP2-Qwen preset (everything trains, fp32) with the LLM's vocabulary set to Qwen's
 151,936 rows, a ChatML tokenizer trained here; 2 samples of about 2,048 tokens each, one image and an instruction
-of about three quarters of the tokens, an answer of about a quarter. Each path is `model.loss_chunks` (0: the
+of about three quarters of the tokens, an answer of about a quarter. Each path is `model.llm.loss_chunks` (0: the
 full logits, the model's own forward; N: the head called N times, on 1/N of the supervised positions each). The
 paths alternate, `--repeats` times each, on the same built model and the same prepared batch; gradients are
 dropped between steps.
@@ -81,7 +81,7 @@ def build(tokens: int, device: torch.device):
     cfg["llm_config"] = {**cfg["llm_config"], "vocab_size": QWEN_VOCAB, "max_position_embeddings": tokens + 64}
     torch.manual_seed(0)
     model = Blip2Qwen.from_config(cfg).to(device).train()
-    assert model.llm_transformers_config.vocab_size == QWEN_VOCAB
+    assert model.llm.config.vocab_size == QWEN_VOCAB
     return model
 
 
@@ -91,7 +91,7 @@ def words(n: int, offset: int) -> str:
 
 def batch_of(model, batch: int, tokens: int, device: torch.device) -> dict:
     """``batch`` samples of about ``tokens`` tokens, a quarter of them answer (word counts fitted to the tokenizer)."""
-    count = lambda text: len(model.llm_tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count = lambda text: len(model.llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     per_word = count(words(400, 0)) / 400
     question, answer = int(tokens * 0.75 / per_word) - 30, int(tokens * 0.25 / per_word)
     samples = {"image": torch.randn(batch, 3, model.image_size, model.image_size, device=device),
@@ -138,7 +138,7 @@ def main() -> None:
     step(model, batch, device)  # warm-up: first-use allocations of the kernels
     for _ in range(args.repeats):
         for chunk in args.chunks:
-            model.loss_chunks = chunk
+            model.llm.loss_chunks = chunk
             results[chunk].append(step(model, batch, device))
     measure = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS (psutil, 1 ms)"
     print(f"logits memory: tiny BLIP2-Qwen, vocabulary {QWEN_VOCAB:,}, fp32, {device.type}; batch {shape[0]} x "

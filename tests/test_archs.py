@@ -12,11 +12,11 @@ import lavis_ds  # noqa: F401  (fills the registries)
 from archs import image_side
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.registry import connectors, models, registry
-from lavis_ds.models.composed import ComposedVisionLLM
 from lavis_ds.models.settings.base import model_settings
+from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.vision_llm_batch import packed_image_order
 
-COMPOSED = sorted(name for name in models if issubclass(models.get(name), ComposedVisionLLM))
+COMPOSED = sorted(name for name in models if issubclass(models.get(name), VisionLLM))
 
 SAMPLES = {"instruction": ["<Img><ImageHere></Img> What is in the image?", "Describe the picture in detail.",
                            ["<Img><ImageHere></Img> What color is the ball?", "How many animals are there?"]],
@@ -96,13 +96,13 @@ def test_a_mix_no_preset_has_trains(tiny_tokenizer_dir, tiny_bert_tokenizer_dir)
                                       "qformer": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                                                   "intermediate_size": 64}})
     model = registry.get_model_class("llava").from_config(section)
-    assert model.tokens_per_image == 4 and model.image_size == 56
+    assert model.image_path.layout.tokens_per_image == 4 and model.image_size == 56
     assert model_settings(registry.get_model_class("llava"), section).tokens_per_image() == 4
     out = model(batch(model))
     out["loss"].backward()
     assert math.isfinite(out["loss"].item())
     assert model.connector.query_tokens.grad is not None and model.vision_tower.model.embeddings.patch_embedding.weight.grad is not None
-    assert len(model.vision_blocks()) == 3 + 2  # SigLIP's layers, then the Q-Former's
+    assert len(model.image_path.blocks()) == 3 + 2  # SigLIP's layers, then the Q-Former's
 
 
 def test_instruction_rows_follow_the_images_into_packed_order(tiny_tokenizer_dir, tiny_bert_tokenizer_dir):
@@ -208,7 +208,7 @@ def test_users_connector_under_imports_trains_in_a_tiny_llava(tmp_path, tiny_tok
     cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"imports": ["user_connector"], **cfg}))
     model = build_model(load_config(path, check_files=False).model)
-    assert type(model.connector).__name__ == "AvgPoolMlp" and model.tokens_per_image == 4  # 16 patches pooled 2x2
+    assert type(model.connector).__name__ == "AvgPoolMlp" and model.image_path.layout.tokens_per_image == 4  # 16 patches pooled 2x2
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     samples = batch(model)
     losses = []

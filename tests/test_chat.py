@@ -104,10 +104,10 @@ def test_several_images_in_one_batch_reach_their_own_sample(model, demo_export, 
     with pytest.raises(ValueError, match=r"num_images \[2, 2\] adds up to 4 images, but the batch holds 3"):
         generate(model, pixels(a, b, c), [CAPTION, CAPTION], num_images=[2, 2])
     with pytest.raises(ValueError, match=r"2 image\(s\) but 1 <ImageHere> marker\(s\)"):
-        model.prompt.generation_prompt([f"{IMG} {CAPTION}"], num_images=2)
+        model.llm.prompt.generation_prompt([f"{IMG} {CAPTION}"], num_images=2)
     # 8 placeholders (the tiny Q-Former's queries) per image, each run inside its own <Img>...</Img>.
-    ids = model.prompt.generation_prompt([f"{IMG} {IMG} {CAPTION}"], num_images=2)
-    assert ids.count(model.prompt.image_token_id) == 2 * model.prompt.num_image_tokens == 16
+    ids = model.llm.prompt.generation_prompt([f"{IMG} {IMG} {CAPTION}"], num_images=2)
+    assert ids.count(model.llm.prompt.image_token_id) == 2 * model.llm.prompt.num_image_tokens == 16
 
 
 def test_the_conversations_own_system_prompt_is_sent_as_training_sends_a_records(session, demo_export, model,
@@ -119,7 +119,7 @@ def test_the_conversations_own_system_prompt_is_sent_as_training_sends_a_records
     image = pixels(demo_export.image("test", 2))
     assert session.answer(CAPTION) == generate(model, image, [[f"{IMG} {CAPTION}"]], systems=[own],
                                                max_new_tokens=12)[0]
-    text = model.llm_tokenizer.decode(model.prompt.generation_prompt([f"{IMG} {CAPTION}"], system=own))
+    text = model.llm.tokenizer.decode(model.llm.prompt.generation_prompt([f"{IMG} {CAPTION}"], system=own))
     assert text.startswith(f"<|im_start|>system\n{own}<|im_end|>\n<|im_start|>user\n")
     # batch inference: each sample of a batch keeps its own system prompt (or the model's)
     both = generate(model, torch.cat([image, image]), [[f"{IMG} {CAPTION}"]] * 2, num_images=[1, 1],
@@ -160,7 +160,7 @@ def test_a_conversation_too_long_for_the_context_drops_its_oldest_turns(session,
     context = model.llm_model.config.max_position_embeddings
     # Room for the system turn, one earlier turn and the new question, not for two earlier turns.
     kept = session.turns[-1]
-    one_turn = len(model.prompt.generation_prompt([f"{IMG} {kept.question}", CAPTION], [kept.answer]))
+    one_turn = len(model.llm.prompt.generation_prompt([f"{IMG} {kept.question}", CAPTION], [kept.answer]))
     session.settings = GenerationSettings(max_new_tokens=context - one_turn)
     answer = session.answer(CAPTION)
     assert [t.question for t in session.turns] == [SHAPE, CAPTION]

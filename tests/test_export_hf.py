@@ -183,11 +183,11 @@ def test_the_converted_model_is_lavis_ds_s_bit_for_bit_when_the_norm_eps_agree(t
     images = torch.randn(2, 3, 64, 64)
     ln_vision.eps = vit.blocks[0].norm1.eps  # Blip2VisionConfig has one eps (see test below for the default)
     hf = to_hf_model(tiny_model, torch.float32)
-    input_ids, attention_mask = pad_batch([tiny_model.prompt.generation_prompt(CAPTION)] * 2, 0, side="left")
+    input_ids, attention_mask = pad_batch([tiny_model.llm.prompt.generation_prompt(CAPTION)] * 2, 0, side="left")
     with torch.no_grad():
         assert torch.equal(hf.vision_model(images).last_hidden_state, ln_vision(vit(images)))
-        assert torch.equal(hf.get_image_features(images).pooler_output, tiny_model.encode_images(images, {}))
-        embeds = tiny_model._embed(input_ids, tiny_model.encode_images(images, {}))
+        assert torch.equal(hf.get_image_features(images).pooler_output, tiny_model.image_path.encode(images, {}))
+        embeds = tiny_model.image_path.embed(input_ids, tiny_model.image_path.encode(images, {}))
         ours = tiny_model.llm_model(inputs_embeds=embeds, attention_mask=attention_mask).logits
         theirs = hf(pixel_values=images, input_ids=input_ids, attention_mask=attention_mask).logits
     assert torch.equal(theirs, ours)
@@ -274,7 +274,7 @@ def test_the_chat_template_writes_lavis_ds_s_prompt(tiny_model_config, tmp_path)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    prompt = model.prompt
+    prompt = model.llm.prompt
     assert ids(_messages(CAPTION)) == prompt.generation_prompt(CAPTION)
     assert ids(_messages([COLOUR_QUESTION, SHAPE_QUESTION], ["red"])) == \
         prompt.generation_prompt([COLOUR_QUESTION, SHAPE_QUESTION], ["red"])
@@ -306,7 +306,7 @@ def test_the_chat_template_treats_a_system_message_as_training_treated_a_records
     messages = [{"role": "system", "content": own}, *_messages(["What is 1 + 1?", "What about adding 1?"],
                                                                 ["It equals 2"])]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    expected = model.prompt.generation_prompt(["<Img><ImageHere></Img> What is 1 + 1?", "What about adding 1?"],
+    expected = model.llm.prompt.generation_prompt(["<Img><ImageHere></Img> What is 1 + 1?", "What about adding 1?"],
                                               ["It equals 2"], system=own)
     assert tokenizer(text, add_special_tokens=False).input_ids == expected
     assert (own in text) == (record_system == "fold")

@@ -89,7 +89,7 @@ def test_an_eva_qformer_pair_exports_as_blip2(tiny_tokenizer_dir, tiny_bert_toke
     hf = Blip2ForConditionalGeneration.from_pretrained(tmp_path)
     images = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
-        assert torch.equal(hf.get_image_features(images).pooler_output, model.encode_images(images, {}))
+        assert torch.equal(hf.get_image_features(images).pooler_output, model.image_path.encode(images, {}))
 
 
 def test_what_llava_cannot_express_is_refused(tiny_tokenizer_dir):

@@ -36,7 +36,7 @@ def _batch() -> dict:
 def _short(model: Blip2Qwen, batch: dict) -> int:
     """A max_txt_len that keeps samples 0 and 1 whole and falls before sample 2's image."""
     lengths = model.prepare_batch(dict(batch))["attention_mask"].sum(1).tolist()
-    first_image = model.prepare_batch(dict(batch))["input_ids"][2].tolist().index(model.prompt.image_token_id)
+    first_image = model.prepare_batch(dict(batch))["input_ids"][2].tolist().index(model.llm.prompt.image_token_id)
     assert max(lengths[:2]) < first_image
     return first_image
 
@@ -44,25 +44,25 @@ def _short(model: Blip2Qwen, batch: dict) -> int:
 def test_the_prompt_reserves_what_the_models_count_says_and_the_batch_keeps_it(model):
     batch = model.prepare_batch(_batch())
     assert image_sizes(_batch()) == [(64, 64), (64, 64)]
-    assert batch["image_tokens"] == model.image_token_counts(_batch()) == [model.tokens_per_image] * 2
-    placeholders = (batch["input_ids"] == model.prompt.image_token_id).sum(1).tolist()
-    assert placeholders == [model.tokens_per_image, 0, model.tokens_per_image]
+    assert batch["image_tokens"] == model.image_path.layout.counts(_batch()) == [model.image_path.layout.tokens_per_image] * 2
+    placeholders = (batch["input_ids"] == model.llm.prompt.image_token_id).sum(1).tolist()
+    assert placeholders == [model.image_path.layout.tokens_per_image, 0, model.image_path.layout.tokens_per_image]
     features = model.image_features(batch)
-    hidden = model.llm_transformers_config.hidden_size
-    assert features.shape == (2 * model.tokens_per_image, hidden)  # flat, image by image
+    hidden = model.llm.config.hidden_size
+    assert features.shape == (2 * model.image_path.layout.tokens_per_image, hidden)  # flat, image by image
 
 
 def test_an_image_path_that_disagrees_with_the_count_names_the_sample(model):
     """The splice checks the feature rows against the count the prompt reserved: a part whose arithmetic differs is
     one message, not a masked_scatter error deep in torch."""
-    n = model.tokens_per_image
-    model.tokens_per_image = n + 1  # the count the prompt reserves; the Q-Former still gives n queries
+    n = model.image_path.layout.tokens_per_image
+    model.image_path.layout.tokens_per_image = n + 1  # the count the prompt reserves; the Q-Former still gives n queries
     try:
         with pytest.raises(LavisDsError, match=rf"sample 0 of the batch: image 0 takes {n + 1} placeholder tokens .*"
-                                               rf"Blip2Qwen.encode_images gave {n} feature rows per image"):
+                                               rf"Blip2Qwen's image path gave {n} feature rows per image"):
             model(_batch())
     finally:
-        model.tokens_per_image = n
+        model.image_path.layout.tokens_per_image = n
     prepared = model.prepare_batch(_batch())
     short = model.image_features(prepared)[:-1]  # flat features one row short: the last image's sample is named
     with pytest.raises(LavisDsError, match=rf"sample 2 of the batch: its 1 image\(s\) take \[{n}\] placeholder "
@@ -72,7 +72,7 @@ def test_an_image_path_that_disagrees_with_the_count_names_the_sample(model):
 
 def test_a_cut_into_an_image_is_refused_naming_the_sample(model):
     batch = _batch()
-    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, batch))
+    model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=_short(model, batch))
     try:
         with pytest.raises(ImageSpanCut, match=r"sample 2 of the micro-batch \(dataset index 9\): max_txt_len=\d+ "
                                                r"would cut the image placeholders .*run.sft.on_image_cut: drop"):
@@ -80,7 +80,7 @@ def test_a_cut_into_an_image_is_refused_naming_the_sample(model):
         with pytest.raises(ImageSpanCut, match="sample 2 of the micro-batch"):
             model(_batch())  # a direct forward refuses too: only the training objective may drop
     finally:
-        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+        model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=512)
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -88,8 +88,8 @@ def test_a_cut_sample_is_dropped_with_its_images_and_counted(model, caplog, pack
     batch = _batch()
     keep = {"image": batch["image"][:1], "num_images": [1, 0], "instruction": batch["instruction"][:2],
             "output": batch["output"][:2], "index": batch["index"][:2]}
-    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, batch))
-    before = getattr(model, "image_cut_drops", 0)
+    model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=_short(model, batch))
+    before = model.batch.image_cut_drops
     pack_to = 512 if pack else None
     try:
         with caplog.at_level(logging.WARNING):
@@ -98,7 +98,7 @@ def test_a_cut_sample_is_dropped_with_its_images_and_counted(model, caplog, pack
         assert dropped["index"].tolist() == [4, 7] and dropped["num_images"] == [1, 0]
         assert torch.equal(dropped["image"], batch["image"][:1])
         assert torch.equal(dropped["input_ids"], kept["input_ids"])
-        assert model.image_cut_drops == before + 1
+        assert model.batch.image_cut_drops == before + 1
         assert "sample 2 of the micro-batch (dataset index 9) dropped" in caplog.text
         with torch.no_grad():
             torch.testing.assert_close(model(dropped)["loss_sum"], model(kept)["loss_sum"])
@@ -111,7 +111,7 @@ def test_a_cut_sample_is_dropped_with_its_images_and_counted(model, caplog, pack
             out = model(blank)
         assert int(out["num_tokens"]) == 0 and float(out["loss"]) == 0.0
     finally:
-        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+        model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=512)
 
 
 def test_token_counting_for_a_budget_takes_a_cut_samples_whole_length(model):
@@ -120,12 +120,12 @@ def test_token_counting_for_a_budget_takes_a_cut_samples_whole_length(model):
     texts = [{"instruction": t, "output": o, "num_images": n} for t, o, n in
              zip(_batch()["instruction"], _batch()["output"], _batch()["num_images"])]
     whole = counted_by(model.prepare_batch)(texts)
-    model.prompt = dataclasses.replace(model.prompt, max_len=_short(model, _batch()))
+    model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=_short(model, _batch()))
     try:
-        assert whole[2] > model.prompt.max_len >= max(whole[:2])  # only the third is cut
+        assert whole[2] > model.llm.prompt.max_len >= max(whole[:2])  # only the third is cut
         assert counted_by(model.prepare_batch)(texts) == whole
     finally:
-        model.prompt = dataclasses.replace(model.prompt, max_len=512)
+        model.llm.prompt = dataclasses.replace(model.llm.prompt, max_len=512)
 
 
 def test_images_move_by_their_rows_whether_pixels_or_flat_patches():
@@ -165,7 +165,7 @@ def test_a_bad_on_image_cut_is_named_with_what_is_valid(section, problem):
 
 def test_a_prompt_without_a_fixed_count_places_each_images_own(model):
     """A prompt of a model whose count depends on the image reserves what each call gives, per image in order."""
-    prompt = dataclasses.replace(model.prompt, num_image_tokens=None)
+    prompt = dataclasses.replace(model.llm.prompt, num_image_tokens=None)
     ids = prompt.generation_prompt(["<ImageHere> a <ImageHere> b"], (), 2, image_tokens=[3, 5])
     runs = "".join("x" if t == prompt.image_token_id else " " for t in ids).split()
     assert runs == ["xxx", "xxxxx"]

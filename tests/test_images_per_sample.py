@@ -217,16 +217,16 @@ def _mixed_batch() -> dict:
 
 def test_each_images_features_go_where_its_marker_stands(model):
     batch = model.prepare_batch(_mixed_batch())
-    ids, n_query = batch["input_ids"], model.prompt.num_image_tokens
-    is_image = ids == model.prompt.image_token_id
+    ids, n_query = batch["input_ids"], model.llm.prompt.num_image_tokens
+    is_image = ids == model.llm.prompt.image_token_id
     assert is_image.sum(1).tolist() == [0, 2 * n_query, n_query]
     with torch.no_grad():
-        features = model.encode_images(batch["image"], {})
-        embeds = model._embed(ids, features)
+        features = model.image_path.encode(batch["image"], {})
+        embeds = model.image_path.embed(ids, features)
     torch.testing.assert_close(embeds[1][is_image[1]], features[:2].flatten(0, 1))
     torch.testing.assert_close(embeds[2][is_image[2]], features[2])
     # Sample 2's image belongs to its second turn: its placeholders come after the first answer.
-    first_answer = model.llm_tokenizer("A dog runs on the grass.", add_special_tokens=False)["input_ids"]
+    first_answer = model.llm.tokenizer("A dog runs on the grass.", add_special_tokens=False)["input_ids"]
     row = ids[2].tolist()
     answer_at = next(i for i in range(len(row)) if row[i:i + len(first_answer)] == first_answer)
     assert is_image[2].nonzero().min() > answer_at

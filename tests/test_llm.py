@@ -78,7 +78,7 @@ def folders(tmp_path_factory):
 def test_qwen25_tokenizer_adds_nothing_and_the_folder_weights_load_unchanged(folders):
     model = build(folders["qwen25"])
     folder_tokenizer = AutoTokenizer.from_pretrained(folders["qwen25"])
-    assert model.llm_tokenizer.get_vocab() == folder_tokenizer.get_vocab()
+    assert model.llm.tokenizer.get_vocab() == folder_tokenizer.get_vocab()
     assert model.llm_model.get_input_embeddings().num_embeddings == len(folder_tokenizer) + SPARE_ROWS
     state = model.llm_model.state_dict()
     for name, tensor in llm_weights(folders["qwen25"]).items():
@@ -89,7 +89,7 @@ def test_qwen25_tokenizer_adds_nothing_and_the_folder_weights_load_unchanged(fol
 def test_qwen2_tokenizer_gets_the_image_token_in_a_spare_row_without_resize(folders):
     model = build(folders["qwen2"])
     size = len(AutoTokenizer.from_pretrained(folders["qwen2"]))
-    assert model.prompt.image_token_id == size  # the next id: a spare row of the embedding
+    assert model.llm.prompt.image_token_id == size  # the next id: a spare row of the embedding
     assert model.llm_model.get_input_embeddings().num_embeddings == size + SPARE_ROWS  # not resized
     # The placeholder's row never trains: image features replace it, it is never a target.
     assert trainable(model) == {"connector.llm_proj.weight", "connector.llm_proj.bias"}
@@ -115,7 +115,7 @@ def test_missing_row_resizes_once_with_deterministic_mean_rows(folders):
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_tokenizer_without_chatml_trains_only_the_new_rows(folders, tie):
     model = build(folders["plain_tied" if tie else "plain"])
-    tokenizer, size = model.llm_tokenizer, len(AutoTokenizer.from_pretrained(folders["plain"]))
+    tokenizer, size = model.llm.tokenizer, len(AutoTokenizer.from_pretrained(folders["plain"]))
     new_ids = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|image_pad|>"])
     assert new_ids == [size, size + 1, size + 2]
     embedding, head = model.llm_model.get_input_embeddings(), model.llm_model.get_output_embeddings()
@@ -155,8 +155,9 @@ def test_token_rows_are_used_for_input_and_output(folders):
 
 def test_pad_eos_and_the_saved_tokenizer(folders, tmp_path):
     model = build(folders["plain"])
-    tokenizer = model.llm_tokenizer
-    assert tokenizer.pad_token == "<|endoftext|>" and model.pad_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer = model.llm.tokenizer
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert model.llm.pad_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert tokenizer.eos_token == "<|endoftext|>"  # a non-chat tokenizer's; generation also stops at <|im_end|>
     model.save_run_files(tmp_path)
     saved = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
@@ -165,7 +166,7 @@ def test_pad_eos_and_the_saved_tokenizer(folders, tmp_path):
     assert saved(text)["input_ids"] == tokenizer(text)["input_ids"]
     # Built on the saved tokenizer, nothing more is added: export and inference see the same ids.
     again = build(folders["plain"], tokenizer=str(tmp_path / "tokenizer"))
-    assert again.llm_tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert again.llm.tokenizer.get_vocab() == tokenizer.get_vocab()
     rows = model.llm_model.get_input_embeddings().num_embeddings
     assert again.llm_model.get_input_embeddings().num_embeddings == rows
 
@@ -179,16 +180,16 @@ def test_generation_never_emits_the_placeholder_and_stops_at_im_end(folders):
     model = build(folders["qwen25"]).eval()
     with torch.no_grad():
         # Make the placeholder the most likely token everywhere: generation must still not emit it.
-        model.llm_model.lm_head.weight[model.prompt.image_token_id] = 100 * model.llm_model.lm_head.weight.mean(0)
-        model.llm_model.lm_head.weight[model.prompt.image_token_id] += 10.0
+        model.llm_model.lm_head.weight[model.llm.prompt.image_token_id] = 100 * model.llm_model.lm_head.weight.mean(0)
+        model.llm_model.lm_head.weight[model.llm.prompt.image_token_id] += 10.0
     recorded = []
     hf_generate = model.llm_model.generate
     model.llm_model.generate = lambda **kw: recorded.append(kw) or hf_generate(**kw)
     texts = model.generate(samples(), max_new_tokens=5)
     assert len(texts) == 2 and "<|image_pad|>" not in "".join(texts)
-    assert recorded[0]["eos_token_id"] == [model.end_of_turn_id]  # Qwen2.5-Instruct style: eos is <|im_end|>
+    assert recorded[0]["eos_token_id"] == [model.llm.end_of_turn_id]  # Qwen2.5-Instruct style: eos is <|im_end|>
     new = hf_generate(**recorded[0])
-    assert (new != model.prompt.image_token_id).all()
+    assert (new != model.llm.prompt.image_token_id).all()
 
 
 # ----------------------------------------------------------------- LoRA
@@ -223,12 +224,12 @@ def test_merge_lora_gives_a_plain_qwen2_with_the_same_outputs(folders, tmp_path,
     batch = samples()
     with torch.no_grad():
         before = model(batch)["loss"]
-        ids = torch.tensor([model.prompt.generation_prompt(SAMPLES["instruction"][0])])
+        ids = torch.tensor([model.llm.prompt.generation_prompt(SAMPLES["instruction"][0])])
         logits_before = model.llm_model(input_ids=ids).logits
     generated_before = model.generate(batch, max_new_tokens=6)
 
     merged = model.merge_lora()
-    assert type(merged) is Qwen2ForCausalLM and model.llm_model is merged
+    assert type(merged) is Qwen2ForCausalLM and model.llm_model is merged and model.llm.model is merged
     assert not any("lora_" in n or n.endswith(".rows") for n, _ in merged.named_parameters())
     # fp32: merging only reorders the sums (W + s*B@A)x vs Wx + s*B(Ax).
     with torch.no_grad():
@@ -238,7 +239,7 @@ def test_merge_lora_gives_a_plain_qwen2_with_the_same_outputs(folders, tmp_path,
 
     # What export writes, transformers reads back: the same logits from a plain folder.
     merged.save_pretrained(tmp_path)
-    model.llm_tokenizer.save_pretrained(tmp_path)
+    model.llm.tokenizer.save_pretrained(tmp_path)
     reloaded = Qwen2ForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, logits_before, rtol=1e-4, atol=1e-4)
@@ -335,7 +336,7 @@ def test_frozen_llm_with_added_chatml_tokens_trains_on_2_processes(tmp_path, sto
     model = _check_lean_and_trained(losses, step_dir, initial, expected)
     # The tokenizer as used, with its three added tokens, is in output_dir.
     saved = AutoTokenizer.from_pretrained(out / "tokenizer")
-    assert saved.get_vocab() == initial.llm_tokenizer.get_vocab()
+    assert saved.get_vocab() == initial.llm.tokenizer.get_vocab()
     assert {"<|im_start|>", "<|im_end|>", "<|image_pad|>"} <= set(saved.get_vocab())
     # Export: the trained rows land in the plain matrices; every other row is the folder's.
     merged = model.merge_lora()

@@ -55,8 +55,8 @@ def test_each_family_trains_generates_and_shards_by_its_own_decoder_layers(token
     assert math.isfinite(out["loss"].item()) and model.connector.llm_proj.weight.grad.abs().sum() > 0
     llm_blocks = model.repeated_blocks()[-2:]
     assert [type(b).__name__ for b in llm_blocks] == [LAYER_CLASSES[name]] * 2
-    eot = model.llm_tokenizer.convert_tokens_to_ids(FAMILIES[name].end_of_turn)
-    assert model.end_of_turn_id == eot
+    eot = model.llm.tokenizer.convert_tokens_to_ids(FAMILIES[name].end_of_turn)
+    assert model.llm.end_of_turn_id == eot
     model.eval()
     answers = model.generate({**samples(), "output": [[], ["A dog runs on the grass."]]}, max_new_tokens=4)
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
@@ -134,11 +134,11 @@ def test_the_hf_export_prompts_with_the_run_s_template_variables_by_default(toke
     assert carried.carried == {"enable_thinking": False} and carried.notes == []
     processor = AutoProcessor.from_pretrained(tmp_path, backend="pil")
     image = Image.new("RGB", (80, 60), (200, 30, 30))
-    thinking = dataclasses.replace(model.prompt, template_variables={"enable_thinking": True})
+    thinking = dataclasses.replace(model.llm.prompt, template_variables={"enable_thinking": True})
     instructions = [f"<Img><ImageHere></Img> {QUESTIONS[0]}", QUESTIONS[1]]
     for system in (None, "You are a terse captioner."):
         texts = []
-        for prompt, variables in ((model.prompt, {}), (thinking, {"enable_thinking": True})):
+        for prompt, variables in ((model.llm.prompt, {}), (thinking, {"enable_thinking": True})):
             texts.append(processor.tokenizer.apply_chat_template(_chat(system), add_generation_prompt=True,
                                                                  tokenize=False, **variables))
             ids = processor(images=[image], text=texts[-1:]).input_ids[0]
@@ -164,7 +164,7 @@ def test_the_hf_export_names_a_template_variable_it_cannot_default_to(tokenizers
     assert named[0] in readme and "`enable_thinking=False`" in readme
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     text = tokenizer.apply_chat_template(_chat(None), add_generation_prompt=True, tokenize=False, tools=tools)
-    assert tokenizer(text, add_special_tokens=False).input_ids == model.prompt.generation_prompt(
+    assert tokenizer(text, add_special_tokens=False).input_ids == model.llm.prompt.generation_prompt(
         [f"<Img><ImageHere></Img> {QUESTIONS[0]}", QUESTIONS[1]], ANSWERS)
 
 
@@ -207,11 +207,11 @@ def test_the_merged_llm_folder_s_tokenizer_prompts_as_training_did(tokenizers, t
     weights = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     _, merged_cfg, notes = _merge_llm(weights, cfg, 0, tmp_path, tmp_path)
     assert notes == [] and merged_cfg["chat_template_kwargs"] == {"enable_thinking": False}
-    chat = [{"role": "system", "content": model.prompt.system_prompt}, {"role": "user", "content": QUESTIONS[0]}]
+    chat = [{"role": "system", "content": model.llm.prompt.system_prompt}, {"role": "user", "content": QUESTIONS[0]}]
     text = AutoTokenizer.from_pretrained(tmp_path / MERGED_LLM_DIR).apply_chat_template(
         chat, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert model.llm_tokenizer(text, add_special_tokens=False).input_ids == model.prompt.generation_prompt(
+    assert model.llm.tokenizer(text, add_special_tokens=False).input_ids == model.llm.prompt.generation_prompt(
         QUESTIONS[0], num_images=0)
 
 

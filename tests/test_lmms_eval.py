@@ -203,7 +203,7 @@ def test_a_model_that_gives_no_log_likelihoods_is_refused_for_a_multiple_choice_
     lm = LavisDsLmms(tower, build_processor({"name": "blip2_image_eval", "image_size": 64}))
     with pytest.raises(InputError, match=r"task 'demo_shapes_colour' asks for log-likelihoods \(a multiple-choice "
                                          r"task\); EvaViT cannot give log-likelihoods \(it has no _inputs, "
-                                         r"llm_model, stop_token_ids"):
+                                         r"llm_model, llm"):
         evaluator.simple_evaluate(model=lm, tasks=["demo_shapes_colour"], limit=1,
                                   task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
 

@@ -5,7 +5,7 @@ samples and rank 1 only images and a video, under ZeRO-3 and under FSDP2; each r
 Why this can go wrong: ZeRO-3 gathers a module's parameters when the module runs and FSDP2 unshards each block
 before its forward, both as collectives, so a rank that skipped the vision tower would wait for a peer that is
 gathering it (DeepSpeed #7170). lavis_ds runs the image path on a blank image in an image-free micro-batch
-(``VisionLLM.image_embeds``). ZeRO-3 keeps parameters under ``stage3_param_persistence_threshold`` elements
+(``ImagePath.features``). ZeRO-3 keeps parameters under ``stage3_param_persistence_threshold`` elements
 gathered for good; the runs here set it to 0, so every module's parameters are gathered when it runs, not only
 the large ones. Without the blank image both engines' runs fail at once here (gloo: "Is there a distributed
 collective mismatch"); on NCCL they would hang, which the timeout bounds.

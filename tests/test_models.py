@@ -196,22 +196,22 @@ def test_tiny_blip2_qwen_builds_without_yaml(tiny_tokenizer_dir):
                       tokenizer=str(tiny_tokenizer_dir))
     assert model.connector.query_tokens.shape == (1, 4, 32) and model.connector.llm_proj.out_features == 32
     assert model.connector.qformer.config.encoder_hidden_size == model.vision_tower.vit.num_features
-    assert model.llm_model.get_input_embeddings().num_embeddings == len(model.llm_tokenizer)
+    assert model.llm_model.get_input_embeddings().num_embeddings == len(model.llm.tokenizer)
 
 
 def test_image_placeholders_are_replaced_by_projected_queries(tiny_model_config):
     model = build(tiny_model_config).eval()
     batch = samples()
-    ids = [model.prompt.training_example(i, o)[0] for i, o in zip(batch["instruction"], batch["output"])]
+    ids = [model.llm.prompt.training_example(i, o)[0] for i, o in zip(batch["instruction"], batch["output"])]
     n_query = tiny_model_config["num_query_token"]
-    assert [row.count(model.prompt.image_token_id) for row in ids] == [n_query, n_query]
+    assert [row.count(model.llm.prompt.image_token_id) for row in ids] == [n_query, n_query]
 
     input_ids = torch.tensor([ids[0], ids[0]])
     with torch.no_grad():
-        image_embeds = model.encode_images(batch["image"], {})
-        embeds = model._embed(input_ids, image_embeds)
+        image_embeds = model.image_path.encode(batch["image"], {})
+        embeds = model.image_path.embed(input_ids, image_embeds)
         token_embeds = model.llm_model.get_input_embeddings()(input_ids)
-    is_image = input_ids == model.prompt.image_token_id
+    is_image = input_ids == model.llm.prompt.image_token_id
     assert image_embeds.shape == (2, n_query, model.llm_model.config.hidden_size)
     for row in range(2):
         torch.testing.assert_close(embeds[row][is_image[row]], image_embeds[row])
@@ -222,8 +222,8 @@ def test_missing_image_token_is_added_and_embeddings_resized(tiny_model_config, 
     cfg = dict(tiny_model_config, image_token="<|vision_pad|>")
     cfg["llm_config"] = dict(cfg["llm_config"], vocab_size=len(tiny_tokenizer))
     model = build(cfg)
-    assert len(model.llm_tokenizer) == len(tiny_tokenizer) + 1
-    assert model.llm_model.get_input_embeddings().num_embeddings == len(model.llm_tokenizer)
+    assert len(model.llm.tokenizer) == len(tiny_tokenizer) + 1
+    assert model.llm_model.get_input_embeddings().num_embeddings == len(model.llm.tokenizer)
     assert torch.isfinite(model(samples())["loss"])
 
 
@@ -236,8 +236,8 @@ def test_non_chatml_tokenizer_gets_the_chatml_tokens_added(tiny_model_config, tm
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
     model = build(tiny_model_config, tokenizer=str(tmp_path))
-    assert model.llm_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|image_pad|>"]) == [2, 3, 4]
-    assert model.pad_id == 3  # no <|endoftext|> to pad with: <|im_end|> (padding is masked anyway)
+    assert model.llm.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|image_pad|>"]) == [2, 3, 4]
+    assert model.llm.pad_id == 3  # no <|endoftext|> to pad with: <|im_end|> (padding is masked anyway)
     assert torch.isfinite(model(samples())["loss"])
 
 
@@ -311,17 +311,17 @@ def test_forward_loss_is_the_mean_over_answer_tokens(tiny_model_config):
     batch = samples()
     out = model(batch)
     expected_tokens = sum(
-        sum(lab != IGNORE_INDEX for lab in model.prompt.training_example(i, o)[1])
+        sum(lab != IGNORE_INDEX for lab in model.llm.prompt.training_example(i, o)[1])
         for i, o in zip(batch["instruction"], batch["output"]))
     assert out["num_tokens"].item() == expected_tokens
     assert out["loss"].dtype == out["loss_sum"].dtype == torch.float32
     torch.testing.assert_close(out["loss"], out["loss_sum"] / out["num_tokens"])
     # Same number as Hugging Face's own shifted causal-LM loss on the same inputs.
-    examples = [model.prompt.training_example(i, o) for i, o in zip(batch["instruction"], batch["output"])]
-    input_ids, attention_mask = pad_batch([e[0] for e in examples], model.pad_id, "right")
+    examples = [model.llm.prompt.training_example(i, o) for i, o in zip(batch["instruction"], batch["output"])]
+    input_ids, attention_mask = pad_batch([e[0] for e in examples], model.llm.pad_id, "right")
     labels, _ = pad_batch([e[1] for e in examples], IGNORE_INDEX, "right")
     with torch.no_grad():
-        embeds = model._embed(input_ids, model.encode_images(batch["image"], {}))
+        embeds = model.image_path.embed(input_ids, model.image_path.encode(batch["image"], {}))
         hf = model.llm_model(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels).loss
     torch.testing.assert_close(out["loss"].detach(), hf, rtol=1e-5, atol=1e-5)
     # Right padding must not leak into the loss: the batch sums to its samples' sums.
@@ -401,7 +401,7 @@ def test_forward_bf16_parameters_without_autocast(tiny_model_config):
 
 def test_answers_truncated_away_give_zero_loss_not_nan(tiny_model_config):
     model = build(tiny_model_config)
-    n_prompt = len(model.prompt.generation_prompt(SAMPLES["instruction"][0]))
+    n_prompt = len(model.llm.prompt.generation_prompt(SAMPLES["instruction"][0]))
     model = build(tiny_model_config, max_txt_len=n_prompt)
     out = model({**samples(1)})
     assert out["num_tokens"].item() == 0 and out["loss"].item() == 0.0

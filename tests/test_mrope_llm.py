@@ -9,6 +9,8 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from archs import loss_and_grads
 from lavis_ds.models import Blip2Qwen
 from lavis_ds.models.llm_families import llm_config_problems
+from lavis_ds.models.image_layout import ImageLayout
+from lavis_ds.models.image_path import ImagePath
 from lavis_ds.models.positions import TextPositions, Visual
 from lavis_ds.models.qwen_vl_text import Qwen2VLTextForCausalLM
 
@@ -20,12 +22,22 @@ QUESTIONS = ["What is in the image?", "What colour is the ball, and how large is
 ANSWERS = ["A cat.", "It is red and small.", "Three.", "A dog runs on the grass next to a red ball."]
 
 
-class GridQueries(Blip2Qwen):
-    """The Q-Former's 8 queries laid out as a 2 x 4 grid of LLM tokens: an image path that says its grid (as a
-    Qwen-VL tower does) through the documented hook, so that images take M-RoPE's grid positions."""
+class GridQueryLayout(ImageLayout):
+    """The Q-Former's 8 queries laid out as a 2 x 4 grid of LLM tokens (as a Qwen-VL tower's are on its grid)."""
 
-    def image_visuals(self, samples):
-        return [Visual(n, (1, 2, n // 2)) for n in self.image_token_counts(samples)]
+    def visuals(self, samples):
+        return [Visual(n, (1, 2, n // 2)) for n in self.counts(samples)]
+
+
+class GridQueryPath(ImagePath):
+    LAYOUT = GridQueryLayout
+
+
+class GridQueries(Blip2Qwen):
+    """An image path that says its grid through the documented hook (its ``IMAGE_PATH``'s layout), so that images
+    take M-RoPE's grid positions."""
+
+    IMAGE_PATH = GridQueryPath
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +58,7 @@ def _batch(size: int = 64) -> dict:
 def test_the_text_model_gives_transformers_logits_on_text(model):
     """Our Qwen2VLTextForCausalLM with the weights of a Qwen2VLForConditionalGeneration gives its logits on text."""
     llm = model.llm_model
-    assert isinstance(llm, Qwen2VLTextForCausalLM) and model.positions.rows == 3
+    assert isinstance(llm, Qwen2VLTextForCausalLM) and model.llm.positions.rows == 3
     config = Qwen2VLConfig(text_config=llm.config.to_dict(), vision_config={
         "depth": 1, "embed_dim": 16, "hidden_size": 64, "num_heads": 2})
     torch.manual_seed(1)
@@ -81,12 +93,12 @@ def test_packed_equals_padded_with_mrope_positions_reaching_the_llm(model):
     for name, grad in grads_a.items():
         assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole.norm(), name
     # The positions matter: the same batch numbered 1-D gives another loss.
-    positions, model.positions = model.positions, TextPositions()
+    positions, model.llm.positions = model.llm.positions, TextPositions()
     try:
         with torch.no_grad():
             plain = model(model.prepare_batch(_batch()))["loss_sum"]
     finally:
-        model.positions = positions
+        model.llm.positions = positions
     assert not torch.allclose(plain, loss_a, atol=1e-4)
 
 
@@ -102,11 +114,11 @@ def test_generation_continues_each_sample_at_its_rope_delta(model):
         model.generate(batch, max_new_tokens=3, min_new_tokens=3)
     finally:
         hook.remove()
-    prompts = [model.prompt.generation_prompt(batch["instruction"][0], (), 1, [8]),
-               model.prompt.generation_prompt(batch["instruction"][1], (), 0, [])]
-    own = [model.positions.positions(p, [model.prompt.image_token_id], v)
+    prompts = [model.llm.prompt.generation_prompt(batch["instruction"][0], (), 1, [8]),
+               model.llm.prompt.generation_prompt(batch["instruction"][1], (), 0, [])]
+    own = [model.llm.positions.positions(p, [model.llm.prompt.image_token_id], v)
            for p, v in zip(prompts, ([Visual(8, (1, 2, 4))], []))]
-    deltas = [model.positions.rope_delta(o) for o in own]
+    deltas = [model.llm.positions.rope_delta(o) for o in own]
     assert deltas[0] < 0 == deltas[1]  # the image's 8 tokens take 4 positions (2 x 4 grid): delta -4
     first = steps[0]
     assert first.shape[:2] == (3, 2)

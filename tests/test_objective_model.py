@@ -98,9 +98,9 @@ def test_a_pair_is_scored_with_its_own_system_prompt_as_sft_trains_it(model, pai
     loss, _ = _sft_loss_sum(model, pairs["image"][:1], pairs["instruction"][0], [pairs["chosen"][0]], "Be terse.")
     default, _ = _sft_loss_sum(model, pairs["image"][:1], pairs["instruction"][0], [pairs["chosen"][0]])
     assert float(logps[0]) == pytest.approx(-loss, rel=1e-5) and loss != pytest.approx(default, rel=1e-5)
-    text = model.llm_tokenizer.decode(batch["input_ids"][0])
+    text = model.llm.tokenizer.decode(batch["input_ids"][0])
     assert "<|im_start|>system\nBe terse.<|im_end|>" in text and "helpful assistant" not in text
-    assert "helpful assistant" in model.llm_tokenizer.decode(batch["input_ids"][1])  # pair 1 has none of its own
+    assert "helpful assistant" in model.llm.tokenizer.decode(batch["input_ids"][1])  # pair 1 has none of its own
 
 
 def test_last_answer_labels_keep_only_the_last_answer_and_name_a_cut_one():

@@ -78,8 +78,8 @@ def ours(cls, folder, **changes):
 
 def prompts(model, count: int):
     """Left-padded generation prompts, as lavis_ds's generate makes them."""
-    ids = [model.prompt.generation_prompt(ins, (), 1) for ins in INSTRUCTIONS[:count]]
-    return pad_batch(ids, model.pad_id, side="left")
+    ids = [model.llm.prompt.generation_prompt(ins, (), 1) for ins in INSTRUCTIONS[:count]]
+    return pad_batch(ids, model.llm.pad_id, side="left")
 
 
 def check_logits_and_generation(model, reference, extra_inputs, generation: bool = True):
@@ -88,8 +88,8 @@ def check_logits_and_generation(model, reference, extra_inputs, generation: bool
     input_ids, attention_mask = prompts(model, 2)
     samples = {"image": pixels, "instruction": INSTRUCTIONS}
     with torch.no_grad():
-        features = model.image_embeds(pixels, dummy=False, samples=samples)
-        logits = model.llm_model(inputs_embeds=model._embed(input_ids, features), attention_mask=attention_mask).logits
+        features = model.image_path.features(pixels, dummy=False, samples=samples)
+        logits = model.llm_model(inputs_embeds=model.image_path.embed(input_ids, features), attention_mask=attention_mask).logits
         theirs = reference(pixel_values=pixels, input_ids=input_ids, attention_mask=attention_mask,
                            **extra_inputs(model, samples)).logits
     real = attention_mask.bool()
@@ -100,17 +100,17 @@ def check_logits_and_generation(model, reference, extra_inputs, generation: bool
     answers = model.generate(samples, max_new_tokens=8)
     with torch.no_grad():
         generated = reference.generate(pixel_values=pixels, input_ids=input_ids, attention_mask=attention_mask,
-                                       max_new_tokens=8, do_sample=False, eos_token_id=model.stop_token_ids(),
-                                       pad_token_id=model.pad_id, suppress_tokens=[model.prompt.image_token_id],
+                                       max_new_tokens=8, do_sample=False, eos_token_id=model.llm.stop_token_ids(),
+                                       pad_token_id=model.llm.pad_id, suppress_tokens=[model.llm.prompt.image_token_id],
                                        **extra_inputs(model, samples))
     new = generated[:, input_ids.shape[1]:]
-    assert (new != model.pad_id).sum(1).min() > 2  # a real answer, not an immediate stop
-    assert answers == [t.strip() for t in model.llm_tokenizer.batch_decode(new, skip_special_tokens=True)]
+    assert (new != model.llm.pad_id).sum(1).min() > 2  # a real answer, not an immediate stop
+    assert answers == [t.strip() for t in model.llm.tokenizer.batch_decode(new, skip_special_tokens=True)]
 
 
 def test_llava_folder_gives_transformers_logits_and_answers(llava_folder):
     model = ours(Llava, llava_folder)
-    assert model.prompt.image_token == "<image>" and model.tokens_per_image == 16
+    assert model.llm.prompt.image_token == "<image>" and model.image_path.layout.tokens_per_image == 16
     reference = LlavaForConditionalGeneration.from_pretrained(llava_folder).eval()
     check_logits_and_generation(model, reference, lambda model, samples: {})
 
@@ -143,7 +143,7 @@ def test_instructblip_folder_gives_transformers_logits_and_answers(instructblip_
     model = ours(InstructBlip, instructblip_folder)
     assert model.connector.tokenizer.name_or_path.endswith("qformer_tokenizer")
     reference = InstructBlipForConditionalGeneration.from_pretrained(instructblip_folder).eval()
-    check_logits_and_generation(model, reference, lambda model, samples: model.batch_fields(samples))
+    check_logits_and_generation(model, reference, lambda model, samples: model.image_path.host_inputs(samples))
 
 
 def test_lavis_instructblip_pth_loads_the_folders_parts(instructblip_folder, tmp_path):
@@ -293,7 +293,7 @@ def test_the_documented_yaml_loads_a_published_folder_through_the_config_check(
     cfg = load_config(run_yaml(tmp_path, arch, model_type, folder,
                                AS_DOCUMENTED[arch] if preset == "tiny" else TINY_PARTS[arch]))
     model = build_model(cfg.model).eval()
-    assert model.llm_tokenizer.name_or_path == str(folder)
+    assert model.llm.tokenizer.name_or_path == str(folder)
     trains = sorted(n for n, p in model.named_parameters() if p.requires_grad and not n.startswith("connector."))
     # A Llama tokenizer without a chat template gets ChatML's tokens; a frozen LLM trains their rows only.
     chatml_rows = ["llm_model.lm_head.rows", "llm_model.model.embed_tokens.rows"]
@@ -302,11 +302,11 @@ def test_the_documented_yaml_loads_a_published_folder_through_the_config_check(
     else:
         assert trains == (chatml_rows if arch == "llava" else [])
     if arch == "llava":
-        assert model.prompt.image_token == "<image>" and model.prompt.end_of_turn_id > 300  # <|im_end|>, added
+        assert model.llm.prompt.image_token == "<image>" and model.llm.prompt.end_of_turn_id > 300  # <|im_end|>, added
         reference = with_added_rows(LlavaForConditionalGeneration.from_pretrained(folder).eval(), model)
         check_logits_and_generation(model, reference, lambda model, samples: {}, generation=preset == "frozen")
     else:
-        assert model.prompt.end_of_turn_id == model.llm_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        assert model.llm.prompt.end_of_turn_id == model.llm.tokenizer.convert_tokens_to_ids("<|eot_id|>")
         reference = InstructBlipForConditionalGeneration.from_pretrained(folder).eval()
-        check_logits_and_generation(model, reference, lambda model, samples: model.batch_fields(samples),
+        check_logits_and_generation(model, reference, lambda model, samples: model.image_path.host_inputs(samples),
                                     generation=preset == "frozen")

@@ -89,7 +89,7 @@ def inputs_of(processor, images: list[tuple[int, int]], answer: str | None, vari
 def test_the_folder_loads_into_qwen3_5s_parts(pair):
     _, _, ours, _ = pair
     assert isinstance(ours.llm_model, Qwen3_5TextForCausalLM) and ours.connector.deepstack_taps == 0
-    assert ours.vision_tower.tap_layers == () and ours.positions.rows == 3
+    assert ours.vision_tower.tap_layers == () and ours.llm.positions.rows == 3
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -113,8 +113,9 @@ def test_greedy_tokens_equal_transformers(case, pair):
     steps = dict(max_new_tokens=4, min_new_tokens=4)
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
-        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
-                              suppress_tokens=[ours.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
+        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
+                              suppress_tokens=[ours.llm.prompt.image_token_id],
+                              **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 

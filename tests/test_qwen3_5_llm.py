@@ -19,7 +19,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 from archs import loss_and_grads
 from families import FAMILIES, tokenizer_dir
 from lavis_ds.common.errors import InputError
-from lavis_ds.models import Blip2Qwen, vision_llm_forward
+from lavis_ds.models import Blip2Qwen, vision_llm
 from lavis_ds.models.flops import ZERO, compose
 from lavis_ds.models.linear_attention import (PackedGatedDeltaNet, PackedSamples, Qwen3_5TextForCausalLM,
                                               kernels_take_boundaries)
@@ -83,7 +83,7 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
             hook.remove()
     # Qwen3.5's template, thinking off: each answer follows an empty think block, as generation would see it
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>" in \
-        model.llm_tokenizer.decode(padded["input_ids"][0])
+        model.llm.tokenizer.decode(padded["input_ids"][0])
     assert padded["input_ids"].shape[0] == 4  # four padded rows
     assert packed["input_ids"].shape[0] == 1 and len(packed["row_spans"][0]) == 4  # four samples in one row
     for counted in (padded_calls, calls):
@@ -95,7 +95,7 @@ def test_packed_equals_padded_and_dropping_the_boundaries_leaks_the_state(model,
         assert (grads_b[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-7 * whole.norm(), name
     # The same packed row with no boundaries beside the positions: attention still keeps samples apart, but the
     # Gated-DeltaNet state and convolution carry each sample into the next.
-    monkeypatch.setattr(vision_llm_forward, "boundary_kwargs", lambda *args: {})
+    monkeypatch.setattr(vision_llm, "boundary_kwargs", lambda *args: {})
     with torch.no_grad():
         leaked = model(model.prepare_batch(_batch(), pack_to=512))["loss_sum"]
     assert not torch.allclose(leaked, loss_a, atol=1e-3)

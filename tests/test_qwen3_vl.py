@@ -179,7 +179,7 @@ def test_a_video_takes_transformers_ids_and_logits(pair):
     assert_same_ids_and_logits(theirs, ours, inputs, sample)
     # show_sample's ids, from the prompt the model section builds without weights, are the same
     weightless = model_settings(type(ours), user_yaml("qwen3_vl", folder)).prompt()
-    shown = token_batch(weightless, sample, ours.pad_id, tokens_for_image=ours.tokens_for_image)
+    shown = token_batch(weightless, sample, ours.llm.pad_id, tokens_for_image=ours.image_path.layout.tokens_for_image)
     assert shown["input_ids"][0].tolist() == inputs["input_ids"][0].tolist()
 
 
@@ -189,8 +189,8 @@ def test_a_video_generates_transformers_tokens(pair):
     steps = dict(max_new_tokens=4, min_new_tokens=4)
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
-        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
-                              suppress_tokens=ours.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
+        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
+                              suppress_tokens=ours.llm.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 
@@ -200,8 +200,8 @@ def test_the_tower_and_its_mergers_equal_transformers_vision_model(pair):
     grid = inputs["image_grid_thw"]
     with torch.no_grad():
         expected = theirs.model.visual(inputs["pixel_values"], grid_thw=grid)
-        features = ours.encode_images(sample["image"], sample)
-    hidden = ours.llm_transformers_config.hidden_size
+        features = ours.image_path.encode(sample["image"], sample)
+    hidden = ours.llm.config.hidden_size
     merged, *deepstack = features.split(hidden, dim=-1)
     assert len(deepstack) == len(expected.deepstack_features) == 2
     torch.testing.assert_close(merged, expected.pooler_output, atol=1e-5, rtol=0)
@@ -225,8 +225,8 @@ def test_generated_tokens_equal_transformers(case, beams, pair):
     steps = dict(max_new_tokens=4, min_new_tokens=4, num_beams=beams)
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
-        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
-                              suppress_tokens=[ours.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
+        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
+                              suppress_tokens=[ours.llm.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 

@@ -75,12 +75,12 @@ def test_processed_images_travel_through_the_collater_into_the_model(kind, model
     prepared = model.prepare_batch(batch)
     counts = [tokens_for_grid(g) for g in grids]
     assert prepared["image_tokens"] == counts
-    image_id, video_id = model.prompt.placeholder_ids  # a video's placeholders are <|video_pad|>
+    image_id, video_id = model.llm.prompt.placeholder_ids  # a video's placeholders are <|video_pad|>
     assert (prepared["input_ids"] == image_id).sum(1).tolist() == [0, counts[0] + counts[1], 0, counts[3]]
     assert (prepared["input_ids"] == video_id).sum(1).tolist() == [0, 0, counts[2], 0]
     # the file's own rate (8 fps, all 4 frames taken), not an assumed 24: two frames per temporal patch, 0.25 s
     assert batch[SECONDS_KEY][2] == pytest.approx(0.25)
-    start, end = (model.llm_tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    start, end = (model.llm.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
     ids = prepared["input_ids"][1].tolist()  # two images: <vs> pads <ve> <vs> pads <ve> Same shape?
     first = ids.index(start)
     assert ids[first + 1:first + 1 + counts[0]] == [image_id] * counts[0] and ids[first + 1 + counts[0]] == end
@@ -168,7 +168,7 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
     ours = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
     sample = {"instruction": [["<ImageHere><ImageHere>What is it?"]], "num_images": [2], **ours.sample_fields(pictures)}
     torch.testing.assert_close(inputs["pixel_values"], sample["image"], atol=0, rtol=0)
-    assert model.prompt.generation_prompt(sample["instruction"][0], (), 2, model.image_token_counts(sample)) == \
+    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 2, model.image_path.layout.counts(sample)) == \
         inputs["input_ids"][0].tolist()
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
@@ -186,7 +186,7 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
                        do_sample_frames=False)
     sample = {"instruction": [["<ImageHere>What happens?"]], "num_images": [1],
               **ours.sample_fields(frames, video=True, fps=2.0)}
-    assert model.prompt.generation_prompt(sample["instruction"][0], (), 1, model.image_token_counts(sample),
+    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 1, model.image_path.layout.counts(sample),
                                           videos=[True]) == inputs["input_ids"][0].tolist()
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
     assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
@@ -204,15 +204,15 @@ def test_show_sample_shows_the_ids_the_model_prepares(kind, models, data):
     dataset = InstructionDataset(path, root, processor, max_frames=4)
     for index in range(len(dataset)):
         prepared = model.prepare_batch(dataset.collater([dataset[index]]))
-        shown, = training_sequences(model.prompt, dataset, index, f"record {index}")
+        shown, = training_sequences(model.llm.prompt, dataset, index, f"record {index}")
         assert shown.ids == prepared["input_ids"][0][prepared["attention_mask"][0].bool()].tolist(), index
-        image_id, video_id = model.prompt.placeholder_ids  # the video record's are <|video_pad|>, as training's
+        image_id, video_id = model.llm.prompt.placeholder_ids  # the video record's are <|video_pad|>, as training's
         tokens = sum(prepared["image_tokens"])
         video = bool(RECORDS[index].get("video"))
         assert (shown.ids.count(image_id), shown.ids.count(video_id)) == ((0, tokens) if video else (tokens, 0))
         if video:
-            assert f"<|vision_start|><video x{tokens}><|vision_end|>" in render(model.prompt, shown.ids, shown.labels,
-                                                                                color=False)
+            shown_text = render(model.llm.prompt, shown.ids, shown.labels, color=False)
+            assert f"<|vision_start|><video x{tokens}><|vision_end|>" in shown_text
 
 
 @pytest.mark.parametrize("exported, first_size", [
@@ -239,7 +239,7 @@ def test_the_export_refuses_a_processor_reserving_other_counts_naming_the_first_
 
     def processor(processing):
         settings = processor_settings(processing)
-        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**settings), tokenizer=model.llm_tokenizer,
+        return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**settings), tokenizer=model.llm.tokenizer,
                                 video_processor=Qwen2VLVideoProcessor(**settings))
 
     check_placeholder_sweep(processor(trained), trained, "the export")  # training's settings: every size agrees

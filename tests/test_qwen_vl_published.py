@@ -119,14 +119,15 @@ def test_logits_equal_transformers(kind, case, pair):
 def test_greedy_tokens_equal_transformers(kind, case, pair):
     theirs, processor, ours, _ = pair(kind)
     inputs, sample = inputs_of(processor, CASES[case], None, ours)
-    ids = ours.prompt.generation_prompt(sample["instruction"][0], (), sample["num_images"][0],
-                                        ours.image_token_counts(sample), videos=video_flags(sample))
+    ids = ours.llm.prompt.generation_prompt(sample["instruction"][0], (), sample["num_images"][0],
+                                        ours.image_path.layout.counts(sample), videos=video_flags(sample))
     same_ids(torch.tensor(ids), inputs["input_ids"][0], processor)
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
-        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.stop_token_ids(),
-                              suppress_tokens=ours.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
+        new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
+                              suppress_tokens=ours.llm.prompt.placeholder_ids,
+                              **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 

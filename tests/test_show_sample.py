@@ -189,9 +189,9 @@ def test_show_sample_shows_the_ids_the_training_forward_receives(every_kind, run
             shown = training_sequences(prompt, shown_set, index, where, pack_to)
             assert [s.ids for s in shown] == _model_ids(model, dataset, index, 4096 if packing else None), (name, index)
             assert all(s.packed == packing for s in shown)
-            images = dataset[index]["num_images"] * model.tokens_per_image
-            assert all(s.ids.count(model.prompt.image_token_id) == images for s in shown)
-            text = model.llm_tokenizer.decode(shown[0].ids)
+            images = dataset[index]["num_images"] * model.image_path.layout.tokens_per_image
+            assert all(s.ids.count(model.llm.prompt.image_token_id) == images for s in shown)
+            text = model.llm.tokenizer.decode(shown[0].ids)
             system = dataset[index]["system"]
             if system is not None:
                 assert f"<|im_start|>system\n{system}<|im_end|>" in text and "helpful assistant" not in text

@@ -134,7 +134,7 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
 
     model = Blip2Qwen.from_config(tiny_model_config)
 
-    for tokens_for_image in (None, model.tokens_for_image):  # image tokens fitted per image, or counted exactly
+    for tokens_for_image in (None, model.image_path.layout.tokens_for_image):  # image tokens fitted per image, or counted exactly
         length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, tokens_for_image)
         for index in range(3):
             real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
@@ -158,7 +158,7 @@ def test_a_qwen_vl_sample_length_counts_each_image_by_the_grid_its_file_header_g
     assert dataset.image_sizes(2) == [tuple(dataset[2][GRID_KEY][0].tolist())] == [(4, 4, 6)]  # 8 frames of 24x32 px at 56x84
     assert dataset.text_sample(2)["num_images"] == dataset[2]["num_images"] == 1  # the video is one visual
 
-    length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, model.tokens_for_image)
+    length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, model.image_path.layout.tokens_for_image)
     for index in range(3):
         real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())
         assert abs(length_of(index, 0) - real) <= 2, (index, length_of(index, 0), real)

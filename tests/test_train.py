@@ -48,7 +48,7 @@ def test_stage0_fp32_trains(stage0_fp32):
 def test_throughput_is_summed_over_both_processes(stage0_fp32, demo_storage):
     """Each process counts its own tokens; a logged step's rates are over both (rank 0's alone: about half)."""
     cfg = {**Blip2Qwen.default_config("tiny"), "tokenizer": str(demo_storage / "tokenizer")}
-    prompt = Blip2Qwen.from_config(cfg).prompt
+    prompt = Blip2Qwen.from_config(cfg).llm.prompt
     records = json.loads((demo_storage / "annotations" / "train.json").read_text())
     lengths = [len(prompt.training_example(r["instruction"], r["output"])[0]) for r in records]  # 52 to 75 tokens
     assert len(stage0_fp32) == 16  # every step logged its rates

@@ -67,10 +67,10 @@ def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
     """loss = CE(LLM(token embeddings with encode_images' features at the placeholders)), composed by hand."""
     model = build(tiny_tokenizer_dir, loss_chunks=0).eval()  # no dropout: two passes see the same numbers
     batch = model.prepare_batch(samples())
-    features = model.encode_images(batch["image"], batch)
+    features = model.image_path.encode(batch["image"], batch)
     ids = batch["input_ids"]
     embeds = model.llm_model.get_input_embeddings()(ids).clone()
-    embeds[ids == model.prompt.image_token_id] = features.reshape(-1, features.shape[-1])
+    embeds[ids == model.llm.prompt.image_token_id] = features.reshape(-1, features.shape[-1])
     logits = model.llm_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
     targets = batch["labels"][:, 1:]
     where = targets != IGNORE_INDEX
@@ -81,7 +81,7 @@ def test_forward_is_the_image_path_spliced_into_the_llm(tiny_tokenizer_dir):
 
 
 def _loss_and_grads(model: Blip2Qwen, batch: dict, chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.loss_chunks = chunk
+    model.llm.loss_chunks = chunk
     model.zero_grad()
     out = model(batch)
     out["loss"].backward()
@@ -118,7 +118,7 @@ def test_chunked_head_loss_and_gradients_equal_the_full_logits_path(tokenizers, 
 def _manual_answer_logps(model: Blip2Qwen, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample of a padded batch: the log_softmax of the full logits at each supervised target, summed."""
     features = model.image_features(batch)
-    embeds = model._embed(batch["input_ids"], features)
+    embeds = model.image_path.embed(batch["input_ids"], features)
     logits = model.llm_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits[:, :-1]
     targets = batch["labels"][:, 1:]
     where = targets != IGNORE_INDEX
@@ -164,7 +164,7 @@ def test_a_family_the_head_path_cannot_reproduce_uses_the_full_logits(tiny_token
     model = Blip2Qwen.from_config(cfg).eval()
     assert not head_loss_supported(base_llm(model.llm_model))
     loss = model(samples())["loss"]
-    model.loss_chunks = 0
+    model.llm.loss_chunks = 0
     assert torch.equal(loss, model(samples())["loss"])
 
 

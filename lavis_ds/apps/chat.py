@@ -188,7 +188,7 @@ class ChatSession:
         The oldest turns are dropped first; their images are moved to the oldest turn kept
         (or to the new question), so the model still sees every image.
         """
-        limit = getattr(self.model.llm_transformers_config, "max_position_embeddings", None)
+        limit = getattr(self.model.llm.config, "max_position_embeddings", None)
         turns = [dataclasses.replace(t, images=list(t.images)) for t in self.turns]
         pending = list(self.pending)
         while True:
@@ -197,9 +197,9 @@ class ChatSession:
             shown = [i for t in turns for i in t.images] + pending
             num_images = len(shown)
             # Each image's own count (a Qwen-VL model's depends on the image's size).
-            counts = self.model.image_token_counts({"image": torch.stack([self.images[i].tensor for i in shown])}) \
+            counts = self.model.image_path.layout.counts({"image": torch.stack([self.images[i].tensor for i in shown])}) \
                 if shown else []
-            length = len(self.model.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images,
+            length = len(self.model.llm.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images,
                                                              image_tokens=counts, system=self.system))
             if limit is None or length + self.settings.max_new_tokens <= limit:
                 return turns, pending
@@ -222,7 +222,7 @@ class ChatSession:
             answer = generate(self.model, **call, **kwargs)[0]
             yield answer
             return answer
-        streamer = TextIteratorStreamer(self.model.llm_tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = TextIteratorStreamer(self.model.llm.tokenizer, skip_prompt=True, skip_special_tokens=True)
         result: dict[str, Any] = {}
 
         def work() -> None:

@@ -117,7 +117,7 @@ def _merge_llm(weights: dict, model_cfg: dict, seed: int, out: Path,
     llm = model.merge_lora()
     llm.save_pretrained(out / MERGED_LLM_DIR)
     # With the tokens the model added and the run's template variables as its template's defaults: HF-ready.
-    notes = save_tokenizer_with_defaults(model.llm_tokenizer, model_cfg.get("chat_template_kwargs") or {},
+    notes = save_tokenizer_with_defaults(model.llm.tokenizer, model_cfg.get("chat_template_kwargs") or {},
                                          out / MERGED_LLM_DIR)
     # The model rebuilt from this export loads the merged LLM instead of building the random one: the connector
     # (the model names it) goes into the file even when it was frozen, so that it never depends on how the LLM

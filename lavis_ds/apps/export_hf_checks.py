@@ -76,7 +76,7 @@ def _image_processor_problems(image_cfg: dict[str, Any] | None, square_only: boo
 def _prompt_problems(model: nn.Module) -> list[str]:
     """The export writes lavis_ds's ChatML prompt as the folder's chat template (export_hf_processor): a model
     whose prompt is another family's chat template (Llama 3, Gemma, ...) would be prompted otherwise there."""
-    prompt = getattr(model, "prompt", None)
+    prompt = getattr(getattr(model, "llm", None), "prompt", None)
     if prompt is None:
         return []
     im_end = prompt.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -173,13 +173,13 @@ def save_processor(model: nn.Module, image_cfg: dict[str, Any] | None, out: Path
     family = _family(family) if family is not None else exporting_family(model)
     if family is None:
         raise ValueError(f"{type(model).__name__}: no transformers class holds it (check_expressible says why)")
-    prompt = model.prompt
+    prompt = model.llm.prompt
     processing = image_processing_of(image_cfg or default_image_cfg(model))
     export = family.processors
     images = export.image_processor(processing)
     carried = run_variables(prompt)
     template = export.export_chat_template(model) or _lavis_ds_template(model, prompt, export, carried)
-    model.llm_tokenizer.save_pretrained(out)
+    model.llm.tokenizer.save_pretrained(out)
     # Reloaded with the settings as init arguments, so that save_pretrained writes them: image_token (else the
     # processor adds an "<image>" token of its own), left padding (lavis_ds pads prompts on the left so that every
     # prompt ends where its answer starts) and the template for tokenizer.apply_chat_template too.
@@ -235,7 +235,7 @@ def generation_config(model: nn.Module, max_new_tokens: int | None = None):
     if max_new_tokens is None:
         max_new_tokens = inspect.signature(model.generate).parameters["max_new_tokens"].default
     return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
-                            eos_token_id=model.stop_token_ids(), pad_token_id=model.pad_id,
+                            eos_token_id=model.llm.stop_token_ids(), pad_token_id=model.llm.pad_id,
                             # The placeholder is never a word: generating it would feed its meaningless row back in.
-                            suppress_tokens=model.prompt.placeholder_ids)
+                            suppress_tokens=model.llm.prompt.placeholder_ids)
 

@@ -48,7 +48,7 @@ def write_readme(model: nn.Module, family: HfFamily, notes: list[str], out: Path
         "```",
         "",
         "The chat template writes the ChatML prompt the model was trained with (system turn, each image where training",
-        f"put it, the assistant header); `{model.prompt.image_token}` is the image token. The generation config is",
+        f"put it, the assistant header); `{model.llm.prompt.image_token}` is the image token. The generation config is",
         "lavis_ds's: greedy, stopping at `<|im_end|>`, the image token suppressed.",
         "",
         *_variables_paragraph(template_variables or {}),

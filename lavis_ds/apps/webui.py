@@ -135,7 +135,7 @@ def build_demo(model, image_processor, text_processor, defaults: GenerationSetti
     import gradio as gr
 
     page = _Page(model, image_processor, text_processor, defaults, seed)
-    context = getattr(model.llm_transformers_config, "max_position_embeddings", 2048)
+    context = getattr(model.llm.config, "max_position_embeddings", 2048)
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"## {TITLE}" + (f" · `{export_name}`" if export_name else "")
                     + "\nUpload an image, then ask about it. Each uploaded image is shown to the model with your "

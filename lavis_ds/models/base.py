@@ -59,18 +59,15 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
                                     "{'attention_mask', ...}"),),
     # export --merge-lora: the LLM as a plain Hugging Face model, its tokenizer, and what goes beside it
     "merge": (Need("merge_lora", "merge_lora() -> transformers.PreTrainedModel"),
-              Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
+              Need("llm", "llm (a models.chat_llm.ChatLLM: llm.tokenizer, the transformers tokenizer it saves)"),
               Need("LLM_PREFIX", "LLM_PREFIX = the state_dict prefix of the LLM merge_lora returns"),
               Need("CONNECTOR_PREFIXES", "CONNECTOR_PREFIXES = prefixes of parameters written even when frozen"),
               Need("SETTINGS.merged_llm_settings",
                    "SETTINGS.merged_llm_settings(folder) -> the model: keys that load the merged LLM")),
     # chat, the web page, batch inference and the Hugging Face processor export: the prompt and the LLM's limits
-    "chat": (Need("prompt", "prompt (a models.prompt.ChatPrompt: generation_prompt, image_token_id, ...)"),
-             Need("llm_tokenizer", "llm_tokenizer (a transformers tokenizer)"),
-             Need("llm_transformers_config", "llm_transformers_config (the LLM's transformers config: "
-                                             "max_position_embeddings, ...)"),
-             Need("stop_token_ids", "stop_token_ids() -> list[int]"),
-             Need("pad_id", "pad_id (the tokenizer's pad token id)"),
+    "chat": (Need("llm", "llm (a models.chat_llm.ChatLLM: llm.prompt, a models.prompt.ChatPrompt with "
+                         "generation_prompt, image_token_id, ...; llm.tokenizer; llm.config, the LLM's transformers "
+                         "config with max_position_embeddings, ...; llm.stop_token_ids() -> list[int]; llm.pad_id)"),
              Need("SETTINGS.image_size", "SETTINGS(arch, section).image_size() -> the image side its tower takes")),
     # show_sample: the prompt a model: section builds, without weights
     "show_sample": (Need("SETTINGS.prompt", "SETTINGS(arch, section).prompt() -> models.prompt.ChatPrompt"),),
@@ -81,7 +78,7 @@ def missing(cls: type, uses: Iterable[str]) -> list[Need]:
     """The contract's needs of ``uses`` (keys of CONTRACT) that model class ``cls`` does not provide (a dotted name:
     an attribute of an attribute, such as the settings class's ``SETTINGS.prompt``)."""
     lacking = []
-    # An attribute the constructor sets is declared by a class annotation (``prompt: ChatPrompt``).
+    # An attribute the constructor sets is declared by a class annotation (``llm: ChatLLM``).
     declared = {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
     for use in uses:
         for need in CONTRACT[use]:
@@ -106,6 +103,10 @@ class BaseModel(nn.Module):
     # The class that reads a `model:` section of this model without building it (``lavis_ds.models.settings``):
     # ``model_settings(cls, section)`` makes one from the class, whose constructor's keywords are the section's schema.
     SETTINGS: type[ModelSettings] = ModelSettings
+
+    # Submodules a subclass froze and keeps in eval whatever ``train()`` is called with (LAVIS's ``disabled_train``:
+    # dropout in a frozen part would only add noise); a subclass's constructor sets its instance's own set.
+    _eval_only: frozenset[str] = frozenset()
 
     @classmethod
     def default_config_path(cls, model_type: str) -> Path:
@@ -180,23 +181,9 @@ class BaseModel(nn.Module):
         None (default): the model does not say."""
         return None
 
-    def freeze_module(self, name: str) -> None:
-        """Freeze submodule ``name`` (dotted path) and keep it in eval mode from now on.
-
-        LAVIS does the same (``disabled_train``): dropout and drop-path of a frozen
-        tower would only add noise to the features the trainable parts learn from.
-        """
-        if not name:
-            raise ValueError("freeze_module needs a submodule name; to freeze everything use requires_grad_(False)")
-        module = self.get_submodule(name)
-        module.requires_grad_(False)
-        module.eval()
-        # An instance attribute, not a class one: two models in one process never share it.
-        self._eval_only = getattr(self, "_eval_only", frozenset()) | {name}
-
     def train(self, mode: bool = True) -> "BaseModel":
         """Switch mode like ``nn.Module.train``, except that frozen submodules stay in eval."""
         super().train(mode)
-        for name in sorted(getattr(self, "_eval_only", ())):
+        for name in sorted(self._eval_only):
             self.get_submodule(name).eval()
         return self

@@ -1,7 +1,7 @@
 """BLIP2-Qwen (the MiniGPT4Qwen recipe): the ``eva_vit_g`` tower and the ``qformer`` connector into a chat LLM.
 
 The image path is the registered parts, composed as every architecture composes them
-(``lavis_ds.models.composed``): ``vision_tower`` (EVA-ViT-g) -> ``connector`` (``ln_vision``, BLIP-2's Q-Former
+(``lavis_ds.models.vision_llm``): ``vision_tower`` (EVA-ViT-g) -> ``connector`` (``ln_vision``, BLIP-2's Q-Former
 with its queries, a linear projection into the LLM). The LLM is Qwen2.5 by default and any transformers causal LM
 on request (``lavis_ds.models.llm_families``).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.eva_vit import EvaViT, Precision
 from lavis_ds.models.pretrained import load_blip2
 from lavis_ds.models.settings.blip2_qwen import FLAT_KEYS, Blip2QwenSettings, part_sections_of, refused_keys
@@ -27,7 +27,7 @@ VitPreset = Literal[tuple(EvaViT.PRETRAINED_MODEL_CONFIG_DICT)]  # type: ignore[
 
 
 @reg.models.register("blip2_qwen")
-class Blip2Qwen(ComposedVisionLLM):
+class Blip2Qwen(VisionLLM):
     """BLIP-2's EVA-ViT-g and Q-Former bridged into a chat LLM (Qwen2.5 by default) by one linear projection."""
 
     PRETRAINED_MODEL_CONFIG_DICT = {

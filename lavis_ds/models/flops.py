@@ -136,7 +136,7 @@ class FlopModel:
         whose sequence lengths add up to ``tokens`` and whose squared lengths add up to ``squared_tokens``, with
         ``supervised`` supervised tokens, and whose images' instructions have ``text_tokens`` tokens (squares:
         ``squared_text_tokens``): what a step's counts hold (``runners.throughput``). The blank image a text-only
-        micro-batch runs (``VisionLLM.image_embeds``) is not useful work: not counted."""
+        micro-batch runs (``ImagePath.features``) is not useful work: not counted."""
         head_positions = tokens if self.head_at_every_position else supervised
         sized_tower, sized_connector = self._sized(image_sizes or {})
         return (images * (self.tower.training + self.connector.training)

@@ -1,6 +1,6 @@
 """How many LLM tokens each image of a batch takes, and the flat features that fill them.
 
-One count serves both sides of the splice. ``VisionLLMForward.image_token_counts(samples)`` asks the model's
+One count serves both sides of the splice. ``ImageLayout.counts(samples)`` (the model's ``images``) asks
 ``tokens_for_image(size)`` for every image of a batch; ``prepare_batch`` reserves exactly that many placeholders
 per image in the prompt and keeps the list in the batch (``image_tokens``); the splice checks that the image path
 gave exactly that many feature rows for the batch. Neither side computes a count of its own, so the two cannot

@@ -9,12 +9,12 @@ family record: ``lavis_ds.models.hf.blip``).
 from __future__ import annotations
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.settings.composed import InstructBlipSettings
 
 
 @reg.models.register("instructblip")
-class InstructBlip(ComposedVisionLLM):
+class InstructBlip(VisionLLM):
     """EVA-ViT-g and InstructBLIP's Q-Former (instruction beside the queries) into any chat LLM."""
 
     PRETRAINED_MODEL_CONFIG_DICT = {

@@ -9,12 +9,12 @@ family record: ``lavis_ds.models.hf.llava``).
 from __future__ import annotations
 
 from lavis_ds.common import registry as reg
-from lavis_ds.models.composed import ComposedVisionLLM
+from lavis_ds.models.vision_llm import VisionLLM
 from lavis_ds.models.settings.composed import ComposedSettings
 
 
 @reg.models.register("llava")
-class Llava(ComposedVisionLLM):
+class Llava(VisionLLM):
     """A vision tower (CLIP by default) and a projector (``mlp2x_gelu`` by default) into any chat LLM."""
 
     PRETRAINED_MODEL_CONFIG_DICT = {

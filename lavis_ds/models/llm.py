@@ -124,16 +124,18 @@ def fit_embeddings(llm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def build_llm(path: str | Path | None, config: PretrainedConfig | None, dtype: torch.dtype | None,
-              tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+              tokenizer: PreTrainedTokenizerBase, random_state: torch.Tensor | None = None) -> PreTrainedModel:
     """The causal LM with a row for every token id, where the surrounding ``llm_placement`` puts it.
 
     ``path``: a Hugging Face folder to load; else a random initialisation of ``config``.
     ``dtype``: None keeps the folder's dtype (fp32 for a random initialisation); an engine that builds
     it partitioned may cast it to its own. Built with the random number generator forked (see
-    ``lavis_ds.models.llm_placement``).
+    ``lavis_ds.models.llm_placement``), from ``random_state`` (``torch.random.get_rng_state()``) where given.
     """
     placement = current_placement()
     with torch.random.fork_rng(devices=[]), placement.building():  # resizing builds new matrices: placed too
+        if random_state is not None:
+            torch.random.set_rng_state(random_state)
         llm = placement.build(Recipe(path, config, dtype))
         fit_embeddings(llm, tokenizer)
     return llm

@@ -130,7 +130,7 @@ class ChatPrompt:
         image_token: Placeholder token whose embeddings the image features replace.
         num_image_tokens: Placeholders per image when every image takes the same number (the Q-Former's query
             count); None: the callers give each image's count (``image_tokens``), as a model whose count depends on
-            the image's size does (``VisionLLMForward.image_token_counts``).
+            the image's size does (``ImageLayout.counts``, the model's ``images``).
         max_len: Longest training sequence, in tokens.
         template_variables: Extra chat-template variables (``enable_thinking: false`` for Qwen3, ...).
         record_system_prompt: What a sample's own system turn does: ``use`` (it is the system message; samples

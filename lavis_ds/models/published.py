@@ -101,9 +101,9 @@ def check_fit(model: nn.Module, folder: Path, family: HfFamily) -> None:
     differ += differences("LLM", config.text_config, base_llm(model.llm_model).config,
                           ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads"))
     image_token_id = getattr(config, "image_token_id", None)
-    if image_token_id is not None and image_token_id != model.prompt.image_token_id:
-        differ.append(f"image token id: folder {image_token_id}, model {model.prompt.image_token_id} "
-                      f"({model.prompt.image_token!r})")
+    if image_token_id is not None and image_token_id != model.llm.prompt.image_token_id:
+        differ.append(f"image token id: folder {image_token_id}, model {model.llm.prompt.image_token_id} "
+                      f"({model.llm.prompt.image_token!r})")
     if differ:
         raise PartError(f"model.pretrained: {folder} ({family.hf_class}) does not fit the configured model: "
                         + "; ".join(differ))

@@ -6,7 +6,7 @@ prompt's ``<|vision_start|>``/``<|vision_end|>`` span, M-RoPE numbering of each 
 merged token of 32 px (16 px patches). DeepStack: the tower's blocks of ``deepstack_visual_indexes`` are tapped,
 each tap merged by its own DeepStack merger, and the LLM adds the i-th merger's tokens to its hidden states at the
 image positions after decoder layer i (transformers' ``Qwen3VLTextModel`` does, given ``deepstack_visual_embeds``
-and ``visual_pos_masks``, which ``llm_inputs`` passes it with the input embeddings). The connector's output carries
+and ``visual_pos_masks``, which its image path's ``splice`` passes it with the input embeddings). The connector's output carries
 the merged and DeepStack tokens side by side in the channels, so they follow the batch's image order together.
 
 transformers' ``Qwen3VLForConditionalGeneration`` holds the same parts (``model.visual`` with ``merger`` and
@@ -35,8 +35,59 @@ from lavis_ds.models.image_tokens import SECONDS_KEY, image_sizes, per_sample, v
 from lavis_ds.models.parts import PartError
 from lavis_ds.models.positions import Visual
 from lavis_ds.models.prompt import image_counts
-from lavis_ds.models.qwen_vl import QwenVL
+from lavis_ds.models.qwen_vl import GridImageLayout, GridImagePath, QwenVL
 from lavis_ds.models.settings.qwen3_vl import Qwen3VLSettings
+
+
+class FrameGroupImageLayout(GridImageLayout):
+    """Qwen3-VL's: a video written frame group by frame group, each an image of one temporal patch after its
+    timestamp (``models.frame_groups``)."""
+
+    def visuals(self, samples: dict[str, Any]) -> list[Visual]:
+        """As Qwen2-VL's, for images; a grid of more than one temporal patch without video seconds is refused (it
+        has no frame times to write)."""
+        flags = video_flags(samples)
+        stills = [i for i, size in enumerate(image_sizes(samples)) if len(size) == 3 and int(size[0]) > 1
+                  and not flags[i]]
+        if stills:
+            raise LavisDsError(f"qwen3_vl: image {stills[0]} of the batch has {image_sizes(samples)[stills[0]][0]} "
+                               f"temporal patches (image_grid_thw row {list(image_sizes(samples)[stills[0]])}) but no "
+                               f"{SECONDS_KEY}; Qwen3-VL writes a video's frame times, so give a video its "
+                               f"{SECONDS_KEY} (the qwen_vl_image processor's video fields) or give still images")
+        return super().visuals(samples)
+
+    def runs(self, samples: dict[str, Any]) -> list[list[Visual]]:
+        """Each video as its frame groups, each an image of one temporal patch (its own run after its timestamp)."""
+        frames = []
+        for mine in per_sample(self.visuals(samples), image_counts(samples)):
+            runs = []
+            for visual in mine:
+                t, h, w = visual.grid
+                runs += [Visual(h * w, (1, h, w))] * t
+            frames.append(runs)
+        return frames
+
+
+class DeepStackImagePath(GridImagePath):
+    """Qwen3-VL's: the tower's tapped blocks merged beside its last one, and the DeepStack tokens handed to the text
+    model with the input embeddings."""
+
+    LAYOUT = FrameGroupImageLayout
+
+    def encode(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
+        """``[sum of tokens, (1 + taps) * llm_hidden]``: each image's merged tokens, then its DeepStack tokens."""
+        features, taps = self.tower.forward_taps(*self.layout.patches_and_grid(images, samples))
+        return self.connector(features, {"taps": taps})
+
+    def splice(self, input_ids: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The merged tokens spliced in at the placeholders; the DeepStack tokens and the placeholders' positions as
+        the text model's ``deepstack_visual_embeds`` and ``visual_pos_masks``."""
+        merged, *deepstack = features.split(self.llm.config.hidden_size, dim=-1)
+        embeds = self.embed(input_ids, merged)
+        if not deepstack or merged.shape[0] == 0:
+            return embeds, {}
+        mask = torch.isin(input_ids, torch.tensor(self.llm.prompt.placeholder_ids, device=input_ids.device))
+        return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}
 
 
 @reg.models.register("qwen3_vl")
@@ -51,64 +102,18 @@ class Qwen3VL(QwenVL):
         "tiny": "models/qwen3_vl/tiny.yaml",
     }
     SETTINGS = Qwen3VLSettings
+    IMAGE_PATH = DeepStackImagePath
 
     def __init__(self, **kwargs: Any):
+        """As every architecture's; the build refuses what the config check does (``deepstack_problems``), for a
+        model built without it, and a tower whose temporal patch is not the frame group the prompt times videos by."""
         super().__init__(**kwargs)
-        self.check_deepstack()
-        self.check_temporal_patch()
-
-    def check_temporal_patch(self) -> None:
-        """The tower's temporal patch is the frame group the prompt times videos by."""
+        problems = self.SETTINGS.deepstack_problems(list(getattr(self.vision_tower, "tap_layers", ())),
+                                                    getattr(self.connector, "deepstack_taps", 0),
+                                                    self.llm.config.num_hidden_layers)
+        if problems:
+            raise PartError(problems[0])
         frames, groups = self.vision_tower.layout.temporal_patch_size, self.SETTINGS.VIDEO_FRAME_GROUPS
         if frames != groups:
             raise PartError(f"model.vision_tower.vision_config.temporal_patch_size: {frames}; Qwen3-VL's prompt "
                             f"times each video frame group as {groups} frames; valid: {groups}")
-
-    def check_deepstack(self) -> None:
-        """The build refuses what the config check does (``deepstack_problems``), for a model built without it."""
-        problems = self.SETTINGS.deepstack_problems(list(getattr(self.vision_tower, "tap_layers", ())),
-                                                    getattr(self.connector, "deepstack_taps", 0),
-                                                    self.llm_transformers_config.num_hidden_layers)
-        if problems:
-            raise PartError(problems[0])
-
-    def encode_images(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
-        """``[sum of tokens, (1 + taps) * llm_hidden]``: each image's merged tokens, then its DeepStack tokens."""
-        features, taps = self.vision_tower.forward_taps(*self.patches_and_grid(images, samples))
-        return self.connector(features, {"taps": taps})
-
-    def image_visuals(self, samples: dict[str, Any]) -> list[Visual]:
-        """As Qwen2-VL's, for images; a grid of more than one temporal patch without video seconds is refused (it
-        has no frame times to write)."""
-        flags = video_flags(samples)
-        stills = [i for i, size in enumerate(image_sizes(samples)) if len(size) == 3 and int(size[0]) > 1
-                  and not flags[i]]
-        if stills:
-            raise LavisDsError(f"qwen3_vl: image {stills[0]} of the batch has {image_sizes(samples)[stills[0]][0]} "
-                               f"temporal patches (image_grid_thw row {list(image_sizes(samples)[stills[0]])}) but no "
-                               f"{SECONDS_KEY}; Qwen3-VL writes a video's frame times, so give a video its "
-                               f"{SECONDS_KEY} (the qwen_vl_image processor's video fields) or give still images")
-        return super().image_visuals(samples)
-
-    def positioned_visuals(self, samples: dict[str, Any]) -> list[list[Visual]]:
-        """Each video as its frame groups, each an image of one temporal patch (its own run after its timestamp)."""
-        frames = []
-        for mine in per_sample(self.image_visuals(samples), image_counts(samples)):
-            runs = []
-            for visual in mine:
-                t, h, w = visual.grid
-                runs += [Visual(h * w, (1, h, w))] * t
-            frames.append(runs)
-        return frames
-
-    def llm_inputs(self, input_ids: torch.Tensor, image_embeds: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The merged tokens spliced in at the placeholders; the DeepStack tokens and the placeholders' positions as
-        the text model's ``deepstack_visual_embeds`` and ``visual_pos_masks``."""
-        hidden = self.llm_transformers_config.hidden_size
-        merged, *deepstack = image_embeds.split(hidden, dim=-1)
-        embeds = self._embed(input_ids, merged)
-        if not deepstack or merged.shape[0] == 0:
-            return embeds, {}
-        mask = torch.isin(input_ids, torch.tensor(self.prompt.placeholder_ids, device=input_ids.device))
-        return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": [d.to(embeds.dtype) for d in deepstack]}

@@ -1,72 +1,95 @@
-"""The architecture-neutral half of a vision-LLM: the chat LLM, its prompt, LoRA, export, and (from its base,
-``lavis_ds.models.vision_llm_forward``) the batch, the splice, loss and generate.
+"""A vision-LLM: a vision tower and a connector whose image tokens are spliced into a chat LLM at the image
+placeholders, each a part the model holds, built from its config section::
 
-An architecture (``Blip2Qwen``, ...) subclasses ``VisionLLM`` and provides only its image path:
+    vision_tower: {name: clip, preset: vit_l_14_336, vision_feature_layer: -2}
+    connector: {name: mlp2x_gelu}
 
-- ``encode_images(images, samples)``: ``[N, tokens_per_image, llm_hidden]`` for ``images [N, 3, H, W]``, or the
-  flat ``[sum of counts, llm_hidden]`` (each image's rows a block, in image order) when the count depends on the
-  image; ``samples`` is the prepared batch (InstructBLIP reads the instruction from it, a Qwen-VL tower its
-  ``image_grid_thw``). Under packing the images arrive in packed order: ``samples["order"]`` lists the sample of each
-  packed sample.
-- ``tokens_per_image`` and ``image_size`` (instance attributes) and their config-side twins, its settings class's
-  ``tokens_per_image()`` and ``image_size()`` (``SETTINGS``: ``lavis_ds.models.settings``); an image path whose
-  count depends on the image's size overrides ``tokens_for_image(size)``, the one count the prompt's placeholders
-  and the splice both follow (``lavis_ds.models.image_tokens``), and ``blank_images`` if its blank image needs a grid.
-- ``vision_blocks()``: its transformer blocks, which a sharding engine gathers one at a time.
-- optionally ``batch_fields(samples)``: more host-side tensors for ``prepare_batch`` (e.g. ``qformer_input_ids``).
+(``lavis_ds.models.parts``), and the LLM's keys. The model holds:
 
-Its constructor takes its own keyword-only arguments plus ``**llm_args`` (this class's arguments: the config
-validator follows ``**kwargs`` up the MRO, so it sees every key with its type and default) and builds in this order,
-the order its parameters (and the engines' flat optimizer states) take:
+- ``vision_tower``, ``llm_model`` and ``connector``, its registered modules (the state_dict's ``vision_tower.*``,
+  ``llm_model.*`` and ``connector.*``);
+- ``llm``, the LLM part (``lavis_ds.models.chat_llm.ChatLLM``): the causal LM as built (frozen, LoRA-wrapped) and
+  its tokenizer, chat prompt, position numbering, pad and end-of-turn ids;
+- ``image_path`` (``lavis_ds.models.image_path.ImagePath``, or the class the architecture names in
+  ``IMAGE_PATH``): ``connector(vision_tower(images), inputs)``, a batch's features and their splice into the LLM's
+  embeddings, the blocks a sharding engine gathers, the FLOPs;
+- ``image_path.layout`` (``lavis_ds.models.image_layout``, the image path's ``LAYOUT``): each image's token count (the one
+  count the prompt's placeholders and the splice both follow), the visuals M-RoPE numbers, the blank image;
+- ``batch`` (``lavis_ds.models.vision_llm_batch.HostBatch``): what ``prepare_batch`` does on the host.
 
-    super().__init__(**llm_args)      # the tokenizer and the LLM-side settings
-    ... the parts that do not need the LLM (the tower) ...
-    hidden = self.build_llm()         # self.llm_model, grad checkpointing; returns the LLM width
-    ... the parts that do (the projection to ``hidden``), freezing its own parts ...
-    self.finish_build()               # the prompt, the LLM's freezing, LoRA, trainable token rows
+It computes the loss, the answers' log-probabilities and generation itself. A registered architecture (``llava``,
+``instructblip``, ``blip2_qwen``, the Qwen-VL family) is a subclass naming its settings (``SETTINGS``: default
+parts, presets, prompt tokens; ``lavis_ds.models.settings``), presets and image path; any tower with any connector
+trains by YAML (``arch: llava`` with ``vision_tower: {name: siglip}`` and ``connector: {name: qformer}``).
+
+Its constructor builds the parts in one step, in the order their random initialisations draw: the tower, the
+connector (projecting to the LLM's width, read from its config), then the LLM part, its causal LM built with the
+random number generator forked from where it stood after the tower, then frozen and LoRA-wrapped (LoRA's draws
+after the connector's, as they always were: a seed gives the same weights). The modules register as tower, LLM,
+connector: the order of the parameters that checkpoints and the engines' flat optimizer states hold.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal, Mapping
 
+import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import PreTrainedModel
 
-from lavis_ds.models.eva_vit import DTYPES
-from lavis_ds.models.flops import FlopModel, Flops, compose
-from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
-                                 num_token_ids, prepare_tokenizer, train_token_rows)
-from lavis_ds.models.llm_families import decoder_layers, position_provider, transformers_config
-from lavis_ds.models.prompt import ChatPrompt
-from lavis_ds.models.settings.vision_llm import VisionLLMSettings
-from lavis_ds.models.vision_llm_forward import VisionLLMForward
+from lavis_ds.common.registry import connectors, vision_towers
+from lavis_ds.models.base import BaseModel
+from lavis_ds.models.chat_llm import ChatLLM, PromptLayout, llm_width
+from lavis_ds.models.flops import FlopModel
+from lavis_ds.models.image_path import ImagePath
+from lavis_ds.models.image_tokens import batch_images, check_feature_rows, per_sample, select_images
+from lavis_ds.models.linear_attention import boundary_kwargs
+from lavis_ds.models.llm import base_llm
+from lavis_ds.models.lm_loss import full_logits_loss, token_logps
+from lavis_ds.models.parts import build_part
+from lavis_ds.models.prompt import IGNORE_INDEX, image_counts, pad_batch, pad_positions
+from lavis_ds.models.published import load_published
+from lavis_ds.models.settings.base import model_settings
+from lavis_ds.models.settings.composed import ComposedSettings, check_layouts, given_part_sections
+from lavis_ds.models.vision_llm_batch import HostBatch, packed_image_order, sample_of_positions
 
 logger = logging.getLogger(__name__)
 
 
-class VisionLLM(VisionLLMForward):
-    """Image features spliced into a chat LLM at the image placeholder tokens; subclasses give the image path.
-
-    This class builds the model (``SETTINGS`` answers the config's questions); what it computes on a batch (the
-    splice, the loss, generation) is its base's (``lavis_ds.models.vision_llm_forward``)."""
+# Over 400 lines: the class is the one core every architecture shares (its constructor's keyword list, which is the
+# model section's schema, and the loss, log-probabilities and generation); what is not the core is a part it holds.
+class VisionLLM(BaseModel):
+    """``vision_tower`` -> ``connector`` -> image tokens spliced into ``llm_model``; subclasses name their settings."""
 
     # What a `model:` section means without building (lavis_ds.models.settings), the prompt's layout included.
-    SETTINGS = VisionLLMSettings
+    SETTINGS = ComposedSettings
+    PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+    # prepare_batch(samples, on_image_cut="drop") leaves out the samples truncation would cut into an image
+    # (the SFT objective's run.sft.on_image_cut)
+    CUTS_IMAGE_SAMPLES = True
     # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a
     # Hugging Face folder and the rest beside it).
     LLM_PREFIX = "llm_model."
     # Parameters built from the LLM's width (the connector): export writes them even when frozen, so that a model
-    # rebuilt on the merged LLM never depends on how the LLM was built. Subclasses name theirs.
-    CONNECTOR_PREFIXES: tuple[str, ...] = ()
-    # The attributes the constructor sets are declared by the base (the model contract reads the declarations).
+    # rebuilt on the merged LLM never depends on how the LLM was built.
+    CONNECTOR_PREFIXES = ("connector.",)
+    # The architecture's image path (tower -> connector -> splice) and, by its LAYOUT, how its images become LLM
+    # tokens on the host: both made from the tower and the connector.
+    IMAGE_PATH: type[ImagePath] = ImagePath
+    # Set by the constructor (the model contract's "chat" and "merge" needs read the declarations, models.base).
+    llm: ChatLLM  # the LLM part: tokenizer, prompt, positions, pad and end-of-turn ids, the LLM's config
+    image_path: ImagePath  # tower -> connector, the batch's features and their splice (image_path)
+    batch: HostBatch  # the host side of prepare_batch (vision_llm_batch)
 
     # Over 50 lines: most of it is the keyword list, which is the model section's schema (the config check reads
     # the signature), so it stays in one place.
     def __init__(
         self,
         *,
+        vision_tower: dict[str, Any] | None = None,
+        connector: dict[str, Any] | None = None,
         llm_model: str | None = None,
         llm_config: dict[str, Any] | None = None,
         llm_precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto",
@@ -87,6 +110,12 @@ class VisionLLM(VisionLLMForward):
     ):
         """
         Args:
+            vision_tower: The tower's section: ``name`` (a registered tower: ``clip``, ``siglip``,
+                ``eva_vit_g``, ...) plus its keys, ``pretrained`` (published weights) and ``freeze``
+                (default true). Left out: the architecture's default tower.
+            connector: The connector's section: ``name`` (``mlp2x_gelu``, ``linear``, ``qformer``,
+                ``instruct_qformer``, ...) plus its keys, ``pretrained`` and ``freeze`` (default false). Its
+                widths come from the tower and the LLM.
             llm_model: Local Hugging Face folder of a causal LM (Qwen2.5, Qwen3, Llama 3.x, ...) to load
                 with ``AutoModelForCausalLM.from_pretrained``. None builds a randomly initialised LLM
                 from ``llm_config`` (tests, demos, meta-device checks).
@@ -96,7 +125,7 @@ class VisionLLM(VisionLLMForward):
             llm_precision: LLM parameter dtype; ``auto`` = the checkpoint's dtype (fp32 for random init).
             tokenizer: Local tokenizer folder; defaults to ``llm_model``. ChatML tokens and ``image_token``
                 it lacks are added (see ``lavis_ds.models.llm``); the tokenizer as used is what
-                ``save_run_files`` writes to the run's output_dir.
+                ``llm.save`` writes to the run's output_dir.
             freeze_llm: Freeze the LLM (required with ``get_lora``: only the adapters train).
             llm_grad_checkpoint: Recompute each LLM decoder layer in backward instead of keeping its
                 activations (most of the memory of a frozen-LLM run, see docs/memory.md), frozen or not.
@@ -125,117 +154,236 @@ class VisionLLM(VisionLLMForward):
         super().__init__()
         if loss_chunks < 0:
             raise ValueError(f"loss_chunks must be >= 0 (0: full logits), got {loss_chunks}")
-        self.llm_args = dict(llm_model=llm_model, llm_config=llm_config, llm_precision=llm_precision,
-                             freeze_llm=freeze_llm, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
-                             lora_dropout=lora_dropout, lora_target_modules=lora_target_modules,
-                             max_txt_len=max_txt_len, system_prompt=system_prompt, image_token=image_token,
-                             chat_template_kwargs=chat_template_kwargs or {},
-                             record_system_prompt=record_system_prompt)
-        self.llm_grad_checkpoint = llm_grad_checkpoint
-        self.loss_chunks = loss_chunks
-        # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
-        self.llm_tokenizer, self._added_tokens = prepare_tokenizer(tokenizer or llm_model, image_token,
-                                                                   self.SETTINGS.PROMPT_TOKENS)
-
-    # ----------------------------------------------------------------- building (the subclass calls these)
-    def build_llm(self) -> int:
-        """Build ``self.llm_model`` (placed as the runner building this model asks: whole, partitioned from the
-        start, or empty until process 0 sends its shards; ``lavis_ds.models.llm_placement``); returns its width."""
-        path, llm_config, precision = (self.llm_args[k] for k in ("llm_model", "llm_config", "llm_precision"))
-        if path is not None and llm_config:
-            logger.info("llm_model is set, so llm_config is ignored: the architecture comes from %s", path)
-        architecture = None if path is not None else transformers_config(llm_config or {},
-                                                                         vocab_size=num_token_ids(self.llm_tokenizer))
-        self.llm_model = build_llm(path, architecture, None if precision == "auto" else DTYPES[precision],
-                                   self.llm_tokenizer)
-        if self.llm_grad_checkpoint:
-            # Non-reentrant: gradients reach the image path through the LLM's inputs even when every
-            # LLM weight is frozen, and dropout replays the same mask in the recomputation.
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.llm_model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-                self.llm_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                self.llm_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return self.llm_model.config.hidden_size
-
-    def finish_build(self) -> None:
-        """The prompt, then the LLM's freezing, LoRA and trainable token rows (after the image path: LoRA's
-        initialisation draws random numbers, and the image path's must come first)."""
-        args = self.llm_args
-        self.prompt = ChatPrompt(self.llm_tokenizer, args["system_prompt"], args["image_token"],
-                                 self.tokens_per_image, args["max_txt_len"], args["chat_template_kwargs"],
-                                 record_system_prompt=args["record_system_prompt"], image_span=self.SETTINGS.IMAGE_SPAN,
-                                 video_token=self.SETTINGS.VIDEO_TOKEN,
-                                 video_frame_groups=self.SETTINGS.VIDEO_FRAME_GROUPS)
-        self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
-        self.positions = position_provider(self.llm_transformers_config)  # 1-D, or M-RoPE for a Qwen-VL text model
-        self.pad_id = self.llm_tokenizer.pad_token_id  # prepare_tokenizer guarantees one
-        if args["get_lora"] and not args["freeze_llm"]:
-            raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
-        if args["freeze_llm"] and not args["get_lora"]:
-            self.freeze_module("llm_model")
-        # With LoRA, peft freezes the base weights itself, and the LLM keeps train mode for LoRA dropout.
-        if args["get_lora"]:
-            targets = args["lora_target_modules"]
-            targets = lora_target_names(self.llm_model) if targets is None else targets
-            self.llm_model = add_lora(self.llm_model, args["lora_r"], args["lora_alpha"], args["lora_dropout"],
-                                      targets)
-        new_chatml = [t for t in self._added_tokens if t in CHATML_TOKENS]
-        if args["freeze_llm"] and new_chatml:
-            # A frozen LLM never saw these tokens: without trained rows the chat format means nothing.
-            logger.warning("the tokenizer lacked %s: their embedding and output rows train (only those rows)",
-                           ", ".join(new_chatml))
-            train_token_rows(base_llm(self.llm_model), self.llm_tokenizer.convert_tokens_to_ids(new_chatml))
-        if self.llm_grad_checkpoint:
+        tower_section, connector_section = given_part_sections(self.SETTINGS.DEFAULT_PARTS,
+                                                               {"vision_tower": vision_tower, "connector": connector})
+        check_layouts(self.SETTINGS.FLAT_FEATURES, tower_section, connector_section)
+        tower = build_part(vision_towers, tower_section, "model.vision_tower")
+        # A random-init LLM (tests, demos) is initialised from where it always was: right after the tower.
+        llm_random_state = torch.random.get_rng_state()
+        width = llm_width(llm_model, llm_config)
+        part = build_part(connectors, connector_section, "model.connector", vision_width=tower.num_features,
+                          llm_width=width)
+        # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
+        tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
+        image_layout = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
+        settings = self.SETTINGS  # the prompt's layout is the architecture's
+        layout = PromptLayout(settings.IMAGE_SPAN, settings.PROMPT_TOKENS, settings.VIDEO_TOKEN,
+                              settings.VIDEO_FRAME_GROUPS)
+        self.llm = ChatLLM(
+            tokens_per_image=tokens_per_image, layout=layout, random_state=llm_random_state,
+            llm_model=llm_model, llm_config=llm_config,
+            llm_precision=llm_precision, tokenizer=tokenizer, freeze_llm=freeze_llm,
+            llm_grad_checkpoint=llm_grad_checkpoint, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout, lora_target_modules=lora_target_modules, max_txt_len=max_txt_len,
+            system_prompt=system_prompt, record_system_prompt=record_system_prompt, image_token=image_token,
+            chat_template_kwargs=chat_template_kwargs, loss_chunks=loss_chunks)
+        if self.llm.config.hidden_size != width:
+            raise RuntimeError(f"lavis_ds: the LLM built from {llm_model or 'model.llm_config'} is "
+                               f"{self.llm.config.hidden_size} wide, its config read {width}: the connector would "
+                               "project to the wrong width")
+        # Registered in this order (tower, LLM, connector): the order of the parameters that checkpoints and the
+        # engines' flat optimizer states hold.
+        self.vision_tower = tower
+        self.llm_model = self.llm.model
+        self.connector = part
+        self.image_path = self.IMAGE_PATH(tower, part, image_layout, self.llm)
+        self.batch = HostBatch(self.llm, image_layout, self.image_path.host_inputs)
+        if self.llm.eval_only:  # frozen by the LLM part already (its trainable token rows keep their gradient)
+            self._eval_only = self._eval_only | {"llm_model"}
+        if llm_grad_checkpoint:
             self.train(self.training)  # freezing put the LLM's layers in eval: checkpointing follows the model
 
-    # ----------------------------------------------------------------- the LLM as a whole
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | DictConfig) -> "VisionLLM":
+        """Build from a ``model:`` section; a published folder in ``pretrained`` (with ``load_pretrained``) first
+        gives the settings that come with its weights (``models.published.settings_from_published``)."""
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        return super().from_config(model_settings(cls, cfg).with_published())
+
+    def load_from_pretrained(self, path: str) -> None:
+        """A ``LlavaForConditionalGeneration`` or ``InstructBlipForConditionalGeneration`` folder (every part),
+        LAVIS's InstructBLIP ``.pth`` or LLaVA's stage-1 ``mm_projector.bin`` (the parts it holds); each part
+        checked against the configured one (``lavis_ds.models.published``)."""
+        load_published(self, path)
+
     @property
-    def llm_transformers_config(self) -> Any:
-        """The built LLM's transformers config (``hidden_size``, ``vocab_size``, ``max_position_embeddings``, ...);
-        ``llm_config`` is the ``model:`` section's key it may have been built from."""
-        return base_llm(self.llm_model).config
+    def image_size(self) -> int | None:
+        """The side of the square images the tower takes (None: each image keeps its own size)."""
+        return self.image_path.layout.image_size
 
-    def vision_blocks(self) -> list[nn.Module]:
-        """The image path's transformer blocks (the tower's, a Q-Former's layers). Subclasses say."""
-        return []
+    # ----------------------------------------------------------------- the batch
+    def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,
+                      on_image_cut: Literal["drop", "refuse"] = "refuse") -> dict[str, Any]:
+        """The samples rendered, tokenized and laid out on the host (``HostBatch.prepare``, the part ``batch``)."""
+        return self.batch.prepare(samples, pack_to, on_image_cut)
 
+    def supervised_tokens(self, samples: dict[str, Any]) -> int:
+        """The answer tokens (and end-of-turn tokens) the loss of ``forward`` sums over: labels[:, 1:] supervised."""
+        return int((samples["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    # ----------------------------------------------------------------- forward
+    def image_features(self, samples: dict[str, Any]) -> torch.Tensor:
+        """The flat image features of a prepared batch (packed order under packing; a blank image's when it has
+        none), to pass to ``answer_logps`` for several batches that share the images (a preference pair)."""
+        image = samples.get("image")
+        if image is not None and "position_ids" in samples and batch_images(samples):
+            # The image fields in packed order; the per-sample fields stay in sample order (an instruction
+            # connector reorders its own rows, ImagePath.encode).
+            samples = {**samples, **select_images(samples, packed_image_order(samples).tolist())}
+            image = samples["image"]
+        return self.image_path.features(image, dummy=True, samples=samples)
+
+    def _inputs(self, samples: dict[str, Any], image_features: torch.Tensor | None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """``(inputs_embeds, layout, labels)`` of a prepared batch on the model's device."""
+        image = samples.get("image")
+        device = self._device() if image is None else image.device
+        input_ids, labels = samples["input_ids"].to(device), samples["labels"].to(device)
+        rope = samples.get("rope_position_ids")  # a family's rows beyond 1-D (M-RoPE's three)
+        if "position_ids" in samples:  # packed: each sample's images in the order the samples were laid out
+            positions = samples["position_ids"]
+            # the plain positions in front: the row the text model reads packed sample boundaries from
+            layout = {"position_ids": (positions if rope is None else torch.cat([positions[None], rope])).to(device),
+                      # what a recurrent layer needs beside the positions (Qwen3.5's Gated-DeltaNet); refused if none
+                      **boundary_kwargs(base_llm(self.llm_model), samples.get("row_spans"), device)}
+        else:
+            layout = {"attention_mask": samples["attention_mask"].to(device)}
+            if rope is not None:
+                layout["position_ids"] = rope.to(device)
+        features = self.image_features(samples) if image_features is None else image_features
+        has_images = batch_images(samples) > 0
+        if has_images:  # the placeholders prepare_batch reserved, against the rows given (host integers: no sync)
+            counts = samples.get("image_tokens") or self.image_path.layout.counts(samples)
+            # Named per sample where the counts are the samples' (a preference pair's sides share the pair's images).
+            nums = [int(n) for n in samples.get("num_images") or ()]
+            check_feature_rows(features.shape[0], counts, nums if sum(nums) == len(counts) else [len(counts)],
+                               "the image features given")
+        inputs_embeds, more = self.image_path.splice(input_ids, features if has_images else features[:0])
+        layout.update(more)
+        if not has_images:
+            # The dummy image's features times zero: in the graph, out of the numbers (see ImagePath.features).
+            inputs_embeds = inputs_embeds + features.sum() * 0
+        return inputs_embeds, layout, labels
+
+    def forward(self, samples: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Mean cross-entropy over the supervised tokens of the micro-batch.
+
+        Returns:
+            ``loss`` (fp32 scalar to backpropagate), ``loss_sum`` (the summed token losses, also
+            differentiable: the runner divides it by the supervised tokens of the whole step under
+            ``run.loss_reduction: tokens``) and ``num_tokens`` (supervised tokens).
+
+            A batch an objective prepared for itself (``samples["objective"]``, e.g. preference pairs) is scored by
+            that objective instead (``lavis_ds.objectives``: its loss and metric sums). It runs here, inside the
+            root module's forward, so that FSDP2 and ZeRO-3 have gathered the root's own parameters for it.
+        """
+        objective = samples.get("objective")
+        if objective is not None:
+            return objective(self, samples).as_dict()
+        samples = self.prepare_batch(samples)
+        inputs_embeds, layout, labels = self._inputs(samples, None)
+        if self.llm.head_at_supervised_positions():
+            token_losses = -token_logps(self.llm_model, inputs_embeds, layout, labels, self.llm.loss_chunks,
+                                        samples.get("supervised_positions"))[0].sum()
+        else:
+            token_losses = full_logits_loss(self.llm_model, inputs_embeds, layout, labels,
+                                            samples.get("supervised_positions"))
+        num_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        # A batch whose answers were all truncated away gives loss 0 (and zero gradients), not NaN.
+        loss = token_losses / num_tokens.clamp(min=1)
+        return {"loss": loss, "loss_sum": token_losses, "num_tokens": num_tokens}
+
+    def answer_logps(self, samples: dict[str, Any], image_features: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample: the summed log-probability (fp32) of its supervised tokens, and how many there are.
+
+        Args:
+            samples: A batch, prepared (``prepare_batch``, padded or packed) or not.
+            image_features: ``image_features(samples)`` computed already (a preference pair's chosen and rejected
+                answers share their images: one vision pass for both); None computes them.
+
+        Returns:
+            ``(logp_sum [B], num_tokens [B])`` in sample order (the order of ``samples["instruction"]``).
+        """
+        samples = self.prepare_batch(samples)
+        inputs_embeds, layout, labels = self._inputs(samples, image_features)
+        logps, positions = token_logps(self.llm_model, inputs_embeds, layout, labels, self.llm.loss_chunks,
+                                       samples.get("supervised_positions"))
+        owner, num_samples = sample_of_positions(samples, positions, labels)
+        logp_sum = torch.zeros(num_samples, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
+        counts = torch.zeros(num_samples, dtype=torch.long, device=logps.device).index_add(
+            0, owner, torch.ones_like(owner))
+        return logp_sum, counts
+
+    @torch.no_grad()
+    def generate(self, samples: dict[str, Any], num_beams: int = 1, max_new_tokens: int = 30,
+                 synced_gpus: bool = False, **generate_kwargs: Any) -> list[str]:
+        """Answer the last instruction of each sample (greedy or beam search).
+
+        ``samples``: ``image`` (every sample's images in order, ``[N, 3, H, W]``; may be
+        empty or left out for text-only samples), ``instruction`` (turns per sample),
+        optionally ``output`` (the answers of the earlier turns) and ``num_images`` (images
+        per sample, default 1 each; each image has its ``<ImageHere>`` marker in the
+        sample's turns, one image may go unmarked) and ``system`` (each sample's own system turn, None: the
+        model's ``system_prompt``). ``synced_gpus`` must be true under
+        ZeRO-3 with more than one rank, so that every rank keeps stepping until all have finished.
+        Other keyword arguments go to the LLM's ``generate`` (sampling settings, a ``streamer``).
+        """
+        image = samples.get("image")
+        answers = samples.get("output") or [()] * len(samples["instruction"])
+        systems = samples.get("system") or [None] * len(samples["instruction"])
+        num_images = image_counts(samples)
+        counts = per_sample(self.image_path.layout.counts(samples), num_images)
+        videos = per_sample(self.llm.prompt.video_marks(samples), num_images)
+        prompt = self.llm.prompt
+        prompts = [prompt.generation_prompt(ins, out, len(mine), image_tokens=mine, system=system, videos=video)
+                   for ins, out, mine, system, video in zip(samples["instruction"], answers, counts, systems, videos,
+                                                            strict=True)]
+        input_ids, attention_mask = pad_batch(prompts, self.llm.pad_id, side="left")
+        device = self._device() if image is None else image.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+
+        # Parameters of this root module (query tokens, ...): an engine that shards them gathers them for generate
+        # (which is not forward) itself. Sharded ranks run the towers even without an image (ImagePath.features).
+        image_embeds = self.image_path.features(image, dummy=synced_gpus, samples=samples)
+        inputs_embeds, more = self.image_path.splice(input_ids, image_embeds if sum(num_images) else image_embeds[:0])
+        # The placeholders are never words: generating one would feed its meaningless row back in.
+        options = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
+                       eos_token_id=self.llm.stop_token_ids(), pad_token_id=self.llm.pad_id, synced_gpus=synced_gpus,
+                       suppress_tokens=self.llm.prompt.placeholder_ids)
+        options.update(more)
+        options.update(generate_kwargs)
+        rope = self.batch.rope_positions(prompts, samples)
+        if rope is not None:
+            # The prompt's M-RoPE ids; generate continues each row at its last id + 1, which is a new token's plain
+            # position plus its sample's rope delta (what transformers' Qwen2-VL keeps as rope_deltas).
+            options["position_ids"] = pad_positions(rope, input_ids.shape[1], side="left").to(device)
+        # With only inputs_embeds, generate returns just the new tokens.
+        new_tokens = self.llm_model.generate(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **options)
+        return [text.strip() for text in self.llm.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+    def _device(self) -> torch.device:
+        return self.llm_model.get_input_embeddings().weight.device
+
+    # ----------------------------------------------------------------- the LLM as a whole
     def repeated_blocks(self) -> list[nn.Module]:
         """The image path's blocks, then the LLM's decoder layers: the units a sharding engine gathers one at a
         time. What is left (embeddings, norms, heads, queries, projection) belongs to the model as a whole."""
-        return [*self.vision_blocks(), *decoder_layers(base_llm(self.llm_model))]
+        return [*self.image_path.blocks(), *self.llm.blocks()]
 
     def train(self, mode: bool = True) -> "VisionLLM":
         super().train(mode)
-        if self.llm_grad_checkpoint and hasattr(self, "llm_model"):
-            # Transformers checkpoints a decoder layer only while that layer is in training mode, and a
-            # frozen LLM stays in eval. The layers' own flag follows the model; their submodules (the
-            # attention's dropout) keep eval, so a frozen LLM still adds no noise.
-            for layer in decoder_layers(base_llm(self.llm_model)):
-                layer.training = mode
+        llm = self.__dict__.get("llm")  # None while the constructor runs
+        if llm is not None:
+            llm.set_training(mode)
         return self
 
     def flop_model(self) -> FlopModel | None:
         """Training FLOPs per sample by part (tower, connector, LLM), for the parameters that train now
-        (``lavis_ds.models.flops``); None if a part does not say (a user's part without ``flops``: no MFU logged).
-        Reads only layer sizes and ``requires_grad``: works on partitioned weights (ZeRO-3, FSDP) and on the meta
-        device."""
-        image_path = self.image_path_flops()
-        if image_path is None:
-            return None
-        tower, connector, image_grad = image_path
-        return compose(tower, connector, image_grad, self.llm_model, not self._head_at_supervised_positions())
-
-    def image_path_flops(self) -> tuple[Flops, Callable[[int], Flops], bool] | None:
-        """The image path's FLOPs per image: the tower's, the connector's given its instruction tokens per image,
-        and whether the connector's output needs a gradient; None if a part does not say. Default:
-        ``self.vision_tower`` and ``self.connector`` report their own (``VisionTower.flops``, ``Connector.flops``)."""
-        tower = self.vision_tower.flops()
-        tokens = self.vision_tower.num_tokens
-        connector = None if tower is None else self.connector.flops(tokens, tower[1])
-        if connector is None:
-            return None
-        return tower[0], lambda text_tokens: self.connector.flops(tokens, tower[1], text_tokens)[0], connector[1]
+        (``ImagePath.flop_model``); None if a part does not say. Reads only layer sizes and ``requires_grad``: works
+        on partitioned weights (ZeRO-3, FSDP) and on the meta device."""
+        return self.image_path.flop_model(self.llm_model, not self.llm.head_at_supervised_positions())
 
     def merge_lora(self) -> PreTrainedModel:
         """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it
@@ -246,9 +394,9 @@ class VisionLLM(VisionLLMForward):
         ``self.llm_model`` (this model keeps working, with the same outputs) and is returned. Call it on a model
         outside the training engine whose trained weights are loaded (partitioned parameters are refused).
         """
-        self.llm_model = merge_llm(self.llm_model)
+        self.llm_model = self.llm.merge_lora()
         return self.llm_model
 
     def save_run_files(self, output_dir: str | Path) -> None:
-        """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included, for export and inference."""
-        self.llm_tokenizer.save_pretrained(Path(output_dir) / "tokenizer")
+        """Write ``output_dir/tokenizer``: the tokenizer as used, added tokens included (``llm.save``)."""
+        self.llm.save(output_dir)

@@ -2,18 +2,20 @@
 prepared batch sits: its images in packed order, the sample of each supervised position; and the batch without the
 samples truncation would cut into an image (``prepare_batch``'s ``on_image_cut: drop``).
 
-``training_examples`` and ``lay_out`` are the one path from samples to what trains: the model's ``prepare_batch``
-calls them, and so does ``lavis_ds.show_sample`` (through ``token_batch``), which shows those very ids.
+``HostBatch`` is the part a model holds for it (``model.batch``: its ``prepare_batch``). ``training_examples`` and
+``lay_out`` are the one path from samples to what trains: ``HostBatch.prepare`` calls them, and so does ``lavis_ds.show_sample`` (through ``token_batch``), which shows those very ids.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from lavis_ds.common.errors import ImageSpanCut
+from lavis_ds.models.chat_llm import ChatLLM
 from lavis_ds.models.chat_template import ChatTemplateError
+from lavis_ds.models.image_layout import ImageLayout
 from lavis_ds.models.image_tokens import (FRAME_SECONDS_KEY, GRID_KEY, SECONDS_KEY, SIZES_KEY, Size, image_sizes,
                                            per_sample, select_images)
 from lavis_ds.models.lm_loss import supervised_positions
@@ -155,3 +157,58 @@ def blank_sample(samples: dict[str, Any]) -> dict[str, Any]:
     kept = keep_samples(samples, [0])
     return {**kept, **select_images(samples, []), "instruction": [[""]], "output": [[""]], "num_images": [0],
             **({"image": samples["image"][:0]} if samples.get("image") is not None else {})}
+
+
+class HostBatch:
+    """The host side of a vision-LLM's batch (``model.batch``): each sample rendered through the LLM's prompt with
+    its images' placeholders as the image layout counts them, its M-RoPE positions where the LLM family takes more
+    than one row, the image path's host inputs; laid out padded or packed (``prepare``)."""
+
+    def __init__(self, llm: ChatLLM, images: ImageLayout, host_inputs: Callable[[dict[str, Any]], dict[str, Any]]):
+        """``host_inputs``: what the image path needs computed on the host beside the images (an instruction
+        connector's tokens, ``ImagePath.host_inputs``)."""
+        self.llm, self.images, self.host_inputs = llm, images, host_inputs
+        self.image_cut_drops = 0  # samples prepare dropped in this process (on_image_cut: drop), for the log
+
+    def prepare(self, samples: dict[str, Any], pack_to: int | None = None,
+                on_image_cut: Literal["drop", "refuse"] = "refuse") -> dict[str, Any]:
+        """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels``, each image's
+        placeholder count ``image_tokens`` added (and the image path's ``host_inputs``). A batch that has ``labels`` is already
+        prepared and returned as given (with the image layout's host fields: a grid as host rows).
+
+        ``pack_to``: lay the samples end to end in rows of at most that many tokens instead of padding each
+        (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``).
+        ``on_image_cut``: a sample that ``max_txt_len`` would cut inside (or before) an image's placeholders is
+        refused (``ImageSpanCut`` naming it) or dropped from the batch with its images, and counted in the log."""
+        if "labels" in samples:
+            return self.images.host_fields(samples)
+        examples, samples = self._examples(samples, on_image_cut)
+        extra = {**self.host_inputs(samples), "image_tokens": self.images.counts(samples)}
+        rope = self.rope_positions([ids for ids, _ in examples], samples)
+        return self.images.host_fields({**samples, **extra, **lay_out(examples, self.llm.pad_id, pack_to, rope)})
+
+    def rope_positions(self, sequences: list[list[int]], samples: dict[str, Any]) -> list[torch.Tensor] | None:
+        """Each sample's ``[rows, L]`` position ids from the LLM family's provider, when it takes more than one row
+        (M-RoPE); None for 1-D families, whose positions are ``0..L-1`` (packing's ``position_ids``)."""
+        provider = self.llm.positions
+        if provider.rows == 1:
+            return None
+        runs, placeholders = self.images.runs(samples), self.llm.prompt.placeholder_ids
+        return [provider.positions(ids, placeholders, mine) for ids, mine in zip(sequences, runs, strict=True)]
+
+    def _examples(self, samples: dict[str, Any], on_image_cut: str) -> tuple[list[Example], dict[str, Any]]:
+        """Each sample's ``(input_ids, labels)`` and the batch they belong to: ``samples``, or without the samples
+        truncation would cut into an image (``on_image_cut: drop``; a batch left empty keeps one blank sample)."""
+        counts = per_sample(self.images.counts(samples), image_counts(samples))
+        examples = training_examples(self.llm.prompt, samples, counts)
+        kept = [i for i, example in enumerate(examples) if not isinstance(example, ImageSpanCut)]
+        if len(kept) == len(examples):
+            return examples, samples
+        for cut in (example for example in examples if isinstance(example, ImageSpanCut)):
+            if on_image_cut != "drop":
+                raise cut
+            self.image_cut_drops += 1
+            log_drop(cut.where, cut, self.image_cut_drops)
+        if not kept:  # every rank runs a forward (ZeRO-3 / FSDP collectives): one token, nothing supervised
+            return [([self.llm.pad_id], [IGNORE_INDEX])], blank_sample(samples)
+        return [examples[i] for i in kept], keep_samples(samples, kept)

@@ -81,12 +81,13 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
     sides; last answers supervised only, ``last_answer_labels``) and the B pairs' own images, once.
 
     Keys: the sides' (``input_ids``, ``attention_mask``, ``labels``, ``instruction``, ``output``, and the model's
-    ``batch_fields``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and the other
+    image path's ``host_inputs``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and the other
     keys of ``pairs``, and ``num_pairs``.
     """
     sides = model.prepare_batch(side_batch(pairs))
     images = 0 if pairs.get("image") is None else pairs["image"].shape[0]
-    for key in getattr(model, "PER_IMAGE_FIELDS", ()):  # the sides' rows per image: chosen's first, then rejected's
+    per_image = getattr(getattr(model, "image_path", None), "PER_IMAGE_FIELDS", ())
+    for key in per_image:  # the sides' rows per image: chosen's first, then rejected's
         if images and key in sides and sides[key].shape[0] == 2 * images:
             sides[key] = sides[key][:images]  # the pair's images, once (both sides ask the same instruction of them)
     for key in IMAGE_LAYOUT_KEYS:  # the pairs' images' rows once, as the model prepared them (Qwen-VL: host rows)

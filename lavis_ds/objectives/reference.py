@@ -99,7 +99,7 @@ def store_key(cfg: Any, model: torch.nn.Module) -> str:
         if isinstance(path, str) and os.path.exists(os.path.expanduser(path)):
             stat = os.stat(os.path.expanduser(path))
             files[key] = [path, stat.st_size, stat.st_mtime_ns]
-    tokenizer = getattr(model, "llm_tokenizer", None)
+    tokenizer = getattr(getattr(model, "llm", None), "tokenizer", None)
     vocab = sorted(tokenizer.get_vocab().items()) if tokenizer is not None else []
     what = {"datasets": OmegaConf.to_container(cfg.datasets, resolve=True), "model": model_section, "files": files,
             "vocab": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),

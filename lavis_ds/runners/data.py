@@ -59,7 +59,8 @@ class TrainData:
                                     seed=run.seed, length_of=length_of)
         longest = min(run.max_seq_len, self.max_txt_len or run.max_seq_len)  # truncation
         length_of = token_length_of(self.train_set, counted_by(self.model.prepare_batch), longest,
-                                    getattr(self.model, "tokens_for_image", None))
+                                    getattr(getattr(getattr(self.model, "image_path", None), "layout", None),
+                                            "tokens_for_image", None))
         sampler = TokenBudgetSampler(len(self.train_set), micro_batch, run.max_seq_len, accum, self.world_size,
                                      self.rank, run.seed, length_of, run.max_epoch)
         if self.rank == 0:

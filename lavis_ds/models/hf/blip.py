@@ -81,10 +81,10 @@ def blip_config(model: nn.Module, dtype: torch.dtype, config_class: type):
     id as image_token_index."""
     parts = BlipParts.of(model)
     # The LLM's generate reads its stop and pad ids from text_config (see export_hf_processor.generation_config).
-    text = parts.llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
+    text = parts.llm.config.to_dict() | {"eos_token_id": model.llm.stop_token_ids(), "pad_token_id": model.llm.pad_id}
     config = config_class(vision_config=vision_config(parts.vit), qformer_config=parts.qformer.config.to_dict(),
                           text_config=text, num_query_tokens=parts.query_tokens.shape[1],
-                          image_token_index=model.prompt.image_token_id)
+                          image_token_index=model.llm.prompt.image_token_id)
     config.dtype = dtype
     for sub in (config.vision_config, config.qformer_config, config.text_config):
         sub.dtype = dtype
@@ -225,7 +225,7 @@ class InstructBlipProcessors(Blip2Processors):
         bert = AutoTokenizer.from_pretrained(connector.qformer_tokenizer_path, truncation_side="left",
                                              model_max_length=connector.max_instruction_len)
         # The processor gives the Q-Former the whole prompt: this one reads the image's user turn out of it.
-        qformer_tokenizer = instruction_tokenizer(bert, model.prompt.image_token)
+        qformer_tokenizer = instruction_tokenizer(bert, model.llm.prompt.image_token)
         # num_query_tokens=0: the template writes the image tokens where lavis_ds's prompt has them, and the
         # processor prepends none (None, as for BLIP-2, fails in InstructBlipProcessor's call).
         return InstructBlipProcessor(image_processor, tokenizer, qformer_tokenizer, num_query_tokens=0,
@@ -244,7 +244,7 @@ class InstructBlipProcessors(Blip2Processors):
             "length; one prompt per call (lmms-eval's default `batch_size=1`) is exact",
             "the processor adds a token `<image>` of its own to the tokenizer it loads (it writes none: "
             "`num_query_tokens` is 0); a prompt holding the text `<image>` gets an id outside the trained vocabulary"]
-        if model.prompt.record_system_prompt == "fold":
+        if model.llm.prompt.record_system_prompt == "fold":
             notes.append("a system message is folded into the first user turn (`record_system_prompt: fold`), so "
                          "the Q-Former reads its text too; in training it reads the turn's own words only")
         return notes

@@ -67,7 +67,7 @@ class ProcessorExport(FamilyPart):
 
     def template_image_tokens(self, model: nn.Module) -> int:
         """Image tokens the chat template writes per image (the processor expands them where its class does)."""
-        return model.prompt.num_image_tokens
+        return model.llm.prompt.num_image_tokens
 
     def export_chat_template(self, model: nn.Module) -> str | None:
         """The chat template the export's processor and tokenizer carry; None: lavis_ds's ChatML template of the

@@ -50,9 +50,9 @@ def llava_config(model: nn.Module, dtype: torch.dtype):
 
     tower, connector, llm = model.vision_tower, model.connector, base_llm(model.llm_model)
     # generate reads its stop and pad ids from the generation config built from text_config too.
-    text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
+    text = llm.config.to_dict() | {"eos_token_id": model.llm.stop_token_ids(), "pad_token_id": model.llm.pad_id}
     config = LlavaConfig(vision_config=tower.model.config.to_dict(), text_config=text,
-                         image_token_index=model.prompt.image_token_id, image_seq_length=tower.num_tokens,
+                         image_token_index=model.llm.prompt.image_token_id, image_seq_length=tower.num_tokens,
                          projector_hidden_act=projector_act_name(connector),
                          vision_feature_select_strategy=tower.strategy, vision_feature_layer=tower.layers,
                          multimodal_projector_bias=connector.linear_1.bias is not None,
@@ -157,7 +157,7 @@ class LlavaProcessors(ProcessorExport):
         tower = model.vision_tower
         return LlavaProcessor(image_processor, tokenizer, patch_size=tower.model.config.patch_size,
                               vision_feature_select_strategy=tower.strategy, chat_template=template,
-                              image_token=model.prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
+                              image_token=model.llm.prompt.image_token, num_additional_image_tokens=int(tower.HAS_CLS))
 
 
 class LlavaFolders(FolderReading):
@@ -179,9 +179,9 @@ class LlavaFolders(FolderReading):
         if (layer, strategy) != (tower.layers, tower.strategy):
             differ.append(f"vision_feature_layer/select_strategy: folder {layer}/{strategy}, model "
                           f"{tower.layers}/{tower.strategy}")
-        if not differ and config.image_seq_length != model.tokens_per_image:
+        if not differ and config.image_seq_length != model.image_path.layout.tokens_per_image:
             differ.append(f"image tokens per image: folder image_seq_length {config.image_seq_length}, model "
-                          f"{model.tokens_per_image}")
+                          f"{model.image_path.layout.tokens_per_image}")
         return differ
 
     def tower_state(self, state: State) -> dict[str, torch.Tensor]:

@@ -41,10 +41,10 @@ class Qwen35Processors(Qwen3VLProcessors):
         the one call without arguments prompts as lavis_ds does, and a caller may still pass its own."""
         from lavis_ds.models.chat_template import template_text
 
-        published = template_text(model.llm_tokenizer)
+        published = template_text(model.llm.tokenizer)
         if published is None:
             return None
-        return template_defaults(model.prompt.template_variables, model.prompt.system_prompt) + published
+        return template_defaults(model.llm.prompt.template_variables, model.llm.prompt.system_prompt) + published
 
 
 class Qwen35Folders(Qwen3VLFolders):

@@ -50,7 +50,7 @@ class QwenVLWeights(WeightsExport):
         head = llm.get_output_embeddings()
         if type(head) is not nn.Linear or head.bias is not None:
             problems.append(f"llm_model's output layer: {head!r}; {hf_class}'s lm_head is a Linear without bias")
-        tokenizer = model.llm_tokenizer
+        tokenizer = model.llm.tokenizer
         missing = [t for t in (*VISION_TOKENS, VIDEO_TOKEN) if tokenizer.convert_tokens_to_ids(t) in
                    (None, tokenizer.unk_token_id)]
         if missing:
@@ -87,12 +87,12 @@ class QwenVLWeights(WeightsExport):
 
         from lavis_ds.models.llm import base_llm
 
-        llm, tokenizer = base_llm(model.llm_model), model.llm_tokenizer
+        llm, tokenizer = base_llm(model.llm_model), model.llm.tokenizer
         vision = self.hf_vision_config(model)
         vision[self.family.out_width_key] = llm.config.hidden_size
-        text = llm.config.to_dict() | {"eos_token_id": model.stop_token_ids(), "pad_token_id": model.pad_id}
+        text = llm.config.to_dict() | {"eos_token_id": model.llm.stop_token_ids(), "pad_token_id": model.llm.pad_id}
         ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
-            ("image_token_id", model.prompt.image_token), ("video_token_id", VIDEO_TOKEN),
+            ("image_token_id", model.llm.prompt.image_token), ("video_token_id", VIDEO_TOKEN),
             ("vision_start_token_id", VISION_TOKENS[0]), ("vision_end_token_id", VISION_TOKENS[2]))}
         config_class = getattr(transformers, self.family.hf_class.replace("ForConditionalGeneration", "Config"))
         config = config_class(vision_config=vision, text_config=text,
@@ -126,7 +126,7 @@ class QwenVLProcessors(ProcessorExport):
         return 1  # the processor expands each <|image_pad|> into the image's tokens_for_grid
 
     def template_image_run(self, model: nn.Module) -> str:
-        return VISION_TOKENS[0] + model.prompt.image_token + VISION_TOKENS[2]
+        return VISION_TOKENS[0] + model.llm.prompt.image_token + VISION_TOKENS[2]
 
     def template_video_run(self, model: nn.Module) -> str:
         return VISION_TOKENS[0] + VIDEO_TOKEN + VISION_TOKENS[2]  # expanded by the processor into the video's tokens

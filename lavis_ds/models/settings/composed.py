@@ -1,4 +1,4 @@
-"""The config side of a vision-LLM composed of registered parts (``models.composed.ComposedVisionLLM``): its
+"""The config side of a vision-LLM composed of registered parts (``models.vision_llm.VisionLLM``): its
 ``vision_tower:`` and ``connector:`` sections looked up and checked, and what the tower and connector make of an
 image (size, tokens, processing), read from their structure built on the meta device (no weights, no memory).
 

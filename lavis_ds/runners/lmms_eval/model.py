@@ -88,7 +88,7 @@ class LavisDsLmms(lmms):
 
     @property
     def tokenizer(self):
-        return self.lavis_model.llm_tokenizer
+        return self.lavis_model.llm.tokenizer
 
     def clean(self) -> None:
         """Nothing: lmms-eval's default drops every ``nn.Module`` attribute after an evaluation; the model is the

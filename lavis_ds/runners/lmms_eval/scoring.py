@@ -1,7 +1,7 @@
 """The log-likelihood of a continuation, for lmms-eval's multiple-choice tasks: computed inside the model's forward.
 
 A batch that carries ``objective`` is scored by it inside the root module's forward
-(``VisionLLMForward.forward``), where ZeRO-3 and FSDP2 have gathered the root's own parameters; the trainer's engine
+(``VisionLLM.forward``), where ZeRO-3 and FSDP2 have gathered the root's own parameters; the trainer's engine
 runs that forward (``engine.forward``) on every rank. :class:`ContinuationScorer` is such an objective: it returns,
 per sample, the summed log-probability of the answer's tokens (the continuation; the end-of-turn token the chat
 template closes the answer with is not part of it), their number, and whether greedy decoding picks every one of them.
@@ -18,7 +18,7 @@ from lavis_ds.models.lm_loss import picked, supervised_targets
 from lavis_ds.models.vision_llm_batch import sample_of_positions
 
 # What a model needs to give log-likelihoods: the shared vision-LLM core's batch layout and input splice.
-SCORING_NEEDS = ("prepare_batch", "_inputs", "llm_model", "stop_token_ids")
+SCORING_NEEDS = ("prepare_batch", "_inputs", "llm_model", "llm")
 
 
 def scoring_problem(model: torch.nn.Module) -> str | None:
@@ -49,7 +49,7 @@ class ContinuationScorer:
         # Each sample's last supervised token closes its turn (end of turn): not part of the continuation.
         is_last = torch.ones_like(owner, dtype=torch.bool)
         is_last[:-1] = owner[1:] != owner[:-1]
-        closes = is_last & torch.isin(targets, torch.tensor(model.stop_token_ids(), device=targets.device))
+        closes = is_last & torch.isin(targets, torch.tensor(model.llm.stop_token_ids(), device=targets.device))
         keep = ~closes
         logp = torch.zeros(num_samples, device=owner.device).index_add(0, owner, token_logps * keep)
         misses = torch.zeros(num_samples, dtype=torch.long, device=owner.device).index_add(
@@ -73,7 +73,7 @@ def check_complete(complete: list[bool], wheres: list[str], model: torch.nn.Modu
     """Refuse, in one line, requests whose continuation the model's ``max_txt_len`` cut (or cut away)."""
     cut = [where for where, whole in zip(wheres, complete) if not whole]
     if cut:
-        limit = getattr(getattr(model, "prompt", None), "max_len", None)
+        limit = model.llm.prompt.max_len  # SCORING_NEEDS: a vision-LLM core, which holds the LLM part
         raise InputError(f"{cut[0]}{f' and {len(cut) - 1} more' if len(cut) > 1 else ''}: the model's max_txt_len="
                          f"{limit} cuts the continuation, so its log-likelihood cannot be computed; raise "
                          "model.max_txt_len (config.yaml of an export) or shorten the task's prompt")
