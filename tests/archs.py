@@ -25,8 +25,8 @@ def image_side(model: VisionLLM) -> int:
     """The side of the square test images ``model`` takes: its tower's, or for images of any size 2 x 2 merged
     tokens, the smallest image a Qwen-VL tower takes whole (56 px at Qwen2-VL's 14 px patches, 64 px at
     Qwen3-VL's 16 px)."""
-    if model.image_size:
-        return model.image_size
+    if model.vision_tower.image_size:
+        return model.vision_tower.image_size
     layout = model.vision_tower.layout
     return 2 * layout.patch_size * layout.merge_size
 BERT_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "what", "is", "in", "the", "image", "?", "a", "shape",

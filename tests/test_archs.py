@@ -96,7 +96,7 @@ def test_a_mix_no_preset_has_trains(tiny_tokenizer_dir, tiny_bert_tokenizer_dir)
                                       "qformer": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                                                   "intermediate_size": 64}})
     model = registry.get_model_class("llava").from_config(section)
-    assert model.image_path.layout.tokens_per_image == 4 and model.image_size == 56
+    assert model.image_path.layout.tokens_per_image == 4 and model.vision_tower.image_size == 56
     assert model_settings(registry.get_model_class("llava"), section).tokens_per_image() == 4
     out = model(batch(model))
     out["loss"].backward()

@@ -13,19 +13,6 @@ from class_shape import late_attributes, package_classes, public_members
 PACKAGES = ("lavis_ds.models", "lavis_ds.runners")
 MAX_MEMBERS = 25
 
-# The model classes over the limit before their refactor into parts (issue 38 part 3: one VisionLLM holding its
-# tower, connector and ChatLLM; settings objects for the config side; export families and towers holding parts),
-# with their counts of public members. Each entry must still be over the limit, so that the list only shrinks: a class
-# brought under it fails here until its entry is removed. Empty once the refactor is in.
-NOT_YET = {
-    "lavis_ds.models.qwen3_vl.Qwen3VL": 27, "lavis_ds.models.qwen3_5.Qwen35": 27,
-    "lavis_ds.models.qwen_vl.QwenVL": 27, "lavis_ds.models.qwen_vl.Qwen2VL": 27, "lavis_ds.models.qwen_vl.Qwen25VL": 27,
-    "lavis_ds.models.llava.Llava": 27, "lavis_ds.models.instructblip.InstructBlip": 27,
-    "lavis_ds.models.blip2_qwen.Blip2Qwen": 27, "lavis_ds.models.vision_llm.VisionLLM": 27,
-}
-# The same for the attributes a method of a model or runner class sets first: each must still be set late (none are).
-NOT_YET_LATE: dict[str, set[str]] = {}
-
 
 @pytest.fixture(scope="module")
 def classes() -> dict[str, type]:
@@ -38,23 +25,15 @@ def classes() -> dict[str, type]:
 
 def test_every_class_answers_for_at_most_25_public_members(classes):
     over = {name: len(public_members(cls)) for name, cls in classes.items() if len(public_members(cls)) > MAX_MEMBERS}
-    added = {name: count for name, count in over.items() if name not in NOT_YET}
-    assert not added, (f"more than {MAX_MEMBERS} public members (name: count): {added}; hold a part that answers for "
-                       "some of them rather than answering for all")
-    under = {name: len(public_members(classes[name])) if name in classes else "gone"
-             for name in NOT_YET if name not in over}
-    assert not under, f"at most {MAX_MEMBERS} public members now (or gone): {under}: remove it from NOT_YET"
+    assert not over, (f"more than {MAX_MEMBERS} public members (name: count): {over}; hold a part that answers for "
+                      "some of them rather than answering for all")
 
 
 def test_no_method_sets_an_attribute_that_no_constructor_declares(classes):
     late = {name: late_attributes(cls) for name, cls in classes.items()}
-    added = {f"{name}.{attr} (first set in {method})" for name, attrs in late.items()
-             for attr, method in attrs.items() if attr not in NOT_YET_LATE.get(name, ())}
+    added = {f"{name}.{attr} (first set in {method})" for name, attrs in late.items() for attr, method in attrs.items()}
     assert not added, (f"attributes first set outside __init__: {sorted(added)}; declare each in the constructor "
                        "with its empty value, or build the object complete")
-    declared = {f"{name}.{attr}" for name, attrs in NOT_YET_LATE.items() for attr in attrs
-                if attr not in late.get(name, {})}
-    assert not declared, f"declared by a constructor now (or gone): {sorted(declared)}: remove it from NOT_YET_LATE"
 
 
 SAMPLE = '''

@@ -150,7 +150,7 @@ def default_image_cfg(model: nn.Module) -> dict[str, Any]:
     from lavis_ds.image_config import model_eval_processor
 
     processing = getattr(getattr(model, "vision_tower", None), "processing", None)
-    return model_eval_processor(type(model), processing, model.image_size)
+    return model_eval_processor(type(model), processing, model.image_path.layout.image_size)
 
 
 def image_processor(processing, family: HfFamily | str):

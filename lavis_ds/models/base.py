@@ -52,8 +52,8 @@ CONTRACT: dict[str, tuple[Need, ...]] = {
     "generate": (Need("generate", "generate(samples, synced_gpus=False, **generate_kwargs) -> list[str]"),),
     # runner_fsdp: the units it shards one by one (e.g. the ViT's and the LLM's transformer blocks)
     "shard": (Need("repeated_blocks", "repeated_blocks() -> list[nn.Module]"),),
-    # run.packing: prepare_batch(samples, pack_to=N) lays the samples end to end in rows (class attribute PACKS)
-    "pack": (Need("PACKS", "PACKS = True and prepare_batch(samples, pack_to=None) that packs"),),
+    # run.packing: prepare_batch(samples, pack_to=N) lays the samples end to end in rows (its settings' PACKS)
+    "pack": (Need("SETTINGS.PACKS", "SETTINGS.PACKS = True and prepare_batch(samples, pack_to=None) that packs"),),
     # run.batch_unit: tokens: the exact tokens of text-only samples, to fit the length estimate the plan uses
     "count": (Need("prepare_batch", "prepare_batch({'instruction', 'output', 'num_images'}) -> "
                                     "{'attention_mask', ...}"),),

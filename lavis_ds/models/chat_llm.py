@@ -13,7 +13,6 @@ tower's), so a seed gives the weights it always gave.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -26,19 +25,9 @@ from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, l
                                  num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.llm_families import decoder_layers, position_provider, transformers_config
 from lavis_ds.models.lm_loss import head_loss_supported
-from lavis_ds.models.prompt import ChatPrompt
+from lavis_ds.models.prompt import ChatPrompt, PromptLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PromptLayout:
-    """What an architecture's chat template writes besides text and image placeholders (``models.prompt``)."""
-
-    image_span: tuple[str, str] | None = None  # the tokens around each image's placeholders (Qwen-VL's vision span)
-    prompt_tokens: tuple[str, ...] = ()  # special tokens the prompt may write: added to a tokenizer that lacks them
-    video_token: str | None = None  # a video's own placeholder token; None: a video's placeholders are images'
-    video_frame_groups: int | None = None  # frames per timed frame group (Qwen3-VL); None: a video is one run
 
 
 def llm_width(llm_model: str | Path | None, llm_config: Mapping[str, Any] | None) -> int:

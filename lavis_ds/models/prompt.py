@@ -120,6 +120,16 @@ def chatml_segments(
 
 
 @dataclass(frozen=True)
+class PromptLayout:
+    """What an architecture's chat template writes besides text and image placeholders (``models.prompt``)."""
+
+    image_span: tuple[str, str] | None = None  # the tokens around each image's placeholders (Qwen-VL's vision span)
+    prompt_tokens: tuple[str, ...] = ()  # special tokens the prompt may write: added to a tokenizer that lacks them
+    video_token: str | None = None  # a video's own placeholder token; None: a video's placeholders are images'
+    video_frame_groups: int | None = None  # frames per timed frame group (Qwen3-VL); None: a video is one run
+
+
+@dataclass(frozen=True)
 class ChatPrompt:
     """Turns MiniGPT4Qwen samples into token ids (and labels) for one tokenizer.
 

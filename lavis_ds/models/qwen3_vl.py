@@ -21,7 +21,7 @@ timestamp text between them (transformers' ``get_rope_index``). A frame group's 
 and last frame's times: each frame's number in its file over the file's frame rate, as transformers times them
 (``video_frame_seconds``, from the dataset), or, for a batch without them, frames taken evenly at the sampled rate
 from the video's start (``2 / second_per_grid_t`` frames a second). The tower's temporal patch must be Qwen3-VL's
-2 frames (``VIDEO_FRAME_GROUPS``).
+2 frames (its settings' ``PROMPT_LAYOUT``).
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ class Qwen3VL(QwenVL):
                                                     self.llm.config.num_hidden_layers)
         if problems:
             raise PartError(problems[0])
-        frames, groups = self.vision_tower.layout.temporal_patch_size, self.SETTINGS.VIDEO_FRAME_GROUPS
+        frames, groups = self.vision_tower.layout.temporal_patch_size, self.SETTINGS.PROMPT_LAYOUT.video_frame_groups
         if frames != groups:
             raise PartError(f"model.vision_tower.vision_config.temporal_patch_size: {frames}; Qwen3-VL's prompt "
                             f"times each video frame group as {groups} frames; valid: {groups}")

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.models.base import BaseModel
-from lavis_ds.models.chat_llm import ChatLLM, PromptLayout, llm_width
+from lavis_ds.models.chat_llm import ChatLLM, llm_width
 from lavis_ds.models.flops import FlopModel
 from lavis_ds.models.image_path import ImagePath
 from lavis_ds.models.image_tokens import batch_images, check_feature_rows, per_sample, select_images
@@ -65,10 +65,6 @@ class VisionLLM(BaseModel):
 
     # What a `model:` section means without building (lavis_ds.models.settings), the prompt's layout included.
     SETTINGS = ComposedSettings
-    PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
-    # prepare_batch(samples, on_image_cut="drop") leaves out the samples truncation would cut into an image
-    # (the SFT objective's run.sft.on_image_cut)
-    CUTS_IMAGE_SAMPLES = True
     # The state_dict prefix of the LLM: what merge_lora turns into a plain transformers model (export writes it as a
     # Hugging Face folder and the rest beside it).
     LLM_PREFIX = "llm_model."
@@ -166,11 +162,8 @@ class VisionLLM(BaseModel):
         # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
         tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
         image_layout = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
-        settings = self.SETTINGS  # the prompt's layout is the architecture's
-        layout = PromptLayout(settings.IMAGE_SPAN, settings.PROMPT_TOKENS, settings.VIDEO_TOKEN,
-                              settings.VIDEO_FRAME_GROUPS)
-        self.llm = ChatLLM(
-            tokens_per_image=tokens_per_image, layout=layout, random_state=llm_random_state,
+        self.llm = ChatLLM(  # the prompt's layout is the architecture's
+            tokens_per_image=tokens_per_image, layout=self.SETTINGS.PROMPT_LAYOUT, random_state=llm_random_state,
             llm_model=llm_model, llm_config=llm_config,
             llm_precision=llm_precision, tokenizer=tokenizer, freeze_llm=freeze_llm,
             llm_grad_checkpoint=llm_grad_checkpoint, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -206,11 +199,6 @@ class VisionLLM(BaseModel):
         LAVIS's InstructBLIP ``.pth`` or LLaVA's stage-1 ``mm_projector.bin`` (the parts it holds); each part
         checked against the configured one (``lavis_ds.models.published``)."""
         load_published(self, path)
-
-    @property
-    def image_size(self) -> int | None:
-        """The side of the square images the tower takes (None: each image keeps its own size)."""
-        return self.image_path.layout.image_size
 
     # ----------------------------------------------------------------- the batch
     def prepare_batch(self, samples: dict[str, Any], pack_to: int | None = None,

@@ -35,7 +35,8 @@ class NextTokenSft(Objective):
         if not hasattr(model, "prepare_batch"):
             return batch
         options = {} if pack_to is None else {"pack_to": pack_to}
-        if getattr(model, "CUTS_IMAGE_SAMPLES", False):  # models whose prepare_batch takes on_image_cut
+        # models whose prepare_batch takes on_image_cut (their settings say)
+        if getattr(getattr(model, "SETTINGS", None), "CUTS_IMAGE_SAMPLES", False):
             options["on_image_cut"] = self.on_image_cut
         return model.prepare_batch(batch, **options)
 

@@ -35,6 +35,10 @@ class ModelSettings:
     FILE_KEYS: tuple[str, ...] = ()
     # The image processors (train, eval) a dataset section gets when it names none; empty: its builder's defaults.
     IMAGE_PROCESSORS: dict[str, str] = {}
+    # What the model's prepare_batch takes: pack_to=N, packing samples into rows (run.packing), and
+    # on_image_cut="drop", leaving out the samples truncation would cut into an image (run.sft.on_image_cut).
+    PACKS = False
+    CUTS_IMAGE_SAMPLES = False
 
     def __init__(self, arch: type, section: Mapping[str, Any]):
         """``arch``: the model class whose constructor's keyword arguments are the section's keys; ``section``: one

@@ -3,6 +3,7 @@ merger per tapped tower block, no more taps than LLM layers; none at all for Qwe
 enforces too (``deepstack_problems``), and the frame groups a video is written in."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ class Qwen3VLSettings(QwenVLSettings):
     DEFAULT_PARTS = {"vision_tower": {"name": "qwen3_vl"}, "connector": {"name": "qwen3_vl_merger"}}
     # Qwen3-VL's processor writes a video frame group by frame group (models.frame_groups), two frames a group: the
     # prompt (also built without weights, by show_sample) times its groups by this temporal patch size.
-    VIDEO_FRAME_GROUPS = 2
+    PROMPT_LAYOUT = dataclasses.replace(QwenVLSettings.PROMPT_LAYOUT, video_frame_groups=2)
 
     def problems(self) -> list[str]:
         """The parts' and the LLM's problems, then DeepStack's (``deepstack_problems``) from the tower and connector

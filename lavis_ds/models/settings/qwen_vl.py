@@ -2,6 +2,7 @@
 parts of images of their own sizes, the prompt's vision span and video placeholder, Qwen-VL's image processor."""
 from __future__ import annotations
 
+from lavis_ds.models.prompt import PromptLayout
 from lavis_ds.models.settings.composed import ComposedSettings
 
 VISION_SPAN = ("<|vision_start|>", "<|vision_end|>")  # Qwen2-VL's chat template around each image's placeholders
@@ -12,9 +13,10 @@ class QwenVLSettings(ComposedSettings):
     """What the Qwen-VL architectures' sections share; the subclasses name their default parts."""
 
     FLAT_FEATURES = True
-    IMAGE_SPAN = VISION_SPAN
-    PROMPT_TOKENS = (*VISION_SPAN, VIDEO_TOKEN)  # the published tokenizer's; a transformers processor needs all
-    VIDEO_TOKEN = VIDEO_TOKEN  # a video's placeholders, as Qwen2-VL's processor and chat template write them
+    # The vision span around each image; the published tokenizer's special tokens (a transformers processor needs
+    # all); a video's placeholders, as Qwen2-VL's processor and chat template write them.
+    PROMPT_LAYOUT = PromptLayout(image_span=VISION_SPAN, prompt_tokens=(*VISION_SPAN, VIDEO_TOKEN),
+                                 video_token=VIDEO_TOKEN)
     # Qwen-VL trains without augmentation: training and evaluation images are processed alike.
     IMAGE_PROCESSORS = {"train": "qwen_vl_image", "eval": "qwen_vl_image"}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from lavis_ds.models.llm import prepare_tokenizer
 from lavis_ds.models.llm_families import llm_config_problems
-from lavis_ds.models.prompt import ChatPrompt
+from lavis_ds.models.prompt import ChatPrompt, PromptLayout
 from lavis_ds.models.settings.base import ModelSettings
 
 
@@ -16,18 +16,14 @@ class VisionLLMSettings(ModelSettings):
 
     # Keys of a `model:` section naming local files or folders the model reads, checked before any rank loads them.
     FILE_KEYS: tuple[str, ...] = ("tokenizer", "llm_model")
-    # The tokens the family's chat template writes around each image's placeholders (Qwen-VL's vision start and end;
-    # added to a tokenizer that lacks them), or None: the placeholders stand inside the data's <Img>...</Img>.
-    IMAGE_SPAN: tuple[str, str] | None = None
-    # Special tokens the prompt may write besides the image token (the span's; Qwen-VL's video placeholder too):
-    # added to a tokenizer that lacks them.
-    PROMPT_TOKENS: tuple[str, ...] = ()
-    # The placeholder token of a video (a visual with its own time spacing, image_tokens.video_flags) where the
-    # family's processor writes one of its own (Qwen-VL's <|video_pad|>); None: a video's placeholders are images'.
-    VIDEO_TOKEN: str | None = None
-    # Frames per temporal patch where the family's processor writes a video frame group by frame group, each after
-    # its time (Qwen3-VL: models.frame_groups); None: a video is one run of placeholders.
-    VIDEO_FRAME_GROUPS: int | None = None
+    PACKS = True  # prepare_batch(samples, pack_to=N) packs samples into rows (lavis_ds.models.packing)
+    CUTS_IMAGE_SAMPLES = True  # prepare_batch(samples, on_image_cut="drop") leaves out image-cut samples
+    # What the family's chat template writes besides text and image placeholders: the tokens around each image's
+    # placeholders (Qwen-VL's vision start and end; None: they stand inside the data's <Img>...</Img>), the special
+    # tokens added to a tokenizer that lacks them, a video's own placeholder token where the family's processor
+    # writes one (Qwen-VL's <|video_pad|>), and the frames per temporal patch where it writes a video frame group by
+    # frame group, each after its time (Qwen3-VL: models.frame_groups).
+    PROMPT_LAYOUT = PromptLayout()
 
     def tokens_per_image(self) -> int | None:
         """Image placeholders per image in the prompt the section builds. Subclasses say."""
@@ -57,11 +53,12 @@ class VisionLLMSettings(ModelSettings):
         the same tokens as the built model's own ``prompt``."""
         args = self.arguments()
         tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
-                                         self.PROMPT_TOKENS)
+                                         self.PROMPT_LAYOUT.prompt_tokens)
         return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], self.tokens_per_image(),
                           args["max_txt_len"], args["chat_template_kwargs"] or {},
-                          record_system_prompt=args["record_system_prompt"], image_span=self.IMAGE_SPAN,
-                          video_token=self.VIDEO_TOKEN, video_frame_groups=self.VIDEO_FRAME_GROUPS)
+                          record_system_prompt=args["record_system_prompt"], image_span=self.PROMPT_LAYOUT.image_span,
+                          video_token=self.PROMPT_LAYOUT.video_token,
+                          video_frame_groups=self.PROMPT_LAYOUT.video_frame_groups)
 
     @classmethod
     def merged_llm_settings(cls, folder: str) -> dict[str, Any]:
