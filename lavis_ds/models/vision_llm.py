@@ -58,8 +58,6 @@ from lavis_ds.models.vision_llm_batch import HostBatch, packed_image_order, samp
 logger = logging.getLogger(__name__)
 
 
-# Over 400 lines: the class is the one core every architecture shares (its constructor's keyword list, which is the
-# model section's schema, and the loss, log-probabilities and generation); what is not the core is a part it holds.
 class VisionLLM(BaseModel):
     """``vision_tower`` -> ``connector`` -> image tokens spliced into ``llm_model``; subclasses name their settings."""
 
