@@ -33,9 +33,10 @@ from lavis_ds.common import registry as reg
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.common.run_config import RunConfig, batch_unit, valid_betas
 from lavis_ds.common.schema import check_section, fields_of, unknown_key_message
-from lavis_ds.datasets.builders import BaseDatasetBuilder, merge_section_defaults
+from lavis_ds.datasets.builders import BaseDatasetBuilder
 from lavis_ds.datasets.loading import ParsedFiles
 from lavis_ds.datasets.mixing import ratio_problems
+from lavis_ds.datasets.processor_sections import merge_section_defaults
 from lavis_ds.models.linear_attention import model_packing_problems
 from lavis_ds.models.settings.base import model_settings, settings_class
 from lavis_ds.image_config import fill_tower_processing, image_problems, with_model_processors

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from lavis_ds.common import dist
 from lavis_ds.common import registry as reg
 from lavis_ds.common.schema import fields_of
-from lavis_ds.datasets.builders import build_processor
+from lavis_ds.datasets.processor_sections import build_processor
 from lavis_ds.models.settings.base import model_settings, settings_class
 from lavis_ds.processors.image import ImageProcessing, awaits_tower
 
@@ -37,7 +37,7 @@ STAGES = ("train", "eval")
 def with_model_processors(defaults: DictConfig, model_cls: type | None) -> DictConfig:
     """A builder's default section with the model's own image processors (``IMAGE_PROCESSORS``) in place of the
     builder's: a dataset section that names no processor then gets the model's; one that names another replaces
-    it (``builders.merge_section_defaults``)."""
+    it (``processor_sections.merge_section_defaults``)."""
     processors = settings_class(model_cls).IMAGE_PROCESSORS if model_cls is not None else {}
     if not processors:
         return defaults

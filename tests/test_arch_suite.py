@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from archs import ARCHITECTURES, build_tiny, image_side, without_dropout
-from lavis_ds.apps.chat import ChatSession
-from lavis_ds.datasets.builders import build_processor
+from lavis_ds.apps.chat_session import ChatSession
+from lavis_ds.datasets.processor_sections import build_processor
 from lavis_ds.datasets.instruction import expand_video_marker
 
 QUESTIONS = ["What colour is the shape?", "Describe the picture.", "Are the two the same?", "What shape is it?",

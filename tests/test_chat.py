@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lavis_ds.apps.chat import ChatSession, Interrupted, main
+from lavis_ds.apps.chat import main
+from lavis_ds.apps.chat_session import ChatSession, Interrupted
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER as IMG
 from lavis_ds.apps.export import load_exported
 from lavis_ds.apps.generation import GenerationSettings, eval_processors, generate

@@ -104,7 +104,7 @@ def _lavis_ds_token_ids(model, request: dict, vis=None, **generate_kwargs) -> li
     processor (default: what generate uses for a run without datasets, the tower's processing)."""
     from lavis_ds.apps.export_hf_processor import default_image_cfg
     from lavis_ds.apps.generation import generate
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
 
     vis = vis or build_processor(default_image_cfg(model))
     images = torch.stack([vis(Image.open(path).convert("RGB")) for path in request["images"]])
@@ -256,7 +256,7 @@ def test_the_ecosystem_s_one_call_generates_lavis_ds_s_tokens(exports, blip2_exp
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from lavis_ds.apps.export_hf_processor import default_image_cfg
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
 
     folder, model = blip2_export if name == "blip2" else exports[name][3:]
     processor = AutoProcessor.from_pretrained(folder)
@@ -348,7 +348,7 @@ def test_the_folder_s_image_processor_gives_the_pixels_lavis_ds_evaluates_with(e
     from transformers import AutoProcessor
 
     from lavis_ds.apps.export_hf_processor import default_image_cfg
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
 
     *_, folder, model = exports[name]
     theirs = AutoProcessor.from_pretrained(folder, backend="pil").image_processor
@@ -533,7 +533,7 @@ def lavis_ds_answers(exports, blip2_export, lmms_eval_offline):
     """``name -> (export folder, the answers lavis_ds's own lmms-eval model gives on the model the folder holds)``:
     ``LavisDsLmms``, the class `--model lavis_ds` builds, with the eval image processing lavis_ds generates with."""
     from lavis_ds.apps.export_hf_processor import default_image_cfg
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
     from lavis_ds.runners.lmms_eval.model import LavisDsLmms
     from lmms_eval_runs import caption_answers
 

@@ -195,7 +195,7 @@ def test_a_model_that_gives_no_log_likelihoods_is_refused_for_a_multiple_choice_
 
     from lavis_ds.common import registry as reg
     from lavis_ds.common.errors import InputError
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
     from lavis_ds.runners.lmms_eval.model import LavisDsLmms
 
     tower_cls = reg.models.get("eva_vit_g")
@@ -214,7 +214,7 @@ def test_a_request_s_images_and_video_make_the_batch_their_training_records_make
     pixels and the frames a training record of the same content gives (no lmms-eval needed: requests are values)."""
     from PIL import Image
 
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
     from lavis_ds.datasets.instruction import InstructionDataset
     from lavis_ds.runners.lmms_eval.requests import Request, batch_of
     from test_images_per_sample import write_video

@@ -152,7 +152,7 @@ def test_the_datasets_processor_is_filled_with_the_folders_processing(pair):
     video budget), the processing the model is built with, not the tower's defaults."""
     from omegaconf import OmegaConf
 
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
     from lavis_ds.image_config import fill_tower_processing
 
     _, _, ours, folder = pair

@@ -17,7 +17,7 @@ from transformers.video_utils import VideoMetadata
 import lavis_ds  # noqa: F401  (fills the registries)
 from lavis_ds.common.errors import InputError
 from lavis_ds.common.registry import connectors, models, processors, vision_towers
-from lavis_ds.datasets.builders import build_processor
+from lavis_ds.datasets.processor_sections import build_processor
 from lavis_ds.models.parts import PartError, build_part
 from lavis_ds.models.settings.base import model_settings
 from lavis_ds.processors.qwen_vl import QwenVLProcessing, sample_frames, smart_resize, tokens_for_grid

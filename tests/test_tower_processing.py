@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 import lavis_ds  # noqa: F401  (fills the registries)
 from lavis_ds.common.errors import ConfigError
 from lavis_ds.config import load_config
-from lavis_ds.datasets.builders import build_processor
+from lavis_ds.datasets.processor_sections import build_processor
 from lavis_ds.processors.image import CLIP_MEAN, CLIP_STD, TowerImageEvalProcessor
 
 SIGLIP = {"name": "siglip", "preset": "tiny"}  # 56 px, square resize, mean and std 0.5

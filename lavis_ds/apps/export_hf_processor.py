@@ -130,7 +130,7 @@ def image_processing_of(image_cfg: dict[str, Any]):
 
     Every registered image processor carries one (``processing``): ``blip2_image_eval`` a square bicubic resize,
     ``tower_image_eval`` its tower's processing; one that augments (random crops, flips) is served by none."""
-    from lavis_ds.datasets.builders import build_processor
+    from lavis_ds.datasets.processor_sections import build_processor
     from lavis_ds.image_config import section_processing
     from lavis_ds.processors.qwen_vl import QwenVLProcessing
 

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, Iterator
 
-from lavis_ds.apps.chat import CHAT_DEFAULTS, ChatSession, Interrupted
+from lavis_ds.apps.chat_session import CHAT_DEFAULTS, ChatSession, Interrupted
 from lavis_ds.apps.export import ExportError, load_exported
 from lavis_ds.apps.generation import GenerationSettings, add_generation_arguments, eval_processors, settings_from_args
 

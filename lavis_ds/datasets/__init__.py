@@ -4,7 +4,6 @@ from lavis_ds.datasets.builders import (
     CocoCaptionBuilder,
     InstructionBuilder,
     LlavaConversationBuilder,
-    build_processor,
 )
 from lavis_ds.datasets.demo_builder import DemoShapesBuilder
 from lavis_ds.datasets.demo_pairs import DemoShapePairsBuilder
@@ -14,6 +13,7 @@ from lavis_ds.datasets.video import UnreadableVideoError
 from lavis_ds.datasets.loading import BadRecordsError, RecordLoader
 from lavis_ds.datasets.mixing import MixedDataset, mix_train_splits
 from lavis_ds.datasets.options import CocoCaptionOptions, LlavaOptions, SectionOptions
+from lavis_ds.datasets.processor_sections import build_processor
 from lavis_ds.datasets.records import BadRecord
 from lavis_ds.datasets.vqa import VqaBuilder, VqaOptions, parse_vqa_file
 

@@ -23,10 +23,8 @@ Relative paths are relative to the working directory; ``~`` is expanded.
 
 Besides that layout a section may set the options of its builder's ``OPTIONS``
 dataclass (every builder: ``sample_ratio``, ``skip_bad_records``; some add their
-own); the config validator checks them against those fields.
-
-About 440 lines: ``BaseDatasetBuilder`` is most of it (the section's layout read, checked and turned into
-datasets, one step per method), and the builders after it are a few lines each.
+own); the config validator checks them against those fields. The processor keys are read and checked in
+:mod:`lavis_ds.datasets.processor_sections`.
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import Dataset
 
-import lavis_ds.processors  # noqa: F401  (registers the processors the sections name)
 from lavis_ds.common import dist
 from lavis_ds.common import registry as reg
 from lavis_ds.common.schema import check_section, fields_of
@@ -51,37 +48,12 @@ from lavis_ds.datasets.messages import parse_messages_file
 from lavis_ds.datasets.loading import BadRecordsError, ParsedFiles, ParseFile, RecordLoader, describe_bad
 from lavis_ds.datasets.options import LAYOUT_KEYS, CocoCaptionOptions, LlavaOptions, PairOptions, SectionOptions
 from lavis_ds.datasets.preference import PairDataset, pair_parser
-from lavis_ds.processors.base import BaseProcessor
-from lavis_ds.processors.image import awaits_tower
+from lavis_ds.datasets.processor_sections import (PROCESSOR_KINDS, build_processor, merge_section_defaults,
+                                                  processor_problems, processor_stage)
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "datasets"
-
-PROCESSOR_KINDS = ("vis_processor", "text_processor")
-PROCESSOR_STAGES = ("train", "eval")
-
-
-def build_processor(cfg: Mapping[str, Any]) -> BaseProcessor:
-    """Look up ``cfg["name"]`` in the processor registry and build it from the rest of ``cfg``."""
-    if not isinstance(cfg, Mapping) or "name" not in cfg:
-        raise ValueError(f"a processor section needs a `name` (one of: {', '.join(reg.processors)}), got {cfg!r}")
-    return reg.processors.get(cfg["name"]).from_config(cfg)
-
-
-def merge_section_defaults(defaults: DictConfig, section: DictConfig) -> DictConfig:
-    """``section`` over ``defaults``, minus default processors that ``section`` replaces by another ``name``.
-
-    The replaced processor's arguments (e.g. ``min_scale``) would not fit the new one.
-    """
-    defaults = defaults.copy()
-    for kind in PROCESSOR_KINDS:
-        for stage, proc in (section.get(kind) or {}).items():
-            default = (defaults.get(kind) or {}).get(stage)
-            if default is not None and isinstance(proc, DictConfig) and proc.get("name", default.name) != default.name:
-                del defaults[kind][stage]
-    return OmegaConf.merge(defaults, section)
-
 
 def _paths(value: Any) -> list[str] | None:
     """A `storage` value as a list of paths, or None if it is neither a string nor a list of strings."""
@@ -294,7 +266,7 @@ class BaseDatasetBuilder:
             root = None  # records are still checked, their image files cannot be
         if options_valid:
             problems.extend(self._record_problems(files, root))
-        problems.extend(self._processor_problems(files))
+        problems.extend(processor_problems(self.cfg, self.where, files))
         return problems
 
     def _record_problems(self, files: Mapping[str, list[Path]], root: Path | None) -> list[str]:
@@ -323,31 +295,6 @@ class BaseDatasetBuilder:
                 problems.append(f"{key}: {e}")
         return problems
 
-    def _processor_problems(self, files: Mapping[str, list[Path]]) -> list[str]:
-        problems = []
-        for kind in PROCESSOR_KINDS:
-            section = self.cfg.get(kind) or {}
-            if not isinstance(section, dict):
-                problems.append(f"{self.where}.{kind}: expected {{train: {{name: ...}}, eval: {{name: ...}}}}")
-                continue
-            for stage, proc_cfg in section.items():
-                if stage not in PROCESSOR_STAGES:
-                    problems.append(f"{self.where}.{kind}.{stage}: unknown key; valid keys: train, eval")
-                    continue
-                if awaits_tower(proc_cfg):
-                    continue  # the config loader fills it from the model's tower, or says why it cannot
-                try:
-                    build_processor(proc_cfg)
-                except (KeyError, ValueError, TypeError) as e:
-                    problems.append(f"{self.where}.{kind}.{stage}: {e.args[0] if e.args else e}")
-        vis = self.cfg.get("vis_processor") if isinstance(self.cfg.get("vis_processor"), dict) else {}
-        for stage in sorted({_stage(split) for split in files}):
-            if stage not in vis:
-                problems.append(f"{self.where}.vis_processor.{stage}: required for the "
-                                f"{'train split' if stage == 'train' else 'evaluation splits'}, "
-                                f"e.g. {{name: blip2_image_{stage}, image_size: 224}}")
-        return problems
-
     def build(self) -> dict[str, Dataset]:
         """``{split: dataset}``. Runs ``prepare()`` and ``check()`` first, so it works standalone."""
         self.prepare()
@@ -364,8 +311,8 @@ class BaseDatasetBuilder:
             splits[split] = dataset = self.dataset_cls(
                 paths,
                 image_root,
-                vis_processor=processors["vis_processor"][_stage(split)],
-                text_processor=processors["text_processor"].get(_stage(split)),
+                vis_processor=processors["vis_processor"][processor_stage(split)],
+                text_processor=processors["text_processor"].get(processor_stage(split)),
                 loader=self.loader_for(split),
                 replace_unreadable_images=self.options().skip_bad_records,
                 # not given: the processor's own video sampling where it has one (Qwen3-VL's 2 frames a second)
@@ -374,10 +321,6 @@ class BaseDatasetBuilder:
             if dataset.skip_summary and dist.is_main_process():  # every rank loads; one warning is enough
                 logger.warning("%s: %s", self.annotation_key(split), dataset.skip_summary)
         return splits
-
-
-def _stage(split: str) -> str:
-    return "train" if split == "train" else "eval"
 
 
 @reg.builders.register("minigpt4qwen_instruction")
@@ -435,7 +378,7 @@ class CocoCaptionBuilder(BaseDatasetBuilder):
         return RecordLoader(parse, skip=self.options().skipped_kinds(), parsed_files=self.parsed_files)
 
     def loader_for(self, split: str) -> RecordLoader:
-        return self.loader if _stage(split) == "train" else self.eval_loader
+        return self.loader if processor_stage(split) == "train" else self.eval_loader
 
 
 # MiniGPT4Qwen's builder names (Coobiw/MPP-LLaVA, lavis/datasets/builders/minigpt4qwen_builder.py). Both of

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
 from lavis_ds.common import registry as reg
-from lavis_ds.datasets.builders import BaseDatasetBuilder, _local_path, _paths, _stage
+from lavis_ds.datasets.builders import BaseDatasetBuilder, _local_path, _paths
 from lavis_ds.datasets.loading import ParseFile, RecordLoader, read_json
 from lavis_ds.datasets.options import SectionOptions
+from lavis_ds.datasets.processor_sections import processor_stage
 from lavis_ds.datasets.records import IMAGE_PLACEHOLDER, BadRecord, InstructionRecord, record_where
 
 # LLaVA-1.5's short-answer VQAv2 prompt; `{question}` is replaced by the record's question.
@@ -205,4 +206,4 @@ class VqaBuilder(BaseDatasetBuilder):
                             parsed_files=self.parsed_files)
 
     def loader_for(self, split: str) -> RecordLoader:
-        return self.loader if _stage(split) == "train" else self.eval_loader
+        return self.loader if processor_stage(split) == "train" else self.eval_loader
