@@ -4,10 +4,11 @@ lmms-eval runs each rank's share of the requests, gathers the per-document resul
 (``evaluate``'s aggregation: the tasks' own aggregation functions) and ends with a barrier on the run's process
 group. A rank that raises out of it alone leaves the others waiting in a collective until the NCCL timeout (tens
 of minutes by default), and the error it printed is lost among their timeout tracebacks. So the ``lmms_eval`` hook
-(and ``lavis-ds eval`` on several processes) catches a failure on the rank it happens on and the ranks agree on it at once, in one collective
-(:func:`agree_on_evaluation`); a rank 0 that failed while scoring first meets the barrier the others wait at
-(:func:`meet_closing_barrier`), and a rank that cannot prepare one of its requests holds that failure until
-lmms-eval is done (``LavisDsLmms``'s ``hold_failures``), joining the others' forwards and gathers meanwhile. A
+and ``lavis-ds eval`` on several processes catch a failure on the rank it happens on and the ranks agree on it at
+once, in one collective (:func:`agree_on_evaluation`); a rank 0 that failed while scoring first meets the barrier
+the others wait at (:func:`meet_closing_barrier`), and a rank that cannot prepare one of its requests holds that
+failure until lmms-eval is done (``LavisDsLmms``'s ``hold_failures``), joining the others' forwards and gathers
+meanwhile. A
 failure inside a forward on one rank (a sharded forward is itself a collective), or inside lmms-eval's
 per-document scoring on one rank before its gathers, is not recovered: that rank raises, as any rank failing
 inside a collective does.
