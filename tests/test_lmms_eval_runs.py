@@ -18,7 +18,8 @@ evaluating 2 documents per task twice, two in-process `lavis-ds eval` runs on a 
 (benchmarks/lmms_eval_cost.py) for one step and 2 documents in one process: 30-50 s on the shared 2-core machine
 once the suite's process server is up (starting it adds some 15 s to whichever run is first). An evaluation that
 fails on one rank at step 1 (a task's scoring on rank 0, a document's image on rank 1): three 2-process runs of one
-or two steps, stopped there (`on_error: stop`) or training on (`continue`), 5-7 s each.
+or two steps, stopped there (`on_error: stop`) or training on (`continue`), 5-7 s each; `lavis-ds eval` on 2
+processes on the FSDP2 run's checkpoint with either failure, 3-4 s each.
 """
 from __future__ import annotations
 
@@ -241,18 +242,13 @@ def test_an_evaluation_failing_on_one_rank_stops_every_rank_or_every_rank_trains
     gathers. `stop`: both ranks end there, one `lavis_ds:` line naming the task, the step and the rank, no rank
     left running (forked.Job kills one still running after its peer failed, and says so). `continue`: the line says
     so, step 1 has no record, and both ranks train on to step 2, whose evaluation scores."""
-    tasks, task = tmp_path / "tasks", f"demo_shapes_failing_{case}"
-    tasks.mkdir()
-    override, rank = OVERRIDES[case]
-    (tasks / f"{task}.yaml").write_text(FAILING_TASK.format(include=INCLUDE, task=task, override=override))
-    (tasks / "failing.py").write_text(FAILING)
+    tasks, task, rank = _failing_task(tmp_path, case)
     out = tmp_path / "out"
     cfg = tiny_config(out, demo_storage, lmms_eval={"tasks": [task], "every": 1, "limit": LIMIT,
                                                     "include_path": str(tasks), "on_error": on_error})
     proc = run_train(write_yaml(tmp_path / "run.yaml", cfg), check=False, timeout=180)  # a hang fails, 10x its time
     lines = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:") and "MFU" not in line]
-    cause = {"scoring": "ZeroDivisionError: the task's scorer failed",
-             "image": f"task {task} (test doc 1): FileNotFoundError: images/test_00001.png is missing"}[case]
+    cause = _cause(case, task)
     then = ("the run stops here; set run.lmms_eval.on_error: continue to train on when an evaluation fails"
             if on_error == "stop" else
             "training continues without this evaluation's scores (run.lmms_eval.on_error: continue)")
@@ -263,3 +259,35 @@ def test_an_evaluation_failing_on_one_rank_stops_every_rank_or_every_rank_trains
     if on_error == "continue":
         assert [m["step"] for m in metrics(out) if "split" not in m] == [1, LAST]
         assert [r["step"] for r in _rows(out)] == [LAST]
+
+
+def _failing_task(tmp_path: Path, case: str) -> tuple[Path, str, int]:
+    """A folder with the demo caption task whose ``case`` function fails: the folder, the task and the failing rank."""
+    tasks, task = tmp_path / "tasks", f"demo_shapes_failing_{case}"
+    tasks.mkdir()
+    override, rank = OVERRIDES[case]
+    (tasks / f"{task}.yaml").write_text(FAILING_TASK.format(include=INCLUDE, task=task, override=override))
+    (tasks / "failing.py").write_text(FAILING)
+    return tasks, task, rank
+
+
+def _cause(case: str, task: str) -> str:
+    return {"scoring": "ZeroDivisionError: the task's scorer failed",
+            "image": f"task {task} (test doc 1): FileNotFoundError: images/test_00001.png is missing"}[case]
+
+
+@pytest.mark.parametrize("case", ["scoring", "image"])
+def test_lavis_ds_eval_failing_on_one_of_two_processes_stops_both_with_one_line(tmp_path, fsdp_run, case):
+    """`lavis-ds eval` on 2 processes (its only multi-process run in the suite) on the FSDP2 run's checkpoint, with
+    the failures above: both processes end at once with the failing rank's one line and its code (1), none left
+    waiting in a collective (forked.Job would kill it after 30 s and say so; a hang fails at the timeout)."""
+    tasks, task, rank = _failing_task(tmp_path, case)
+    proc = run_forked("lavis_ds.apps.eval:main", [
+        "--model", str(fsdp_run / "checkpoints" / f"step_{LAST}"), "--tasks", task, "--include_path", str(tasks),
+        "--limit", str(LIMIT), "--output_path", str(tmp_path / "eval")], tmp_path / "logs", nproc=2, timeout=180)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:")]
+    assert lines == [f"lavis_ds: lavis-ds eval: evaluating task {task} failed on rank {rank}: {_cause(case, task)}"], \
+        proc.stderr[-4000:]
+    assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert not list((tmp_path / "eval").glob("*/*_results.json"))  # no result files of a failed evaluation

@@ -9,13 +9,15 @@
 ``lmms-eval --model lavis_ds --model_args pretrained=PATH ...`` (lavis_ds registers the model with lmms-eval).
 ``--output_path`` receives lmms-eval's files: ``<model>/<date>_results.json`` and, with ``--log_samples``,
 ``<date>_samples_<task>.jsonl`` per task. docs/evaluation.md says how to point a task at a local copy of a
-benchmark.
+benchmark. On several processes an evaluation that fails on one of them (a task's scoring on rank 0, a document a
+rank cannot load) stops every process with one ``lavis_ds:`` line naming the task and the rank, and a non-zero code.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from lavis_ds.common.errors import InputError, LavisDsError, report
@@ -48,13 +50,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from lavis_ds.runners.lmms_eval import require_lmms_eval
 
     require_lmms_eval()
-    from lmms_eval import evaluator
     from lmms_eval.loggers import EvaluationTracker
     from lmms_eval.utils import get_datetime_str, make_table
 
     from lavis_ds.apps.eval_model import MODEL_NAME, PretrainedLavisDsLmms
-    from lavis_ds.runners.lmms_eval.tasks import (check_datasets_on_disk, check_task_names, hub_dataset_error,
-                                                  task_manager)
+    from lavis_ds.runners.lmms_eval.tasks import check_datasets_on_disk, check_task_names, task_manager
 
     if args.log_samples and not args.output_path:
         raise InputError("--log_samples writes files: give --output_path")
@@ -63,9 +63,29 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     check_datasets_on_disk(tasks, manager)
     device = _device(args.device)
     model = PretrainedLavisDsLmms.from_pretrained(args.model, device=device, dtype=args.dtype,
-                                                  batch_size=args.batch_size)
+                                                  batch_size=args.batch_size, hold_failures=_processes() > 1)
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     datetime_str = get_datetime_str()  # names the result files, as lmms-eval's CLI names them
+    results = _on_every_rank(lambda: _simple_evaluate(args, model, tasks, manager, datetime_str, tracker), tasks)
+    if results is None:  # a rank other than 0: lmms-eval gathers the results on rank 0
+        return {}
+    samples = results.pop("samples", None)
+    if tracker is not None:
+        results["config"]["model"] = MODEL_NAME
+        tracker.save_results_aggregated(results=results, samples=samples, datetime_str=datetime_str)
+        for task in results["configs"] if args.log_samples else ():
+            tracker.save_results_samples(task_name=task, samples=samples[task])
+    print(make_table(results))
+    return results
+
+
+def _simple_evaluate(args: argparse.Namespace, model, tasks: list[str], manager, datetime_str: str,
+                     tracker) -> dict[str, Any] | None:
+    """lmms-eval's ``simple_evaluate`` with the command's flags; its results on rank 0, else None."""
+    from lmms_eval import evaluator
+
+    from lavis_ds.runners.lmms_eval.tasks import hub_dataset_error
+
     try:
         results = evaluator.simple_evaluate(
             model=model, model_args=f"pretrained={args.model}", tasks=tasks, num_fewshot=args.num_fewshot,
@@ -81,15 +101,28 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         if offline is None:
             raise
         raise offline from None
-    if results is None:  # a rank other than 0: lmms-eval gathers the results on rank 0
-        return {}
-    samples = results.pop("samples", None)
-    if tracker is not None:
-        results["config"]["model"] = MODEL_NAME
-        tracker.save_results_aggregated(results=results, samples=samples, datetime_str=datetime_str)
-        for task in results["configs"] if args.log_samples else ():
-            tracker.save_results_samples(task_name=task, samples=samples[task])
-    print(make_table(results))
+    if model.failure is not None:  # a request this rank could not prepare, held while the others needed it
+        raise model.failure
+    return results
+
+
+def _on_every_rank(evaluate_here: Callable[[], dict[str, Any] | None], tasks: list[str]) -> dict[str, Any] | None:
+    """``evaluate_here()``; on several processes the ranks then agree on whether it failed on any, as the
+    ``lmms_eval`` hook does (``lmms_eval.failures``): a rank that fails alone (rank 0 while lmms-eval scores, a rank
+    that cannot prepare a request) would leave the others waiting in a collective until the NCCL timeout. A failure
+    anywhere raises on every rank; the rank it happened on reports it, the others exit with its code silently."""
+    if _processes() < 2:
+        return evaluate_here()
+    from lavis_ds.runners.lmms_eval.failures import (EvaluationFailed, agree_on_evaluation, meet_closing_barrier,
+                                                     what_failed)
+
+    results, failure = None, None
+    try:
+        results = evaluate_here()
+    except Exception as e:  # told to every rank below, rather than leaving them waiting for this one
+        meet_closing_barrier(e)
+        failure = EvaluationFailed(f"{PROG}: {what_failed(e, tasks)}", getattr(e, "exit_code", 1))
+    agree_on_evaluation(failure, train_on=False)
     return results
 
 
@@ -120,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         evaluate(args)
     except (LavisDsError, ValueError) as e:  # a bad task, dataset, model folder or request: one line
-        report(str(e))
-        return 2
+        if not getattr(e, "quiet", False):  # a peer's failure: the rank it happened on reports it
+            report(str(e))
+        return getattr(e, "exit_code", 2)
     return 0
 
 

@@ -25,18 +25,22 @@ class PretrainedLavisDsLmms(LavisDsLmms):
 
     @classmethod
     def from_pretrained(cls, pretrained: str, device: str = "cpu", dtype: str = "auto", batch_size: int = 1,
-                        max_frames: int | None = None, **generation: Any) -> "PretrainedLavisDsLmms":
+                        max_frames: int | None = None, hold_failures: bool = False,
+                        **generation: Any) -> "PretrainedLavisDsLmms":
         """Args:
             pretrained: An export folder, a checkpoint folder (``<output_dir>/checkpoints/step_<N>``: the best one,
                 or any) or a run's output_dir (its newest complete checkpoint).
             device, dtype: Where and in which dtype to run (``auto``: the dtype it trained in).
             batch_size: Requests per call. ``max_frames``: frames sampled from a video request.
+            hold_failures: Keep a request this rank cannot prepare as ``failure`` (``LavisDsLmms``), for the caller
+                to raise once lmms-eval is done: ``lavis-ds eval`` on several processes.
             generation: Default generation settings (``max_new_tokens``, ``num_beams``, ...), under the task's.
         """
         model, cfg = load_trained(pretrained, device=device, dtype=dtype)
         image_processor, text_processor = eval_processors_of(cfg)
         extra = {} if max_frames is None else {"max_frames": int(max_frames)}
-        return cls(model, image_processor, text_processor, batch_size=int(batch_size), generation=generation, **extra)
+        return cls(model, image_processor, text_processor, batch_size=int(batch_size), generation=generation,
+                   hold_failures=hold_failures, **extra)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "PretrainedLavisDsLmms":

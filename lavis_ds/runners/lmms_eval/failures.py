@@ -4,10 +4,11 @@ lmms-eval runs each rank's share of the requests, gathers the per-document resul
 (``evaluate``'s aggregation: the tasks' own aggregation functions) and ends with a barrier on the run's process
 group. A rank that raises out of it alone leaves the others waiting in a collective until the NCCL timeout (tens
 of minutes by default), and the error it printed is lost among their timeout tracebacks. So the ``lmms_eval`` hook
-catches a failure on the rank it happens on and the ranks agree on it at once, in one collective
-(:func:`agree_on_evaluation`); a rank 0 that failed while scoring first meets the barrier the others wait at
-(:func:`meet_closing_barrier`), and a rank that cannot prepare one of its requests holds that failure until
-lmms-eval is done (``LavisDsLmms``'s ``hold_failures``), joining the others' forwards and gathers meanwhile. A
+and ``lavis-ds eval`` on several processes catch a failure on the rank it happens on and the ranks agree on it at
+once, in one collective (:func:`agree_on_evaluation`); a rank 0 that failed while scoring first meets the barrier
+the others wait at (:func:`meet_closing_barrier`), and a rank that cannot prepare one of its requests holds that
+failure until lmms-eval is done (``LavisDsLmms``'s ``hold_failures``), joining the others' forwards and gathers
+meanwhile. A
 failure inside a forward on one rank (a sharded forward is itself a collective), or inside lmms-eval's
 per-document scoring on one rank before its gathers, is not recovered: that rank raises, as any rank failing
 inside a collective does.
@@ -45,11 +46,17 @@ class EvaluationFailed(LavisDsError):
 def evaluation_failure(error: Exception, tasks: list[str], step: int, train_on: bool) -> EvaluationFailed:
     """``error`` as the one line every rank's agreement reports: the task the traceback names (else the
     evaluation's tasks), the optimizer step, the rank, the cause, and whether the run stops."""
+    return EvaluationFailed(f"run.lmms_eval: {what_failed(error, tasks, f' at optimizer step {step}')}; "
+                            f"{TRAIN_ON if train_on else STOP}", getattr(error, "exit_code", 1))
+
+
+def what_failed(error: Exception, tasks: list[str], at: str = "") -> str:
+    """``evaluating task T<at> failed on rank R: <cause>``: the task the traceback names (else the evaluation's
+    tasks), the rank and the cause; the part of the line the ``lmms_eval`` hook and ``lavis-ds eval`` share."""
     task = task_of(error)
     what = f"task {task}" if task else f"task{'s' if len(tasks) > 1 else ''} {', '.join(tasks)}"
     cause = message_of(error) if isinstance(error, LavisDsError) else f"{type(error).__name__}: {message_of(error)}"
-    return EvaluationFailed(f"run.lmms_eval: evaluating {what} at optimizer step {step} failed on rank {dist.rank()}: "
-                            f"{cause}; {TRAIN_ON if train_on else STOP}", getattr(error, "exit_code", 1))
+    return f"evaluating {what}{at} failed on rank {dist.rank()}: {cause}"
 
 
 def task_of(error: BaseException) -> str | None:
