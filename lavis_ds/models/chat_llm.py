@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from lavis_ds.models.eva_vit import DTYPES
 from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
@@ -28,13 +28,6 @@ from lavis_ds.models.lm_loss import head_loss_supported
 from lavis_ds.models.prompt import ChatPrompt, PromptLayout
 
 logger = logging.getLogger(__name__)
-
-
-def llm_width(llm_model: str | Path | None, llm_config: Mapping[str, Any] | None) -> int:
-    """The hidden size of the LLM a ``model:`` section names, read from its folder's config.json (a vision-language
-    folder's text config) or ``llm_config``, without building it: what the connector projects to."""
-    config = AutoConfig.from_pretrained(llm_model) if llm_model is not None else transformers_config(llm_config or {})
-    return config.get_text_config(decoder=True).hidden_size
 
 
 class ChatLLM:

@@ -119,14 +119,14 @@ class ImagePath:
         time."""
         return [*self.tower.blocks(), *self.connector.blocks()]
 
-    def flop_model(self, llm_model: nn.Module, head_at_every_position: bool) -> FlopModel | None:
+    def flop_model(self) -> FlopModel | None:
         """Training FLOPs per sample by part (tower, connector, LLM), for the parameters that train now
         (``lavis_ds.models.flops``); None if a part does not say (a user's part without ``flops``: no MFU logged)."""
         image_path = self.flops()
         if image_path is None:
             return None
         tower, connector, image_grad = image_path
-        return compose(tower, connector, image_grad, llm_model, head_at_every_position)
+        return compose(tower, connector, image_grad, self.llm.model, not self.llm.head_at_supervised_positions())
 
     def flops(self) -> tuple[Flops, Callable[[int], Flops], bool] | None:
         """The image path's FLOPs per image: the tower's, the connector's given its instruction tokens per image,

@@ -64,6 +64,13 @@ def transformers_config(llm_config: Mapping[str, Any], **defaults: Any) -> Pretr
     return AutoConfig.for_model(kwargs.pop("model_type", DEFAULT_MODEL_TYPE), **kwargs)
 
 
+def llm_text_config(llm_model: str | None, llm_config: Mapping[str, Any] | None) -> PretrainedConfig:
+    """The text config of the LLM a ``model:`` section names, without building it: its folder's config.json (a
+    vision-language folder's text config), else ``llm_config`` with transformers' defaults."""
+    config = AutoConfig.from_pretrained(llm_model) if llm_model is not None else transformers_config(llm_config or {})
+    return config.get_text_config(decoder=True)
+
+
 def _mrope_section_problems(section: Mapping[str, Any]) -> list[str]:
     """M-RoPE splits each head's rotary frequencies (half its rotary dimensions: the head, or Qwen3.5's
     ``partial_rotary_factor`` of it) into temporal, height and width parts: ``mrope_section`` must add up to them

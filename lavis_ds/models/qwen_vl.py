@@ -124,9 +124,9 @@ class GridImagePath(ImagePath):
     def encode(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:
         return self.connector(self.tower(*self.layout.patches_and_grid(images, samples)))
 
-    def flop_model(self, llm_model: nn.Module, head_at_every_position: bool) -> FlopModel:
+    def flop_model(self) -> FlopModel:
         # Images of the same size recur; the FLOPs of a size are read once (they hold while the switches do).
-        return replace(super().flop_model(llm_model, head_at_every_position),
+        return replace(super().flop_model(),
                        image_path_of_size=lru_cache(maxsize=4096)(self.flops_of_size))
 
     def flops(self) -> tuple[Flops, Callable[[int], Flops], bool]:

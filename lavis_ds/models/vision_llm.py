@@ -41,12 +41,13 @@ from transformers import PreTrainedModel
 
 from lavis_ds.common.registry import connectors, vision_towers
 from lavis_ds.models.base import BaseModel
-from lavis_ds.models.chat_llm import ChatLLM, llm_width
+from lavis_ds.models.chat_llm import ChatLLM
 from lavis_ds.models.flops import FlopModel
 from lavis_ds.models.image_path import ImagePath
 from lavis_ds.models.image_tokens import batch_images, check_feature_rows, per_sample, select_images
 from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
+from lavis_ds.models.llm_families import llm_text_config
 from lavis_ds.models.lm_loss import full_logits_loss, token_logps
 from lavis_ds.models.parts import build_part
 from lavis_ds.models.prompt import IGNORE_INDEX, image_counts, pad_batch, pad_positions
@@ -154,7 +155,7 @@ class VisionLLM(BaseModel):
         tower = build_part(vision_towers, tower_section, "model.vision_tower")
         # A random-init LLM (tests, demos) is initialised from where it always was: right after the tower.
         llm_random_state = torch.random.get_rng_state()
-        width = llm_width(llm_model, llm_config)
+        width = llm_text_config(llm_model, llm_config).hidden_size  # what the connector projects to
         part = build_part(connectors, connector_section, "model.connector", vision_width=tower.num_features,
                           llm_width=width)
         # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
@@ -369,7 +370,7 @@ class VisionLLM(BaseModel):
         """Training FLOPs per sample by part (tower, connector, LLM), for the parameters that train now
         (``ImagePath.flop_model``); None if a part does not say. Reads only layer sizes and ``requires_grad``: works
         on partitioned weights (ZeRO-3, FSDP) and on the meta device."""
-        return self.image_path.flop_model(self.llm_model, not self.llm.head_at_supervised_positions())
+        return self.image_path.flop_model()
 
     def merge_lora(self) -> PreTrainedModel:
         """Turn the LLM into a plain transformers model (``Qwen2ForCausalLM``, ...) with everything trained inside it

@@ -7,9 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import AutoConfig
-
-from lavis_ds.models.llm_families import transformers_config
+from lavis_ds.models.llm_families import llm_text_config
 from lavis_ds.models.settings.composed import structure_on_meta
 from lavis_ds.models.settings.qwen_vl import QwenVLSettings
 
@@ -71,8 +69,6 @@ def _llm_layers(section: Mapping[str, Any]) -> int | None:
     """The LLM's decoder layers: its folder's config.json (a vision-language folder's text config), else
     ``llm_config`` with transformers' defaults; None where neither reads (the LLM's own checks say why)."""
     try:
-        folder = section.get("llm_model")
-        config = AutoConfig.from_pretrained(folder) if folder else transformers_config(section.get("llm_config") or {})
+        return llm_text_config(section.get("llm_model") or None, section.get("llm_config")).num_hidden_layers
     except (OSError, ValueError, TypeError):
         return None
-    return config.get_text_config(decoder=True).num_hidden_layers
