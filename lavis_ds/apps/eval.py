@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -113,16 +112,11 @@ def _on_every_rank(evaluate_here: Callable[[], dict[str, Any] | None], tasks: li
     anywhere raises on every rank; the rank it happened on reports it, the others exit with its code silently."""
     if _processes() < 2:
         return evaluate_here()
-    from lavis_ds.runners.lmms_eval.failures import (EvaluationFailed, agree_on_evaluation, meet_closing_barrier,
-                                                     what_failed)
+    from lavis_ds.runners.lmms_eval.failures import EvaluationFailed, evaluated_together, what_failed
 
-    results, failure = None, None
-    try:
-        results = evaluate_here()
-    except Exception as e:  # told to every rank below, rather than leaving them waiting for this one
-        meet_closing_barrier(e)
-        failure = EvaluationFailed(f"{PROG}: {what_failed(e, tasks)}", getattr(e, "exit_code", 1))
-    agree_on_evaluation(failure, train_on=False)
+    results, _ = evaluated_together(
+        evaluate_here, lambda e: EvaluationFailed(f"{PROG}: {what_failed(e, tasks)}", getattr(e, "exit_code", 1)),
+        train_on=False)
     return results
 
 

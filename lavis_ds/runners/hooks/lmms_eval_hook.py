@@ -26,7 +26,7 @@ from lavis_ds.runners import checkpoint as ckpt
 from lavis_ds.runners.hooks.base import Hook
 from lavis_ds.runners.hooks.evaluation import write_json_lines
 from lavis_ds.runners.hooks.lmms_eval_checks import SPLIT, scores_of, task_index
-from lavis_ds.runners.lmms_eval.failures import agree_on_evaluation, evaluation_failure, meet_closing_barrier
+from lavis_ds.runners.lmms_eval.failures import evaluated_together, evaluation_failure
 
 
 EVAL_SEED = 0  # lmms-eval's python, numpy, torch and few-shot seeds, as `lavis-ds eval` sets them by default
@@ -69,15 +69,16 @@ class LmmsEval(Hook):
         if not self.tasks:
             return
         started = time.perf_counter()
-        results, record, failure = None, None, None
-        try:
-            results = self.run_lmms_eval(trainer)  # every rank; the results on rank 0 only
-            if trainer.rank == 0:
-                record = self._record(trainer, results, started)
-        except Exception as e:  # told to every rank below, rather than leaving them waiting for this one
-            meet_closing_barrier(e)
-            failure = evaluation_failure(e, self.tasks, trainer.state.global_step, self.train_on)
-        if not agree_on_evaluation(failure, self.train_on) and trainer.rank == 0:
+
+        def evaluate() -> tuple[dict | None, dict | None]:  # every rank; the results and the record on rank 0 only
+            results = self.run_lmms_eval(trainer)
+            return results, self._record(trainer, results, started) if trainer.rank == 0 else None
+
+        outcome, failed = evaluated_together(
+            evaluate, lambda e: evaluation_failure(e, self.tasks, trainer.state.global_step, self.train_on),
+            self.train_on)
+        if not failed and trainer.rank == 0:
+            results, record = outcome
             trainer.hooks.log(record)
             self._write_predictions(trainer, results)
         self.since = time.perf_counter()

@@ -17,6 +17,9 @@ No lmms-eval import here: a failure is read from its traceback.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from lavis_ds.common import comm, dist
@@ -102,3 +105,18 @@ def agree_on_evaluation(failure: EvaluationFailed | None, train_on: bool) -> boo
     if dist.rank() == 0:
         report(next(line for line in lines if line is not None))
     return True
+
+
+def evaluated_together(evaluate: Callable[[], Any], failure_of: Callable[[Exception], EvaluationFailed],
+                       train_on: bool) -> tuple[Any, bool]:
+    """Collective, every rank: ``evaluate()`` here, then the ranks' agreement on whether it failed on any of them
+    (:func:`agree_on_evaluation`; ``failure_of`` makes this rank's line of what it raised, after it met the closing
+    barrier a failed rank 0 owes the others). Returns ``evaluate()``'s result (None where it failed here) and
+    whether it failed anywhere, which only ``train_on`` returns: else every rank raises."""
+    result, failure = None, None
+    try:
+        result = evaluate()
+    except Exception as e:  # told to every rank by the agreement, rather than leaving them waiting for this one
+        meet_closing_barrier(e)
+        failure = failure_of(e)
+    return result, agree_on_evaluation(failure, train_on)
