@@ -33,9 +33,13 @@ class ImagePath:
     # a batch whose samples share images (a preference pair's two sides) keeps one row per distinct image.
     PER_IMAGE_FIELDS = CONNECTOR_INPUT_KEYS
 
-    def __init__(self, tower: nn.Module, connector: nn.Module, layout: ImageLayout, llm: ChatLLM):
+    def __init__(self, tower: nn.Module, connector: nn.Module, tokens_per_image: int | None, llm: ChatLLM,
+                 owner: str = "the model"):
+        """``tokens_per_image``: what the connector makes of the tower's tokens (None: each image's own count);
+        ``owner``: the architecture, as messages name it."""
         # The parts are the model's registered modules (``vision_tower``, ``connector``); held here to run them.
-        self.tower, self.connector, self.layout, self.llm = tower, connector, layout, llm
+        self.tower, self.connector, self.llm = tower, connector, llm
+        self.layout = self.LAYOUT(tower, tokens_per_image, owner)
 
     # ----------------------------------------------------------------- features
     def encode(self, images: torch.Tensor, samples: dict[str, Any]) -> torch.Tensor:

@@ -160,7 +160,6 @@ class VisionLLM(BaseModel):
                           llm_width=width)
         # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
         tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
-        image_layout = self.IMAGE_PATH.LAYOUT(tower, tokens_per_image, type(self).__name__)
         self.llm = ChatLLM(  # the prompt's layout is the architecture's
             tokens_per_image=tokens_per_image, layout=self.SETTINGS.PROMPT_LAYOUT, random_state=llm_random_state,
             llm_model=llm_model, llm_config=llm_config,
@@ -178,8 +177,8 @@ class VisionLLM(BaseModel):
         self.vision_tower = tower
         self.llm_model = self.llm.model
         self.connector = part
-        self.image_path = self.IMAGE_PATH(tower, part, image_layout, self.llm)
-        self.batch = HostBatch(self.llm, image_layout, self.image_path.host_inputs)
+        self.image_path = self.IMAGE_PATH(tower, part, tokens_per_image, self.llm, type(self).__name__)
+        self.batch = HostBatch(self.llm, self.image_path.layout, self.image_path.host_inputs)
         if self.llm.eval_only:  # frozen by the LLM part already (its trainable token rows keep their gradient)
             self._eval_only = self._eval_only | {"llm_model"}
         if llm_grad_checkpoint:
