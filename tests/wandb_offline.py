@@ -9,16 +9,32 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK, CHUNK_HEADER, FULL, FIRST, LAST = 32768, 7, 1, 2, 4
+WRITTEN_WITHIN_S = 120
 
 
-def records(path: Path):
-    """Every ``Record`` of a ``run-<id>.wandb`` file, in order."""
+def records(path: Path) -> list:
+    """Every ``Record`` of a ``run-<id>.wandb`` file, in order, once the file is complete.
+
+    ``run.finish()`` returns before W&B's service process has written the run's file out (it closes the
+    file when the service shuts down, at the process's exit), so a test that reads it in the same process
+    waits for the last record, the run's ``exit``, to be on disk.
+    """
+    deadline = time.monotonic() + WRITTEN_WITHIN_S
+    while True:
+        found = list(_parse(Path(path).read_bytes(), path))
+        if any(record.WhichOneof("record_type") == "exit" for record in found):
+            return found
+        assert time.monotonic() < deadline, f"{path}: no exit record within {WRITTEN_WITHIN_S} s of the run's end"
+        time.sleep(0.2)
+
+
+def _parse(data: bytes, path: Path):
     from wandb.proto import wandb_internal_pb2
 
-    data = Path(path).read_bytes()
     assert data[:4] == b":W&B", f"{path} is not a W&B run file"
     pos, parts = 7, b""
     while pos + CHUNK_HEADER <= len(data):
@@ -51,12 +67,14 @@ def history(path: Path) -> list[dict]:
 
 def run_info(path: Path) -> tuple[str, dict]:
     """(run id, config) of the run record (the config as first sent, with its later updates)."""
-    run_id, config = None, {}
-    for record in records(path):
+    run_id, config, found = None, {}, records(path)
+    for record in found:
         kind = record.WhichOneof("record_type")
         updates = record.run.config.update if kind == "run" else record.config.update if kind == "config" else []
         if kind == "run":
             run_id = record.run.run_id
         for item in updates:
             config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    kinds = [record.WhichOneof("record_type") for record in found]
+    assert run_id is not None, f"{path} ({path.stat().st_size} bytes) holds no run record: {kinds}"
     return run_id, config
