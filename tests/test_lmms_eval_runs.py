@@ -291,3 +291,17 @@ def test_lavis_ds_eval_failing_on_one_of_two_processes_stops_both_with_one_line(
     assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert not list((tmp_path / "eval").glob("*/*_results.json"))  # no result files of a failed evaluation
+
+
+def test_lavis_ds_eval_whose_model_one_process_cannot_load_stops_both_with_one_line(tmp_path, fsdp_run):
+    """Rank 1 cannot find the model folder (a node without the checkpoint) while rank 0 loads it: both agree before
+    lmms-eval's first collective and end with rank 1's line and its code (2, a bad path), none left waiting."""
+    model = fsdp_run / "checkpoints" / f"step_{LAST}"
+    proc = run_forked("lmms_eval_runs:eval_where_rank_1_lacks_the_model", [
+        "--model", str(model), "--tasks", TASKS[0], "--include_path", str(INCLUDE), "--limit", str(LIMIT)],
+        tmp_path / "logs", nproc=2, timeout=180)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("lavis_ds:")]
+    assert lines == [f"lavis_ds: lavis-ds eval: preparing the evaluation failed on rank 1: {model}_not_on_this_node "
+                     "does not exist"], proc.stderr[-4000:]
+    assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 2, proc.stderr[-4000:]

@@ -10,7 +10,8 @@
 ``--output_path`` receives lmms-eval's files: ``<model>/<date>_results.json`` and, with ``--log_samples``,
 ``<date>_samples_<task>.jsonl`` per task. docs/evaluation.md says how to point a task at a local copy of a
 benchmark. On several processes an evaluation that fails on one of them (a task's scoring on rank 0, a document a
-rank cannot load) stops every process with one ``lavis_ds:`` line naming the task and the rank, and a non-zero code.
+rank cannot load, a model folder a rank cannot read) stops every process with one ``lavis_ds:`` line naming the task
+or step and the rank, and a non-zero code.
 """
 from __future__ import annotations
 
@@ -57,12 +58,17 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.log_samples and not args.output_path:
         raise InputError("--log_samples writes files: give --output_path")
-    manager = task_manager(args.include_path, args.tasks.split(","))
-    tasks = check_task_names(args.tasks.split(","), manager)
-    check_datasets_on_disk(tasks, manager)
     device = _device(args.device)
-    model = PretrainedLavisDsLmms.from_pretrained(args.model, device=device, dtype=args.dtype,
-                                                  batch_size=args.batch_size, hold_failures=_processes() > 1)
+
+    def prepare() -> tuple[list[str], Any, PretrainedLavisDsLmms]:
+        manager = task_manager(args.include_path, args.tasks.split(","))
+        tasks = check_task_names(args.tasks.split(","), manager)
+        check_datasets_on_disk(tasks, manager)
+        model = PretrainedLavisDsLmms.from_pretrained(args.model, device=device, dtype=args.dtype,
+                                                      batch_size=args.batch_size, hold_failures=_processes() > 1)
+        return tasks, manager, model
+
+    tasks, manager, model = _prepared_on_every_rank(prepare)
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     datetime_str = get_datetime_str()  # names the result files, as lmms-eval's CLI names them
     results = _on_every_rank(lambda: _simple_evaluate(args, model, tasks, manager, datetime_str, tracker), tasks)
@@ -103,6 +109,24 @@ def _simple_evaluate(args: argparse.Namespace, model, tasks: list[str], manager,
     if model.failure is not None:  # a request this rank could not prepare, held while the others needed it
         raise model.failure
     return results
+
+
+def _prepared_on_every_rank(prepare: Callable[[], Any]) -> Any:
+    """``prepare()`` (the tasks and the model); on several processes the ranks then agree on whether it failed on
+    any before one of them enters lmms-eval: a rank that cannot read the model folder or a task's documents (a path
+    one node lacks) would leave the others waiting in lmms-eval's first collective. The rank it failed on reports
+    it; every rank exits with its code."""
+    if _processes() < 2:
+        return prepare()
+    from lavis_ds.common import dist
+    from lavis_ds.runners.lmms_eval.failures import EvaluationFailed, cause_of, evaluated_together
+
+    def failure_of(error: Exception) -> EvaluationFailed:
+        return EvaluationFailed(f"{PROG}: preparing the evaluation failed on rank {dist.rank()}: {cause_of(error)}",
+                                getattr(error, "exit_code", 1))
+
+    prepared, _ = evaluated_together(prepare, failure_of, train_on=False)
+    return prepared
 
 
 def _on_every_rank(evaluate_here: Callable[[], dict[str, Any] | None], tasks: list[str]) -> dict[str, Any] | None:

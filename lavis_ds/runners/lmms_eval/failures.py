@@ -58,8 +58,12 @@ def what_failed(error: Exception, tasks: list[str], at: str = "") -> str:
     tasks), the rank and the cause; the part of the line the ``lmms_eval`` hook and ``lavis-ds eval`` share."""
     task = task_of(error)
     what = f"task {task}" if task else f"task{'s' if len(tasks) > 1 else ''} {', '.join(tasks)}"
-    cause = message_of(error) if isinstance(error, LavisDsError) else f"{type(error).__name__}: {message_of(error)}"
-    return f"evaluating {what}{at} failed on rank {dist.rank()}: {cause}"
+    return f"evaluating {what}{at} failed on rank {dist.rank()}: {cause_of(error)}"
+
+
+def cause_of(error: Exception) -> str:
+    """A lavis_ds error's message; anything else's type and message."""
+    return message_of(error) if isinstance(error, LavisDsError) else f"{type(error).__name__}: {message_of(error)}"
 
 
 def task_of(error: BaseException) -> str | None:
