@@ -21,8 +21,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lavis_ds.models.eva_vit import DTYPES
-from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_target_names, merge_llm,
-                                 num_token_ids, prepare_tokenizer, train_token_rows)
+from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, lora_problem, lora_target_names,
+                                 merge_llm, num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.llm_families import decoder_layers, position_provider, transformers_config
 from lavis_ds.models.lm_loss import head_loss_supported
 from lavis_ds.models.prompt import ChatPrompt, PromptLayout
@@ -52,8 +52,8 @@ class ChatLLM:
             The rest: the ``model:`` section's LLM keys (``lavis_ds.models.vision_llm.VisionLLM``); ``loss_chunks``
                 (>= 0, checked there) the LM-head calls a micro-batch's supervised positions are split into.
         """
-        if get_lora and not freeze_llm:
-            raise ValueError("get_lora=true trains only the LoRA adapters, so it needs freeze_llm=true")
+        if problem := lora_problem(get_lora, freeze_llm):
+            raise ValueError(problem)
         # Tokens the tokenizer lacked are added; rows only for ids past the embedding's spare rows.
         self.tokenizer, added = prepare_tokenizer(tokenizer or llm_model, image_token, layout.prompt_tokens)
         model = _causal_lm(llm_model, llm_config, llm_precision, self.tokenizer, random_state)

@@ -316,6 +316,14 @@ def check_lora_targets(llm: nn.Module, targets: list[str]) -> None:
                          "(or a dotted suffix such as 'self_attn.q_proj')")
 
 
+def lora_problem(get_lora: bool, freeze_llm: bool) -> str | None:
+    """Why ``get_lora`` cannot be had with ``freeze_llm``, or None: the rule the config check reports and the
+    model's constructor refuses."""
+    if get_lora and not freeze_llm:
+        return "model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true"
+    return None
+
+
 def add_lora(llm: PreTrainedModel, r: int, alpha: int, dropout: float, targets: list[str]) -> nn.Module:
     """Wrap ``llm`` in a peft LoRA model on ``targets`` (checked first); peft freezes everything else.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lavis_ds.models.llm import prepare_tokenizer
+from lavis_ds.models.llm import lora_problem, prepare_tokenizer
 from lavis_ds.models.llm_families import llm_config_problems
 from lavis_ds.models.prompt import ChatPrompt, PromptLayout
 from lavis_ds.models.settings.base import ModelSettings
@@ -40,8 +40,8 @@ class VisionLLMSettings(ModelSettings):
     def problems(self) -> list[str]:
         """What the constructor would refuse of the LLM side, found before anything is built."""
         section, problems = self.section, []
-        if section.get("get_lora") and not section.get("freeze_llm", True):
-            problems.append("model.get_lora: true trains only the LoRA adapters, so it needs model.freeze_llm: true")
+        if problem := lora_problem(section.get("get_lora", False), section.get("freeze_llm", True)):
+            problems.append(problem)
         if not section.get("tokenizer") and not section.get("llm_model"):
             problems.append("model.tokenizer: required when model.llm_model is null (a local tokenizer folder)")
         if not section.get("llm_model"):
