@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "datasets"
 
-def _paths(value: Any) -> list[str] | None:
+def path_list(value: Any) -> list[str] | None:
     """A `storage` value as a list of paths, or None if it is neither a string nor a list of strings."""
     if isinstance(value, str) and value:
         return [value]
@@ -64,7 +64,7 @@ def _paths(value: Any) -> list[str] | None:
     return None
 
 
-def _local_path(path: str) -> Path:
+def local_path(path: str) -> Path:
     return Path(os.path.expanduser(path))
 
 
@@ -196,12 +196,12 @@ class BaseDatasetBuilder:
                                     f"point `storage` at the local file")
                 elif extra not in self.ANNOTATION_SPLIT_KEYS:
                     problems.append(f"{key}.{split}.{extra}: unknown key; valid keys: storage")
-            paths = _paths(entry.get("storage"))
+            paths = path_list(entry.get("storage"))
             if paths is None:
                 problems.append(f"{key}.{split}.storage: expected a path or a non-empty list of paths, "
                                 f"got {entry.get('storage')!r}")
                 continue
-            files[str(split)] = [_local_path(p) for p in paths]
+            files[str(split)] = [local_path(p) for p in paths]
         return files
 
     def annotation_key(self, split: str) -> str:
@@ -221,7 +221,7 @@ class BaseDatasetBuilder:
                 problems.append(f"{self.image_root_key()}: required; the folder the records' `image` and `video` "
                                 f"paths are relative to, got {storage!r}")
             return None
-        return _local_path(storage)
+        return local_path(storage)
 
     def image_root_key(self) -> str:
         return f"{self.where}.build_info.{self._data_type()}.storage"

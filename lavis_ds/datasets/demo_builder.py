@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from lavis_ds.common import registry as reg
-from lavis_ds.datasets.builders import BaseDatasetBuilder, _local_path
+from lavis_ds.datasets.builders import BaseDatasetBuilder, local_path
 from lavis_ds.datasets.demo_shapes import DemoShapesSpec, check_existing, ensure_demo_shapes, needs_generation
 
 
@@ -29,7 +29,7 @@ class DemoShapesBuilder(BaseDatasetBuilder):
         if not isinstance(storage, str) or not storage:
             raise ValueError(f"{self.where}.build_info.storage: required; the folder the demo data is "
                              f"generated into, got {storage!r}")
-        return _local_path(storage)
+        return local_path(storage)
 
     @property
     def tokenizer_dir(self) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
 from lavis_ds.common import registry as reg
-from lavis_ds.datasets.builders import BaseDatasetBuilder, _local_path, _paths
+from lavis_ds.datasets.builders import BaseDatasetBuilder, local_path, path_list
 from lavis_ds.datasets.loading import ParseFile, RecordLoader, read_json
 from lavis_ds.datasets.options import SectionOptions
 from lavis_ds.datasets.processor_sections import processor_stage
@@ -177,15 +177,15 @@ class VqaBuilder(BaseDatasetBuilder):
         pairs = {}
         for entry in (self.build_info.get("annotations") or {}).values():
             if isinstance(entry, dict) and "answers" in entry:
-                questions, answers = _paths(entry.get("storage")) or [], _paths(entry.get("answers")) or []
-                pairs.update({_local_path(q): _local_path(a) for q, a in zip(questions, answers)})
+                questions, answers = path_list(entry.get("storage")) or [], path_list(entry.get("answers")) or []
+                pairs.update({local_path(q): local_path(a) for q, a in zip(questions, answers)})
         return pairs
 
     def check(self) -> list[str]:
         problems = []
         for split, entry in (self.build_info.get("annotations") or {}).items():
             if isinstance(entry, dict) and "answers" in entry:
-                storage, answers = _paths(entry.get("storage")), _paths(entry.get("answers"))
+                storage, answers = path_list(entry.get("storage")), path_list(entry.get("answers"))
                 if answers is None or storage is None or len(answers) != len(storage):
                     problems.append(f"{self.where}.build_info.annotations.{split}.answers: expected one "
                                     f"annotations file per questions file in `storage` (same order), got "

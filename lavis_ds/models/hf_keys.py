@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from lavis_ds.models.pretrained import (HF_RENAMES, LAVIS_QFORMER_RENAMES, _fit_pos_embed, _rename_key,
+from lavis_ds.models.pretrained import (HF_RENAMES, LAVIS_QFORMER_RENAMES, fit_pos_embed, rename_key,
                                         _split_qkv_bias)
 
 State = Mapping[str, torch.Tensor]
@@ -101,17 +101,17 @@ def eva_from_hf(state: State, vit: nn.Module) -> dict[str, torch.Tensor]:
     """A Hugging Face BLIP-2 / InstructBLIP ``vision_model`` as ``EvaViT`` keys (its ``post_layernorm`` is the
     connector's ``ln_vision``, left out); q/v biases split out of the fused ``qkv.bias``, position embedding
     interpolated to ``vit``'s grid."""
-    vision = {_rename_key(k, HF_RENAMES): v for k, v in state.items()
+    vision = {rename_key(k, HF_RENAMES): v for k, v in state.items()
               if k.startswith("vision_model.") and not k.startswith("vision_model.post_layernorm.")}
     vision = _split_qkv_bias({k.removeprefix("visual_encoder."): v for k, v in vision.items()})
-    return _fit_pos_embed(vision, "pos_embed", vit)
+    return fit_pos_embed(vision, "pos_embed", vit)
 
 
 def eva_from_lavis(state: State, vit: nn.Module) -> dict[str, torch.Tensor]:
     """A LAVIS BLIP-2 / InstructBLIP ``.pth``'s ``visual_encoder.*`` as ``EvaViT`` keys (empty if the file has
     none: LAVIS saves only trained parameters, and the ViT is frozen)."""
     vision = {k.removeprefix("visual_encoder."): v for k, v in state.items() if k.startswith("visual_encoder.")}
-    return _fit_pos_embed(vision, "pos_embed", vit) if vision else vision
+    return fit_pos_embed(vision, "pos_embed", vit) if vision else vision
 
 
 def qformer_from_hf(state: State) -> dict[str, torch.Tensor]:
@@ -140,5 +140,5 @@ def qformer_from_lavis(state: State, instruct: bool) -> dict[str, torch.Tensor]:
         if QFORMER_UNUSED.match(key) or (not instruct and text_only.match(key)):
             continue
         if key.startswith(("Qformer.bert.", "ln_vision.", "llm_proj.")) or key == "query_tokens":
-            out[_rename_key(key, renames)] = value
+            out[rename_key(key, renames)] = value
     return out

@@ -94,7 +94,7 @@ def load_eva_vit(vit: nn.Module, path: str | Path) -> None:
                               "Give BLIP-2 checkpoints as the model's `pretrained` instead.")
     extra = _extra_blocks(state, len(vit.blocks))
     state = {k: v for k, v in state.items() if k not in extra}
-    state = _fit_pos_embed(state, "pos_embed", vit)
+    state = fit_pos_embed(state, "pos_embed", vit)
     load_checked(vit, state, vit.state_dict().keys(), path, EVA_VIT)
     _log_skipped(path, extra)
 
@@ -118,7 +118,7 @@ def load_blip2(model: nn.Module, path: str | Path, vit_loaded: bool) -> None:
     to_parts = getattr(model, "RENAMED_KEYS", ())
 
     def ours(key: str) -> str:
-        return renamed(_rename_key(key, renames), to_parts)
+        return renamed(rename_key(key, renames), to_parts)
 
     file_key = {ours(k): k for k in state}  # our name -> the file's, for error messages
     state = _split_qkv_bias({ours(k): v for k, v in state.items()})
@@ -127,7 +127,7 @@ def load_blip2(model: nn.Module, path: str | Path, vit_loaded: bool) -> None:
     expected = [k for k in own if k.startswith(bridge)]
     has_vit = any(k.startswith(vit_prefix) for k in state)
     if has_vit:
-        state = _fit_pos_embed(state, vit_prefix + "pos_embed", model.get_submodule(vit_prefix[:-1]))
+        state = fit_pos_embed(state, vit_prefix + "pos_embed", model.get_submodule(vit_prefix[:-1]))
         expected += [k for k in own if k.startswith(vit_prefix)]
     elif not vit_loaded:
         raise CheckpointError(
@@ -149,8 +149,8 @@ def read_checkpoint(path: str | Path) -> tuple[str, dict[str, torch.Tensor], lis
     if not path.exists():
         raise FileNotFoundError(f"{path}: checkpoint not found")
     if path.is_dir() or path.suffix == ".safetensors":
-        return (HF_BLIP2, *_read_safetensors(path, _skip_matcher(HF_BLIP2)))
-    fmt, state = _detect_torch_format(path, _torch_load(path))
+        return (HF_BLIP2, *read_safetensors_file(path, _skip_matcher(HF_BLIP2)))
+    fmt, state = detect_torch_format(path, load_torch_file(path))
     skip = _skip_matcher(fmt)
     return fmt, {k: v for k, v in state.items() if not skip(k)}, [k for k in state if skip(k)]
 
@@ -188,7 +188,7 @@ def load_checked(model: nn.Module, state: Mapping[str, torch.Tensor], expected: 
 
 
 # ----------------------------------------------------------------- reading
-def _torch_load(path: Path):
+def load_torch_file(path: Path):
     # A .pth/.bin is a pickle, and unpickling arbitrary objects runs code: safe_files reads it with
     # weights_only=True and names what a crafted file asks for. mmap keeps a 2 GB ViT file out of every rank's RAM.
     try:
@@ -204,7 +204,7 @@ def _torch_load(path: Path):
                               f"{reason}).{hint} Expected one of: " + "; ".join(FORMATS.values())) from None
 
 
-def _detect_torch_format(path: Path, obj) -> tuple[str, Mapping[str, torch.Tensor]]:
+def detect_torch_format(path: Path, obj) -> tuple[str, Mapping[str, torch.Tensor]]:
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping) and any(
             k.startswith(("Qformer.", VIT_PREFIX, "query_tokens")) for k in obj["model"]):
         return LAVIS_BLIP2, obj["model"]
@@ -215,7 +215,7 @@ def _detect_torch_format(path: Path, obj) -> tuple[str, Mapping[str, torch.Tenso
                           + "; ".join(FORMATS.values()))
 
 
-def _read_safetensors(path: Path, skip: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], list[str]]:
+def read_safetensors_file(path: Path, skip: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], list[str]]:
     from safetensors import safe_open
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
     from transformers.utils.hub import get_checkpoint_shard_files
@@ -269,7 +269,7 @@ def _check_hf_architecture(path: Path, model: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------- mapping
-def _rename_key(key: str, renames) -> str:
+def rename_key(key: str, renames) -> str:
     """Apply the first matching (pattern, replacement); a key no rule matches keeps its name."""
     for pattern, replacement in renames:
         new, n = re.subn("^" + pattern, replacement, key, count=1)
@@ -295,7 +295,7 @@ def _split_qkv_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fit_pos_embed(state: dict[str, torch.Tensor], key: str, vit: nn.Module) -> dict[str, torch.Tensor]:
+def fit_pos_embed(state: dict[str, torch.Tensor], key: str, vit: nn.Module) -> dict[str, torch.Tensor]:
     """Interpolate the patch grid of ``state[key]`` to the model's (bicubic, CLS kept), as LAVIS's
     ``interpolate_pos_embed`` does."""
     from timm.layers import resample_abs_pos_embed

@@ -72,9 +72,9 @@ def load_published(model: nn.Module, path: str) -> None:
         model.connector.load_pretrained(str(file))
         load_llm(model, file, family)
         return
-    from lavis_ds.models.pretrained import _torch_load
+    from lavis_ds.models.pretrained import load_torch_file
 
-    state = _torch_load(file)
+    state = load_torch_file(file)
     state = state.get("model", state) if isinstance(state, dict) else {}
     keys = list(state) if isinstance(state, dict) else []
     if any("mm_projector." in k for k in keys):

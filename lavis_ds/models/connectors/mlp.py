@@ -17,7 +17,7 @@ def load_projector(connector: nn.Module, path: str) -> None:
     """Weights of a LLaVA projector: a stage-1 ``mm_projector.bin`` (``model.mm_projector[.0/.2].*``) or a
     ``LlavaForConditionalGeneration`` folder's ``multi_modal_projector``; checked key for key and shape for shape."""
     from lavis_ds.models import hf_keys
-    from lavis_ds.models.pretrained import CheckpointError, _torch_load, load_checked
+    from lavis_ds.models.pretrained import CheckpointError, load_torch_file, load_checked
 
     file = Path(path).expanduser()
     if not file.exists():
@@ -27,7 +27,7 @@ def load_projector(connector: nn.Module, path: str) -> None:
         state = read_safetensors(file, lambda key: key.startswith(keep), "connector.pretrained")
         ours, fmt = hf_keys.llava_projector(state), "LlavaForConditionalGeneration folder"
     else:
-        ours, fmt = hf_keys.mm_projector(_torch_load(file)), "LLaVA mm_projector.bin"
+        ours, fmt = hf_keys.mm_projector(load_torch_file(file)), "LLaVA mm_projector.bin"
     if not ours:
         raise PartError(f"connector.pretrained: {file} holds no projector weights (expected "
                         "model.mm_projector.0/2.* or multi_modal_projector.linear_1/2.*)")

@@ -112,8 +112,8 @@ class QFormerConnector(Connector):
         The projection is loaded when the file has one of the right shape (an InstructBLIP file, or a run's
         own); BLIP-2's stage-1 files have none, and a projection into another LLM's width is left as it is."""
         from lavis_ds.models import hf_keys
-        from lavis_ds.models.pretrained import (CheckpointError, _detect_torch_format, _read_safetensors, _torch_load,
-                                                load_checked)
+        from lavis_ds.models.pretrained import (CheckpointError, detect_torch_format, load_checked, load_torch_file,
+                                                read_safetensors_file)
 
         file = Path(path).expanduser()
         if not file.exists():
@@ -121,10 +121,10 @@ class QFormerConnector(Connector):
         instruct = isinstance(self, InstructQFormerConnector)
         if file.is_dir():
             fmt = "Hugging Face BLIP-2 / InstructBLIP folder"
-            state, _ = _read_safetensors(file, lambda key: key.startswith("language_model."))  # the LLM is not read
+            state, _ = read_safetensors_file(file, lambda key: key.startswith("language_model."))  # the LLM is not read
             ours = hf_keys.qformer_from_hf(state)
         else:  # read whole: InstructBLIP uses the text keys that BLIP-2's reader skips
-            fmt, state = _detect_torch_format(file, _torch_load(file))
+            fmt, state = detect_torch_format(file, load_torch_file(file))
             ours = hf_keys.qformer_from_lavis(state, instruct)
         own = self.state_dict()
         proj = {k: v for k, v in ours.items() if k.startswith("llm_proj.")}

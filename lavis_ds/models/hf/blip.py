@@ -29,7 +29,7 @@ from lavis_ds.models.hf.family import (TORCHVISION_BACKEND_NOTE, HfFamily, diffe
                                       llm_problems, part_name)
 from lavis_ds.models.hf.family_parts import FolderReading, ProcessorExport, WeightsExport
 from lavis_ds.models.llm_placement import empty_weights
-from lavis_ds.models.pretrained import _rename_key  # one renamer for both directions
+from lavis_ds.models.pretrained import rename_key  # one renamer for both directions
 
 # Ours -> Hugging Face, the inverse of pretrained.HF_RENAMES (a test checks that they agree). The q/v
 # biases are not renamed but fused into qkv.bias, see `vision_state_dict`.
@@ -130,7 +130,7 @@ def vision_state_dict(vit: nn.Module) -> dict[str, torch.Tensor]:
     for key, value in vit.state_dict().items():
         if re.search(r"\.attn\.[qkv]_bias$", key):
             continue
-        new = _rename_key(key, VISION_RENAMES)
+        new = rename_key(key, VISION_RENAMES)
         if new == key:
             raise RuntimeError(f"vision_tower.vit.{key}: no Blip2VisionModel name for it")  # checked layout: a bug
         state[new] = value
