@@ -296,7 +296,9 @@ def test_lora_targets_every_qwen2_linear_layer(tiny_model_config):
 
 
 def test_lora_without_frozen_llm_is_refused(tiny_model_config):
-    with pytest.raises(ValueError, match="get_lora=true .* needs freeze_llm=true"):
+    # The config check's line (test_config_mutations.py): one rule, one wording.
+    with pytest.raises(ValueError, match=r"^model\.get_lora: true trains only the LoRA adapters, so it needs "
+                                         r"model\.freeze_llm: true$"):
         build(tiny_model_config, get_lora=True, freeze_llm=False)
 
 
