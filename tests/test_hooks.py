@@ -332,6 +332,11 @@ def test_a_resumed_run_continues_its_mlflow_and_wandb_runs(tmp_path, demo_storag
     crashing.run_step = run_step_then_crash
     with pytest.raises(Crash):
         crashing.train()
+    # The crashed process would end here, and W&B's service process with it: the resumed run starts with a service
+    # of its own, rather than one still closing the crashed run's stream of the same run id.
+    import wandb
+
+    wandb.teardown()
     build_trainer(load_config(cfg)).train()  # run.resume: auto, from the epoch-end checkpoint
 
     out = tmp_path / "out"
