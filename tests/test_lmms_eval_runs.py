@@ -142,14 +142,19 @@ def test_the_best_checkpoint_is_kept_by_the_lmms_eval_metric(run_dir):
         assert score == {"metric": BEST, "value": scores[step], "higher_is_better": True}
 
 
-def test_the_live_model_scores_as_lavis_ds_eval_on_the_checkpoint(run_dir, tmp_path):
-    """`lavis-ds eval` on the last checkpoint (one process, in this one): its result files against the run's."""
+def test_the_live_model_scores_as_lavis_ds_eval_on_the_checkpoint(run_dir, tmp_path, request):
+    """`lavis-ds eval` on the last checkpoint: its result files against the run's. On the ZeRO-3 run's, one process
+    (this one); on the FSDP2 run's, two, as torchrun starts them: each answers its share, rank 0 writes the files."""
     from lavis_ds.cli import main
 
     out = tmp_path / "eval"
-    assert main(["eval", "--model", str(run_dir / "checkpoints" / f"step_{LAST}"), "--tasks", ",".join(TASKS),
-                 "--include_path", str(INCLUDE), "--limit", str(LIMIT), "--batch_size", "1", "--output_path", str(out),
-                 "--log_samples"]) == 0
+    argv = ["--model", str(run_dir / "checkpoints" / f"step_{LAST}"), "--tasks", ",".join(TASKS), "--include_path",
+            str(INCLUDE), "--limit", str(LIMIT), "--batch_size", "1", "--output_path", str(out), "--log_samples"]
+    if request.node.callspec.params["run_dir"] == "fsdp2":
+        proc = run_forked("lavis_ds.apps.eval:main", argv, tmp_path / "logs", nproc=2, timeout=240)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    else:
+        assert main(["eval", *argv]) == 0
     [results_file] = out.glob("*/*_results.json")
     results = json.loads(results_file.read_text())
     live = [r for r in _rows(run_dir) if r["step"] == LAST][0]
