@@ -168,10 +168,16 @@ def old_tree(rev: str, dest: Path) -> Path:
     return dest / "old"
 
 
-def write_config(path: Path, out: Path, annotation: Path, images: Path, tokenizer: Path, workers: int) -> Path:
+def write_config(path: Path, out: Path, annotation: Path, images: Path, tokenizer: Path, workers: int,
+                 stage_in_deepspeed_section: bool = False) -> Path:
+    """The run YAML; ``stage_in_deepspeed_section``: the ZeRO stage spelled in ``run.deepspeed_config`` (the only
+    spelling the old tree knows) rather than as ``run.zero_stage``; DeepSpeed gets the same stage either way."""
     from harness.configs import tiny_config, write_yaml
 
-    cfg = tiny_config(out, tokenizer.parent, stage=2, micro=4, num_workers=workers)
+    cfg = tiny_config(out, tokenizer.parent, stage=None if stage_in_deepspeed_section else 2, micro=4,
+                      num_workers=workers)
+    if stage_in_deepspeed_section:
+        cfg["run"]["deepspeed_config"] = {"zero_optimization": {"stage": 2}}
     cfg["datasets"] = {"llava": {
         "builder": "llava_conversation", "skip_text_only": True,
         "build_info": {"annotations": {"train": {"storage": str(annotation)}}, "images": {"storage": str(images)}},
@@ -244,7 +250,8 @@ def main(argv=None) -> None:
         for name in args.trees.split(","):
             tree = trees[name]
             out = tmp / f"out_{name}"
-            cfg = write_config(tmp / f"{name}.yaml", out, annotation, images, tokenizer, args.workers)
+            cfg = write_config(tmp / f"{name}.yaml", out, annotation, images, tokenizer, args.workers,
+                               stage_in_deepspeed_section=name == "old")
             print(f"[{name}] train.py start-up ...", flush=True)
             result = {"startup": startup(tree, cfg, out)}
             print(f"[{name}] check, build, an epoch of lookups ...", flush=True)

@@ -36,7 +36,8 @@ def pairs_of(model, pairs: int, tokens: int, device: torch.device) -> dict:
     count = lambda text: len(model.llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     per_word = count(words(400, 0)) / 400
     question, answer = int(tokens * 0.75 / per_word) - 30, int(tokens * 0.25 / per_word)
-    return {"image": torch.randn(pairs, 3, model.image_size, model.image_size, device=device),
+    size = model.vision_tower.image_size
+    return {"image": torch.randn(pairs, 3, size, size, device=device),
             "num_images": [1] * pairs, "instruction": [[f"<Img><ImageHere></Img> {words(question, i)}"]
                                                        for i in range(pairs)],
             "output": [[] for _ in range(pairs)], "chosen": [words(answer, 7 * i) for i in range(pairs)],
