@@ -21,12 +21,12 @@ from lavis_ds.models.tokenizer import train_chatml_tokenizer
 ADAM_FP32_STATE_BYTES = 12  # master copy + exp_avg + exp_avg_sq, 4 bytes each
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-type", default="qwen2.5_7b_instruct")
     parser.add_argument("--train-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--get-lora", action="store_true", help="LoRA on the LLM (r=8, every linear layer)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     cls = registry.get_model_class("blip2_qwen")
     cfg = cls.default_config(args.model_type)

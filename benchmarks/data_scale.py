@@ -53,7 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--old-rev", default="81997d3", help="git revision of the list-of-records code")
     parser.add_argument("--trees", default="new,old", help="which trees to measure, in this order")
     parser.add_argument("--lookups", type=Path, help=argparse.SUPPRESS)  # internal: measure in this process
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.workers < 1:  # the figures are the workers' memory: with none there is nothing to measure
+        parser.error(f"--workers {args.workers}: at least 1 (the DataLoader workers' memory is what is measured)")
+    return args
 
 
 # ---------------------------------------------------------------------------------------- measuring

@@ -59,12 +59,12 @@ def measured(device: torch.device, run) -> tuple[int, float]:
     return rss.added, seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512, help="tokens per side (about)")
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(args.tokens, device)
     raw = pairs_of(model, args.pairs, args.tokens, device)

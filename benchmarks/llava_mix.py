@@ -172,10 +172,14 @@ def describe(annotation: Path) -> str:
     return json.loads((annotation.parent / "DONE").read_text())["summary"]
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--records", type=int, default=REAL_RECORDS)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(describe(write_llava_mix(args.out, args.records, args.seed)[0]))
+
+
+if __name__ == "__main__":
+    main()
