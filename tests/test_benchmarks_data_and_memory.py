@@ -8,6 +8,7 @@ where it starts a process group (a DeepSpeed trainer, an all-reduce), as its com
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -44,7 +45,7 @@ BENCHMARKS = {
                             r"^padded +\d", r"^length_grouped +\d", r"^packed \(samples\) +\d",
                             r"^packed \(tokens\) +\d"]),
     "logits_memory": (_in_process, ["--tokens", "64", "--batch", "1", "--chunks", "0", "1", "--repeats", "1"],
-                      [r"^logits memory: tiny BLIP2-Qwen, vocabulary 151,936, fp32, cpu; batch 1 x \d+ tokens",
+                      [r"^logits memory: tiny BLIP2-Qwen, vocabulary 151,936, fp32, \w+; batch 1 x \d+ tokens",
                        r"^full logits +\d", r"^head in 1 call\(s\) +\d"]),
     "memory_on_paper": (_in_process, ["--no-measure"],
                         [r"^### Projection only \(zero2.yaml\)$", r"^### Projection \+ LoRA \(zero2_lora.yaml\)$",
@@ -54,7 +55,7 @@ BENCHMARKS = {
                              [r"^qwen2_5_vl, 1 block\(s\) .* 64 patches \(112 x 112 px\)", r"^  span: ",
                               r"^  dense: ", r"^\| span \| \d", r"^\| dense \| \d",
                               r"^dense / span memory: .*; outputs differ by"]),
-    "stop_agreement": (lambda *a: _forked(*a, nproc=2), ["--calls", "10"],
+    "stop_agreement": (functools.partial(_forked, nproc=2), ["--calls", "10"],
                        [r"^agree_on_step\(\): 2 processes \(\w+\), 10 calls: median \d+ us, p90 \d+ us$"]),
 }
 
