@@ -136,7 +136,7 @@ def loader_rate(trainer, dataset, workers: int, batches: int) -> tuple[float, fl
     return first_s, rate
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     # One thread per process, as torchrun sets it and as the step-time figures in docs/benchmarks.md were taken.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -174,7 +174,8 @@ def main(argv=None) -> None:
                 print(f"{size:>6} {workers:>8} {first_s:>14.2f} {rate:>10.0f} {rate / need:>22.2f} "
                       f"{os.getloadavg()[0]:>5.1f}", flush=True)
         trainer.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -74,13 +74,14 @@ def build(tokens: int, device: torch.device):
     from lavis_ds.models import Blip2Qwen
     from lavis_ds.models.tokenizer import train_chatml_tokenizer
 
-    tokenizer = train_chatml_tokenizer([" ".join(WORDS)] * 4 + ["You are a helpful assistant."],
-                                       tempfile.mkdtemp(prefix="logits_memory_"), vocab_size=300)
-    cfg = Blip2Qwen.default_config("tiny")
-    cfg.update(tokenizer=str(tokenizer), max_txt_len=tokens + 64)
-    cfg["llm_config"] = {**cfg["llm_config"], "vocab_size": QWEN_VOCAB, "max_position_embeddings": tokens + 64}
-    torch.manual_seed(0)
-    model = Blip2Qwen.from_config(cfg).to(device).train()
+    with tempfile.TemporaryDirectory(prefix="logits_memory_") as tmp:  # the model keeps the loaded tokenizer
+        tokenizer = train_chatml_tokenizer([" ".join(WORDS)] * 4 + ["You are a helpful assistant."], tmp,
+                                           vocab_size=300)
+        cfg = Blip2Qwen.default_config("tiny")
+        cfg.update(tokenizer=str(tokenizer), max_txt_len=tokens + 64)
+        cfg["llm_config"] = {**cfg["llm_config"], "vocab_size": QWEN_VOCAB, "max_position_embeddings": tokens + 64}
+        torch.manual_seed(0)
+        model = Blip2Qwen.from_config(cfg).to(device).train()
     assert model.llm.config.vocab_size == QWEN_VOCAB
     return model
 
@@ -94,7 +95,7 @@ def batch_of(model, batch: int, tokens: int, device: torch.device) -> dict:
     count = lambda text: len(model.llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     per_word = count(words(400, 0)) / 400
     question, answer = int(tokens * 0.75 / per_word) - 30, int(tokens * 0.25 / per_word)
-    samples = {"image": torch.randn(batch, 3, model.image_size, model.image_size, device=device),
+    samples = {"image": torch.randn(batch, 3, *[model.vision_tower.image_size] * 2, device=device),
                "instruction": [[f"<Img><ImageHere></Img> {words(question, i)}"] for i in range(batch)],
                "output": [[words(answer, 7 * i)] for i in range(batch)]}
     prepared = model.prepare_batch(samples)
@@ -119,14 +120,14 @@ def step(model, batch: dict, device: torch.device) -> tuple[int, float]:
     return rss.added, seconds
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per sample (about)")
     parser.add_argument("--batch", type=int, default=2, help="samples")
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1, 4, 8],
                         help="loss_chunks values to compare (0: the full logits)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per path (alternating)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = build(args.tokens, device)

@@ -112,7 +112,7 @@ def child(args: argparse.Namespace) -> None:
                       "spans": lengths}))
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", type=int, default=128, help="patches per side (even); 128: 16,384 patches")
     parser.add_argument("--arch", choices=("qwen2_5_vl", "qwen2_vl"), default="qwen2_5_vl")
@@ -121,35 +121,45 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--child", choices=("span", "dense"), help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child(args)
-        return
+        return 0
     patches = args.side * args.side
-    folder = Path(tempfile.mkdtemp(prefix="qwen_vl_tower_memory_"))
-    results: dict[str, list[dict]] = {path: [] for path in args.paths}
-    for repeat in range(args.repeats):
-        for path in args.paths:
-            command = [sys.executable, __file__, "--side", str(args.side), "--arch", args.arch, "--depth",
-                       str(args.depth), "--child", path, "--output", str(folder / f"{path}.pt")]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            figures = json.loads(done.stdout.strip().splitlines()[-1])
-            results[path].append(figures)
-            if repeat == 0 and path == args.paths[0]:
-                print(f"{args.arch}, {args.depth} block(s) (longest span per block kind: {figures['spans']}), "
-                      f"{patches} patches ({args.side * 14} x {args.side * 14} px), {figures['dtype']}, "
-                      f"{figures['device']}")
-            print(f"  {path}: {figures['added']:.0f} MiB added, {figures['seconds']:.1f} s", flush=True)
-    print("\n| path | added MiB (median) | forward s (median) |\n|---|---|---|")
-    medians = {path: (statistics.median(r["added"] for r in runs), statistics.median(r["seconds"] for r in runs))
-               for path, runs in results.items()}
-    for path, (added, seconds) in medians.items():
-        print(f"| {path} | {added:.0f} | {seconds:.1f} |")
-    if len(medians) == 2:
-        difference = (torch.load(folder / "dense.pt") - torch.load(folder / "span.pt")).abs().max().item()
-        print(f"\ndense / span memory: {medians['dense'][0] / max(medians['span'][0], 1e-9):.1f}x; "
-              f"outputs differ by {difference:.2e} (max abs)")
+    with tempfile.TemporaryDirectory(prefix="qwen_vl_tower_memory_") as tmp:
+        folder = Path(tmp)  # each child's output, compared at the end
+        results: dict[str, list[dict]] = {path: [] for path in args.paths}
+        for repeat in range(args.repeats):
+            for path in args.paths:
+                figures = run_child(args, path, folder / f"{path}.pt")
+                results[path].append(figures)
+                if repeat == 0 and path == args.paths[0]:
+                    print(f"{args.arch}, {args.depth} block(s) (longest span per block kind: {figures['spans']}), "
+                          f"{patches} patches ({args.side * 14} x {args.side * 14} px), {figures['dtype']}, "
+                          f"{figures['device']}")
+                print(f"  {path}: {figures['added']:.0f} MiB added, {figures['seconds']:.1f} s", flush=True)
+        print("\n| path | added MiB (median) | forward s (median) |\n|---|---|---|")
+        medians = {path: (statistics.median(r["added"] for r in runs), statistics.median(r["seconds"] for r in runs))
+                   for path, runs in results.items()}
+        for path, (added, seconds) in medians.items():
+            print(f"| {path} | {added:.0f} | {seconds:.1f} |")
+        if len(medians) == 2:
+            difference = (torch.load(folder / "dense.pt") - torch.load(folder / "span.pt")).abs().max().item()
+            print(f"\ndense / span memory: {medians['dense'][0] / max(medians['span'][0], 1e-9):.1f}x; "
+                  f"outputs differ by {difference:.2e} (max abs)")
+    return 0
+
+
+def run_child(args: argparse.Namespace, path: str, output: Path) -> dict:
+    """One forward on ``path`` in a fresh process (``child``): its figures; its output saved to ``output``."""
+    command = [sys.executable, __file__, "--side", str(args.side), "--arch", args.arch, "--depth", str(args.depth),
+               "--child", path, "--output", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:  # the child's own error, not a bare CalledProcessError
+        raise RuntimeError(f"the {path} forward failed ({done.returncode}): {' '.join(command)}\n"
+                           f"{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch.distributed as torch_dist
 
-from lavis_ds.common import dist
-from lavis_ds.runners import faults
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from lavis_ds.common import dist  # noqa: E402
+from lavis_ds.runners import faults  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dist.init_distributed()
     for _ in range(100):
         faults.agree_on_step(0, None, [1000])
@@ -36,7 +40,8 @@ def main() -> None:
         times.sort()
         print(f"agree_on_step(): {torch_dist.get_world_size()} processes ({torch_dist.get_backend()}), {args.calls} calls: "
               f"median {statistics.median(times) * 1e6:.0f} us, p90 {times[int(0.9 * len(times))] * 1e6:.0f} us")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
