@@ -73,3 +73,15 @@ def eval_where_rank_1_lacks_the_model(argv: list[str]) -> int:
         at = argv.index("--model") + 1
         argv = [*argv[:at], f"{argv[at]}_not_on_this_node", *argv[at + 1:]]
     return main(argv)
+
+
+def lmms_eval_command_line(argv: list[str]) -> int:
+    """lmms-eval's own command line with ``argv``, as its ``lmms-eval`` console script runs it: ``sys.argv`` read by
+    ``cli_evaluate``, which catches an evaluation's error on each process, prints it and returns."""
+    import sys
+
+    from lmms_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lmms-eval", *argv]
+    cli_evaluate()
+    return 0

@@ -310,3 +310,21 @@ def test_lavis_ds_eval_whose_model_one_process_cannot_load_stops_both_with_one_l
                      "does not exist"], proc.stderr[-4000:]
     assert STILL_RUNNING not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 2, proc.stderr[-4000:]
+
+
+def test_lmms_eval_s_own_command_line_failing_on_one_of_two_processes_ends_both(tmp_path, fsdp_run):
+    """`lmms-eval --model lavis_ds` on 2 processes (lmms-eval's CLI, which catches an evaluation's error on each rank
+    and exits 0) whose rank 1 cannot load its document's image: the ranks agree at the end of generate_until, so both
+    raise, lmms-eval prints the failing rank's line on rank 1 and the peer's on rank 0, writes no result files, and
+    both processes end (a hang fails at the timeout: without the agreement rank 0 waits in lmms-eval's gather)."""
+    tasks, task, rank = _failing_task(tmp_path, "image")
+    proc = run_forked("lmms_eval_runs:lmms_eval_command_line", [
+        "--model", "lavis_ds", "--model_args", f"pretrained={fsdp_run / 'checkpoints' / f'step_{LAST}'}",
+        "--tasks", task, "--include_path", str(tasks), "--limit", str(LIMIT), "--output_path", str(tmp_path / "eval")],
+        tmp_path / "logs", nproc=2, timeout=180)
+    line = f"lmms-eval --model lavis_ds: evaluating task {task} failed on rank {rank}: {_cause('image', task)}"
+    # what lmms-eval prints of each rank's error: the failing rank's line, and its peer's PeerFailed with it
+    assert f"EvaluationFailed: {line}\n" in proc.stderr, proc.stderr[-4000:]
+    assert f"PeerFailed: rank {rank} failed: {line}\n" in proc.stderr, proc.stderr[-4000:]
+    assert STILL_RUNNING not in proc.stderr and proc.returncode == 0, proc.stderr[-4000:]  # lmms-eval's exit code
+    assert not list((tmp_path / "eval").glob("**/*_results.json"))  # no result files of a failed evaluation

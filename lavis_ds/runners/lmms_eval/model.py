@@ -8,6 +8,7 @@ lmms-eval is installed (``require_lmms_eval`` says how to install it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from functools import partial
 from typing import Any, Callable, Iterator
@@ -22,11 +23,24 @@ from lavis_ds.common.errors import InputError, LavisDsError, message_of
 from lavis_ds.common.modes import eval_mode
 from lavis_ds.common.precision import as_trained
 from lavis_ds.datasets.instruction import DEFAULT_MAX_FRAMES
+from lavis_ds.runners.lmms_eval.failures import EvaluationFailed, agree_on_evaluation, what_failed
 from lavis_ds.runners.lmms_eval.requests import (Request, batch_of, cut_at, generate_kwargs, stop_strings)
 from lavis_ds.runners.lmms_eval.scoring import ContinuationScorer, check_complete, scoring_problem
 
 # What lavis_ds generates with when neither the caller nor the task says otherwise (the demo's run.generate).
 DEFAULT_GENERATION = {"max_new_tokens": 30, "num_beams": 1}
+CLI = "lmms-eval --model lavis_ds"  # who reports a failure the ranks agree on after each request method
+
+
+def _agreed(method: Callable) -> Callable:
+    """``method`` (a request method lmms-eval calls), ended by the ranks' agreement on whether it failed on any of
+    them where the model was made with ``agree_per_call`` (:meth:`LavisDsLmms._agreed_call`)."""
+    @functools.wraps(method)
+    def call(self: "LavisDsLmms", requests):
+        if not self.agree_per_call:
+            return method(self, requests)
+        return self._agreed_call(partial(method, self), requests)
+    return call
 
 
 class LavisDsLmms(lmms):
@@ -58,13 +72,19 @@ class LavisDsLmms(lmms):
             answered blank and its failure kept in ``failure`` instead of raised, so that this rank still joins every
             round and gather the others run; the caller raises it once lmms-eval is done (the ``lmms_eval`` hook,
             where the ranks then agree on it). False: raised at once.
+        agree_per_call: For lmms-eval's own command line on several processes, after whose evaluation nobody calls
+            lavis_ds: each request method (``generate_until``, ``loglikelihood``, ...) holds this rank's failures
+            while it runs, then the ranks agree on whether it failed on any (one collective); if so every rank
+            raises, so that lmms-eval stops the evaluation on every rank rather than scoring blank answers or
+            leaving the others waiting in its next gather. False (the ``lmms_eval`` hook, ``lavis-ds eval``): the
+            caller agrees once lmms-eval is done.
     """
 
     is_simple = True
 
     def __init__(self, model: torch.nn.Module, image_processor: Callable, text_processor: Callable | None = None, *,
                  engine: Any = None, batch_size: int = 1, generation: dict[str, Any] | None = None,
-                 max_frames: int = DEFAULT_MAX_FRAMES, hold_failures: bool = False):
+                 max_frames: int = DEFAULT_MAX_FRAMES, hold_failures: bool = False, agree_per_call: bool = False):
         super().__init__()
         if int(batch_size) < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size!r}")
@@ -74,7 +94,7 @@ class LavisDsLmms(lmms):
         self.generation = {**DEFAULT_GENERATION, **(generation or {})}
         self._rank, self._world_size = dist.rank(), dist.world_size()
         self._joining: tuple[dict, dict] | None = None  # the batch a round without requests of this rank reruns
-        self.hold_failures = hold_failures
+        self.hold_failures, self.agree_per_call = hold_failures or agree_per_call, agree_per_call
         self.failure: LavisDsError | None = None  # the first failure held (hold_failures), naming the request
 
     # ------------------------------------------------------------------ what lmms-eval reads
@@ -95,6 +115,7 @@ class LavisDsLmms(lmms):
         caller's (the trainer evaluates it again later)."""
 
     # ------------------------------------------------------------------ requests
+    @_agreed
     def generate_until(self, requests) -> list[str]:
         texts = []
         for batch_requests in self._batches(requests, self._request, with_settings=True):
@@ -109,6 +130,7 @@ class LavisDsLmms(lmms):
                          for text, request in zip(answers, batch_requests, strict=True))
         return texts
 
+    @_agreed
     def loglikelihood(self, requests) -> list[GenerationResult]:
         """Per request, ``GenerationResult(text=(the continuation's loss, whether greedy decoding gives it))``.
 
@@ -117,9 +139,9 @@ class LavisDsLmms(lmms):
         lowest value (``np.argmin`` in api/task.py, "we return the actual loss"), not the highest log-likelihood.
         """
         problem = scoring_problem(self.lavis_model)
-        if problem is not None and requests:
-            task = requests[0].args[4]
-            raise InputError(f"task {task!r} asks for log-likelihoods (a multiple-choice task); {problem}")
+        if problem is not None:  # on every rank, one without requests too: the ranks then agree alike
+            task = repr(requests[0].args[4]) if requests else "this evaluation's"
+            raise InputError(f"task {task} asks for log-likelihoods (a multiple-choice task); {problem}")
         results = []
         for batch_requests in self._batches(requests, self._request, with_settings=False):
             if batch_requests is None:
@@ -137,9 +159,35 @@ class LavisDsLmms(lmms):
                            for logp, tokens, greedy in zip(scores["logp"], scores["tokens"], scores["greedy"]))
         return results
 
+    @_agreed
     def generate_until_multi_round(self, requests) -> list[str]:
         raise InputError("lavis_ds answers single-round tasks (generate_until, loglikelihood); a multi-round task "
                          "needs generate_until_multi_round, which the lavis_ds model does not implement")
+
+    def _agreed_call(self, answer: Callable[[list], list], requests) -> list:
+        """Collective: ``answer(requests)`` with this rank's failures held, then the ranks' agreement on whether it
+        failed on any (``failures.agree_on_evaluation``): every rank raises if so, the failing rank its own line
+        naming the task, the document and the rank, the others ``faults.PeerFailed`` with it.
+
+        The agreement is aligned: lmms-eval 0.7.3's ``evaluate`` (evaluator.py) gathers every rank's request types
+        and calls each type's method once on every rank, in the same order, a rank without requests of a type with
+        an empty list, and pads the ranks' lists to equal length with copies of their last request. Inside a call the
+        only collective is ``_batches``' count of rounds, made before any request runs (what can fail before it,
+        the scoring check and a multi-round task, fails alike on every rank), and the model ``--model_args`` loads
+        is whole on each rank (no engine: its forwards are no collectives), so a rank that raises after it meets
+        the others here once they finish their rounds. Not aligned, as for ``_batches``' count: lmms-eval's
+        ``--use_cache`` (a rank whose requests are all cached skips the call) and agentic tasks (one call per step).
+        """
+        answers, failure = None, None
+        try:
+            answers = answer(requests)
+        except Exception as e:  # told to every rank by the agreement, rather than leaving them in lmms-eval's gather
+            failure = e
+        failure, self.failure = self.failure or failure, None  # the first held one came first
+        tasks = sorted({instance.args[4] for instance in requests}) or ["(none on this rank)"]
+        agree_on_evaluation(None if failure is None else EvaluationFailed(
+            f"{CLI}: {what_failed(failure, tasks)}", getattr(failure, "exit_code", 1)), train_on=False)
+        return answers
 
     # ------------------------------------------------------------------ running the model
     def _request(self, instance, with_settings: bool) -> Request:
