@@ -19,7 +19,8 @@ evaluating 2 documents per task twice, two in-process `lavis-ds eval` runs on a 
 once the suite's process server is up (starting it adds some 15 s to whichever run is first). An evaluation that
 fails on one rank at step 1 (a task's scoring on rank 0, a document's image on rank 1): three 2-process runs of one
 or two steps, stopped there (`on_error: stop`) or training on (`continue`), 5-7 s each; `lavis-ds eval` on 2
-processes on the FSDP2 run's checkpoint with either failure, 3-4 s each.
+processes on the FSDP2 run's checkpoint with either failure, 3-4 s each, and lmms-eval's own command line there with
+the image failure, 4-5 s.
 """
 from __future__ import annotations
 
