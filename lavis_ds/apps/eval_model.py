@@ -59,7 +59,7 @@ class PretrainedLavisDsLmms(LavisDsLmms):
         if unknown or "pretrained" not in args:
             problem = f"unknown {', '.join(unknown)}" if unknown else "pretrained=PATH is missing"
             raise InputError(f"--model_args for {MODEL_NAME}: {problem}; it takes {', '.join(MODEL_ARGS)}")
-        return cls.from_pretrained(**args, agree_per_call=int(os.environ.get("WORLD_SIZE", 1)) > 1)
+        return cls.from_pretrained(**args, agree_per_call=int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
 def manifest():

@@ -8,10 +8,11 @@ and ``lavis-ds eval`` on several processes catch a failure on the rank it happen
 once, in one collective (:func:`agree_on_evaluation`); a rank 0 that failed while scoring first meets the barrier
 the others wait at (:func:`meet_closing_barrier`), and a rank that cannot prepare one of its requests holds that
 failure until lmms-eval is done (``LavisDsLmms``'s ``hold_failures``), joining the others' forwards and gathers
-meanwhile. A
-failure inside a forward on one rank (a sharded forward is itself a collective), or inside lmms-eval's
-per-document scoring on one rank before its gathers, is not recovered: that rank raises, as any rank failing
-inside a collective does.
+meanwhile. Under lmms-eval's own command line, which catches an evaluation's error on each rank and calls no
+lavis_ds after it, the ranks agree at the end of each request method instead (``LavisDsLmms``'s
+``agree_per_call``). A failure inside a forward on one rank (a sharded forward is itself a collective), or inside
+lmms-eval's per-document scoring on one rank before its gathers, is not recovered: that rank raises, as any rank
+failing inside a collective does.
 
 No lmms-eval import here: a failure is read from its traceback.
 """

@@ -8,9 +8,8 @@ lmms-eval is installed (``require_lmms_eval`` says how to install it).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
-from functools import partial
+from functools import partial, wraps
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,8 +34,8 @@ CLI = "lmms-eval --model lavis_ds"  # who reports a failure the ranks agree on a
 def _agreed(method: Callable) -> Callable:
     """``method`` (a request method lmms-eval calls), ended by the ranks' agreement on whether it failed on any of
     them where the model was made with ``agree_per_call`` (:meth:`LavisDsLmms._agreed_call`)."""
-    @functools.wraps(method)
-    def call(self: "LavisDsLmms", requests):
+    @wraps(method)
+    def call(self: LavisDsLmms, requests):
         if not self.agree_per_call:
             return method(self, requests)
         return self._agreed_call(partial(method, self), requests)
