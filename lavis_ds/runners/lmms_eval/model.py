@@ -139,8 +139,8 @@ class LavisDsLmms(lmms):
         """
         problem = scoring_problem(self.lavis_model)
         if problem is not None:  # on every rank, one without requests too: the ranks then agree alike
-            task = repr(requests[0].args[4]) if requests else "this evaluation's"
-            raise InputError(f"task {task} asks for log-likelihoods (a multiple-choice task); {problem}")
+            task = f"task {requests[0].args[4]!r}" if requests else "a task of this evaluation"
+            raise InputError(f"{task} asks for log-likelihoods (a multiple-choice task); {problem}")
         results = []
         for batch_requests in self._batches(requests, self._request, with_settings=False):
             if batch_requests is None:
