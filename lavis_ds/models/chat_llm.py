@@ -25,7 +25,7 @@ from lavis_ds.models.llm import (CHATML_TOKENS, add_lora, base_llm, build_llm, l
                                  merge_llm, num_token_ids, prepare_tokenizer, train_token_rows)
 from lavis_ds.models.llm_families import decoder_layers, position_provider, transformers_config
 from lavis_ds.models.lm_loss import head_loss_supported
-from lavis_ds.models.prompt import ChatPrompt, PromptLayout
+from lavis_ds.models.prompt import PromptLayout
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,8 @@ class ChatLLM:
         if llm_grad_checkpoint:
             _checkpoint_layers(model)
         self.config = model.config  # the LLM's transformers config (hidden_size, vocab_size, max_position_embeddings)
-        self.prompt = ChatPrompt(self.tokenizer, system_prompt, image_token, tokens_per_image, max_txt_len,
-                                 chat_template_kwargs or {}, record_system_prompt=record_system_prompt,
-                                 image_span=layout.image_span, video_token=layout.video_token,
-                                 video_frame_groups=layout.video_frame_groups)
+        self.prompt = layout.chat_prompt(self.tokenizer, system_prompt, image_token, tokens_per_image, max_txt_len,
+                                         chat_template_kwargs, record_system_prompt)
         self.end_of_turn_id = self.prompt.end_of_turn_id  # <|im_end|>, <|eot_id|>, <end_of_turn>, ...
         self.positions = position_provider(self.config)  # 1-D, or M-RoPE for a Qwen-VL text model
         self.pad_id = self.tokenizer.pad_token_id  # prepare_tokenizer guarantees one

@@ -128,6 +128,15 @@ class PromptLayout:
     video_token: str | None = None  # a video's own placeholder token; None: a video's placeholders are images'
     video_frame_groups: int | None = None  # frames per timed frame group (Qwen3-VL); None: a video is one run
 
+    def chat_prompt(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None, image_token: str,
+                    tokens_per_image: int | None, max_len: int, template_variables: Mapping[str, Any] | None,
+                    record_system_prompt: str = "use") -> "ChatPrompt":
+        """The ``ChatPrompt`` of a model section's prompt keys laid out as this architecture's template writes them:
+        what the built model's LLM part and the config side (``models.settings``) both make."""
+        return ChatPrompt(tokenizer, system_prompt, image_token, tokens_per_image, max_len, template_variables or {},
+                          record_system_prompt=record_system_prompt, image_span=self.image_span,
+                          video_token=self.video_token, video_frame_groups=self.video_frame_groups)
+
 
 @dataclass(frozen=True)
 class ChatPrompt:

@@ -54,11 +54,9 @@ class VisionLLMSettings(ModelSettings):
         args = self.arguments()
         tokenizer, _ = prepare_tokenizer(args["tokenizer"] or args["llm_model"], args["image_token"],
                                          self.PROMPT_LAYOUT.prompt_tokens)
-        return ChatPrompt(tokenizer, args["system_prompt"], args["image_token"], self.tokens_per_image(),
-                          args["max_txt_len"], args["chat_template_kwargs"] or {},
-                          record_system_prompt=args["record_system_prompt"], image_span=self.PROMPT_LAYOUT.image_span,
-                          video_token=self.PROMPT_LAYOUT.video_token,
-                          video_frame_groups=self.PROMPT_LAYOUT.video_frame_groups)
+        return self.PROMPT_LAYOUT.chat_prompt(tokenizer, args["system_prompt"], args["image_token"],
+                                              self.tokens_per_image(), args["max_txt_len"],
+                                              args["chat_template_kwargs"], args["record_system_prompt"])
 
     @classmethod
     def merged_llm_settings(cls, folder: str) -> dict[str, Any]:
