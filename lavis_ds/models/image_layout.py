@@ -1,7 +1,8 @@
 """How an architecture's images become LLM tokens on the host: each image's token count, the visuals its LLM
 family's position provider numbers, the blank image an image-free batch runs the image path on.
 
-The model holds one (``model.images``), made from its tower and connector. ``ImageLayout`` is every architecture's
+The model's image path holds one (``model.image_path.layout``, its ``LAYOUT``), made from the tower and the connector's
+tokens per image. ``ImageLayout`` is every architecture's
 whose images take a fixed count (a Q-Former's queries, a projector's patch tokens), numbered as text is; an image
 path whose count depends on the image's size, or whose tokens lie on a grid, is a subclass
 (``lavis_ds.models.qwen_vl``: a Qwen-VL tower's grid of merged tokens). The counts are the one count the prompt's

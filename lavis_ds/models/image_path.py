@@ -17,7 +17,7 @@ from torch import nn
 from lavis_ds.models.chat_llm import ChatLLM
 from lavis_ds.models.flops import FlopModel, Flops, compose
 from lavis_ds.models.image_layout import ImageLayout
-from lavis_ds.models.image_tokens import batch_images, flat_features
+from lavis_ds.models.image_tokens import batch_images, flat_features, images_per_sample
 from lavis_ds.models.prompt import image_counts
 from lavis_ds.models.vision_llm_batch import packed_image_order
 
@@ -87,9 +87,7 @@ class ImagePath:
         embedding = self.llm.model.get_input_embeddings().weight
         if image is not None and batch_images(view):
             counts = self.layout.counts(view)
-            nums = [int(n) for n in view.get("num_images") or ()]
-            images_per_sample = nums if sum(nums) == len(counts) else [len(counts)]
-            return flat_features(self.encode(image, view), counts, images_per_sample,
+            return flat_features(self.encode(image, view), counts, images_per_sample(view, counts),
                                  f"{self.layout.owner}'s image path").to(embedding.dtype)
         device = embedding.device if image is None else image.device
         if not dummy:

@@ -68,6 +68,14 @@ def per_sample(values: Sequence[int], images_per_sample: Sequence[int]) -> list[
     return out
 
 
+def images_per_sample(samples: dict[str, Any], counts: Sequence[int]) -> list[int]:
+    """Images per sample for naming a sample in a message: the batch's ``num_images`` where they add up to the
+    images ``counts`` holds, else all of them as one sample (the counts are not the samples': a preference pair's
+    sides share the pair's images)."""
+    nums = [int(n) for n in samples.get("num_images") or ()]
+    return nums if sum(nums) == len(counts) else [len(counts)]
+
+
 def image_rows(samples: dict[str, Any]) -> list[int]:
     """Rows of ``image`` each image takes: its t*h*w patches with a grid, else one (an ``[N, 3, H, W]`` tensor)."""
     grid = samples.get(GRID_KEY)

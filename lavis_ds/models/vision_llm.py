@@ -13,8 +13,8 @@ placeholders, each a part the model holds, built from its config section::
 - ``image_path`` (``lavis_ds.models.image_path.ImagePath``, or the class the architecture names in
   ``IMAGE_PATH``): ``connector(vision_tower(images), inputs)``, a batch's features and their splice into the LLM's
   embeddings, the blocks a sharding engine gathers, the FLOPs;
-- ``image_path.layout`` (``lavis_ds.models.image_layout``, the image path's ``LAYOUT``): each image's token count (the one
-  count the prompt's placeholders and the splice both follow), the visuals M-RoPE numbers, the blank image;
+- ``image_path.layout`` (``lavis_ds.models.image_layout``, the image path's ``LAYOUT``): each image's token count
+  (the one count the prompt's placeholders and the splice both follow), the visuals M-RoPE numbers, the blank image;
 - ``batch`` (``lavis_ds.models.vision_llm_batch.HostBatch``): what ``prepare_batch`` does on the host.
 
 It computes the loss, the answers' log-probabilities and generation itself. A registered architecture (``llava``,
@@ -44,7 +44,8 @@ from lavis_ds.models.base import BaseModel
 from lavis_ds.models.chat_llm import ChatLLM
 from lavis_ds.models.flops import FlopModel
 from lavis_ds.models.image_path import ImagePath
-from lavis_ds.models.image_tokens import batch_images, check_feature_rows, per_sample, select_images
+from lavis_ds.models.image_tokens import (batch_images, check_feature_rows, images_per_sample, per_sample,
+                                         select_images)
 from lavis_ds.models.linear_attention import boundary_kwargs
 from lavis_ds.models.llm import base_llm
 from lavis_ds.models.llm_families import llm_text_config
@@ -53,7 +54,7 @@ from lavis_ds.models.parts import build_part
 from lavis_ds.models.prompt import IGNORE_INDEX, image_counts, pad_batch, pad_positions
 from lavis_ds.models.published import load_published
 from lavis_ds.models.settings.base import model_settings
-from lavis_ds.models.settings.composed import ComposedSettings, check_layouts, given_part_sections
+from lavis_ds.models.settings.composed import ComposedSettings, check_layouts, given_part_sections, tokens_per_image
 from lavis_ds.models.vision_llm_batch import HostBatch, packed_image_order, sample_of_positions
 
 logger = logging.getLogger(__name__)
@@ -158,10 +159,9 @@ class VisionLLM(BaseModel):
         width = llm_text_config(llm_model, llm_config).hidden_size  # what the connector projects to
         part = build_part(connectors, connector_section, "model.connector", vision_width=tower.num_features,
                           llm_width=width)
-        # A flat-feature tower has no count per image: the layout's tokens_for_image says it per image size.
-        tokens_per_image = None if tower.num_tokens is None else part.tokens_per_image(tower.num_tokens)
+        image_tokens = tokens_per_image(tower, part)  # None: each image's count follows its size
         self.llm = ChatLLM(  # the prompt's layout is the architecture's
-            tokens_per_image=tokens_per_image, layout=self.SETTINGS.PROMPT_LAYOUT, random_state=llm_random_state,
+            tokens_per_image=image_tokens, layout=self.SETTINGS.PROMPT_LAYOUT, random_state=llm_random_state,
             llm_model=llm_model, llm_config=llm_config,
             llm_precision=llm_precision, tokenizer=tokenizer, freeze_llm=freeze_llm,
             llm_grad_checkpoint=llm_grad_checkpoint, get_lora=get_lora, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -177,7 +177,7 @@ class VisionLLM(BaseModel):
         self.vision_tower = tower
         self.llm_model = self.llm.model
         self.connector = part
-        self.image_path = self.IMAGE_PATH(tower, part, tokens_per_image, self.llm, type(self).__name__)
+        self.image_path = self.IMAGE_PATH(tower, part, image_tokens, self.llm, type(self).__name__)
         self.batch = HostBatch(self.llm, self.image_path.layout, self.image_path.host_inputs)
         if self.llm.eval_only:  # frozen by the LLM part already (its trainable token rows keep their gradient)
             self._eval_only = self._eval_only | {"llm_model"}
@@ -241,9 +241,7 @@ class VisionLLM(BaseModel):
         has_images = batch_images(samples) > 0
         if has_images:  # the placeholders prepare_batch reserved, against the rows given (host integers: no sync)
             counts = samples.get("image_tokens") or self.image_path.layout.counts(samples)
-            # Named per sample where the counts are the samples' (a preference pair's sides share the pair's images).
-            nums = [int(n) for n in samples.get("num_images") or ()]
-            check_feature_rows(features.shape[0], counts, nums if sum(nums) == len(counts) else [len(counts)],
+            check_feature_rows(features.shape[0], counts, images_per_sample(samples, counts),
                                "the image features given")
         inputs_embeds, more = self.image_path.splice(input_ids, features if has_images else features[:0])
         layout.update(more)

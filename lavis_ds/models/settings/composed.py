@@ -13,6 +13,7 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from lavis_ds.common.registry import Registry, connectors, vision_towers
 from lavis_ds.common.schema import check_section, fields_of
@@ -208,6 +209,12 @@ def check_layouts(flat_features: bool, tower: Mapping[str, Any], connector: Mapp
                             f"{', '.join(flat)}")
 
 
+def tokens_per_image(tower: nn.Module, connector: nn.Module) -> int | None:
+    """LLM tokens per image the connector makes of the tower's; None for a flat-feature tower, which has no count
+    per image (its layout's ``tokens_for_image`` says it per image size)."""
+    return None if tower.num_tokens is None else connector.tokens_per_image(tower.num_tokens)
+
+
 def structure_on_meta(tower_section: Mapping[str, Any], connector_section: Mapping[str, Any]) -> tuple[Any, Any]:
     """The tower and the connector of two part sections, built on the meta device as the build makes them (its
     presets and defaults filled in; a published tower folder's config.json is read, connector files are not: the
@@ -233,5 +240,4 @@ def _geometry(tower_json: str, connector_json: str, flat_features: bool) -> Geom
     tower_section, connector_section = json.loads(tower_json), json.loads(connector_json)
     check_layouts(flat_features, tower_section, connector_section)
     tower, connector = structure_on_meta(tower_section, connector_section)
-    tokens = None if tower.num_tokens is None else connector.tokens_per_image(tower.num_tokens)
-    return Geometry(tower.image_size, tokens, tower.processing)
+    return Geometry(tower.image_size, tokens_per_image(tower, connector), tower.processing)
