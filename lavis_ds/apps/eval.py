@@ -54,6 +54,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from lmms_eval.utils import get_datetime_str, make_table
 
     from lavis_ds.apps.eval_model import MODEL_NAME, PretrainedLavisDsLmms
+    from lavis_ds.common import dist
+    from lavis_ds.runners.lmms_eval.failures import cause_of, what_failed
     from lavis_ds.runners.lmms_eval.tasks import check_datasets_on_disk, check_task_names, task_manager
 
     if args.log_samples and not args.output_path:
@@ -68,10 +70,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                                       batch_size=args.batch_size, hold_failures=_processes() > 1)
         return tasks, manager, model
 
-    tasks, manager, model = _prepared_on_every_rank(prepare)
+    # Agreed before any rank enters lmms-eval: a rank that cannot read the model folder or a task's documents (a path
+    # one node lacks) would leave the others waiting in lmms-eval's first collective.
+    tasks, manager, model = _on_every_rank(
+        prepare, lambda e: f"preparing the evaluation failed on rank {dist.rank()}: {cause_of(e)}")
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     datetime_str = get_datetime_str()  # names the result files, as lmms-eval's CLI names them
-    results = _on_every_rank(lambda: _simple_evaluate(args, model, tasks, manager, datetime_str, tracker), tasks)
+    results = _on_every_rank(lambda: _simple_evaluate(args, model, tasks, manager, datetime_str, tracker),
+                             lambda e: what_failed(e, tasks))
     if results is None:  # a rank other than 0: lmms-eval gathers the results on rank 0
         return {}
     samples = results.pop("samples", None)
@@ -111,37 +117,19 @@ def _simple_evaluate(args: argparse.Namespace, model, tasks: list[str], manager,
     return results
 
 
-def _prepared_on_every_rank(prepare: Callable[[], Any]) -> Any:
-    """``prepare()`` (the tasks and the model); on several processes the ranks then agree on whether it failed on
-    any before one of them enters lmms-eval: a rank that cannot read the model folder or a task's documents (a path
-    one node lacks) would leave the others waiting in lmms-eval's first collective. The rank it failed on reports
-    it; every rank exits with its code."""
+def _on_every_rank(work: Callable[[], Any], line_of: Callable[[Exception], str]) -> Any:
+    """``work()``; on several processes the ranks then agree on whether it failed on any, as the ``lmms_eval`` hook
+    does (``lmms_eval.failures``): a rank that fails alone (rank 0 while lmms-eval scores, a rank that cannot load the
+    model or prepare a request) would leave the others waiting in a collective until the NCCL timeout. A failure
+    anywhere raises on every rank; the rank it happened on reports ``lavis-ds eval: <line_of(error)>``, the others
+    exit with its code silently."""
     if _processes() < 2:
-        return prepare()
-    from lavis_ds.common import dist
-    from lavis_ds.runners.lmms_eval.failures import EvaluationFailed, cause_of, evaluated_together
+        return work()
+    from lavis_ds.runners.lmms_eval.failures import EvaluationFailed, evaluated_together
 
-    def failure_of(error: Exception) -> EvaluationFailed:
-        return EvaluationFailed(f"{PROG}: preparing the evaluation failed on rank {dist.rank()}: {cause_of(error)}",
-                                getattr(error, "exit_code", 1))
-
-    prepared, _ = evaluated_together(prepare, failure_of, train_on=False)
-    return prepared
-
-
-def _on_every_rank(evaluate_here: Callable[[], dict[str, Any] | None], tasks: list[str]) -> dict[str, Any] | None:
-    """``evaluate_here()``; on several processes the ranks then agree on whether it failed on any, as the
-    ``lmms_eval`` hook does (``lmms_eval.failures``): a rank that fails alone (rank 0 while lmms-eval scores, a rank
-    that cannot prepare a request) would leave the others waiting in a collective until the NCCL timeout. A failure
-    anywhere raises on every rank; the rank it happened on reports it, the others exit with its code silently."""
-    if _processes() < 2:
-        return evaluate_here()
-    from lavis_ds.runners.lmms_eval.failures import EvaluationFailed, evaluated_together, what_failed
-
-    results, _ = evaluated_together(
-        evaluate_here, lambda e: EvaluationFailed(f"{PROG}: {what_failed(e, tasks)}", getattr(e, "exit_code", 1)),
-        train_on=False)
-    return results
+    result, _ = evaluated_together(work, lambda e: EvaluationFailed.from_error(f"{PROG}: {line_of(e)}", e),
+                                   train_on=False)
+    return result
 
 
 def _processes() -> int:

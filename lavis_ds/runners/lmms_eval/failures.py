@@ -46,12 +46,17 @@ class EvaluationFailed(LavisDsError):
     def __reduce__(self):  # picklable although __init__ takes more than the message
         return type(self), (str(self), self.exit_code)
 
+    @classmethod
+    def from_error(cls, message: str, error: BaseException) -> "EvaluationFailed":
+        """``message`` (the line every rank's agreement reports) with ``error``'s exit code (1 if it has none)."""
+        return cls(message, getattr(error, "exit_code", 1))
+
 
 def evaluation_failure(error: Exception, tasks: list[str], step: int, train_on: bool) -> EvaluationFailed:
     """``error`` as the one line every rank's agreement reports: the task the traceback names (else the
     evaluation's tasks), the optimizer step, the rank, the cause, and whether the run stops."""
-    return EvaluationFailed(f"run.lmms_eval: {what_failed(error, tasks, f' at optimizer step {step}')}; "
-                            f"{TRAIN_ON if train_on else STOP}", getattr(error, "exit_code", 1))
+    return EvaluationFailed.from_error(f"run.lmms_eval: {what_failed(error, tasks, f' at optimizer step {step}')}; "
+                                       f"{TRAIN_ON if train_on else STOP}", error)
 
 
 def what_failed(error: Exception, tasks: list[str], at: str = "") -> str:

@@ -184,8 +184,8 @@ class LavisDsLmms(lmms):
             failure = e
         failure, self.failure = self.failure or failure, None  # the first held one came first
         tasks = sorted({instance.args[4] for instance in requests}) or ["(none on this rank)"]
-        agree_on_evaluation(None if failure is None else EvaluationFailed(
-            f"{CLI}: {what_failed(failure, tasks)}", getattr(failure, "exit_code", 1)), train_on=False)
+        agree_on_evaluation(None if failure is None else EvaluationFailed.from_error(
+            f"{CLI}: {what_failed(failure, tasks)}", failure), train_on=False)
         return answers
 
     # ------------------------------------------------------------------ running the model
