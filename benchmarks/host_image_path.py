@@ -205,7 +205,8 @@ def stage_rates(args, model, objective, train_set) -> tuple[dict[str, float], li
     fits, plans = [], []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len, model.image_path.layout.tokens_for_image)
+        length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len,
+                                    model.image_path.layout.tokens_for_image)
         fits.append(time.perf_counter() - start)
         start = time.perf_counter()
         TokenBudgetSampler(len(train_set), args.micro, args.max_len, 1, 1, 0, args.seed, length_of, 1)
@@ -260,7 +261,8 @@ def report_loader(args, model, objective, train_set) -> None:
     from lavis_ds.datasets.lengths import counted_by, token_length_of
     from lavis_ds.datasets.samplers import TokenBudgetSampler
 
-    length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len, model.image_path.layout.tokens_for_image)
+    length_of = token_length_of(train_set, counted_by(model.prepare_batch), args.max_len,
+                                model.image_path.layout.tokens_for_image)
     sampler = TokenBudgetSampler(len(train_set), args.micro, args.max_len, 1, 1, 0, args.seed, length_of, 1)
     print(f"\nthe trainer's DataLoader: micro-batches of {args.micro} rows of {args.max_len} tokens (token budget), "
           f"each prepared (packed) in the main process; {args.loader_batches} micro-batches per setting")

@@ -208,7 +208,8 @@ def test_users_connector_under_imports_trains_in_a_tiny_llava(tmp_path, tiny_tok
     cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"imports": ["user_connector"], **cfg}))
     model = build_model(load_config(path, check_files=False).model)
-    assert type(model.connector).__name__ == "AvgPoolMlp" and model.image_path.layout.tokens_per_image == 4  # 16 patches pooled 2x2
+    # 16 patches pooled 2x2
+    assert type(model.connector).__name__ == "AvgPoolMlp" and model.image_path.layout.tokens_per_image == 4
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     samples = batch(model)
     losses = []

@@ -44,9 +44,10 @@ def _short(model: Blip2Qwen, batch: dict) -> int:
 def test_the_prompt_reserves_what_the_models_count_says_and_the_batch_keeps_it(model):
     batch = model.prepare_batch(_batch())
     assert image_sizes(_batch()) == [(64, 64), (64, 64)]
-    assert batch["image_tokens"] == model.image_path.layout.counts(_batch()) == [model.image_path.layout.tokens_per_image] * 2
+    layout = model.image_path.layout
+    assert batch["image_tokens"] == layout.counts(_batch()) == [layout.tokens_per_image] * 2
     placeholders = (batch["input_ids"] == model.llm.prompt.image_token_id).sum(1).tolist()
-    assert placeholders == [model.image_path.layout.tokens_per_image, 0, model.image_path.layout.tokens_per_image]
+    assert placeholders == [layout.tokens_per_image, 0, layout.tokens_per_image]
     features = model.image_features(batch)
     hidden = model.llm.config.hidden_size
     assert features.shape == (2 * model.image_path.layout.tokens_per_image, hidden)  # flat, image by image
@@ -56,7 +57,8 @@ def test_an_image_path_that_disagrees_with_the_count_names_the_sample(model):
     """The splice checks the feature rows against the count the prompt reserved: a part whose arithmetic differs is
     one message, not a masked_scatter error deep in torch."""
     n = model.image_path.layout.tokens_per_image
-    model.image_path.layout.tokens_per_image = n + 1  # the count the prompt reserves; the Q-Former still gives n queries
+    # the count the prompt reserves; the Q-Former still gives n queries
+    model.image_path.layout.tokens_per_image = n + 1
     try:
         with pytest.raises(LavisDsError, match=rf"sample 0 of the batch: image 0 takes {n + 1} placeholder tokens .*"
                                                rf"Blip2Qwen's image path gave {n} feature rows per image"):

@@ -89,7 +89,8 @@ def check_logits_and_generation(model, reference, extra_inputs, generation: bool
     samples = {"image": pixels, "instruction": INSTRUCTIONS}
     with torch.no_grad():
         features = model.image_path.features(pixels, dummy=False, samples=samples)
-        logits = model.llm_model(inputs_embeds=model.image_path.embed(input_ids, features), attention_mask=attention_mask).logits
+        logits = model.llm_model(inputs_embeds=model.image_path.embed(input_ids, features),
+                                 attention_mask=attention_mask).logits
         theirs = reference(pixel_values=pixels, input_ids=input_ids, attention_mask=attention_mask,
                            **extra_inputs(model, samples)).logits
     real = attention_mask.bool()

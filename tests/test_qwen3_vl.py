@@ -190,7 +190,8 @@ def test_a_video_generates_transformers_tokens(pair):
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
         new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
-                              suppress_tokens=ours.llm.prompt.placeholder_ids, **steps)[0, inputs["input_ids"].shape[1]:]
+                              suppress_tokens=ours.llm.prompt.placeholder_ids,
+                              **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 
@@ -226,7 +227,8 @@ def test_generated_tokens_equal_transformers(case, beams, pair):
     answer = ours.generate(sample, **steps)
     with torch.no_grad():
         new = theirs.generate(**inputs, do_sample=False, eos_token_id=ours.llm.stop_token_ids(),
-                              suppress_tokens=[ours.llm.prompt.image_token_id], **steps)[0, inputs["input_ids"].shape[1]:]
+                              suppress_tokens=[ours.llm.prompt.image_token_id],
+                              **steps)[0, inputs["input_ids"].shape[1]:]
     assert answer == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]
 
 

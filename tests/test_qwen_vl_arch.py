@@ -168,8 +168,8 @@ def test_the_hf_export_reloads_under_transformers_alone_and_generates_the_same_t
     ours = processors.get("qwen_vl_image")(**model.vision_tower.processing.processor_keys())
     sample = {"instruction": [["<ImageHere><ImageHere>What is it?"]], "num_images": [2], **ours.sample_fields(pictures)}
     torch.testing.assert_close(inputs["pixel_values"], sample["image"], atol=0, rtol=0)
-    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 2, model.image_path.layout.counts(sample)) == \
-        inputs["input_ids"][0].tolist()
+    counts = model.image_path.layout.counts(sample)
+    assert model.llm.prompt.generation_prompt(sample["instruction"][0], (), 2, counts) == inputs["input_ids"][0].tolist()
     steps = dict(max_new_tokens=6, min_new_tokens=6)
     new = theirs.generate(**inputs, **steps)[0, inputs["input_ids"].shape[1]:]
     assert model.generate(sample, **steps) == [processor.tokenizer.decode(new, skip_special_tokens=True).strip()]

@@ -134,7 +134,8 @@ def test_a_sample_text_and_shape_come_without_reading_an_image(tmp_path, tiny_mo
 
     model = Blip2Qwen.from_config(tiny_model_config)
 
-    for tokens_for_image in (None, model.image_path.layout.tokens_for_image):  # image tokens fitted per image, or counted exactly
+    # image tokens fitted per image, or counted exactly
+    for tokens_for_image in (None, model.image_path.layout.tokens_for_image):
         length_of = token_length_of(dataset, counted_by(model.prepare_batch), 256, tokens_for_image)
         for index in range(3):
             real = int(model.prepare_batch(dataset.collater([dataset[index]]))["attention_mask"].sum())

@@ -56,7 +56,8 @@ def test_it_trains_a_tiny_model_to_prefer_the_chosen_answers(tiny_tokenizer_dir,
     objective.setup(model)
     image = "<Img><ImageHere></Img>"
     torch.manual_seed(1)
-    pairs = {"image": torch.randn(2, 3, model.vision_tower.image_size, model.vision_tower.image_size), "num_images": [1, 1],
+    side = model.vision_tower.image_size
+    pairs = {"image": torch.randn(2, 3, side, side), "num_images": [1, 1],
              "instruction": [[f"{image} What is it?"], [f"{image} What colour is the ball?"]], "output": [[], []],
              "chosen": ["A cat.", "It is red."], "rejected": ["A dog.", "It is blue."], "system": [None, None],
              "index": torch.tensor([0, 1])}

@@ -182,8 +182,8 @@ class ChatSession:
             shown = [i for t in turns for i in t.images] + pending
             num_images = len(shown)
             # Each image's own count (a Qwen-VL model's depends on the image's size).
-            counts = self.model.image_path.layout.counts({"image": torch.stack([self.images[i].tensor for i in shown])}) \
-                if shown else []
+            layout = self.model.image_path.layout
+            counts = layout.counts({"image": torch.stack([self.images[i].tensor for i in shown])}) if shown else []
             length = len(self.model.llm.prompt.generation_prompt(instructions, [t.answer for t in turns], num_images,
                                                              image_tokens=counts, system=self.system))
             if limit is None or length + self.settings.max_new_tokens <= limit:

@@ -6,8 +6,9 @@ prompt's ``<|vision_start|>``/``<|vision_end|>`` span, M-RoPE numbering of each 
 merged token of 32 px (16 px patches). DeepStack: the tower's blocks of ``deepstack_visual_indexes`` are tapped,
 each tap merged by its own DeepStack merger, and the LLM adds the i-th merger's tokens to its hidden states at the
 image positions after decoder layer i (transformers' ``Qwen3VLTextModel`` does, given ``deepstack_visual_embeds``
-and ``visual_pos_masks``, which its image path's ``splice`` passes it with the input embeddings). The connector's output carries
-the merged and DeepStack tokens side by side in the channels, so they follow the batch's image order together.
+and ``visual_pos_masks``, which its image path's ``splice`` passes it with the input embeddings). The connector's
+output carries the merged and DeepStack tokens side by side in the channels, so they follow the batch's image order
+together.
 
 transformers' ``Qwen3VLForConditionalGeneration`` holds the same parts (``model.visual`` with ``merger`` and
 ``deepstack_merger_list``, ``model.language_model``, ``lm_head``); its published folders load with

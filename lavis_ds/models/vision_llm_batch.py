@@ -3,7 +3,8 @@ prepared batch sits: its images in packed order, the sample of each supervised p
 samples truncation would cut into an image (``prepare_batch``'s ``on_image_cut: drop``).
 
 ``HostBatch`` is the part a model holds for it (``model.batch``: its ``prepare_batch``). ``training_examples`` and
-``lay_out`` are the one path from samples to what trains: ``HostBatch.prepare`` calls them, and so does ``lavis_ds.show_sample`` (through ``token_batch``), which shows those very ids.
+``lay_out`` are the one path from samples to what trains: ``HostBatch.prepare`` calls them, and so does
+``lavis_ds.show_sample`` (through ``token_batch``), which shows those very ids.
 """
 from __future__ import annotations
 
@@ -173,8 +174,8 @@ class HostBatch:
     def prepare(self, samples: dict[str, Any], pack_to: int | None = None,
                 on_image_cut: Literal["drop", "refuse"] = "refuse") -> dict[str, Any]:
         """The prompts rendered and tokenized on the host: ``input_ids``, ``attention_mask``, ``labels``, each image's
-        placeholder count ``image_tokens`` added (and the image path's ``host_inputs``). A batch that has ``labels`` is already
-        prepared and returned as given (with the image layout's host fields: a grid as host rows).
+        placeholder count ``image_tokens`` added (and the image path's ``host_inputs``). A batch that has ``labels`` is
+        already prepared and returned as given (with the image layout's host fields: a grid as host rows).
 
         ``pack_to``: lay the samples end to end in rows of at most that many tokens instead of padding each
         (``position_ids``, per-sample lengths and the packed ``order`` added; see ``models.packing``).

@@ -81,8 +81,8 @@ def prepare_pairs(model: torch.nn.Module, pairs: dict[str, Any]) -> dict[str, An
     sides; last answers supervised only, ``last_answer_labels``) and the B pairs' own images, once.
 
     Keys: the sides' (``input_ids``, ``attention_mask``, ``labels``, ``instruction``, ``output``, and the model's
-    image path's ``host_inputs``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and the other
-    keys of ``pairs``, and ``num_pairs``.
+    image path's ``host_inputs``), ``image`` and ``num_images`` of the pairs, ``chosen``, ``rejected``, ``index`` and
+    the other keys of ``pairs``, and ``num_pairs``.
     """
     sides = model.prepare_batch(side_batch(pairs))
     images = 0 if pairs.get("image") is None else pairs["image"].shape[0]
